@@ -1,0 +1,30 @@
+//! The transport-neutral core of idem.
+//!
+//! A transport turns deliveries into [`Envelope`]s; the pipeline ([`process`]) decodes each
+//! one, reads its dedup key, claims the key in an [`InboxStore`] transaction, runs the
+//! [`Handler`] in that same transaction and commits; the resulting [`Outcome`] says whether
+//! to ack, retry or dead-letter. Handlers are found through the [`registry`].
+//!
+//! Nothing here knows RabbitMQ or a particular SQL dialect.
+
+pub mod context;
+pub mod envelope;
+pub mod error;
+pub mod fingerprint;
+pub mod handler;
+pub mod key;
+pub mod outcome;
+pub mod pipeline;
+pub mod registry;
+pub mod store;
+
+pub use context::Context;
+pub use envelope::{Envelope, HeaderValue, Headers};
+pub use error::{BoxError, ErrorClass, HandlerError, StoreError, classify_sqlx};
+pub use fingerprint::Fingerprint;
+pub use handler::{Handler, HandlerResult};
+pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
+pub use outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
+pub use pipeline::process;
+pub use registry::{DispatchError, Registration, RegistryError};
+pub use store::{Claim, ClaimRequest, InboxStore, StoreKind, Stores};

@@ -1,0 +1,186 @@
+//! What became of one delivery; the runtime turns it into ack, retry or dead letter.
+
+use serde::de::DeserializeOwned;
+use std::fmt;
+
+/// The result of handling one delivery.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// First time this key was seen: the handler ran and its writes committed with the inbox
+    /// row. Ack.
+    Processed {
+        /// The dedup key.
+        key: String,
+        /// The handler's result, as stored on the inbox row.
+        output: StoredOutput,
+    },
+    /// The key was processed before with the same payload: nothing ran. Ack.
+    Duplicate {
+        /// The dedup key.
+        key: String,
+        /// The result stored when the key was first processed.
+        output: StoredOutput,
+    },
+    /// The key was processed before with a different payload (the fingerprints differ): the
+    /// producer reused an id. Nothing ran; dead-letter.
+    Conflict {
+        /// The dedup key.
+        key: String,
+    },
+    /// The message can never succeed as it is: dead-letter it with the reason.
+    Rejected(Rejection),
+    /// A transient failure: nothing was committed; retry later.
+    Retry(Transient),
+}
+
+impl Outcome {
+    /// A short, stable label: `processed`, `duplicate`, `conflict`, `rejected`, `retry`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Processed { .. } => "processed",
+            Self::Duplicate { .. } => "duplicate",
+            Self::Conflict { .. } => "conflict",
+            Self::Rejected(_) => "rejected",
+            Self::Retry(_) => "retry",
+        }
+    }
+
+    /// The dedup key, when one was read.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Self::Processed { key, .. } | Self::Duplicate { key, .. } | Self::Conflict { key } => {
+                Some(key)
+            }
+            Self::Rejected(r) => r.key.as_deref(),
+            Self::Retry(t) => t.key.as_deref(),
+        }
+    }
+
+    /// The stored result for processed and duplicate outcomes.
+    pub fn output(&self) -> Option<&StoredOutput> {
+        match self {
+            Self::Processed { output, .. } | Self::Duplicate { output, .. } => Some(output),
+            _ => None,
+        }
+    }
+}
+
+/// A handler's result as JSON text, as stored on the inbox row and replayed to duplicates.
+#[derive(Clone, PartialEq, Eq)]
+pub struct StoredOutput(String);
+
+impl StoredOutput {
+    /// The stored form of `()` and of rows that stored no result.
+    pub fn null() -> Self {
+        Self("null".to_owned())
+    }
+
+    /// Wraps JSON text read from storage.
+    pub fn from_json(json: String) -> Self {
+        Self(json)
+    }
+
+    /// Serializes a handler's result.
+    pub fn encode<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, serde_json::Error> {
+        serde_json::to_string(value).map(Self)
+    }
+
+    /// Decodes the stored result into the handler's result type.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
+        serde_json::from_str(&self.0)
+    }
+
+    /// The JSON text.
+    pub fn as_json(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether the result is JSON `null` (a handler returning `()`); such results are not
+    /// written to the inbox row at all.
+    pub fn is_null(&self) -> bool {
+        self.0 == "null"
+    }
+}
+
+impl fmt::Debug for StoredOutput {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StoredOutput({})", self.0)
+    }
+}
+
+/// Why a message was refused for good.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    /// What kind of refusal.
+    pub reason: RejectReason,
+    /// A human-readable explanation, for the dead-letter headers and the logs.
+    pub message: String,
+    /// The dedup key, when it was read before the refusal.
+    pub key: Option<String>,
+}
+
+impl Rejection {
+    /// A rejection with `reason` and `message`.
+    pub fn new(reason: RejectReason, message: impl Into<String>, key: Option<String>) -> Self {
+        Self {
+            reason,
+            message: message.into(),
+            key,
+        }
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.reason, self.message)
+    }
+}
+
+/// The kinds of permanent refusal, each with a stable code for the `x-idem-reason` header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    /// The body does not decode into the handler's payload type.
+    Decode,
+    /// No usable dedup key.
+    MissingKey,
+    /// The handler returned a permanent error (or one classified as permanent).
+    Handler,
+    /// The handler's result could not be serialized for storage.
+    Output,
+    /// The inbox store failed permanently (for example, a missing table).
+    Store,
+}
+
+impl RejectReason {
+    /// The stable code: `decode`, `missing-key`, `handler`, `output`, `store`.
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::Decode => "decode",
+            Self::MissingKey => "missing-key",
+            Self::Handler => "handler",
+            Self::Output => "output",
+            Self::Store => "store",
+        }
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.code())
+    }
+}
+
+/// A transient failure: nothing was committed, the message should be tried again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transient {
+    /// What failed.
+    pub message: String,
+    /// The dedup key, when it was read before the failure.
+    pub key: Option<String>,
+}
+
+impl fmt::Display for Transient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}

@@ -1,0 +1,145 @@
+//! The handler registry: every `#[idempotent]` function submits a [`Registration`] through
+//! `inventory`, and the runtime finds them here.
+
+use crate::envelope::Envelope;
+use crate::handler::Handler;
+use crate::key::KeySource;
+use crate::outcome::Outcome;
+use crate::pipeline::process;
+use crate::store::{InboxStore, StoreKind, Stores};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+
+/// A boxed, sendable future.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The type-erased entry point of one handler.
+pub type InvokeFn = for<'a> fn(&'a Stores, &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
+
+/// One registered handler.
+#[derive(Debug)]
+pub struct Registration {
+    name: &'static str,
+    consumer: &'static str,
+    queue: Option<&'static str>,
+    key: KeySource,
+    store: StoreKind,
+    invoke: InvokeFn,
+}
+
+inventory::collect!(Registration);
+
+impl Registration {
+    /// The registration of handler `H`; `#[idempotent]` submits one per function.
+    pub const fn of<H: Handler>() -> Self {
+        Self {
+            name: H::NAME,
+            consumer: H::CONSUMER,
+            queue: H::QUEUE,
+            key: H::KEY,
+            store: <H::Store as InboxStore>::KIND,
+            invoke: invoke::<H>,
+        }
+    }
+
+    /// The function's name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The consumer identity scoping its keys.
+    pub fn consumer(&self) -> &'static str {
+        self.consumer
+    }
+
+    /// The queue it consumes, when set.
+    pub fn queue(&self) -> Option<&'static str> {
+        self.queue
+    }
+
+    /// Where its dedup key comes from.
+    pub fn key(&self) -> KeySource {
+        self.key
+    }
+
+    /// Which database its transaction runs on.
+    pub fn store(&self) -> StoreKind {
+        self.store
+    }
+
+    /// Processes one delivery with this handler, using its store from `stores`.
+    pub async fn invoke(&self, stores: &Stores, envelope: &Envelope) -> Result<Outcome, DispatchError> {
+        (self.invoke)(stores, envelope).await
+    }
+}
+
+fn invoke<'a, H: Handler>(stores: &'a Stores, envelope: &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
+    Box::pin(async move {
+        let store = stores.get::<H::Store>().ok_or(DispatchError::MissingStore {
+            consumer: H::CONSUMER,
+            store: <H::Store as InboxStore>::KIND,
+        })?;
+        Ok(process::<H>(store, envelope).await)
+    })
+}
+
+/// A handler could not be run at all.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DispatchError {
+    /// The handler's store was not provided.
+    #[error("handler `{consumer}` writes to a {store} inbox, but no {store} store was provided")]
+    MissingStore {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// The store it needs.
+        store: StoreKind,
+    },
+}
+
+/// The registry is inconsistent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// Two handlers share a consumer identity, so they would share (and suppress each
+    /// other's) dedup keys.
+    #[error(
+        "handlers `{first}` and `{second}` both use consumer = \"{consumer}\"; give each its own `consumer`"
+    )]
+    DuplicateConsumer {
+        /// The shared identity.
+        consumer: &'static str,
+        /// One handler.
+        first: &'static str,
+        /// The other.
+        second: &'static str,
+    },
+}
+
+/// Every registered handler, ordered by consumer identity (link order does not matter).
+pub fn handlers() -> Vec<&'static Registration> {
+    let mut all: Vec<_> = inventory::iter::<Registration>.into_iter().collect();
+    all.sort_by_key(|r| (r.consumer, r.name));
+    all
+}
+
+/// The registered handler with consumer identity `consumer`.
+pub fn find(consumer: &str) -> Option<&'static Registration> {
+    inventory::iter::<Registration>
+        .into_iter()
+        .find(|r| r.consumer == consumer)
+}
+
+/// Checks that no two of `handlers` share a consumer identity.
+pub fn validate(handlers: &[&'static Registration]) -> Result<(), RegistryError> {
+    let mut seen = BTreeMap::new();
+    for r in handlers {
+        if let Some(first) = seen.insert(r.consumer, r.name) {
+            return Err(RegistryError::DuplicateConsumer {
+                consumer: r.consumer,
+                first,
+                second: r.name,
+            });
+        }
+    }
+    Ok(())
+}

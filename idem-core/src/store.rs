@@ -1,0 +1,135 @@
+//! The inbox store contract, and the set of stores a runtime holds.
+
+use crate::error::StoreError;
+use crate::fingerprint::Fingerprint;
+use crate::outcome::StoredOutput;
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+/// The database behind an inbox store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoreKind {
+    /// PostgreSQL.
+    Postgres,
+    /// SQLite, the embedded default.
+    Sqlite,
+    /// MySQL or MariaDB.
+    MySql,
+}
+
+impl fmt::Display for StoreKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Postgres => "Postgres",
+            Self::Sqlite => "Sqlite",
+            Self::MySql => "MySql",
+        })
+    }
+}
+
+/// One claim: "I am about to process `key` for `consumer`".
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    /// The consumer identity scoping the key.
+    pub consumer: &'a str,
+    /// The dedup key.
+    pub key: &'a str,
+    /// The payload's fingerprint.
+    pub fingerprint: &'a Fingerprint,
+    /// The delivery attempt, recorded on the row.
+    pub attempt: u32,
+}
+
+/// What a claim found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Claim {
+    /// The row was inserted in the caller's transaction: the key is new. It becomes visible
+    /// to others only when that transaction commits.
+    Claimed,
+    /// A committed row exists for this key.
+    Existing {
+        /// The fingerprint stored with it.
+        fingerprint: Fingerprint,
+        /// The result stored with it (`None` when the handler's result was `null`).
+        output: Option<StoredOutput>,
+    },
+}
+
+/// An inbox: claims and completes dedup markers inside a transaction the caller also hands to
+/// the user's handler, so that marker and side effects commit together or not at all.
+///
+/// A claim must be insert-first (the database's unique key on `(consumer, key)` decides between
+/// concurrent copies), must not abort the transaction on conflict, and must block behind an
+/// uncommitted claim of the same key until that transaction ends.
+pub trait InboxStore: Send + Sync + 'static {
+    /// The transaction type handed to handlers.
+    type Tx: Send;
+    /// Which database this is.
+    const KIND: StoreKind;
+
+    /// Opens a transaction.
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Inserts the marker for `request`, or reports the committed row that holds its key.
+    fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Stores the handler's result on the marker claimed in this transaction. Not called for
+    /// `null` results.
+    fn complete(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+        output: &StoredOutput,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Commits the transaction.
+    fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls the transaction back. Failures are logged, not returned: a transaction that
+    /// cannot be rolled back is not committed either.
+    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+}
+
+/// The inbox stores available to handlers, one per store type.
+#[derive(Clone, Default)]
+pub struct Stores {
+    stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
+}
+
+impl Stores {
+    /// No stores.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `store`, replacing any store of the same type.
+    pub fn with<S: InboxStore>(mut self, store: S) -> Self {
+        self.insert(store);
+        self
+    }
+
+    /// Adds `store`, replacing any store of the same type.
+    pub fn insert<S: InboxStore>(&mut self, store: S) {
+        self.stores.insert(TypeId::of::<S>(), Arc::new(store));
+    }
+
+    /// The store of type `S`, if one was added.
+    pub fn get<S: InboxStore>(&self) -> Option<&S> {
+        self.stores
+            .get(&TypeId::of::<S>())
+            .and_then(|store| store.downcast_ref::<S>())
+    }
+}
+
+impl fmt::Debug for Stores {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stores").field("count", &self.stores.len()).finish()
+    }
+}
