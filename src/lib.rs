@@ -1,1 +1,77 @@
-//! placeholder
+//! # idem
+//!
+//! RabbitMQ consumers that process every message **effectively exactly once**: at-least-once
+//! delivery from the broker, plus the idempotent consumer (inbox) pattern on the consumer's
+//! side. The dedup marker is written in the same database transaction as the handler's own
+//! writes; a redelivered or duplicated message finds the marker and is skipped.
+//!
+//! ```ignore
+//! #[derive(serde::Deserialize)]
+//! struct OrderPlaced { order_id: String, customer: String, amount_cents: i64 }
+//!
+//! #[idem::idempotent(queue = "orders", key = "order.order_id", store = Postgres)]
+//! async fn place_order(
+//!     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+//!     order: OrderPlaced,
+//! ) -> Result<(), idem::HandlerError> {
+//!     sqlx::query("INSERT INTO orders (order_id, customer, amount_cents) VALUES ($1, $2, $3)")
+//!         .bind(&order.order_id).bind(&order.customer).bind(order.amount_cents)
+//!         .execute(&mut **tx).await?;
+//!     Ok(())
+//! }
+//! ```
+//!
+//! ## `#[idempotent(...)]`
+//! - `store = Postgres | Sqlite` (required): which inbox the handler's transaction belongs to.
+//! - `key = "..."`: the dedup key. `"message_id"` (the default) is the AMQP `message_id`;
+//!   `"header:<name>"` an application header; `"cloudevents"` the CloudEvents `source` and `id`;
+//!   `"<payload>.<field>"` a field of the decoded payload, checked by the compiler.
+//! - `consumer = "..."`: the identity that scopes keys, so two handlers of one message each
+//!   process it once. Defaults to the function's module path and name: **set it explicitly in
+//!   production**, or moving the function to another module starts a fresh key space.
+//! - `queue = "..."`: the queue the runtime consumes for this handler.
+//!
+//! The function must be `async fn name(tx: &mut sqlx::Transaction<'_, DB>, payload: T,
+//! [ctx: &idem::Context<'_>]) -> Result<R, E>` with `T: DeserializeOwned`,
+//! `R: Serialize + DeserializeOwned` and `E: Into<HandlerError>`. It stays callable as written.
+//!
+//! Every annotated function is registered; [`registry::handlers`] lists them and
+//! [`Registration::invoke`] processes one delivery with the inbox stores in [`Stores`].
+//!
+//! ## Features
+//! `postgres` and `sqlite` (both on by default) enable the inbox stores [`sql::PgInbox`] and
+//! [`sql::SqliteInbox`].
+
+pub use idem_core::{
+    BoxError, Claim, ClaimRequest, Context, DispatchError, Envelope, ErrorClass, Fingerprint, Handler,
+    HandlerError, HandlerResult, HeaderValue, Headers, InboxStore, KeyError, KeySource, KeyValue,
+    MAX_KEY_LEN, Outcome, Registration, RegistryError, RejectReason, Rejection, StoreError, StoreKind,
+    StoredOutput, Stores, Transient, classify_sqlx, process,
+};
+pub use idem_core::registry;
+pub use idem_macros::idempotent;
+
+/// The SQL inbox stores.
+pub mod sql {
+    pub use idem_sqlx::*;
+}
+
+/// Support for the code `#[idempotent]` generates. Not a public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use idem_core::{
+        Context, Envelope, Handler, HandlerError, HandlerResult, InboxStore, KeyError, KeySource,
+        Registration, field_key,
+    };
+    pub use inventory;
+
+    /// The store types `store = ...` names.
+    pub mod stores {
+        /// `store = Postgres`.
+        #[cfg(feature = "postgres")]
+        pub type Postgres = idem_sqlx::PgInbox;
+        /// `store = Sqlite`.
+        #[cfg(feature = "sqlite")]
+        pub type Sqlite = idem_sqlx::SqliteInbox;
+    }
+}

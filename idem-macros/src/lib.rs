@@ -1,5 +1,25 @@
-//! placeholder
+//! The `#[idempotent]` attribute of idem. See the `idem` crate for its documentation; this
+//! crate is a thin shell over [`expand`], which holds the testable expansion code.
+
 use proc_macro::TokenStream;
+
+mod args;
+mod expand;
+mod key;
+mod signature;
+
+/// Turns an `async fn` into an idempotent message handler and registers it.
+///
+/// ```ignore
+/// #[idem::idempotent(queue = "orders", key = "order.order_id", store = Postgres)]
+/// async fn place_order(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, order: OrderPlaced)
+///     -> Result<(), idem::HandlerError> { … }
+/// ```
+///
+/// Arguments: `store` (required: `Postgres` or `Sqlite`), `key` (`"message_id"` by default,
+/// `"header:<name>"`, `"cloudevents"` or `"<payload>.<field>"`), `queue`, `consumer` (defaults to
+/// the function's module path and name).
 #[proc_macro_attribute]
-/// x
-pub fn idempotent(_a: TokenStream, i: TokenStream) -> TokenStream { let _ = (syn::parse_macro_input!(i as syn::ItemFn), quote::quote!(), proc_macro2::Span::call_site()); TokenStream::new() }
+pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::idempotent(args.into(), item.into()).into()
+}

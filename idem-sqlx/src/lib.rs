@@ -1,1 +1,104 @@
-//! placeholder
+//! SQL inbox stores for idem, on sqlx.
+//!
+//! One table holds every consumer's dedup markers, keyed `PRIMARY KEY (consumer, key)`, with the
+//! payload fingerprint, status, stored result, attempts and timestamps (`expires_at` indexed
+//! for the retention sweeper). A claim is insert-first in one statement; the database's unique
+//! key decides between concurrent copies of a message.
+//!
+//! - [`PgInbox`]: PostgreSQL (feature `postgres`).
+//! - [`SqliteInbox`]: SQLite, the embedded default (feature `sqlite`); see [`sqlite::pool`] for
+//!   a pool set up as idem needs (WAL, busy timeout).
+
+pub mod config;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};
+#[cfg(feature = "postgres")]
+pub use postgres::PgInbox;
+#[cfg(feature = "sqlite")]
+pub use sqlite::SqliteInbox;
+
+use idem_core::{Fingerprint, StoreError};
+
+/// The current inbox schema version.
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// The table recording which schema version each inbox table has.
+pub const SCHEMA_TABLE: &str = "idem_schema_version";
+
+/// Migrating an inbox table failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// The database refused a statement.
+    #[error("migrating inbox table `{table}` failed: {source}")]
+    Database {
+        /// The inbox table.
+        table: String,
+        /// What the database said.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The table was migrated by a newer idem.
+    #[error(
+        "inbox table `{table}` has schema version {found}, newer than the {SCHEMA_VERSION} this idem knows; upgrade idem"
+    )]
+    TooNew {
+        /// The inbox table.
+        table: String,
+        /// The version found.
+        found: i32,
+    },
+}
+
+impl MigrateError {
+    pub(crate) fn database(table: &TableName) -> impl FnOnce(sqlx::Error) -> Self + '_ {
+        move |source| Self::Database {
+            table: table.as_str().to_owned(),
+            source,
+        }
+    }
+}
+
+/// The migration steps of one dialect: `(version, statements)`, with `{table}` standing for the
+/// inbox table name.
+pub(crate) type Migrations = &'static [(i32, &'static [&'static str])];
+
+/// The statements of `migrations` newer than `current`, with the table name filled in.
+pub(crate) fn pending(
+    migrations: Migrations,
+    table: &TableName,
+    current: i32,
+) -> Result<Vec<sqlx::AssertSqlSafe<String>>, MigrateError> {
+    if current > SCHEMA_VERSION {
+        return Err(MigrateError::TooNew {
+            table: table.as_str().to_owned(),
+            found: current,
+        });
+    }
+    Ok(migrations
+        .iter()
+        .filter(|(version, _)| *version > current)
+        .flat_map(|(_, statements)| statements.iter())
+        // The table name is a validated identifier (see `TableName`), so this text is safe.
+        .map(|statement| sqlx::AssertSqlSafe(statement.replace("{table}", table.as_str())))
+        .collect())
+}
+
+/// Fills the table name into a statement template; see [`pending`] for why this is safe.
+pub(crate) fn statement(template: &str, table: &TableName) -> std::sync::Arc<str> {
+    template.replace("{table}", table.as_str()).into()
+}
+
+/// Decodes a stored fingerprint.
+pub(crate) fn stored_fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
+    Fingerprint::from_slice(bytes).ok_or_else(|| {
+        StoreError::new(
+            "claim",
+            idem_core::ErrorClass::Permanent,
+            format!("stored fingerprint has {} bytes, expected 32", bytes.len()),
+        )
+    })
+}

@@ -1,0 +1,161 @@
+//! The expansion of `#[idempotent]`: the user's function, unchanged, plus a hidden `Handler`
+//! implementation and its registration.
+
+use crate::args::Args;
+use crate::key::KeySpec;
+use crate::signature::{self, HandlerSig};
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{ItemFn, LitStr};
+
+/// Expands the attribute. On any error the function is re-emitted unchanged beside the
+/// errors, so the rest of the crate (and the IDE) still sees it.
+pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
+    let func: ItemFn = match syn::parse2(item.clone()) {
+        Ok(func) => func,
+        Err(e) => {
+            let e = syn::Error::new(e.span(), "#[idempotent] goes on an `async fn` handler");
+            let e = e.to_compile_error();
+            return quote!(#e #item);
+        }
+    };
+    match generate(args, &func) {
+        Ok(tokens) => tokens,
+        Err(e) => {
+            let e = e.to_compile_error();
+            quote!(#func #e)
+        }
+    }
+}
+
+fn generate(args: TokenStream, func: &ItemFn) -> syn::Result<TokenStream> {
+    let args = Args::parse(args);
+    let sig = signature::check(&func.sig, args.as_ref().ok().map(|a| a.store.0));
+    let (args, sig) = match (args, sig) {
+        (Ok(args), Ok(sig)) => (args, sig),
+        (Err(mut a), Err(s)) => {
+            a.combine(s);
+            return Err(a);
+        }
+        (Err(e), _) | (_, Err(e)) => return Err(e),
+    };
+    let key = match &args.key {
+        Some(lit) => KeySpec::parse(lit, sig.payload)?,
+        None => KeySpec::MessageId,
+    };
+    Ok(emit(func, &args, &sig, &key))
+}
+
+fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> TokenStream {
+    let krate = quote!(::idem::__private);
+    let name = sig.name;
+    let name_str = name.to_string();
+    let store = &args.store.1;
+    let payload_ty = sig.payload_ty;
+    let output = sig.output;
+    let consumer = match &args.consumer {
+        Some(lit) => quote!(#lit),
+        None => quote!(::core::concat!(::core::module_path!(), "::", #name_str)),
+    };
+    let queue = match &args.queue {
+        Some(lit) => quote!(::core::option::Option::Some(#lit)),
+        None => quote!(::core::option::Option::None),
+    };
+    let source = key.source(&krate, args.key.as_ref());
+    let extract = key.extract(&krate, sig.payload, args.key.as_ref());
+    let payload_binding = match key {
+        KeySpec::Field(_) => {
+            let payload = sig.payload;
+            let span = args.key.as_ref().map_or_else(|| payload.span(), LitStr::span);
+            let payload = syn::Ident::new(&payload.to_string(), span);
+            quote!(#payload)
+        }
+        _ => quote!(_),
+    };
+    // Spanned at the user's tokens, so type errors point at the parameter or signature at fault.
+    let tx_arg = quote_spanned!(sig.tx_ty.span()=> __idem_tx);
+    let ctx_arg = sig.has_ctx.then(|| quote!(, __idem_ctx));
+    let output_ty = quote_spanned!(output.span()=> <#output as #krate::HandlerResult>::Output);
+    let future = quote_spanned!(func.sig.span()=>
+        async move {
+            #krate::HandlerResult::into_handler_result(#name(#tx_arg, __idem_payload #ctx_arg).await)
+        }
+    );
+
+    quote! {
+        #func
+
+        #[doc(hidden)]
+        const _: () = {
+            struct __IdemHandler;
+
+            impl #krate::Handler for __IdemHandler {
+                type Store = #krate::stores::#store;
+                type Payload = #payload_ty;
+                type Output = #output_ty;
+                const NAME: &'static str = #name_str;
+                const CONSUMER: &'static str = #consumer;
+                const QUEUE: ::core::option::Option<&'static str> = #queue;
+                const KEY: #krate::KeySource = #source;
+
+                fn key(
+                    __idem_envelope: &#krate::Envelope,
+                    #payload_binding: &Self::Payload,
+                ) -> ::core::result::Result<::std::string::String, #krate::KeyError> {
+                    #extract
+                }
+
+                fn call<'__idem>(
+                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx,
+                    __idem_payload: Self::Payload,
+                    __idem_ctx: &'__idem #krate::Context<'__idem>,
+                ) -> impl ::core::future::Future<
+                    Output = ::core::result::Result<Self::Output, #krate::HandlerError>,
+                > + ::core::marker::Send + '__idem {
+                    #future
+                }
+            }
+
+            #krate::inventory::submit! { #krate::Registration::of::<__IdemHandler>() }
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expand(args: TokenStream, item: TokenStream) -> String {
+        idempotent(args, item).to_string()
+    }
+
+    #[test]
+    fn generates_handler_and_registration() {
+        let out = expand(
+            quote!(key = "order.id", store = Postgres, queue = "orders"),
+            quote!(async fn place(tx: &mut Tx, order: Order) -> Result<(), E> { Ok(()) }),
+        );
+        assert!(out.contains("async fn place"), "{out}");
+        assert!(out.contains("impl :: idem :: __private :: Handler for __IdemHandler"), "{out}");
+        assert!(out.contains("field_key (& order . id , Self :: KEY)"), "{out}");
+        assert!(out.contains("module_path"), "{out}");
+        assert!(out.contains("inventory :: submit !"), "{out}");
+    }
+
+    #[test]
+    fn reemits_the_function_on_errors() {
+        let out = expand(quote!(store = Oracle), quote!(fn place(tx: &mut Tx, o: O) -> u8 { 1 }));
+        assert!(out.contains("fn place"), "{out}");
+        assert!(out.contains("unknown store"), "{out}");
+        assert!(out.contains("must be `async fn`"), "{out}");
+        assert!(!out.contains("__IdemHandler"), "{out}");
+    }
+
+    #[test]
+    fn not_a_function() {
+        let out = expand(quote!(store = Postgres), quote!(struct S;));
+        assert!(out.contains("goes on an `async fn`"), "{out}");
+        assert!(out.contains("struct S"), "{out}");
+    }
+}

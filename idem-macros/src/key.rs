@@ -1,0 +1,120 @@
+//! Parsing `key = "..."` into a key source, checked against the handler's parameters.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{format_ident, quote, quote_spanned};
+use syn::{Ident, LitStr};
+
+/// Where the key comes from.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum KeySpec {
+    MessageId,
+    Header(String),
+    CloudEvents,
+    /// `payload.field.sub`: the segments after the payload parameter.
+    Field(Vec<String>),
+}
+
+const FORMS: &str = "`message_id`, `header:<name>`, `cloudevents` or `<payload>.<field>`";
+
+impl KeySpec {
+    /// Parses the key literal; `payload` is the name of the handler's payload parameter.
+    pub(crate) fn parse(lit: &LitStr, payload: &Ident) -> syn::Result<Self> {
+        let text = lit.value();
+        let err = |msg: String| syn::Error::new(lit.span(), msg);
+        match text.as_str() {
+            "message_id" => return Ok(Self::MessageId),
+            "cloudevents" => return Ok(Self::CloudEvents),
+            _ => {}
+        }
+        if let Some(name) = text.strip_prefix("header:") {
+            return if name.is_empty() || name.chars().any(char::is_whitespace) {
+                Err(err(format!("invalid header name {name:?} in `key`; write `header:<name>`, for example `header:x-idempotency-key`")))
+            } else {
+                Ok(Self::Header(name.to_owned()))
+            };
+        }
+        let mut segments = text.split('.');
+        let root = segments.next().unwrap_or_default();
+        if root != payload.to_string() {
+            return Err(err(if is_ident(root) {
+                format!("`{root}` in `key` is not the payload parameter: write `{payload}.<field>`, or use {FORMS}")
+            } else {
+                format!("unknown key source {text:?}; expected {FORMS}")
+            }));
+        }
+        let fields: Vec<String> = segments.map(str::to_owned).collect();
+        if let Some(bad) = fields.iter().find(|f| !is_ident(f) && f.parse::<u32>().is_err()) {
+            return Err(err(format!("invalid field {bad:?} in `key`: expected `{payload}.<field>`")));
+        }
+        Ok(Self::Field(fields))
+    }
+
+    /// The `idem::KeySource` value.
+    pub(crate) fn source(&self, krate: &TokenStream, lit: Option<&LitStr>) -> TokenStream {
+        match self {
+            Self::MessageId => quote!(#krate::KeySource::MessageId),
+            Self::CloudEvents => quote!(#krate::KeySource::CloudEvents),
+            Self::Header(name) => quote!(#krate::KeySource::Header(#name)),
+            Self::Field(_) => {
+                let text = lit.map(LitStr::value).unwrap_or_default();
+                quote!(#krate::KeySource::Field(#text))
+            }
+        }
+    }
+
+    /// The body of the generated `key` function. Field paths become real field accesses,
+    /// spanned at the key literal, so a typo is a compile error pointing at it.
+    pub(crate) fn extract(&self, krate: &TokenStream, payload: &Ident, lit: Option<&LitStr>) -> TokenStream {
+        match self {
+            Self::Field(fields) => {
+                let span = lit.map_or_else(Span::call_site, LitStr::span);
+                let root = Ident::new(&payload.to_string(), span);
+                let path = fields.iter().map(|f| match f.parse::<u32>() {
+                    Ok(index) => {
+                        let index = syn::Index { index, span };
+                        quote_spanned!(span=> .#index)
+                    }
+                    Err(_) => {
+                        let field = format_ident!("{}", f, span = span);
+                        quote_spanned!(span=> .#field)
+                    }
+                });
+                quote_spanned!(span=> #krate::field_key(&#root #(#path)*, Self::KEY))
+            }
+            _ => quote!(Self::KEY.from_envelope(__idem_envelope)),
+        }
+    }
+}
+
+fn is_ident(s: &str) -> bool {
+    syn::parse_str::<Ident>(s).is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proc_macro2::Span;
+
+    fn parse(text: &str) -> syn::Result<KeySpec> {
+        KeySpec::parse(&LitStr::new(text, Span::call_site()), &Ident::new("order", Span::call_site()))
+    }
+
+    #[test]
+    fn key_forms() {
+        assert_eq!(parse("message_id").unwrap(), KeySpec::MessageId);
+        assert_eq!(parse("cloudevents").unwrap(), KeySpec::CloudEvents);
+        assert_eq!(parse("header:x-key").unwrap(), KeySpec::Header("x-key".into()));
+        assert_eq!(parse("order.id").unwrap(), KeySpec::Field(vec!["id".into()]));
+        assert_eq!(parse("order.meta.0").unwrap(), KeySpec::Field(vec!["meta".into(), "0".into()]));
+        assert_eq!(parse("order").unwrap(), KeySpec::Field(vec![]));
+    }
+
+    #[test]
+    fn key_mistakes() {
+        let msg = |t: &str| parse(t).unwrap_err().to_string();
+        assert!(msg("ordr.id").contains("`ordr` in `key` is not the payload parameter"));
+        assert!(msg("header:").contains("invalid header name"));
+        assert!(msg("message-id").contains("unknown key source"));
+        assert!(msg("order.").contains("invalid field"));
+    }
+}

@@ -1,0 +1,184 @@
+//! Checking the annotated function's signature, with a spanned error for each mistake.
+
+use crate::args::Store;
+use syn::spanned::Spanned;
+use syn::{FnArg, GenericArgument, GenericParam, Ident, Pat, PathArguments, ReturnType, Signature, Type};
+
+/// The parts of a valid handler signature the expansion needs.
+pub(crate) struct HandlerSig<'a> {
+    pub(crate) name: &'a Ident,
+    pub(crate) tx_ty: &'a Type,
+    pub(crate) payload: &'a Ident,
+    pub(crate) payload_ty: &'a Type,
+    pub(crate) has_ctx: bool,
+    pub(crate) output: &'a Type,
+}
+
+const SHAPE: &str = "expected `(tx: &mut sqlx::Transaction<'_, DB>, payload: T)`, optionally followed by `ctx: &idem::Context<'_>`";
+
+/// Checks `sig`; `store` is the parsed store, when the arguments parsed.
+pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<HandlerSig<'_>> {
+    let mut errors = Errors::default();
+    if sig.asyncness.is_none() {
+        errors.push(sig.fn_token.span(), "#[idempotent] handlers must be `async fn`");
+    }
+    if let Some(constness) = &sig.constness {
+        errors.push(constness.span(), "#[idempotent] handlers cannot be `const fn`");
+    }
+    if let Some(abi) = &sig.abi {
+        errors.push(abi.span(), "#[idempotent] handlers cannot have an `extern` ABI");
+    }
+    if let Some(variadic) = &sig.variadic {
+        errors.push(variadic.span(), "#[idempotent] handlers cannot be variadic");
+    }
+    if let Some(param) = sig.generics.params.iter().find(|p| !matches!(p, GenericParam::Lifetime(_))) {
+        errors.push(
+            param.span(),
+            "#[idempotent] handlers cannot be generic: the registry needs one concrete handler per function",
+        );
+    }
+    if let Some(clause) = &sig.generics.where_clause {
+        errors.push(clause.span(), "#[idempotent] handlers cannot have a `where` clause");
+    }
+
+    let mut typed = Vec::new();
+    for arg in &sig.inputs {
+        match arg {
+            FnArg::Receiver(r) => errors.push(r.span(), "#[idempotent] handlers are free functions, not methods"),
+            FnArg::Typed(t) => typed.push(t),
+        }
+    }
+    if !(2..=3).contains(&typed.len()) {
+        errors.push(sig.paren_token.span.join(), SHAPE);
+    }
+
+    let tx_ty = typed.first().map(|t| &*t.ty);
+    if let Some(ty) = tx_ty {
+        check_tx(ty, store, &mut errors);
+    }
+
+    let mut payload = None;
+    if let Some(t) = typed.get(1) {
+        match &*t.pat {
+            Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => payload = Some((&p.ident, &*t.ty)),
+            other => errors.push(other.span(), "the payload parameter must be a plain name, such as `order: OrderPlaced`"),
+        }
+        if let Type::Reference(r) = &*t.ty {
+            errors.push(r.span(), "the payload must be an owned type: it is decoded from the message body (serde `DeserializeOwned`)");
+        }
+    }
+
+    if let Some(t) = typed.get(2)
+        && !matches!(&*t.ty, Type::Reference(r) if r.mutability.is_none())
+    {
+        errors.push(t.ty.span(), "the third parameter must be `ctx: &idem::Context<'_>`");
+    }
+
+    let output = match &sig.output {
+        ReturnType::Type(_, ty) if is_result(ty) => Some(&**ty),
+        ReturnType::Type(_, ty) => {
+            errors.push(ty.span(), "#[idempotent] handlers must return `Result<T, E>` with `E: Into<idem::HandlerError>`");
+            None
+        }
+        ReturnType::Default => {
+            errors.push(sig.ident.span(), "#[idempotent] handlers must return `Result<T, E>` with `E: Into<idem::HandlerError>`; add `-> Result<(), idem::HandlerError>`");
+            None
+        }
+    };
+
+    errors.finish()?;
+    match (tx_ty, payload, output) {
+        (Some(tx_ty), Some((payload, payload_ty)), Some(output)) => Ok(HandlerSig {
+            name: &sig.ident,
+            tx_ty,
+            payload,
+            payload_ty,
+            has_ctx: typed.len() == 3,
+            output,
+        }),
+        _ => Err(syn::Error::new(sig.span(), SHAPE)),
+    }
+}
+
+/// The transaction parameter must be `&mut` something; when its last generic argument names a
+/// known database, that database must be the `store`.
+fn check_tx(ty: &Type, store: Option<Store>, errors: &mut Errors) {
+    let Type::Reference(reference) = ty else {
+        errors.push(ty.span(), "the first parameter must be the transaction: `tx: &mut sqlx::Transaction<'_, DB>`");
+        return;
+    };
+    if reference.mutability.is_none() {
+        errors.push(ty.span(), "the transaction must be borrowed mutably: `tx: &mut sqlx::Transaction<'_, DB>`");
+        return;
+    }
+    let (Some(store), Type::Path(path)) = (store, &*reference.elem) else {
+        return;
+    };
+    let Some(PathArguments::AngleBracketed(args)) = path.path.segments.last().map(|s| &s.arguments) else {
+        return;
+    };
+    let Some(GenericArgument::Type(Type::Path(db))) = args.args.iter().last() else {
+        return;
+    };
+    let Some(db_name) = db.path.segments.last().map(|s| s.ident.to_string()) else {
+        return;
+    };
+    let known = ["Postgres", "Sqlite", "MySql"];
+    if known.contains(&db_name.as_str()) && db_name != store.name() {
+        errors.push(
+            db.span(),
+            format!("this transaction is on `{db_name}`, but the handler says `store = {}`; make them match", store.name()),
+        );
+    }
+}
+
+fn is_result(ty: &Type) -> bool {
+    matches!(ty, Type::Path(p) if p.qself.is_none() && p.path.segments.last().is_some_and(|s| s.ident == "Result"))
+}
+
+#[derive(Default)]
+struct Errors(Option<syn::Error>);
+
+impl Errors {
+    fn push(&mut self, span: proc_macro2::Span, message: impl std::fmt::Display) {
+        let error = syn::Error::new(span, message);
+        match self.0.as_mut() {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+
+    fn finish(self) -> syn::Result<()> {
+        self.0.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check_str(src: &str, store: Store) -> Result<(), String> {
+        let f: syn::ItemFn = syn::parse_str(src).unwrap();
+        check(&f.sig, Some(store)).map(drop).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn accepts_handlers() {
+        check_str("async fn h(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, o: O) -> Result<(), E> {}", Store::Postgres).unwrap();
+        check_str("async fn h(tx: &mut Tx, o: O, ctx: &idem::Context<'_>) -> anyhow::Result<u8> {}", Store::Sqlite).unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_signatures() {
+        let err = |src: &str| check_str(src, Store::Postgres).unwrap_err();
+        assert!(err("fn h(tx: &mut T, o: O) -> Result<(), E> {}").contains("must be `async fn`"));
+        assert!(err("async fn h<T>(tx: &mut T, o: O) -> Result<(), E> {}").contains("cannot be generic"));
+        assert!(err("async fn h(tx: &mut T) -> Result<(), E> {}").contains("expected `(tx"));
+        assert!(err("async fn h(tx: &T, o: O) -> Result<(), E> {}").contains("borrowed mutably"));
+        assert!(err("async fn h(tx: &mut Transaction<'_, Sqlite>, o: O) -> Result<(), E> {}").contains("on `Sqlite`"));
+        assert!(err("async fn h(tx: &mut T, o: &O) -> Result<(), E> {}").contains("owned type"));
+        assert!(err("async fn h(tx: &mut T, (a, b): O) -> Result<(), E> {}").contains("plain name"));
+        assert!(err("async fn h(tx: &mut T, o: O) -> u32 {}").contains("must return `Result"));
+        assert!(err("async fn h(tx: &mut T, o: O) {}").contains("must return `Result"));
+    }
+}

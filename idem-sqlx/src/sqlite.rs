@@ -1,0 +1,235 @@
+//! The SQLite inbox, the embedded default.
+//!
+//! Transactions start with `BEGIN IMMEDIATE`, so a claim takes the database's write lock up
+//! front and concurrent claims queue on the busy timeout instead of failing on a lock upgrade.
+//! `SQLITE_BUSY` and `SQLITE_LOCKED` are classified as transient, so a claim that waited too
+//! long is retried, never lost. Timestamps are Unix milliseconds.
+
+use crate::config::{ConfigError, InboxConfig};
+use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending, statement, stored_fingerprint};
+use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The busy timeout [`pool`] sets: how long a claim waits for the write lock before it is
+/// reported as a transient failure.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
+const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+
+const MIGRATIONS: Migrations = &[(
+    1,
+    &[
+        r#"CREATE TABLE IF NOT EXISTS "{table}" (
+            consumer     TEXT    NOT NULL,
+            key          TEXT    NOT NULL,
+            fingerprint  BLOB    NOT NULL,
+            status       TEXT    NOT NULL CHECK (status IN ('in_progress', 'completed', 'failed')),
+            outcome      TEXT,
+            attempts     INTEGER NOT NULL,
+            created_at   INTEGER NOT NULL,
+            completed_at INTEGER,
+            expires_at   INTEGER NOT NULL,
+            PRIMARY KEY (consumer, key)
+        ) WITHOUT ROWID"#,
+        r#"CREATE INDEX IF NOT EXISTS "{table}_expires_at" ON "{table}" (expires_at)"#,
+    ],
+)];
+
+const CLAIM: &str = r#"
+INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
+VALUES (?1, ?2, ?3, 'completed', ?4, {now}, {now}, {now} + ?5 * 1000)
+ON CONFLICT (consumer, key) DO NOTHING"#;
+
+const EXISTING: &str = r#"SELECT fingerprint, outcome FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
+
+const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = ?3 WHERE consumer = ?1 AND key = ?2"#;
+
+const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
+    inbox_table TEXT PRIMARY KEY, version INTEGER NOT NULL, migrated_at INTEGER NOT NULL)";
+const READ_VERSION: &str = "SELECT version FROM idem_schema_version WHERE inbox_table = ?1";
+const WRITE_VERSION: &str = "INSERT INTO idem_schema_version (inbox_table, version, migrated_at)
+    VALUES (?1, ?2, CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER))
+    ON CONFLICT (inbox_table) DO UPDATE SET version = excluded.version, migrated_at = excluded.migrated_at";
+
+/// Opens a SQLite pool set up as idem needs it: the file is created when missing, the journal
+/// is in WAL mode (readers never block the writer) and connections wait up to
+/// [`BUSY_TIMEOUT`] for the write lock. `url` is a `sqlite:` URL or a file path.
+pub async fn pool(url: &str) -> Result<SqlitePool, sqlx::Error> {
+    SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(connect_options(url)?)
+        .await
+}
+
+/// The connect options [`pool`] uses, for callers that build their own pool.
+pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
+    let options = if url.starts_with("sqlite:") {
+        SqliteConnectOptions::from_str(url)?
+    } else {
+        SqliteConnectOptions::new().filename(url)
+    };
+    Ok(options
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(BUSY_TIMEOUT))
+}
+
+/// A SQLite inbox on a [`SqlitePool`].
+#[derive(Debug, Clone)]
+pub struct SqliteInbox {
+    pool: SqlitePool,
+    config: InboxConfig,
+    sql: Arc<Statements>,
+}
+
+#[derive(Debug)]
+struct Statements {
+    claim: Arc<str>,
+    existing: Arc<str>,
+    complete: Arc<str>,
+}
+
+impl SqliteInbox {
+    /// An inbox in table `idem_inbox` with the default retention.
+    pub fn new(pool: SqlitePool) -> Self {
+        Self::with_config(pool, InboxConfig::default())
+    }
+
+    /// An inbox with `config`.
+    pub fn with_config(pool: SqlitePool, config: InboxConfig) -> Self {
+        let sql = Arc::new(Statements {
+            claim: statement(&CLAIM.replace("{now}", NOW_MS), &config.table),
+            existing: statement(EXISTING, &config.table),
+            complete: statement(COMPLETE, &config.table),
+        });
+        Self { pool, config, sql }
+    }
+
+    /// The same inbox in table `name`.
+    pub fn table(self, name: &str) -> Result<Self, ConfigError> {
+        let config = self.config.clone().table(name)?;
+        Ok(Self::with_config(self.pool, config))
+    }
+
+    /// The same inbox keeping rows for `retention`.
+    pub fn retention(self, retention: Duration) -> Result<Self, ConfigError> {
+        let config = self.config.clone().retention(retention)?;
+        Ok(Self::with_config(self.pool, config))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &InboxConfig {
+        &self.config
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Switches the database to WAL mode and creates or upgrades the inbox table, in one
+    /// `BEGIN IMMEDIATE` transaction (so concurrent migrations queue).
+    pub async fn migrate(&self) -> Result<(), MigrateError> {
+        let table = &self.config.table;
+        let err = MigrateError::database;
+        // Persistent for file databases; an in-memory database answers "memory" and stays so.
+        sqlx::query("PRAGMA journal_mode = WAL")
+            .execute(&self.pool)
+            .await
+            .map_err(err(table))?;
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(err(table))?;
+        sqlx::query(VERSION_TABLE).execute(&mut *tx).await.map_err(err(table))?;
+        let current: Option<i32> = sqlx::query_scalar(READ_VERSION)
+            .bind(table.as_str())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(err(table))?;
+        let statements = pending(MIGRATIONS, table, current.unwrap_or(0))?;
+        if statements.is_empty() {
+            return Ok(());
+        }
+        for statement in statements {
+            sqlx::query(statement).execute(&mut *tx).await.map_err(err(table))?;
+        }
+        sqlx::query(WRITE_VERSION)
+            .bind(table.as_str())
+            .bind(SCHEMA_VERSION)
+            .execute(&mut *tx)
+            .await
+            .map_err(err(table))?;
+        tx.commit().await.map_err(err(table))
+    }
+}
+
+impl InboxStore for SqliteInbox {
+    type Tx = Transaction<'static, Sqlite>;
+    const KIND: StoreKind = StoreKind::Sqlite;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| StoreError::sqlx("begin", e))
+    }
+
+    async fn claim(&self, tx: &mut Self::Tx, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        let read = |e| StoreError::sqlx("claim", e);
+        let inserted = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+            .bind(request.consumer)
+            .bind(request.key)
+            .bind(request.fingerprint.as_bytes().as_slice())
+            .bind(i64::from(request.attempt))
+            .bind(self.config.retention_secs())
+            .execute(&mut **tx)
+            .await
+            .map_err(read)?
+            .rows_affected();
+        if inserted == 1 {
+            return Ok(Claim::Claimed);
+        }
+        // The write lock is held since BEGIN IMMEDIATE: the row that blocked the insert is
+        // committed and visible.
+        let row = sqlx::query(AssertSqlSafe(self.sql.existing.clone()))
+            .bind(request.consumer)
+            .bind(request.key)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(read)?;
+        let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(read)?;
+        let output: Option<String> = row.try_get("outcome").map_err(read)?;
+        Ok(Claim::Existing {
+            fingerprint: stored_fingerprint(&fingerprint)?,
+            output: output.map(StoredOutput::from_json),
+        })
+    }
+
+    async fn complete(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+        output: &StoredOutput,
+    ) -> Result<(), StoreError> {
+        sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
+            .bind(request.consumer)
+            .bind(request.key)
+            .bind(output.as_json())
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+            .map_err(|e| StoreError::sqlx("complete", e))
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(|e| StoreError::sqlx("commit", e))
+    }
+
+    async fn rollback(&self, tx: Self::Tx) {
+        if let Err(e) = tx.rollback().await {
+            tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! Shared set-up for the integration tests: real PostgreSQL and SQLite, unique names per run.
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The PostgreSQL the tests use: `DATABASE_URL`, or the development machine's server.
+pub fn postgres_url() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| u.starts_with("postgres"))
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+/// Connects to PostgreSQL with `connections` connections, all opened up front, or fails
+/// saying how to start the server.
+pub async fn postgres(connections: u32) -> sqlx::PgPool {
+    let url = postgres_url();
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(connections)
+        .min_connections(connections)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "PostgreSQL is not reachable at {url}: {e}\n\
+                 start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, \
+                 or point DATABASE_URL at one"
+            )
+        })
+}
+
+/// A SQLite database in a fresh temporary directory, opened as idem sets it up.
+pub async fn sqlite(connections: u32) -> (sqlx::SqlitePool, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let pool = sqlite_at(&dir.path().join("idem.db"), connections).await;
+    (pool, dir)
+}
+
+/// Opens (creating if needed) the SQLite database at `path`.
+pub async fn sqlite_at(path: &std::path::Path, connections: u32) -> sqlx::SqlitePool {
+    let options = idem::sql::sqlite::connect_options(&path.to_string_lossy()).expect("sqlite options");
+    sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(connections)
+        .min_connections(connections)
+        .connect_with(options)
+        .await
+        .expect("open sqlite")
+}
+
+/// A name no other test or run uses.
+pub fn unique(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{prefix}-{}-{nanos}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Polls `condition` until it holds, failing after `deadline` with `what`.
+pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !condition().await {
+        assert!(start.elapsed() < deadline, "timed out after {deadline:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

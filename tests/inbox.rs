@@ -1,0 +1,516 @@
+//! The inbox against real databases: PostgreSQL (at `DATABASE_URL`) and SQLite (a temporary
+//! file). One suite, instantiated once per database.
+
+mod common;
+
+use std::path::Path;
+
+const SCHEMA: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS idem_test_effects (consumer TEXT NOT NULL, key TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS idem_test_balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+];
+
+async fn pg_setup(connections: u32, _: Option<&Path>) -> (sqlx::PgPool, Option<tempfile::TempDir>) {
+    let pool = common::postgres(connections).await;
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
+        .execute(&mut *tx)
+        .await
+        .expect("lock");
+    for statement in SCHEMA {
+        sqlx::query(statement).execute(&mut *tx).await.expect("test schema");
+    }
+    tx.commit().await.expect("commit");
+    (pool, None)
+}
+
+async fn sqlite_setup(connections: u32, path: Option<&Path>) -> (sqlx::SqlitePool, Option<tempfile::TempDir>) {
+    let (pool, dir) = match path {
+        Some(path) => (common::sqlite_at(path, connections).await, None),
+        None => {
+            let (pool, dir) = common::sqlite(connections).await;
+            (pool, Some(dir))
+        }
+    };
+    for statement in SCHEMA {
+        sqlx::query(statement).execute(&pool).await.expect("test schema");
+    }
+    (pool, dir)
+}
+
+/// How many transactions wait on a lock this transaction holds.
+async fn pg_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted
+         AND transactionid = (txid_current() % 4294967296)::text::xid",
+    )
+    .fetch_one(&mut **tx)
+    .await
+    .expect("pg_locks")
+}
+
+/// SQLite waiters queue on the file lock, which nothing shows; carry on at once.
+async fn sqlite_lock_waiters(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> i64 {
+    i64::MAX
+}
+
+macro_rules! inbox_suite {
+    ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident) => {
+        mod $module {
+            use super::common::{unique, wait_until};
+            use idem::{Context, Envelope, HandlerError, Outcome, RejectReason, Stores, idempotent};
+            use serde::{Deserialize, Serialize};
+            use std::collections::{BTreeSet, HashMap, VecDeque};
+            use std::sync::{Arc, Mutex};
+            use std::time::Duration;
+
+            type Tx<'c> = sqlx::Transaction<'c, $db>;
+            type Pool = sqlx::Pool<$db>;
+
+            #[derive(Debug, Deserialize)]
+            struct Order {
+                order_id: String,
+                customer: String,
+                amount_cents: i64,
+            }
+
+            #[derive(Debug, PartialEq, Serialize, Deserialize)]
+            struct Receipt {
+                balance: i64,
+            }
+
+            /// What the `record` handler does after its writes, per key, in order.
+            #[derive(Debug)]
+            enum Step {
+                FailTransient,
+                FailPermanent,
+                AwaitLockWaiters(i64),
+                /// Wait for that many waiters, then fail permanently.
+                AwaitLockWaitersThenFail(i64),
+                SignalAndHang,
+            }
+
+            /// Keys whose handler has written and now hangs.
+            static SIGNALLED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+            static SCRIPTS: Mutex<Option<HashMap<String, VecDeque<Step>>>> = Mutex::new(None);
+
+            fn script(key: &str, steps: Vec<Step>) {
+                SCRIPTS.lock().unwrap().get_or_insert_default().insert(key.to_owned(), steps.into());
+            }
+
+            fn next_step(key: &str) -> Option<Step> {
+                SCRIPTS.lock().unwrap().get_or_insert_default().get_mut(key)?.pop_front()
+            }
+
+            async fn apply(tx: &mut Tx<'_>, consumer: &str, key: &str, customer: &str, cents: i64) -> Result<i64, sqlx::Error> {
+                sqlx::query("INSERT INTO idem_test_effects (consumer, key, amount_cents) VALUES ($1, $2, $3)")
+                    .bind(consumer)
+                    .bind(key)
+                    .bind(cents)
+                    .execute(&mut **tx)
+                    .await?;
+                sqlx::query_scalar(
+                    "INSERT INTO idem_test_balances (customer, cents) VALUES ($1, $2)
+                     ON CONFLICT (customer) DO UPDATE SET cents = idem_test_balances.cents + excluded.cents
+                     RETURNING cents",
+                )
+                .bind(customer)
+                .bind(cents)
+                .fetch_one(&mut **tx)
+                .await
+            }
+
+            async fn await_lock_waiters(tx: &mut Tx<'_>, n: i64) {
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                while super::$lock_waiters(tx).await < n {
+                    assert!(std::time::Instant::now() < deadline, "{n} copies never queued behind the claim");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+
+            /// Records an order (effect row, balance increment), then follows its script.
+            #[idempotent(store = $store, key = "order.order_id")]
+            async fn record(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>) -> Result<Receipt, HandlerError> {
+                let balance = apply(tx, ctx.consumer(), &order.order_id, &order.customer, order.amount_cents).await?;
+                match next_step(&order.order_id) {
+                    None => {}
+                    Some(Step::FailTransient) => return Err(HandlerError::transient("scripted transient failure")),
+                    Some(Step::FailPermanent) => return Err(HandlerError::permanent("scripted permanent failure")),
+                    Some(Step::AwaitLockWaiters(n)) => await_lock_waiters(tx, n).await,
+                    Some(Step::AwaitLockWaitersThenFail(n)) => {
+                        await_lock_waiters(tx, n).await;
+                        return Err(HandlerError::permanent("scripted permanent failure"));
+                    }
+                    Some(Step::SignalAndHang) => {
+                        SIGNALLED.lock().unwrap().insert(order.order_id.clone());
+                        println!("IDEM-WRITTEN");
+                        std::future::pending::<()>().await;
+                    }
+                }
+                Ok(Receipt { balance })
+            }
+
+            /// A second subscriber of the same orders.
+            #[idempotent(store = $store, key = "order.order_id")]
+            async fn audit(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>) -> Result<(), HandlerError> {
+                apply(tx, ctx.consumer(), &order.order_id, &format!("audit-{}", order.customer), order.amount_cents).await?;
+                Ok(())
+            }
+
+            #[idempotent(store = $store)]
+            async fn by_message_id(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>) -> Result<String, HandlerError> {
+                apply(tx, ctx.consumer(), ctx.idempotency_key(), &order.customer, order.amount_cents).await?;
+                Ok(ctx.idempotency_key().to_owned())
+            }
+
+            #[idempotent(store = $store, key = "header:x-idempotency-key")]
+            async fn by_header(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>) -> Result<String, HandlerError> {
+                apply(tx, ctx.consumer(), ctx.idempotency_key(), &order.customer, order.amount_cents).await?;
+                Ok(ctx.idempotency_key().to_owned())
+            }
+
+            #[idempotent(store = $store, key = "cloudevents")]
+            async fn by_cloudevent(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>) -> Result<String, HandlerError> {
+                apply(tx, ctx.consumer(), ctx.idempotency_key(), &order.customer, order.amount_cents).await?;
+                Ok(ctx.idempotency_key().to_owned())
+            }
+
+            struct Fixture {
+                pool: Pool,
+                stores: Stores,
+                _dir: Option<tempfile::TempDir>,
+            }
+
+            async fn fixture(connections: u32) -> Fixture {
+                fixture_at(connections, None).await
+            }
+
+            async fn fixture_at(connections: u32, path: Option<&std::path::Path>) -> Fixture {
+                let (pool, dir) = super::$setup(connections, path).await;
+                let inbox = <$inbox>::new(pool.clone());
+                inbox.migrate().await.expect("migrate");
+                Fixture { pool, stores: Stores::new().with(inbox), _dir: dir }
+            }
+
+            fn consumer(name: &str) -> String {
+                format!("{}::{name}", module_path!())
+            }
+
+            async fn run(f: &Fixture, handler: &str, envelope: &Envelope) -> Outcome {
+                let registration = idem::registry::find(&consumer(handler)).expect("registered handler");
+                registration.invoke(&f.stores, envelope).await.expect("store present")
+            }
+
+            fn order(id: &str, customer: &str, cents: i64) -> Envelope {
+                let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents});
+                Envelope::new(body.to_string()).with_message_id(id)
+            }
+
+            async fn effects(pool: &Pool, handler: &str, key: &str) -> i64 {
+                sqlx::query_scalar("SELECT count(*) FROM idem_test_effects WHERE consumer = $1 AND key = $2")
+                    .bind(consumer(handler))
+                    .bind(key)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap()
+            }
+
+            async fn balance(pool: &Pool, customer: &str) -> Option<i64> {
+                sqlx::query_scalar("SELECT cents FROM idem_test_balances WHERE customer = $1")
+                    .bind(customer)
+                    .fetch_optional(pool)
+                    .await
+                    .unwrap()
+            }
+
+            async fn inbox_rows(pool: &Pool, handler: &str, key: &str) -> i64 {
+                sqlx::query_scalar("SELECT count(*) FROM idem_inbox WHERE consumer = $1 AND key = $2")
+                    .bind(consumer(handler))
+                    .bind(key)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap()
+            }
+
+            #[tokio::test]
+            async fn same_message_twice_has_one_effect_and_replays_the_outcome() {
+                let f = fixture(2).await;
+                let (id, customer) = (unique("o"), unique("c"));
+                let first = run(&f, "record", &order(&id, &customer, 250)).await;
+                let Outcome::Processed { output, .. } = &first else { panic!("{first:?}") };
+                assert_eq!(output.decode::<Receipt>().unwrap(), Receipt { balance: 250 });
+
+                let second = run(&f, "record", &order(&id, &customer, 250).with_attempt(2)).await;
+                let Outcome::Duplicate { key, output } = &second else { panic!("{second:?}") };
+                assert_eq!(key, &id);
+                assert_eq!(output.decode::<Receipt>().unwrap(), Receipt { balance: 250 });
+                assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                assert_eq!(balance(&f.pool, &customer).await, Some(250));
+                assert_eq!(inbox_rows(&f.pool, "record", &id).await, 1);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn thirty_two_concurrent_copies_have_one_effect() {
+                const COPIES: usize = 32;
+                let f = Arc::new(fixture(COPIES as u32).await);
+                let (id, customer) = (unique("o"), unique("c"));
+                // The winner holds its transaction open until every other copy queues on its key.
+                script(&id, vec![Step::AwaitLockWaiters(COPIES as i64 - 1)]);
+                let start = Arc::new(tokio::sync::Barrier::new(COPIES));
+                let tasks: Vec<_> = (0..COPIES)
+                    .map(|_| {
+                        let (f, start, envelope) = (f.clone(), start.clone(), order(&id, &customer, 100));
+                        tokio::spawn(async move {
+                            start.wait().await;
+                            run(&f, "record", &envelope).await
+                        })
+                    })
+                    .collect();
+                let mut labels = HashMap::new();
+                for task in tasks {
+                    let outcome = task.await.unwrap();
+                    if let Outcome::Duplicate { output, .. } = &outcome {
+                        assert_eq!(output.decode::<Receipt>().unwrap(), Receipt { balance: 100 });
+                    }
+                    *labels.entry(outcome.label()).or_insert(0) += 1;
+                }
+                assert_eq!(labels, HashMap::from([("processed", 1), ("duplicate", COPIES - 1)]));
+                assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                assert_eq!(balance(&f.pool, &customer).await, Some(100));
+            }
+
+            #[tokio::test]
+            async fn failed_handler_rolls_back_everything_and_a_retry_processes_once() {
+                let f = fixture(2).await;
+                for (step, label) in [(Step::FailTransient, "retry"), (Step::FailPermanent, "rejected")] {
+                    let (id, customer) = (unique("o"), unique("c"));
+                    script(&id, vec![step]);
+                    let failed = run(&f, "record", &order(&id, &customer, 70)).await;
+                    assert_eq!(failed.label(), label, "{failed:?}");
+                    assert_eq!(failed.key(), Some(id.as_str()));
+                    if let Outcome::Rejected(r) = &failed {
+                        assert_eq!(r.reason, RejectReason::Handler);
+                        assert!(r.message.contains("scripted permanent failure"), "{r}");
+                    }
+                    assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
+                    assert_eq!(effects(&f.pool, "record", &id).await, 0);
+                    assert_eq!(balance(&f.pool, &customer).await, None);
+
+                    let retried = run(&f, "record", &order(&id, &customer, 70).with_attempt(2)).await;
+                    assert_eq!(retried.label(), "processed", "{retried:?}");
+                    assert_eq!(run(&f, "record", &order(&id, &customer, 70)).await.label(), "duplicate");
+                    assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                    assert_eq!(balance(&f.pool, &customer).await, Some(70));
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn transaction_dropped_before_commit_records_nothing() {
+                let f = Arc::new(fixture(2).await);
+                let (id, customer) = (unique("o"), unique("c"));
+                script(&id, vec![Step::SignalAndHang]);
+                let task = {
+                    let (f, envelope) = (f.clone(), order(&id, &customer, 40));
+                    tokio::spawn(async move { run(&f, "record", &envelope).await })
+                };
+                // Wait until the handler has written inside its transaction, then abandon it.
+                let written = || async { SIGNALLED.lock().unwrap().contains(&id) };
+                wait_until("the handler's writes", Duration::from_secs(20), written).await;
+                task.abort();
+                assert!(task.await.unwrap_err().is_cancelled());
+                assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
+                assert_eq!(effects(&f.pool, "record", &id).await, 0);
+
+                let again = run(&f, "record", &order(&id, &customer, 40)).await;
+                assert_eq!(again.label(), "processed", "{again:?}");
+                assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                assert_eq!(balance(&f.pool, &customer).await, Some(40));
+            }
+
+            #[tokio::test]
+            async fn process_killed_before_commit_records_nothing() {
+                let dir = tempfile::tempdir().unwrap();
+                let db = dir.path().join("crash.db");
+                let (id, customer) = (unique("o"), unique("c"));
+                let test = concat!(stringify!($module), "::crash_child");
+                let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+                    .args(["--exact", test, "--include-ignored", "--nocapture", "--test-threads=1"])
+                    .env("IDEM_CRASH_ORDER", &id)
+                    .env("IDEM_CRASH_CUSTOMER", &customer)
+                    .env("IDEM_CRASH_SQLITE", &db)
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let stdout = child.stdout.take().unwrap();
+                let written = tokio::task::spawn_blocking(move || {
+                    use std::io::BufRead;
+                    std::io::BufReader::new(stdout).lines().map_while(Result::ok).any(|l| l.ends_with("IDEM-WRITTEN"))
+                });
+                let written = tokio::time::timeout(Duration::from_secs(60), written).await;
+                child.kill().unwrap(); // SIGKILL, mid-transaction
+                child.wait().unwrap();
+                assert!(matches!(written, Ok(Ok(true))), "the child never reached its write: {written:?}");
+
+                let f = fixture_at(2, Some(&db)).await;
+                assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
+                assert_eq!(effects(&f.pool, "record", &id).await, 0);
+                let again = run(&f, "record", &order(&id, &customer, 55)).await;
+                assert_eq!(again.label(), "processed", "{again:?}");
+                assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                assert_eq!(balance(&f.pool, &customer).await, Some(55));
+            }
+
+            /// Run by `process_killed_before_commit_records_nothing` in a child process, which
+            /// it kills while this handler's transaction is open.
+            #[tokio::test]
+            #[ignore = "child process of process_killed_before_commit_records_nothing"]
+            async fn crash_child() {
+                let id = std::env::var("IDEM_CRASH_ORDER").expect("run by process_killed_before_commit_records_nothing");
+                let customer = std::env::var("IDEM_CRASH_CUSTOMER").unwrap();
+                let db = std::path::PathBuf::from(std::env::var("IDEM_CRASH_SQLITE").unwrap());
+                let f = fixture_at(1, Some(&db)).await;
+                script(&id, vec![Step::SignalAndHang]);
+                let outcome = run(&f, "record", &order(&id, &customer, 55)).await;
+                panic!("the handler was meant to hang until killed, but returned {outcome:?}");
+            }
+
+            #[tokio::test]
+            async fn same_key_with_a_different_body_is_a_conflict() {
+                let f = fixture(2).await;
+                let (id, customer) = (unique("o"), unique("c"));
+                assert_eq!(run(&f, "record", &order(&id, &customer, 300)).await.label(), "processed");
+                let conflict = run(&f, "record", &order(&id, &customer, 999)).await;
+                assert_eq!(conflict, Outcome::Conflict { key: id.clone() });
+                assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                assert_eq!(balance(&f.pool, &customer).await, Some(300));
+            }
+
+            #[tokio::test]
+            async fn two_consumers_of_one_message_each_process_it_once() {
+                let f = fixture(2).await;
+                let (id, customer) = (unique("o"), unique("c"));
+                let message = order(&id, &customer, 10);
+                for _ in 0..2 {
+                    run(&f, "record", &message).await;
+                    run(&f, "audit", &message).await;
+                }
+                assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                assert_eq!(effects(&f.pool, "audit", &id).await, 1);
+                assert_eq!(inbox_rows(&f.pool, "record", &id).await, 1);
+                assert_eq!(inbox_rows(&f.pool, "audit", &id).await, 1);
+                assert_eq!(balance(&f.pool, &customer).await, Some(10));
+            }
+
+            #[tokio::test]
+            async fn every_key_source() {
+                let f = fixture(2).await;
+                let body = |customer: &str| {
+                    serde_json::json!({"order_id": "ignored", "customer": customer, "amount_cents": 1}).to_string()
+                };
+                let customer = unique("c");
+                let id = unique("m");
+                let by_id = Envelope::new(body(&customer)).with_message_id(&id);
+                let by_header = Envelope::new(body(&customer)).with_header("x-idempotency-key", id.as_str());
+                let by_event = Envelope::new(body(&customer))
+                    .with_header("cloudEvents:source", "/shop/orders")
+                    .with_header("cloudEvents:id", id.as_str());
+                let cases = [
+                    ("by_message_id", by_id, id.clone(), "message_id property"),
+                    ("by_header", by_header, id.clone(), "`x-idempotency-key` header"),
+                    ("by_cloudevent", by_event, format!("/shop/orders {id}"), "CloudEvents `source`"),
+                ];
+                for (handler, envelope, key, missing) in cases {
+                    let first = run(&f, handler, &envelope).await;
+                    assert_eq!(first.output().unwrap().decode::<String>().unwrap(), key, "{handler}");
+                    assert_eq!(run(&f, handler, &envelope).await.label(), "duplicate", "{handler}");
+                    assert_eq!(effects(&f.pool, handler, &key).await, 1, "{handler}");
+
+                    let keyless = Envelope::new(body(&customer));
+                    let Outcome::Rejected(r) = run(&f, handler, &keyless).await else { panic!("{handler}") };
+                    assert_eq!(r.reason, RejectReason::MissingKey, "{handler}");
+                    assert!(r.message.contains(missing), "{handler}: {r}");
+                }
+                // The field key: one payload field, whatever the message id.
+                let field_id = unique("o");
+                let envelope = order(&field_id, &customer, 1).with_message_id("some-other-id");
+                assert_eq!(run(&f, "record", &envelope).await.key(), Some(field_id.as_str()));
+                let empty = order("", &customer, 1);
+                let Outcome::Rejected(r) = run(&f, "record", &empty).await else { panic!("empty key") };
+                assert_eq!(r.reason, RejectReason::MissingKey);
+                assert!(r.message.contains("order.order_id"), "{r}");
+
+                for bad in ["not json", r#"{"order_id": "x"}"#, r#"{"order_id": 5, "customer": "c", "amount_cents": 1}"#] {
+                    let Outcome::Rejected(r) = run(&f, "record", &Envelope::new(bad).with_message_id("x")).await else {
+                        panic!("{bad}")
+                    };
+                    assert_eq!(r.reason, RejectReason::Decode, "{bad}");
+                    assert!(r.message.contains("Order"), "{r}");
+                }
+                assert_eq!(balance(&f.pool, &customer).await, Some(4));
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_copy_waiting_on_a_rolled_back_claim_processes_it() {
+                let f = Arc::new(fixture(2).await);
+                let (id, customer) = (unique("o"), unique("c"));
+                // Whichever copy claims first waits for the other to queue behind it, then fails.
+                script(&id, vec![Step::AwaitLockWaitersThenFail(1)]);
+                let copies: Vec<_> = (0..2)
+                    .map(|_| {
+                        let (f, envelope) = (f.clone(), order(&id, &customer, 5));
+                        tokio::spawn(async move { run(&f, "record", &envelope).await })
+                    })
+                    .collect();
+                let mut labels = Vec::new();
+                for copy in copies {
+                    labels.push(copy.await.unwrap().label());
+                }
+                labels.sort();
+                assert_eq!(labels, ["processed", "rejected"]);
+                assert_eq!(effects(&f.pool, "record", &id).await, 1);
+                assert_eq!(balance(&f.pool, &customer).await, Some(5));
+            }
+
+            #[tokio::test]
+            async fn migrate_is_repeatable_and_the_table_is_configurable() {
+                let f = fixture(2).await;
+                let inbox = <$inbox>::new(f.pool.clone());
+                inbox.migrate().await.unwrap();
+                inbox.migrate().await.unwrap();
+                let custom = inbox.clone().table("idem_inbox_custom").unwrap();
+                custom.migrate().await.unwrap();
+                let stores = Stores::new().with(custom);
+                let (id, customer) = (unique("o"), unique("c"));
+                let registration = idem::registry::find(&consumer("record")).unwrap();
+                let outcome = registration.invoke(&stores, &order(&id, &customer, 1)).await.unwrap();
+                assert_eq!(outcome.label(), "processed");
+                let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_inbox_custom WHERE key = $1")
+                    .bind(&id)
+                    .fetch_one(&f.pool)
+                    .await
+                    .unwrap();
+                assert_eq!(rows, 1);
+                assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
+
+                let err = inbox.table("idem_inbox; DROP TABLE idem_test_balances").unwrap_err();
+                assert!(err.to_string().contains("invalid inbox table name"), "{err}");
+                let missing = idem::registry::find(&consumer("record")).unwrap().invoke(&Stores::new(), &order(&id, &customer, 1)).await;
+                assert!(missing.unwrap_err().to_string().contains(concat!("no ", stringify!($store), " store was provided")));
+            }
+        }
+    };
+}
+
+inbox_suite!(postgres, Postgres, sqlx::Postgres, idem::sql::PgInbox, pg_setup, pg_lock_waiters);
+inbox_suite!(sqlite, Sqlite, sqlx::Sqlite, idem::sql::SqliteInbox, sqlite_setup, sqlite_lock_waiters);
+
+#[test]
+fn registered_consumers_are_unique() {
+    let handlers = idem::registry::handlers();
+    assert_eq!(handlers.len(), 10);
+    idem::registry::validate(&handlers).unwrap();
+    let record = idem::registry::find("inbox::postgres::record").unwrap();
+    assert_eq!(record.key(), idem::KeySource::Field("order.order_id"));
+    assert_eq!(record.store(), idem::StoreKind::Postgres);
+}
