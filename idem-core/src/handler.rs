@@ -54,26 +54,22 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a;
 }
 
-/// What an `#[idempotent]` function may return: `Result<T, E>` with `T` storable and
-/// `E: Into<HandlerError>`.
+/// What an `#[idempotent]` function may return: `Result<T, E>` with `E: Into<HandlerError>`
+/// (the bounds on `T` are those of [`Handler::Output`]).
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a handler result",
-    label = "an #[idempotent] handler returns `Result<T, E>`",
-    note = "T must be serde Serialize + DeserializeOwned, and E must convert into `idem::HandlerError`"
+    label = "an #[idempotent] handler returns `Result<T, E>` with `E: Into<idem::HandlerError>`",
+    note = "implement `From<YourError> for idem::HandlerError`, saying whether it is transient or permanent"
 )]
 pub trait HandlerResult {
     /// The success type.
-    type Output: Serialize + DeserializeOwned + Send;
+    type Ok;
     /// Converts into the pipeline's form.
-    fn into_handler_result(self) -> Result<Self::Output, HandlerError>;
+    fn into_handler_result(self) -> Result<Self::Ok, HandlerError>;
 }
 
-impl<T, E> HandlerResult for Result<T, E>
-where
-    T: Serialize + DeserializeOwned + Send,
-    E: Into<HandlerError>,
-{
-    type Output = T;
+impl<T, E: Into<HandlerError>> HandlerResult for Result<T, E> {
+    type Ok = T;
 
     fn into_handler_result(self) -> Result<T, HandlerError> {
         self.map_err(Into::into)

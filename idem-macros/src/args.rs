@@ -61,8 +61,9 @@ impl Args {
             let Some(name) = meta.path.get_ident().map(Ident::to_string) else {
                 return Err(meta.error(format!("unknown argument; {EXPECTED}")));
             };
+            let path = meta.path.clone();
             let duplicate = |set: bool| {
-                set.then(|| meta.error(format!("duplicate argument `{name}`")))
+                set.then(|| syn::Error::new_spanned(&path, format!("duplicate argument `{name}`")))
             };
             match name.as_str() {
                 "store" => {
@@ -97,7 +98,7 @@ impl Args {
                     if meta.input.peek(syn::Token![=]) {
                         let _: syn::Expr = meta.value()?.parse()?;
                     }
-                    push(meta.error(format!("unknown argument `{name}`; {EXPECTED}")));
+                    push(syn::Error::new_spanned(&meta.path, format!("unknown argument `{name}`; {EXPECTED}")));
                 }
             }
             Ok(())

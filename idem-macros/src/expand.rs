@@ -54,6 +54,7 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
     let store = &args.store.1;
     let payload_ty = sig.payload_ty;
     let output = sig.output;
+    let returns = sig.returns;
     let consumer = match &args.consumer {
         Some(lit) => quote!(#lit),
         None => quote!(::core::concat!(::core::module_path!(), "::", #name_str)),
@@ -76,11 +77,15 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
     // Spanned at the user's tokens, so type errors point at the parameter or signature at fault.
     let tx_arg = quote_spanned!(sig.tx_ty.span()=> __idem_tx);
     let ctx_arg = sig.has_ctx.then(|| quote!(, __idem_ctx));
-    let output_ty = quote_spanned!(output.span()=> <#output as #krate::HandlerResult>::Output);
+    let into_result = quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result);
+    // A handler whose future is not `Send` gets its error at the function's name.
+    let call_future = quote_spanned!(name.span()=>
+        impl ::core::future::Future<
+            Output = ::core::result::Result<Self::Output, #krate::HandlerError>,
+        > + ::core::marker::Send + '__idem
+    );
     let future = quote_spanned!(func.sig.span()=>
-        async move {
-            #krate::HandlerResult::into_handler_result(#name(#tx_arg, __idem_payload #ctx_arg).await)
-        }
+        async move { #into_result(#name(#tx_arg, __idem_payload #ctx_arg).await) }
     );
 
     quote! {
@@ -93,7 +98,7 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
             impl #krate::Handler for __IdemHandler {
                 type Store = #krate::stores::#store;
                 type Payload = #payload_ty;
-                type Output = #output_ty;
+                type Output = #output;
                 const NAME: &'static str = #name_str;
                 const CONSUMER: &'static str = #consumer;
                 const QUEUE: ::core::option::Option<&'static str> = #queue;
@@ -110,9 +115,7 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
                     __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx,
                     __idem_payload: Self::Payload,
                     __idem_ctx: &'__idem #krate::Context<'__idem>,
-                ) -> impl ::core::future::Future<
-                    Output = ::core::result::Result<Self::Output, #krate::HandlerError>,
-                > + ::core::marker::Send + '__idem {
+                ) -> #call_future {
                     #future
                 }
             }

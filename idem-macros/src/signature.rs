@@ -11,7 +11,10 @@ pub(crate) struct HandlerSig<'a> {
     pub(crate) payload: &'a Ident,
     pub(crate) payload_ty: &'a Type,
     pub(crate) has_ctx: bool,
+    /// The success type `T` of the `Result<T, E>` (or alias) the function returns.
     pub(crate) output: &'a Type,
+    /// The whole return type.
+    pub(crate) returns: &'a Type,
 }
 
 const SHAPE: &str = "expected `(tx: &mut sqlx::Transaction<'_, DB>, payload: T)`, optionally followed by `ctx: &idem::Context<'_>`";
@@ -75,11 +78,13 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
     }
 
     let output = match &sig.output {
-        ReturnType::Type(_, ty) if is_result(ty) => Some(&**ty),
-        ReturnType::Type(_, ty) => {
-            errors.push(ty.span(), "#[idempotent] handlers must return `Result<T, E>` with `E: Into<idem::HandlerError>`");
-            None
-        }
+        ReturnType::Type(_, ty) => match result_ok_type(ty) {
+            Some(ok) => Some((ok, &**ty)),
+            None => {
+                errors.push(ty.span(), "#[idempotent] handlers must return `Result<T, E>` (or an alias named `...Result<T>`) with `E: Into<idem::HandlerError>`");
+                None
+            }
+        },
         ReturnType::Default => {
             errors.push(sig.ident.span(), "#[idempotent] handlers must return `Result<T, E>` with `E: Into<idem::HandlerError>`; add `-> Result<(), idem::HandlerError>`");
             None
@@ -88,13 +93,14 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
 
     errors.finish()?;
     match (tx_ty, payload, output) {
-        (Some(tx_ty), Some((payload, payload_ty)), Some(output)) => Ok(HandlerSig {
+        (Some(tx_ty), Some((payload, payload_ty)), Some((output, returns))) => Ok(HandlerSig {
             name: &sig.ident,
             tx_ty,
             payload,
             payload_ty,
             has_ctx: typed.len() == 3,
             output,
+            returns,
         }),
         _ => Err(syn::Error::new(sig.span(), SHAPE)),
     }
@@ -132,8 +138,19 @@ fn check_tx(ty: &Type, store: Option<Store>, errors: &mut Errors) {
     }
 }
 
-fn is_result(ty: &Type) -> bool {
-    matches!(ty, Type::Path(p) if p.qself.is_none() && p.path.segments.last().is_some_and(|s| s.ident == "Result"))
+/// `T` in `Result<T, E>`, `io::Result<T>`, `MyResult<T>`: the first type argument of a path
+/// whose last segment is named `Result` or ends in `Result`.
+fn result_ok_type(ty: &Type) -> Option<&Type> {
+    let Type::Path(path) = ty else { return None };
+    let last = path.path.segments.last()?;
+    if path.qself.is_some() || !last.ident.to_string().ends_with("Result") {
+        return None;
+    }
+    let PathArguments::AngleBracketed(args) = &last.arguments else { return None };
+    args.args.iter().find_map(|arg| match arg {
+        GenericArgument::Type(ty) => Some(ty),
+        _ => None,
+    })
 }
 
 #[derive(Default)]
@@ -166,6 +183,7 @@ mod tests {
     fn accepts_handlers() {
         check_str("async fn h(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, o: O) -> Result<(), E> {}", Store::Postgres).unwrap();
         check_str("async fn h(tx: &mut Tx, o: O, ctx: &idem::Context<'_>) -> anyhow::Result<u8> {}", Store::Sqlite).unwrap();
+        check_str("async fn h(tx: &mut Tx, o: O) -> MyResult<u8> {}", Store::Sqlite).unwrap();
     }
 
     #[test]
@@ -180,5 +198,6 @@ mod tests {
         assert!(err("async fn h(tx: &mut T, (a, b): O) -> Result<(), E> {}").contains("plain name"));
         assert!(err("async fn h(tx: &mut T, o: O) -> u32 {}").contains("must return `Result"));
         assert!(err("async fn h(tx: &mut T, o: O) {}").contains("must return `Result"));
+        assert!(err("async fn h(tx: &mut T, o: O) -> Result {}").contains("must return `Result"));
     }
 }
