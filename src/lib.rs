@@ -42,13 +42,13 @@
 //! `postgres` and `sqlite` (both on by default) enable the inbox stores [`sql::PgInbox`] and
 //! [`sql::SqliteInbox`].
 
-pub use idem_core::{
-    BoxError, Claim, ClaimRequest, Context, DispatchError, Envelope, ErrorClass, Fingerprint, Handler,
-    HandlerError, HandlerResult, HeaderValue, Headers, InboxStore, KeyError, KeySource, KeyValue,
-    MAX_KEY_LEN, Outcome, Registration, RegistryError, RejectReason, Rejection, StoreError, StoreKind,
-    StoredOutput, Stores, Transient, classify_sqlx, process,
-};
 pub use idem_core::registry;
+pub use idem_core::{
+    BoxError, Claim, ClaimRequest, Context, DispatchError, Envelope, ErrorClass, Fingerprint,
+    Handler, HandlerError, HandlerResult, HeaderValue, Headers, InboxStore, KeyError, KeySource,
+    KeyValue, MAX_KEY_LEN, Outcome, Registration, RegistryError, RejectReason, Rejection,
+    StoreError, StoreKind, StoredOutput, Stores, Transient, classify_sqlx, process,
+};
 pub use idem_macros::idempotent;
 
 /// The SQL inbox stores.

@@ -1,6 +1,8 @@
 //! The inbox against real databases: PostgreSQL (at `DATABASE_URL`) and SQLite (a temporary
 //! file). One suite, instantiated once per database.
 
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
 mod common;
 
 use std::path::Path;
@@ -18,13 +20,19 @@ async fn pg_setup(connections: u32, _: Option<&Path>) -> (sqlx::PgPool, Option<t
         .await
         .expect("lock");
     for statement in SCHEMA {
-        sqlx::query(statement).execute(&mut *tx).await.expect("test schema");
+        sqlx::query(statement)
+            .execute(&mut *tx)
+            .await
+            .expect("test schema");
     }
     tx.commit().await.expect("commit");
     (pool, None)
 }
 
-async fn sqlite_setup(connections: u32, path: Option<&Path>) -> (sqlx::SqlitePool, Option<tempfile::TempDir>) {
+async fn sqlite_setup(
+    connections: u32,
+    path: Option<&Path>,
+) -> (sqlx::SqlitePool, Option<tempfile::TempDir>) {
     let (pool, dir) = match path {
         Some(path) => (common::sqlite_at(path, connections).await, None),
         None => {
@@ -33,7 +41,10 @@ async fn sqlite_setup(connections: u32, path: Option<&Path>) -> (sqlx::SqlitePoo
         }
     };
     for statement in SCHEMA {
-        sqlx::query(statement).execute(&pool).await.expect("test schema");
+        sqlx::query(statement)
+            .execute(&pool)
+            .await
+            .expect("test schema");
     }
     (pool, dir)
 }
@@ -502,8 +513,22 @@ macro_rules! inbox_suite {
     };
 }
 
-inbox_suite!(postgres, Postgres, sqlx::Postgres, idem::sql::PgInbox, pg_setup, pg_lock_waiters);
-inbox_suite!(sqlite, Sqlite, sqlx::Sqlite, idem::sql::SqliteInbox, sqlite_setup, sqlite_lock_waiters);
+inbox_suite!(
+    postgres,
+    Postgres,
+    sqlx::Postgres,
+    idem::sql::PgInbox,
+    pg_setup,
+    pg_lock_waiters
+);
+inbox_suite!(
+    sqlite,
+    Sqlite,
+    sqlx::Sqlite,
+    idem::sql::SqliteInbox,
+    sqlite_setup,
+    sqlite_lock_waiters
+);
 
 #[test]
 fn registered_consumers_are_unique() {

@@ -157,8 +157,7 @@ pub fn classify_database_code(code: &str) -> ErrorClass {
             || matches!(code, "40001" | "40P01" | "40003" | "55P03" | "55006")
     } else {
         // SQLITE_BUSY (5) and SQLITE_LOCKED (6), and their extended codes (low byte 5 or 6).
-        code.parse::<i32>()
-            .is_ok_and(|c| matches!(c & 0xff, 5 | 6))
+        code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
     };
     if transient {
         ErrorClass::Transient
@@ -173,19 +172,38 @@ mod tests {
 
     #[test]
     fn sqlstate_and_sqlite_codes() {
-        for code in ["40001", "40P01", "08006", "57P01", "53300", "55P03", "5", "6", "517", "261", "262"] {
-            assert_eq!(classify_database_code(code), ErrorClass::Transient, "{code}");
+        for code in [
+            "40001", "40P01", "08006", "57P01", "53300", "55P03", "5", "6", "517", "261", "262",
+        ] {
+            assert_eq!(
+                classify_database_code(code),
+                ErrorClass::Transient,
+                "{code}"
+            );
         }
         for code in ["23505", "42P01", "22P02", "19", "2067", "1", "23301"] {
-            assert_eq!(classify_database_code(code), ErrorClass::Permanent, "{code}");
+            assert_eq!(
+                classify_database_code(code),
+                ErrorClass::Permanent,
+                "{code}"
+            );
         }
     }
 
     #[test]
     fn sqlx_variants() {
-        assert_eq!(classify_sqlx(&sqlx::Error::PoolTimedOut), ErrorClass::Transient);
-        assert_eq!(classify_sqlx(&sqlx::Error::RowNotFound), ErrorClass::Permanent);
+        assert_eq!(
+            classify_sqlx(&sqlx::Error::PoolTimedOut),
+            ErrorClass::Transient
+        );
+        assert_eq!(
+            classify_sqlx(&sqlx::Error::RowNotFound),
+            ErrorClass::Permanent
+        );
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
-        assert_eq!(HandlerError::from(sqlx::Error::Io(io)).class(), ErrorClass::Transient);
+        assert_eq!(
+            HandlerError::from(sqlx::Error::Io(io)).class(),
+            ErrorClass::Transient
+        );
     }
 }

@@ -169,7 +169,9 @@ macro_rules! integer_keys {
         }
     )*};
 }
-integer_keys!(i8, i16, i32, i64, i128, isize, u8, u16, u32, u64, u128, usize);
+integer_keys!(
+    i8, i16, i32, i64, i128, isize, u8, u16, u32, u64, u128, usize
+);
 
 /// Reads a payload-field key; called by the code `#[idempotent(key = "payload.field")]`
 /// generates, with `source` naming the field for error messages.
@@ -200,13 +202,20 @@ mod tests {
     #[test]
     fn message_id_key() {
         let env = Envelope::new("{}").with_message_id("m-1");
-        assert_eq!(KeySource::MessageId.from_envelope(&env).as_deref(), Ok("m-1"));
-        let err = KeySource::MessageId.from_envelope(&Envelope::new("{}")).unwrap_err();
+        assert_eq!(
+            KeySource::MessageId.from_envelope(&env).as_deref(),
+            Ok("m-1")
+        );
+        let err = KeySource::MessageId
+            .from_envelope(&Envelope::new("{}"))
+            .unwrap_err();
         assert!(err.to_string().contains("no message_id"), "{err}");
         let empty = Envelope::new("{}").with_message_id("");
         assert_eq!(
             KeySource::MessageId.from_envelope(&empty),
-            Err(KeyError::Empty { spec: KeySource::MessageId })
+            Err(KeyError::Empty {
+                spec: KeySource::MessageId
+            })
         );
     }
 
@@ -220,7 +229,10 @@ mod tests {
         let env = Envelope::new("{}").with_header("x-idempotency-key", true);
         assert!(source.from_envelope(&env).is_err());
         let err = source.from_envelope(&Envelope::new("{}")).unwrap_err();
-        assert!(err.to_string().contains("`x-idempotency-key` header"), "{err}");
+        assert!(
+            err.to_string().contains("`x-idempotency-key` header"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -244,10 +256,16 @@ mod tests {
         let source = KeySource::Field("order.order_id");
         assert_eq!(field_key("o-1", source).as_deref(), Ok("o-1"));
         assert_eq!(field_key(&7_u64, source).as_deref(), Ok("7"));
-        assert!(matches!(field_key(&None::<String>, source), Err(KeyError::Missing { .. })));
+        assert!(matches!(
+            field_key(&None::<String>, source),
+            Err(KeyError::Missing { .. })
+        ));
         assert_eq!(field_key("", source), Err(KeyError::Empty { spec: source }));
         let long = "x".repeat(MAX_KEY_LEN + 1);
-        assert!(matches!(field_key(&long, source), Err(KeyError::TooLong { .. })));
+        assert!(matches!(
+            field_key(&long, source),
+            Err(KeyError::TooLong { .. })
+        ));
         let err = source.from_envelope(&Envelope::new("{}")).unwrap_err();
         assert!(err.to_string().contains("order.order_id"), "{err}");
     }

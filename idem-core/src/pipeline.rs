@@ -24,7 +24,11 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
     let key = match H::key(envelope, &payload) {
         Ok(key) => key,
         Err(e) => {
-            return Outcome::Rejected(Rejection::new(RejectReason::MissingKey, e.to_string(), None));
+            return Outcome::Rejected(Rejection::new(
+                RejectReason::MissingKey,
+                e.to_string(),
+                None,
+            ));
         }
     };
     let fingerprint = Fingerprint::of(&envelope.body);
@@ -129,18 +133,20 @@ mod tests {
     use super::*;
     use crate::key::{KeyError, KeySource, field_key};
     use std::collections::HashMap;
-    use std::future::Future;
     use std::sync::Mutex;
+
+    type RowId = (String, String);
+    type Row = (Fingerprint, Option<StoredOutput>);
 
     #[derive(Default)]
     struct MemStore {
-        rows: Mutex<HashMap<(String, String), (Fingerprint, Option<StoredOutput>)>>,
+        rows: Mutex<HashMap<RowId, Row>>,
         effects: Mutex<Vec<String>>,
     }
 
     #[derive(Default)]
     struct MemTx {
-        row: Option<((String, String), (Fingerprint, Option<StoredOutput>))>,
+        row: Option<(RowId, Row)>,
         effects: Vec<String>,
     }
 
@@ -208,19 +214,17 @@ mod tests {
             field_key(&order.id, Self::KEY)
         }
 
-        fn call<'a>(
+        async fn call<'a>(
             tx: &'a mut MemTx,
             order: Order,
             _: &'a Context<'a>,
-        ) -> impl Future<Output = Result<u32, HandlerError>> + Send + 'a {
-            async move {
-                match order.fail.as_deref() {
-                    Some("transient") => Err(HandlerError::transient("database went away")),
-                    Some(_) => Err(HandlerError::permanent("no such customer")),
-                    None => {
-                        tx.effects.push(order.id);
-                        Ok(7)
-                    }
+        ) -> Result<u32, HandlerError> {
+            match order.fail.as_deref() {
+                Some("transient") => Err(HandlerError::transient("database went away")),
+                Some(_) => Err(HandlerError::permanent("no such customer")),
+                None => {
+                    tx.effects.push(order.id);
+                    Ok(7)
                 }
             }
         }
@@ -253,9 +257,13 @@ mod tests {
         assert_eq!(run(&store, r#"{"id":"b"}"#).await.label(), "processed");
 
         let undecodable = run(&store, "not json").await;
-        assert!(matches!(undecodable, Outcome::Rejected(ref r) if r.reason == RejectReason::Decode));
+        assert!(
+            matches!(undecodable, Outcome::Rejected(ref r) if r.reason == RejectReason::Decode)
+        );
         let empty_key = run(&store, r#"{"id":""}"#).await;
-        assert!(matches!(empty_key, Outcome::Rejected(ref r) if r.reason == RejectReason::MissingKey));
+        assert!(
+            matches!(empty_key, Outcome::Rejected(ref r) if r.reason == RejectReason::MissingKey)
+        );
         assert_eq!(store.rows.lock().unwrap().len(), 2);
     }
 }

@@ -15,7 +15,8 @@ use std::pin::Pin;
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// The type-erased entry point of one handler.
-pub type InvokeFn = for<'a> fn(&'a Stores, &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
+pub type InvokeFn =
+    for<'a> fn(&'a Stores, &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
 
 /// One registered handler.
 #[derive(Debug)]
@@ -69,17 +70,26 @@ impl Registration {
     }
 
     /// Processes one delivery with this handler, using its store from `stores`.
-    pub async fn invoke(&self, stores: &Stores, envelope: &Envelope) -> Result<Outcome, DispatchError> {
+    pub async fn invoke(
+        &self,
+        stores: &Stores,
+        envelope: &Envelope,
+    ) -> Result<Outcome, DispatchError> {
         (self.invoke)(stores, envelope).await
     }
 }
 
-fn invoke<'a, H: Handler>(stores: &'a Stores, envelope: &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
+fn invoke<'a, H: Handler>(
+    stores: &'a Stores,
+    envelope: &'a Envelope,
+) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
     Box::pin(async move {
-        let store = stores.get::<H::Store>().ok_or(DispatchError::MissingStore {
-            consumer: H::CONSUMER,
-            store: <H::Store as InboxStore>::KIND,
-        })?;
+        let store = stores
+            .get::<H::Store>()
+            .ok_or(DispatchError::MissingStore {
+                consumer: H::CONSUMER,
+                store: <H::Store as InboxStore>::KIND,
+            })?;
         Ok(process::<H>(store, envelope).await)
     })
 }

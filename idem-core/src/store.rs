@@ -130,6 +130,8 @@ impl Stores {
 
 impl fmt::Debug for Stores {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Stores").field("count", &self.stores.len()).finish()
+        f.debug_struct("Stores")
+            .field("count", &self.stores.len())
+            .finish()
     }
 }

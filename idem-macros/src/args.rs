@@ -88,7 +88,10 @@ impl Args {
                     if let Some(e) = duplicate(slot.is_some()) {
                         push(e);
                     } else if lit.value().trim().is_empty() {
-                        push(syn::Error::new(lit.span(), format!("`{name}` cannot be empty")));
+                        push(syn::Error::new(
+                            lit.span(),
+                            format!("`{name}` cannot be empty"),
+                        ));
                     } else {
                         *slot = Some(lit);
                     }
@@ -98,7 +101,10 @@ impl Args {
                     if meta.input.peek(syn::Token![=]) {
                         let _: syn::Expr = meta.value()?.parse()?;
                     }
-                    push(syn::Error::new_spanned(&meta.path, format!("unknown argument `{name}`; {EXPECTED}")));
+                    push(syn::Error::new_spanned(
+                        &meta.path,
+                        format!("unknown argument `{name}`; {EXPECTED}"),
+                    ));
                 }
             }
             Ok(())
@@ -108,7 +114,10 @@ impl Args {
         if !store_mentioned {
             push(syn::Error::new(
                 Span::call_site(),
-                format!("missing `store = ...`: which database holds the inbox, {}", Store::NAMES),
+                format!(
+                    "missing `store = ...`: which database holds the inbox, {}",
+                    Store::NAMES
+                ),
             ));
         }
         match (errors, store) {
@@ -138,7 +147,13 @@ mod tests {
 
     #[test]
     fn parses_all_arguments() {
-        let args = Args::parse(quote!(key = "order.id", store = Postgres, queue = "orders", consumer = "billing")).unwrap();
+        let args = Args::parse(quote!(
+            key = "order.id",
+            store = Postgres,
+            queue = "orders",
+            consumer = "billing"
+        ))
+        .unwrap();
         assert_eq!(args.store.0, Store::Postgres);
         assert_eq!(args.key.unwrap().value(), "order.id");
         assert_eq!(args.queue.unwrap().value(), "orders");
@@ -153,8 +168,13 @@ mod tests {
             Err(e) => e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>(),
         };
         assert_eq!(all(quote!(colour = 1, store = Oracle)).len(), 2);
-        assert!(err(quote!(store = Postgres, colour = "red")).contains("unknown argument `colour`"));
-        assert!(err(quote!(store = Postgres, key = "a.b", key = "a.c")).contains("duplicate argument `key`"));
+        assert!(
+            err(quote!(store = Postgres, colour = "red")).contains("unknown argument `colour`")
+        );
+        assert!(
+            err(quote!(store = Postgres, key = "a.b", key = "a.c"))
+                .contains("duplicate argument `key`")
+        );
         assert!(err(quote!(key = "a.b")).contains("missing `store"));
         assert!(err(quote!(store = Oracle)).contains("unknown store `Oracle`"));
         assert!(err(quote!(store = Postgres, consumer = "")).contains("cannot be empty"));

@@ -68,7 +68,10 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
     let payload_binding = match key {
         KeySpec::Field(_) => {
             let payload = sig.payload;
-            let span = args.key.as_ref().map_or_else(|| payload.span(), LitStr::span);
+            let span = args
+                .key
+                .as_ref()
+                .map_or_else(|| payload.span(), LitStr::span);
             let payload = syn::Ident::new(&payload.to_string(), span);
             quote!(#payload)
         }
@@ -77,7 +80,8 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
     // Spanned at the user's tokens, so type errors point at the parameter or signature at fault.
     let tx_arg = quote_spanned!(sig.tx_ty.span()=> __idem_tx);
     let ctx_arg = sig.has_ctx.then(|| quote!(, __idem_ctx));
-    let into_result = quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result);
+    let into_result =
+        quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result);
     // A handler whose future is not `Send` gets its error at the function's name.
     let call_future = quote_spanned!(name.span()=>
         impl ::core::future::Future<
@@ -137,18 +141,35 @@ mod tests {
     fn generates_handler_and_registration() {
         let out = expand(
             quote!(key = "order.id", store = Postgres, queue = "orders"),
-            quote!(async fn place(tx: &mut Tx, order: Order) -> Result<(), E> { Ok(()) }),
+            quote!(
+                async fn place(tx: &mut Tx, order: Order) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
         );
         assert!(out.contains("async fn place"), "{out}");
-        assert!(out.contains("impl :: idem :: __private :: Handler for __IdemHandler"), "{out}");
-        assert!(out.contains("field_key (& order . id , Self :: KEY)"), "{out}");
+        assert!(
+            out.contains("impl :: idem :: __private :: Handler for __IdemHandler"),
+            "{out}"
+        );
+        assert!(
+            out.contains("field_key (& order . id , Self :: KEY)"),
+            "{out}"
+        );
         assert!(out.contains("module_path"), "{out}");
         assert!(out.contains("inventory :: submit !"), "{out}");
     }
 
     #[test]
     fn reemits_the_function_on_errors() {
-        let out = expand(quote!(store = Oracle), quote!(fn place(tx: &mut Tx, o: O) -> u8 { 1 }));
+        let out = expand(
+            quote!(store = Oracle),
+            quote!(
+                fn place(tx: &mut Tx, o: O) -> u8 {
+                    1
+                }
+            ),
+        );
         assert!(out.contains("fn place"), "{out}");
         assert!(out.contains("unknown store"), "{out}");
         assert!(out.contains("must be `async fn`"), "{out}");
@@ -157,7 +178,12 @@ mod tests {
 
     #[test]
     fn not_a_function() {
-        let out = expand(quote!(store = Postgres), quote!(struct S;));
+        let out = expand(
+            quote!(store = Postgres),
+            quote!(
+                struct S;
+            ),
+        );
         assert!(out.contains("goes on an `async fn`"), "{out}");
         assert!(out.contains("struct S"), "{out}");
     }

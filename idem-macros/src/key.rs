@@ -28,23 +28,32 @@ impl KeySpec {
         }
         if let Some(name) = text.strip_prefix("header:") {
             return if name.is_empty() || name.chars().any(char::is_whitespace) {
-                Err(err(format!("invalid header name {name:?} in `key`; write `header:<name>`, for example `header:x-idempotency-key`")))
+                Err(err(format!(
+                    "invalid header name {name:?} in `key`; write `header:<name>`, for example `header:x-idempotency-key`"
+                )))
             } else {
                 Ok(Self::Header(name.to_owned()))
             };
         }
         let mut segments = text.split('.');
         let root = segments.next().unwrap_or_default();
-        if root != payload.to_string() {
+        if *payload != root {
             return Err(err(if is_ident(root) {
-                format!("`{root}` in `key` is not the payload parameter: write `{payload}.<field>`, or use {FORMS}")
+                format!(
+                    "`{root}` in `key` is not the payload parameter: write `{payload}.<field>`, or use {FORMS}"
+                )
             } else {
                 format!("unknown key source {text:?}; expected {FORMS}")
             }));
         }
         let fields: Vec<String> = segments.map(str::to_owned).collect();
-        if let Some(bad) = fields.iter().find(|f| !is_ident(f) && f.parse::<u32>().is_err()) {
-            return Err(err(format!("invalid field {bad:?} in `key`: expected `{payload}.<field>`")));
+        if let Some(bad) = fields
+            .iter()
+            .find(|f| !is_ident(f) && f.parse::<u32>().is_err())
+        {
+            return Err(err(format!(
+                "invalid field {bad:?} in `key`: expected `{payload}.<field>`"
+            )));
         }
         Ok(Self::Field(fields))
     }
@@ -64,7 +73,12 @@ impl KeySpec {
 
     /// The body of the generated `key` function. Field paths become real field accesses,
     /// spanned at the key literal, so a typo is a compile error pointing at it.
-    pub(crate) fn extract(&self, krate: &TokenStream, payload: &Ident, lit: Option<&LitStr>) -> TokenStream {
+    pub(crate) fn extract(
+        &self,
+        krate: &TokenStream,
+        payload: &Ident,
+        lit: Option<&LitStr>,
+    ) -> TokenStream {
         match self {
             Self::Field(fields) => {
                 let span = lit.map_or_else(Span::call_site, LitStr::span);
@@ -96,16 +110,28 @@ mod tests {
     use proc_macro2::Span;
 
     fn parse(text: &str) -> syn::Result<KeySpec> {
-        KeySpec::parse(&LitStr::new(text, Span::call_site()), &Ident::new("order", Span::call_site()))
+        KeySpec::parse(
+            &LitStr::new(text, Span::call_site()),
+            &Ident::new("order", Span::call_site()),
+        )
     }
 
     #[test]
     fn key_forms() {
         assert_eq!(parse("message_id").unwrap(), KeySpec::MessageId);
         assert_eq!(parse("cloudevents").unwrap(), KeySpec::CloudEvents);
-        assert_eq!(parse("header:x-key").unwrap(), KeySpec::Header("x-key".into()));
-        assert_eq!(parse("order.id").unwrap(), KeySpec::Field(vec!["id".into()]));
-        assert_eq!(parse("order.meta.0").unwrap(), KeySpec::Field(vec!["meta".into(), "0".into()]));
+        assert_eq!(
+            parse("header:x-key").unwrap(),
+            KeySpec::Header("x-key".into())
+        );
+        assert_eq!(
+            parse("order.id").unwrap(),
+            KeySpec::Field(vec!["id".into()])
+        );
+        assert_eq!(
+            parse("order.meta.0").unwrap(),
+            KeySpec::Field(vec!["meta".into(), "0".into()])
+        );
         assert_eq!(parse("order").unwrap(), KeySpec::Field(vec![]));
     }
 

@@ -2,7 +2,9 @@
 
 use crate::args::Store;
 use syn::spanned::Spanned;
-use syn::{FnArg, GenericArgument, GenericParam, Ident, Pat, PathArguments, ReturnType, Signature, Type};
+use syn::{
+    FnArg, GenericArgument, GenericParam, Ident, Pat, PathArguments, ReturnType, Signature, Type,
+};
 
 /// The parts of a valid handler signature the expansion needs.
 pub(crate) struct HandlerSig<'a> {
@@ -23,31 +25,51 @@ const SHAPE: &str = "expected `(tx: &mut sqlx::Transaction<'_, DB>, payload: T)`
 pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<HandlerSig<'_>> {
     let mut errors = Errors::default();
     if sig.asyncness.is_none() {
-        errors.push(sig.fn_token.span(), "#[idempotent] handlers must be `async fn`");
+        errors.push(
+            sig.fn_token.span(),
+            "#[idempotent] handlers must be `async fn`",
+        );
     }
     if let Some(constness) = &sig.constness {
-        errors.push(constness.span(), "#[idempotent] handlers cannot be `const fn`");
+        errors.push(
+            constness.span(),
+            "#[idempotent] handlers cannot be `const fn`",
+        );
     }
     if let Some(abi) = &sig.abi {
-        errors.push(abi.span(), "#[idempotent] handlers cannot have an `extern` ABI");
+        errors.push(
+            abi.span(),
+            "#[idempotent] handlers cannot have an `extern` ABI",
+        );
     }
     if let Some(variadic) = &sig.variadic {
         errors.push(variadic.span(), "#[idempotent] handlers cannot be variadic");
     }
-    if let Some(param) = sig.generics.params.iter().find(|p| !matches!(p, GenericParam::Lifetime(_))) {
+    if let Some(param) = sig
+        .generics
+        .params
+        .iter()
+        .find(|p| !matches!(p, GenericParam::Lifetime(_)))
+    {
         errors.push(
             param.span(),
             "#[idempotent] handlers cannot be generic: the registry needs one concrete handler per function",
         );
     }
     if let Some(clause) = &sig.generics.where_clause {
-        errors.push(clause.span(), "#[idempotent] handlers cannot have a `where` clause");
+        errors.push(
+            clause.span(),
+            "#[idempotent] handlers cannot have a `where` clause",
+        );
     }
 
     let mut typed = Vec::new();
     for arg in &sig.inputs {
         match arg {
-            FnArg::Receiver(r) => errors.push(r.span(), "#[idempotent] handlers are free functions, not methods"),
+            FnArg::Receiver(r) => errors.push(
+                r.span(),
+                "#[idempotent] handlers are free functions, not methods",
+            ),
             FnArg::Typed(t) => typed.push(t),
         }
     }
@@ -63,8 +85,13 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
     let mut payload = None;
     if let Some(t) = typed.get(1) {
         match &*t.pat {
-            Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => payload = Some((&p.ident, &*t.ty)),
-            other => errors.push(other.span(), "the payload parameter must be a plain name, such as `order: OrderPlaced`"),
+            Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
+                payload = Some((&p.ident, &*t.ty))
+            }
+            other => errors.push(
+                other.span(),
+                "the payload parameter must be a plain name, such as `order: OrderPlaced`",
+            ),
         }
         if let Type::Reference(r) = &*t.ty {
             errors.push(r.span(), "the payload must be an owned type: it is decoded from the message body (serde `DeserializeOwned`)");
@@ -74,7 +101,10 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
     if let Some(t) = typed.get(2)
         && !matches!(&*t.ty, Type::Reference(r) if r.mutability.is_none())
     {
-        errors.push(t.ty.span(), "the third parameter must be `ctx: &idem::Context<'_>`");
+        errors.push(
+            t.ty.span(),
+            "the third parameter must be `ctx: &idem::Context<'_>`",
+        );
     }
 
     let output = match &sig.output {
@@ -110,17 +140,24 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
 /// known database, that database must be the `store`.
 fn check_tx(ty: &Type, store: Option<Store>, errors: &mut Errors) {
     let Type::Reference(reference) = ty else {
-        errors.push(ty.span(), "the first parameter must be the transaction: `tx: &mut sqlx::Transaction<'_, DB>`");
+        errors.push(
+            ty.span(),
+            "the first parameter must be the transaction: `tx: &mut sqlx::Transaction<'_, DB>`",
+        );
         return;
     };
     if reference.mutability.is_none() {
-        errors.push(ty.span(), "the transaction must be borrowed mutably: `tx: &mut sqlx::Transaction<'_, DB>`");
+        errors.push(
+            ty.span(),
+            "the transaction must be borrowed mutably: `tx: &mut sqlx::Transaction<'_, DB>`",
+        );
         return;
     }
     let (Some(store), Type::Path(path)) = (store, &*reference.elem) else {
         return;
     };
-    let Some(PathArguments::AngleBracketed(args)) = path.path.segments.last().map(|s| &s.arguments) else {
+    let Some(PathArguments::AngleBracketed(args)) = path.path.segments.last().map(|s| &s.arguments)
+    else {
         return;
     };
     let Some(GenericArgument::Type(Type::Path(db))) = args.args.iter().last() else {
@@ -146,7 +183,9 @@ fn result_ok_type(ty: &Type) -> Option<&Type> {
     if path.qself.is_some() || !last.ident.to_string().ends_with("Result") {
         return None;
     }
-    let PathArguments::AngleBracketed(args) = &last.arguments else { return None };
+    let PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
     args.args.iter().find_map(|arg| match arg {
         GenericArgument::Type(ty) => Some(ty),
         _ => None,
@@ -176,26 +215,48 @@ mod tests {
 
     fn check_str(src: &str, store: Store) -> Result<(), String> {
         let f: syn::ItemFn = syn::parse_str(src).unwrap();
-        check(&f.sig, Some(store)).map(drop).map_err(|e| e.to_string())
+        check(&f.sig, Some(store))
+            .map(drop)
+            .map_err(|e| e.to_string())
     }
 
     #[test]
     fn accepts_handlers() {
-        check_str("async fn h(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, o: O) -> Result<(), E> {}", Store::Postgres).unwrap();
-        check_str("async fn h(tx: &mut Tx, o: O, ctx: &idem::Context<'_>) -> anyhow::Result<u8> {}", Store::Sqlite).unwrap();
-        check_str("async fn h(tx: &mut Tx, o: O) -> MyResult<u8> {}", Store::Sqlite).unwrap();
+        check_str(
+            "async fn h(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, o: O) -> Result<(), E> {}",
+            Store::Postgres,
+        )
+        .unwrap();
+        check_str(
+            "async fn h(tx: &mut Tx, o: O, ctx: &idem::Context<'_>) -> anyhow::Result<u8> {}",
+            Store::Sqlite,
+        )
+        .unwrap();
+        check_str(
+            "async fn h(tx: &mut Tx, o: O) -> MyResult<u8> {}",
+            Store::Sqlite,
+        )
+        .unwrap();
     }
 
     #[test]
     fn rejects_bad_signatures() {
         let err = |src: &str| check_str(src, Store::Postgres).unwrap_err();
         assert!(err("fn h(tx: &mut T, o: O) -> Result<(), E> {}").contains("must be `async fn`"));
-        assert!(err("async fn h<T>(tx: &mut T, o: O) -> Result<(), E> {}").contains("cannot be generic"));
+        assert!(
+            err("async fn h<T>(tx: &mut T, o: O) -> Result<(), E> {}")
+                .contains("cannot be generic")
+        );
         assert!(err("async fn h(tx: &mut T) -> Result<(), E> {}").contains("expected `(tx"));
         assert!(err("async fn h(tx: &T, o: O) -> Result<(), E> {}").contains("borrowed mutably"));
-        assert!(err("async fn h(tx: &mut Transaction<'_, Sqlite>, o: O) -> Result<(), E> {}").contains("on `Sqlite`"));
+        assert!(
+            err("async fn h(tx: &mut Transaction<'_, Sqlite>, o: O) -> Result<(), E> {}")
+                .contains("on `Sqlite`")
+        );
         assert!(err("async fn h(tx: &mut T, o: &O) -> Result<(), E> {}").contains("owned type"));
-        assert!(err("async fn h(tx: &mut T, (a, b): O) -> Result<(), E> {}").contains("plain name"));
+        assert!(
+            err("async fn h(tx: &mut T, (a, b): O) -> Result<(), E> {}").contains("plain name")
+        );
         assert!(err("async fn h(tx: &mut T, o: O) -> u32 {}").contains("must return `Result"));
         assert!(err("async fn h(tx: &mut T, o: O) {}").contains("must return `Result"));
         assert!(err("async fn h(tx: &mut T, o: O) -> Result {}").contains("must return `Result"));

@@ -80,7 +80,8 @@ impl InboxConfig {
 
     /// Sets the retention.
     pub fn retention(mut self, retention: Duration) -> Result<Self, ConfigError> {
-        if retention < Duration::from_secs(1) || retention > Duration::from_secs(100 * 366 * 86_400) {
+        if retention < Duration::from_secs(1) || retention > Duration::from_secs(100 * 366 * 86_400)
+        {
             return Err(ConfigError::Retention(retention));
         }
         self.retention = retention;
@@ -112,8 +113,19 @@ mod tests {
         for ok in ["idem_inbox", "_x", "inbox2", &"a".repeat(48)] {
             assert!(TableName::new(ok).is_ok(), "{ok}");
         }
-        for bad in ["", "2inbox", "Inbox", "inbox; DROP TABLE orders", "a.b", "in\"box", &"a".repeat(49)] {
-            assert_eq!(TableName::new(bad), Err(ConfigError::TableName(bad.to_owned())));
+        for bad in [
+            "",
+            "2inbox",
+            "Inbox",
+            "inbox; DROP TABLE orders",
+            "a.b",
+            "in\"box",
+            &"a".repeat(49),
+        ] {
+            assert_eq!(
+                TableName::new(bad),
+                Err(ConfigError::TableName(bad.to_owned()))
+            );
         }
         let err = InboxConfig::default().table("x y").unwrap_err().to_string();
         assert!(err.contains("lowercase ASCII letters"), "{err}");
@@ -122,7 +134,9 @@ mod tests {
     #[test]
     fn retention_bounds() {
         assert!(InboxConfig::default().retention(Duration::ZERO).is_err());
-        let c = InboxConfig::default().retention(Duration::from_secs(60)).unwrap();
+        let c = InboxConfig::default()
+            .retention(Duration::from_secs(60))
+            .unwrap();
         assert_eq!(c.retention_secs(), 60);
     }
 }

@@ -45,8 +45,7 @@ UNION ALL
 SELECT FALSE, fingerprint, outcome FROM "{table}"
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"#;
 
-const EXISTING: &str =
-    r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = $2"#;
+const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = $2"#;
 
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $3 WHERE consumer = $1 AND key = $2"#;
 
@@ -116,8 +115,14 @@ impl PgInbox {
         let table = &self.config.table;
         let err = MigrateError::database;
         let mut tx = self.pool.begin().await.map_err(err(table))?;
-        sqlx::query(LOCK).execute(&mut *tx).await.map_err(err(table))?;
-        sqlx::query(VERSION_TABLE).execute(&mut *tx).await.map_err(err(table))?;
+        sqlx::query(LOCK)
+            .execute(&mut *tx)
+            .await
+            .map_err(err(table))?;
+        sqlx::query(VERSION_TABLE)
+            .execute(&mut *tx)
+            .await
+            .map_err(err(table))?;
         let current: Option<i32> = sqlx::query_scalar(READ_VERSION)
             .bind(table.as_str())
             .fetch_optional(&mut *tx)
@@ -128,7 +133,10 @@ impl PgInbox {
             return Ok(());
         }
         for statement in statements {
-            sqlx::query(statement).execute(&mut *tx).await.map_err(err(table))?;
+            sqlx::query(statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(err(table))?;
         }
         sqlx::query(WRITE_VERSION)
             .bind(table.as_str())
@@ -172,10 +180,17 @@ impl InboxStore for PgInbox {
     const KIND: StoreKind = StoreKind::Postgres;
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool.begin().await.map_err(|e| StoreError::sqlx("begin", e))
+        self.pool
+            .begin()
+            .await
+            .map_err(|e| StoreError::sqlx("begin", e))
     }
 
-    async fn claim(&self, tx: &mut Self::Tx, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
         let row = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
             .bind(request.consumer)
             .bind(request.key)

@@ -44,7 +44,8 @@ INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at,
 VALUES (?1, ?2, ?3, 'completed', ?4, {now}, {now}, {now} + ?5 * 1000)
 ON CONFLICT (consumer, key) DO NOTHING"#;
 
-const EXISTING: &str = r#"SELECT fingerprint, outcome FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
+const EXISTING: &str =
+    r#"SELECT fingerprint, outcome FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
 
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = ?3 WHERE consumer = ?1 AND key = ?2"#;
 
@@ -141,8 +142,15 @@ impl SqliteInbox {
             .execute(&self.pool)
             .await
             .map_err(err(table))?;
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(err(table))?;
-        sqlx::query(VERSION_TABLE).execute(&mut *tx).await.map_err(err(table))?;
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(err(table))?;
+        sqlx::query(VERSION_TABLE)
+            .execute(&mut *tx)
+            .await
+            .map_err(err(table))?;
         let current: Option<i32> = sqlx::query_scalar(READ_VERSION)
             .bind(table.as_str())
             .fetch_optional(&mut *tx)
@@ -153,7 +161,10 @@ impl SqliteInbox {
             return Ok(());
         }
         for statement in statements {
-            sqlx::query(statement).execute(&mut *tx).await.map_err(err(table))?;
+            sqlx::query(statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(err(table))?;
         }
         sqlx::query(WRITE_VERSION)
             .bind(table.as_str())
@@ -176,7 +187,11 @@ impl InboxStore for SqliteInbox {
             .map_err(|e| StoreError::sqlx("begin", e))
     }
 
-    async fn claim(&self, tx: &mut Self::Tx, request: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
         let read = |e| StoreError::sqlx("claim", e);
         let inserted = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
             .bind(request.consumer)

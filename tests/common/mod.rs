@@ -40,7 +40,8 @@ pub async fn sqlite(connections: u32) -> (sqlx::SqlitePool, tempfile::TempDir) {
 
 /// Opens (creating if needed) the SQLite database at `path`.
 pub async fn sqlite_at(path: &std::path::Path, connections: u32) -> sqlx::SqlitePool {
-    let options = idem::sql::sqlite::connect_options(&path.to_string_lossy()).expect("sqlite options");
+    let options =
+        idem::sql::sqlite::connect_options(&path.to_string_lossy()).expect("sqlite options");
     sqlx::sqlite::SqlitePoolOptions::new()
         .max_connections(connections)
         .min_connections(connections)
@@ -52,8 +53,14 @@ pub async fn sqlite_at(path: &std::path::Path, connections: u32) -> sqlx::Sqlite
 /// A name no other test or run uses.
 pub fn unique(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    format!("{prefix}-{}-{nanos}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "{prefix}-{}-{nanos}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Polls `condition` until it holds, failing after `deadline` with `what`.
@@ -64,7 +71,10 @@ where
 {
     let start = Instant::now();
     while !condition().await {
-        assert!(start.elapsed() < deadline, "timed out after {deadline:?} waiting for {what}");
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
