@@ -5,7 +5,7 @@
 //! side. The dedup marker is written in the same database transaction as the handler's own
 //! writes; a redelivered or duplicated message finds the marker and is skipped.
 //!
-//! ```ignore
+//! ```no_run
 //! #[derive(serde::Deserialize)]
 //! struct OrderPlaced { order_id: String, customer: String, amount_cents: i64 }
 //!
@@ -75,3 +75,8 @@ pub mod __private {
         pub type Sqlite = idem_sqlx::SqliteInbox;
     }
 }
+
+/// The README's code blocks, compiled by `cargo test` so the quick start stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -110,12 +110,14 @@ pub enum DispatchError {
 /// The registry is inconsistent.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
-    /// Two handlers share a consumer identity, so they would share (and suppress each
-    /// other's) dedup keys.
+    /// Two handlers on the same store share a consumer identity, so they would share (and
+    /// suppress each other's) dedup keys.
     #[error(
-        "handlers `{first}` and `{second}` both use consumer = \"{consumer}\"; give each its own `consumer`"
+        "handlers `{first}` and `{second}` both use consumer = \"{consumer}\" on {store}; give each its own `consumer`"
     )]
     DuplicateConsumer {
+        /// The store both write to.
+        store: StoreKind,
         /// The shared identity.
         consumer: &'static str,
         /// One handler.
@@ -128,23 +130,33 @@ pub enum RegistryError {
 /// Every registered handler, ordered by consumer identity (link order does not matter).
 pub fn handlers() -> Vec<&'static Registration> {
     let mut all: Vec<_> = inventory::iter::<Registration>.into_iter().collect();
-    all.sort_by_key(|r| (r.consumer, r.name));
+    all.sort_by_key(|r| (r.consumer, r.store, r.name));
     all
 }
 
-/// The registered handler with consumer identity `consumer`.
+/// The registered handler with consumer identity `consumer` (the first, if several stores
+/// have one).
 pub fn find(consumer: &str) -> Option<&'static Registration> {
-    inventory::iter::<Registration>
-        .into_iter()
-        .find(|r| r.consumer == consumer)
+    handlers().into_iter().find(|r| r.consumer == consumer)
 }
 
-/// Checks that no two of `handlers` share a consumer identity.
+/// The registered handlers writing to `store`.
+pub fn for_store(store: StoreKind) -> Vec<&'static Registration> {
+    handlers()
+        .into_iter()
+        .filter(|r| r.store == store)
+        .collect()
+}
+
+/// Checks that no two of `handlers` share a consumer identity on the same store. (The same
+/// consumer on two stores is two key spaces, as when one handler is written for PostgreSQL and
+/// SQLite and the deployment picks one.)
 pub fn validate(handlers: &[&'static Registration]) -> Result<(), RegistryError> {
     let mut seen = BTreeMap::new();
     for r in handlers {
-        if let Some(first) = seen.insert(r.consumer, r.name) {
+        if let Some(first) = seen.insert((r.store, r.consumer), r.name) {
             return Err(RegistryError::DuplicateConsumer {
+                store: r.store,
                 consumer: r.consumer,
                 first,
                 second: r.name,
@@ -152,4 +164,42 @@ pub fn validate(handlers: &[&'static Registration]) -> Result<(), RegistryError>
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn never<'a>(_: &'a Stores, _: &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
+        Box::pin(async { unreachable!("not invoked") })
+    }
+
+    const fn registration(
+        name: &'static str,
+        consumer: &'static str,
+        store: StoreKind,
+    ) -> Registration {
+        Registration {
+            name,
+            consumer,
+            queue: None,
+            key: KeySource::MessageId,
+            store,
+            invoke: never,
+        }
+    }
+
+    static A: Registration = registration("a", "billing", StoreKind::Postgres);
+    static B: Registration = registration("b", "billing", StoreKind::Postgres);
+    static C: Registration = registration("c", "billing", StoreKind::Sqlite);
+
+    #[test]
+    fn consumers_are_unique_per_store() {
+        validate(&[&A, &C]).unwrap();
+        let err = validate(&[&A, &C, &B]).unwrap_err().to_string();
+        assert!(
+            err.contains("`a` and `b` both use consumer = \"billing\" on Postgres"),
+            "{err}"
+        );
+    }
 }

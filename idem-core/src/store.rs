@@ -10,7 +10,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 /// The database behind an inbox store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum StoreKind {
     /// PostgreSQL.
     Postgres,

@@ -10,7 +10,7 @@ mod signature;
 
 /// Turns an `async fn` into an idempotent message handler and registers it.
 ///
-/// ```ignore
+/// ```text
 /// #[idem::idempotent(queue = "orders", key = "order.order_id", store = Postgres)]
 /// async fn place_order(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, order: OrderPlaced)
 ///     -> Result<(), idem::HandlerError> { … }

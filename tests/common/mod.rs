@@ -1,5 +1,5 @@
 //! Shared set-up for the integration tests: real PostgreSQL and SQLite, unique names per run.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

@@ -1,0 +1,63 @@
+//! The order handler, once per database: the same work, in the same transaction as the inbox row.
+
+use idem::{HandlerError, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::{Postgres, Sqlite, Transaction};
+
+/// The message: AMQP `message_id` = `order_id`, the dedup key.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OrderPlaced {
+    pub order_id: String,
+    pub customer: String,
+    pub amount_cents: i64,
+}
+
+/// The tables the example writes.
+pub const SCHEMA: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS orders (order_id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+];
+
+const INSERT_ORDER: &str =
+    "INSERT INTO orders (order_id, customer, amount_cents) VALUES ($1, $2, $3)";
+/// Deliberately not idempotent: run twice, it adds twice.
+const ADD_TO_BALANCE: &str = "INSERT INTO balances (customer, cents) VALUES ($1, $2)
+    ON CONFLICT (customer) DO UPDATE SET cents = balances.cents + excluded.cents";
+
+#[idempotent(queue = "orders", consumer = "orders", store = Sqlite)]
+pub async fn place_order_sqlite(
+    tx: &mut Transaction<'_, Sqlite>,
+    order: OrderPlaced,
+) -> Result<(), HandlerError> {
+    sqlx::query(INSERT_ORDER)
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(ADD_TO_BALANCE)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+#[idempotent(queue = "orders", consumer = "orders", store = Postgres)]
+pub async fn place_order_postgres(
+    tx: &mut Transaction<'_, Postgres>,
+    order: OrderPlaced,
+) -> Result<(), HandlerError> {
+    sqlx::query(INSERT_ORDER)
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(ADD_TO_BALANCE)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
