@@ -488,7 +488,7 @@ macro_rules! inbox_suite {
                 let f = fixture(2).await;
                 let inbox = <$inbox>::new(f.pool.clone());
                 inbox.migrate().await.unwrap();
-                inbox.migrate().await.unwrap();
+                idem::sql::migrate(&f.pool).await.unwrap();
                 let custom = inbox.clone().table("idem_inbox_custom").unwrap();
                 custom.migrate().await.unwrap();
                 let stores = Stores::new().with(custom);

@@ -23,6 +23,34 @@ pub use sqlite::SqliteInbox;
 
 use idem_core::{Fingerprint, StoreError};
 
+/// A pool whose database can hold an inbox: [`migrate`] accepts any of these.
+pub trait InboxPool {
+    /// Creates or upgrades the default inbox table (`idem_inbox`) in this pool's database.
+    fn migrate_inbox(&self) -> impl std::future::Future<Output = Result<(), MigrateError>> + Send;
+}
+
+#[cfg(feature = "postgres")]
+impl InboxPool for sqlx::PgPool {
+    fn migrate_inbox(&self) -> impl std::future::Future<Output = Result<(), MigrateError>> + Send {
+        let inbox = PgInbox::new(self.clone());
+        async move { inbox.migrate().await }
+    }
+}
+
+#[cfg(feature = "sqlite")]
+impl InboxPool for sqlx::SqlitePool {
+    fn migrate_inbox(&self) -> impl std::future::Future<Output = Result<(), MigrateError>> + Send {
+        let inbox = SqliteInbox::new(self.clone());
+        async move { inbox.migrate().await }
+    }
+}
+
+/// Creates or upgrades the default inbox table in `pool`'s database: `idem_sqlx::migrate(&pool)`.
+/// For another table name, configure the store and call its own `migrate`.
+pub async fn migrate<P: InboxPool>(pool: &P) -> Result<(), MigrateError> {
+    pool.migrate_inbox().await
+}
+
 /// The current inbox schema version.
 pub const SCHEMA_VERSION: i32 = 1;
 
