@@ -10,12 +10,14 @@
 //!   a pool set up as idem needs (WAL, busy timeout).
 
 pub mod config;
+pub mod inbox;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};
+pub use inbox::{Dialect, SqlInbox};
 #[cfg(feature = "postgres")]
 pub use postgres::PgInbox;
 #[cfg(feature = "sqlite")]
@@ -113,11 +115,6 @@ pub(crate) fn pending(
         // The table name is a validated identifier (see `TableName`), so this text is safe.
         .map(|statement| sqlx::AssertSqlSafe(statement.replace("{table}", table.as_str())))
         .collect())
-}
-
-/// Fills the table name into a statement template; see [`pending`] for why this is safe.
-pub(crate) fn statement(template: &str, table: &TableName) -> std::sync::Arc<str> {
-    template.replace("{table}", table.as_str()).into()
 }
 
 /// Decodes a stored fingerprint.

@@ -1,11 +1,9 @@
 //! The PostgreSQL inbox.
 
-use crate::config::{ConfigError, InboxConfig};
-use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending, statement, stored_fingerprint};
+use crate::inbox::{Dialect, SqlInbox, commit, rollback};
+use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending, stored_fingerprint};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
-use sqlx::{AssertSqlSafe, PgPool, Postgres, Row, Transaction};
-use std::sync::Arc;
-use std::time::Duration;
+use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
 const MIGRATIONS: Migrations = &[(
     1,
@@ -56,59 +54,10 @@ const READ_VERSION: &str = "SELECT version FROM idem_schema_version WHERE inbox_
 const WRITE_VERSION: &str = "INSERT INTO idem_schema_version (inbox_table, version, migrated_at)
     VALUES ($1, $2, now()) ON CONFLICT (inbox_table) DO UPDATE SET version = $2, migrated_at = now()";
 
-/// A PostgreSQL inbox on a [`PgPool`].
-#[derive(Debug, Clone)]
-pub struct PgInbox {
-    pool: PgPool,
-    config: InboxConfig,
-    sql: Arc<Statements>,
-}
-
-#[derive(Debug)]
-struct Statements {
-    claim: Arc<str>,
-    existing: Arc<str>,
-    complete: Arc<str>,
-}
+/// The PostgreSQL inbox.
+pub type PgInbox = SqlInbox<Postgres>;
 
 impl PgInbox {
-    /// An inbox in table `idem_inbox` with the default retention.
-    pub fn new(pool: PgPool) -> Self {
-        Self::with_config(pool, InboxConfig::default())
-    }
-
-    /// An inbox with `config`.
-    pub fn with_config(pool: PgPool, config: InboxConfig) -> Self {
-        let sql = Arc::new(Statements {
-            claim: statement(CLAIM, &config.table),
-            existing: statement(EXISTING, &config.table),
-            complete: statement(COMPLETE, &config.table),
-        });
-        Self { pool, config, sql }
-    }
-
-    /// The same inbox in table `name`.
-    pub fn table(self, name: &str) -> Result<Self, ConfigError> {
-        let config = self.config.clone().table(name)?;
-        Ok(Self::with_config(self.pool, config))
-    }
-
-    /// The same inbox keeping rows for `retention`.
-    pub fn retention(self, retention: Duration) -> Result<Self, ConfigError> {
-        let config = self.config.clone().retention(retention)?;
-        Ok(Self::with_config(self.pool, config))
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &InboxConfig {
-        &self.config
-    }
-
-    /// The pool.
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
     /// Creates or upgrades the inbox table. Safe to run from several processes at once (an
     /// advisory lock serializes them) and on every start.
     pub async fn migrate(&self) -> Result<(), MigrateError> {
@@ -160,6 +109,12 @@ impl PgInbox {
             .map_err(|e| StoreError::sqlx("claim", e))?;
         row.map(|row| claim_from_row(&row)).transpose()
     }
+}
+
+impl Dialect for Postgres {
+    const CLAIM: &'static str = CLAIM;
+    const EXISTING: &'static str = EXISTING;
+    const COMPLETE: &'static str = COMPLETE;
 }
 
 fn claim_from_row(row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
@@ -231,12 +186,10 @@ impl InboxStore for PgInbox {
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        tx.commit().await.map_err(|e| StoreError::sqlx("commit", e))
+        commit(tx).await
     }
 
     async fn rollback(&self, tx: Self::Tx) {
-        if let Err(e) = tx.rollback().await {
-            tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
-        }
+        rollback(tx).await
     }
 }

@@ -5,20 +5,17 @@
 //! `SQLITE_BUSY` and `SQLITE_LOCKED` are classified as transient, so a claim that waited too
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
-use crate::config::{ConfigError, InboxConfig};
-use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending, statement, stored_fingerprint};
+use crate::inbox::{Dialect, SqlInbox, commit, rollback};
+use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending, stored_fingerprint};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// The busy timeout [`pool`] sets: how long a claim waits for the write lock before it is
 /// reported as a transient failure.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
-
-const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
 
 const MIGRATIONS: Migrations = &[(
     1,
@@ -41,7 +38,10 @@ const MIGRATIONS: Migrations = &[(
 
 const CLAIM: &str = r#"
 INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
-VALUES (?1, ?2, ?3, 'completed', ?4, {now}, {now}, {now} + ?5 * 1000)
+VALUES (?1, ?2, ?3, 'completed', ?4,
+        CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER),
+        CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER),
+        CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) + ?5 * 1000)
 ON CONFLICT (consumer, key) DO NOTHING"#;
 
 const EXISTING: &str =
@@ -79,59 +79,10 @@ pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
         .busy_timeout(BUSY_TIMEOUT))
 }
 
-/// A SQLite inbox on a [`SqlitePool`].
-#[derive(Debug, Clone)]
-pub struct SqliteInbox {
-    pool: SqlitePool,
-    config: InboxConfig,
-    sql: Arc<Statements>,
-}
-
-#[derive(Debug)]
-struct Statements {
-    claim: Arc<str>,
-    existing: Arc<str>,
-    complete: Arc<str>,
-}
+/// The SQLite inbox.
+pub type SqliteInbox = SqlInbox<Sqlite>;
 
 impl SqliteInbox {
-    /// An inbox in table `idem_inbox` with the default retention.
-    pub fn new(pool: SqlitePool) -> Self {
-        Self::with_config(pool, InboxConfig::default())
-    }
-
-    /// An inbox with `config`.
-    pub fn with_config(pool: SqlitePool, config: InboxConfig) -> Self {
-        let sql = Arc::new(Statements {
-            claim: statement(&CLAIM.replace("{now}", NOW_MS), &config.table),
-            existing: statement(EXISTING, &config.table),
-            complete: statement(COMPLETE, &config.table),
-        });
-        Self { pool, config, sql }
-    }
-
-    /// The same inbox in table `name`.
-    pub fn table(self, name: &str) -> Result<Self, ConfigError> {
-        let config = self.config.clone().table(name)?;
-        Ok(Self::with_config(self.pool, config))
-    }
-
-    /// The same inbox keeping rows for `retention`.
-    pub fn retention(self, retention: Duration) -> Result<Self, ConfigError> {
-        let config = self.config.clone().retention(retention)?;
-        Ok(Self::with_config(self.pool, config))
-    }
-
-    /// The configuration.
-    pub fn config(&self) -> &InboxConfig {
-        &self.config
-    }
-
-    /// The pool.
-    pub fn pool(&self) -> &SqlitePool {
-        &self.pool
-    }
-
     /// Switches the database to WAL mode and creates or upgrades the inbox table, in one
     /// `BEGIN IMMEDIATE` transaction (so concurrent migrations queue).
     pub async fn migrate(&self) -> Result<(), MigrateError> {
@@ -174,6 +125,12 @@ impl SqliteInbox {
             .map_err(err(table))?;
         tx.commit().await.map_err(err(table))
     }
+}
+
+impl Dialect for Sqlite {
+    const CLAIM: &'static str = CLAIM;
+    const EXISTING: &'static str = EXISTING;
+    const COMPLETE: &'static str = COMPLETE;
 }
 
 impl InboxStore for SqliteInbox {
@@ -239,12 +196,10 @@ impl InboxStore for SqliteInbox {
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        tx.commit().await.map_err(|e| StoreError::sqlx("commit", e))
+        commit(tx).await
     }
 
     async fn rollback(&self, tx: Self::Tx) {
-        if let Err(e) = tx.rollback().await {
-            tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
-        }
+        rollback(tx).await
     }
 }
