@@ -51,6 +51,12 @@ pub use idem_core::{
 };
 pub use idem_macros::idempotent;
 
+/// The RabbitMQ transport (feature `rabbitmq`).
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq {
+    pub use idem_rabbitmq::*;
+}
+
 /// The SQL inbox stores.
 pub mod sql {
     pub use idem_sqlx::*;

@@ -10,21 +10,31 @@
 pub mod context;
 pub mod envelope;
 pub mod error;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod fingerprint;
 pub mod handler;
 pub mod key;
+pub mod memory;
 pub mod outcome;
 pub mod pipeline;
 pub mod registry;
+pub mod retry;
+pub mod runtime;
 pub mod store;
+pub mod transport;
 
 pub use context::Context;
 pub use envelope::{Envelope, HeaderValue, Headers};
 pub use error::{BoxError, ErrorClass, HandlerError, StoreError, classify_sqlx};
 pub use fingerprint::Fingerprint;
 pub use handler::{Handler, HandlerResult};
+pub use memory::MemoryTransport;
 pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
 pub use outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
 pub use pipeline::process;
 pub use registry::{DispatchError, Registration, RegistryError};
+pub use retry::{RetryPolicy, RetryPolicyError};
+pub use runtime::{Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats};
 pub use store::{Claim, ClaimRequest, InboxStore, StoreKind, Stores};
+pub use transport::{DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError};

@@ -90,6 +90,8 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
         store.rollback(tx).await;
         return store_failure(e, &key);
     }
+    #[cfg(feature = "fault-injection")]
+    crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
     match store.commit(tx).await {
         Ok(()) => Outcome::Processed { key, output },
         // The commit may or may not have happened; a retry finds out (it is a duplicate if it

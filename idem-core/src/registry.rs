@@ -27,6 +27,7 @@ pub struct Registration {
     key: KeySource,
     store: StoreKind,
     invoke: InvokeFn,
+    available: fn(&Stores) -> bool,
 }
 
 inventory::collect!(Registration);
@@ -41,7 +42,13 @@ impl Registration {
             key: H::KEY,
             store: <H::Store as InboxStore>::KIND,
             invoke: invoke::<H>,
+            available: available::<H>,
         }
+    }
+
+    /// Whether `stores` holds the store this handler writes to.
+    pub fn store_available(&self, stores: &Stores) -> bool {
+        (self.available)(stores)
     }
 
     /// The function's name.
@@ -77,6 +84,10 @@ impl Registration {
     ) -> Result<Outcome, DispatchError> {
         (self.invoke)(stores, envelope).await
     }
+}
+
+fn available<H: Handler>(stores: &Stores) -> bool {
+    stores.get::<H::Store>().is_some()
 }
 
 fn invoke<'a, H: Handler>(
@@ -186,6 +197,7 @@ mod tests {
             key: KeySource::MessageId,
             store,
             invoke: never,
+            available: |_| true,
         }
     }
 

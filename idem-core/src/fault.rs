@@ -1,0 +1,69 @@
+//! Fault injection for crash tests (feature `fault-injection`): `IDEM_FAULT` names crash points
+//! and probabilities, `IDEM_FAULT="before_commit=0.02,after_commit=0.02"`, and the process
+//! aborts there. Without the feature none of this is compiled.
+
+use std::cell::Cell;
+use std::sync::OnceLock;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Where the process may be made to crash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Point {
+    /// After the handler ran, before the COMMIT.
+    BeforeCommit,
+    /// After the COMMIT, before the ack.
+    AfterCommit,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    before_commit: f64,
+    after_commit: f64,
+}
+
+fn faults() -> &'static Faults {
+    static FAULTS: OnceLock<Faults> = OnceLock::new();
+    FAULTS.get_or_init(|| {
+        let mut faults = Faults::default();
+        for part in std::env::var("IDEM_FAULT").unwrap_or_default().split(',').filter(|p| !p.is_empty()) {
+            let parsed = part.split_once('=').and_then(|(k, v)| Some((k.trim(), v.trim().parse::<f64>().ok()?)));
+            match parsed {
+                Some(("before_commit", p)) => faults.before_commit = p,
+                Some(("after_commit", p)) => faults.after_commit = p,
+                _ => tracing::error!(part, "IDEM_FAULT: expected before_commit=<p> or after_commit=<p>"),
+            }
+        }
+        faults
+    })
+}
+
+/// Aborts the process at `point` with the configured probability.
+pub fn maybe_crash(point: Point) {
+    let p = match point {
+        Point::BeforeCommit => faults().before_commit,
+        Point::AfterCommit => faults().after_commit,
+    };
+    if p > 0.0 && random() < p {
+        tracing::error!(?point, "fault injection: aborting the process");
+        std::process::abort();
+    }
+}
+
+/// A uniform number in [0, 1) from a per-thread xorshift generator.
+fn random() -> f64 {
+    thread_local! {
+        static STATE: Cell<u64> = Cell::new(
+            SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+                ^ (u64::from(std::process::id()) << 32)
+                | 1,
+        );
+    }
+    STATE.with(|s| {
+        let mut x = s.get();
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.set(x);
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    })
+}

@@ -1,0 +1,269 @@
+//! The actor runtime: one actor per handler, fed by the transport's consumer through a bounded
+//! mailbox, with N workers that process deliveries and settle them after the commit.
+
+mod decide;
+mod stats;
+mod worker;
+
+pub use stats::{Snapshot, Stats};
+
+use crate::registry::{self, Registration, RegistryError};
+use crate::retry::RetryPolicy;
+use crate::store::{InboxStore, StoreKind, Stores};
+use crate::transport::{QueueSpec, Transport, TransportError};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{Mutex, mpsc, watch};
+use tokio::task::JoinSet;
+
+/// A wrong runtime configuration or a failed start.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// No transport was configured.
+    #[error("no transport: call .transport(...) (or .rabbitmq(url)) on the runtime builder")]
+    NoTransport,
+    /// No handler is registered or selected.
+    #[error("no handlers: annotate an async fn with #[idempotent(queue = \"...\", ...)]")]
+    NoHandlers,
+    /// A handler has no queue to consume.
+    #[error("handler `{consumer}` has no queue: add queue = \"...\" to its #[idempotent]")]
+    NoQueue {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+    },
+    /// A handler's store is missing.
+    #[error("handler `{consumer}` writes to {store}, but the runtime has no {store} store: add one with .store(...) (or .{hint}(pool))")]
+    MissingStore {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// The store it needs.
+        store: StoreKind,
+        /// The builder method that adds it.
+        hint: &'static str,
+    },
+    /// A chosen handler is not registered.
+    #[error("no registered handler has consumer = \"{0}\"")]
+    UnknownHandler(String),
+    /// Two handlers share a consumer.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// A numeric setting is out of range.
+    #[error("invalid setting: {0}")]
+    Setting(String),
+    /// The transport refused the topology or could not connect.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+/// Builds a [`Runtime`].
+pub struct RuntimeBuilder {
+    transport: Option<Arc<dyn Transport>>,
+    stores: Stores,
+    handlers: Option<Vec<String>>,
+    concurrency: usize,
+    per_handler: HashMap<String, usize>,
+    prefetch: u16,
+    retry: RetryPolicy,
+    shutdown_grace: Duration,
+}
+
+impl Default for RuntimeBuilder {
+    fn default() -> Self {
+        Self {
+            transport: None,
+            stores: Stores::new(),
+            handlers: None,
+            concurrency: 8,
+            per_handler: HashMap::new(),
+            prefetch: 32,
+            retry: RetryPolicy::default(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RuntimeBuilder {
+    /// The transport deliveries come from.
+    pub fn transport(mut self, transport: impl Transport) -> Self {
+        self.transport = Some(Arc::new(transport));
+        self
+    }
+
+    /// Adds an inbox store.
+    pub fn store<S: InboxStore>(mut self, store: S) -> Self {
+        self.stores.insert(store);
+        self
+    }
+
+    /// Runs only the handlers with these consumer identities (default: every registered one).
+    pub fn handlers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, consumers: I) -> Self {
+        self.handlers = Some(consumers.into_iter().map(Into::into).collect());
+        self
+    }
+
+    /// Deliveries processed at once per handler (default 8).
+    pub fn concurrency(mut self, workers: usize) -> Self {
+        self.concurrency = workers;
+        self
+    }
+
+    /// Deliveries processed at once for the handler with consumer identity `consumer`.
+    pub fn handler_concurrency(mut self, consumer: impl Into<String>, workers: usize) -> Self {
+        self.per_handler.insert(consumer.into(), workers);
+        self
+    }
+
+    /// Unsettled deliveries per handler the broker may send ahead (default 32). This bounds
+    /// what is held in memory: the mailbox holds at most this many.
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// How transient failures are retried.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// How long shutdown waits for in-flight deliveries (default 30 s); what has not finished
+    /// by then is abandoned, uncommitted, and goes back to the broker.
+    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
+        self.shutdown_grace = grace;
+        self
+    }
+
+    /// Checks the configuration.
+    pub fn build(self) -> Result<Runtime, RuntimeError> {
+        let transport = self.transport.ok_or(RuntimeError::NoTransport)?;
+        let handlers = match &self.handlers {
+            None => registry::handlers(),
+            Some(chosen) => chosen
+                .iter()
+                .map(|c| registry::find(c).ok_or_else(|| RuntimeError::UnknownHandler(c.clone())))
+                .collect::<Result<_, _>>()?,
+        };
+        if handlers.is_empty() {
+            return Err(RuntimeError::NoHandlers);
+        }
+        registry::validate(&handlers)?;
+        if self.prefetch == 0 {
+            return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
+        }
+        let mut actors = Vec::with_capacity(handlers.len());
+        for registration in handlers {
+            let Some(queue) = registration.queue() else {
+                return Err(RuntimeError::NoQueue { consumer: registration.consumer() });
+            };
+            if !registration.store_available(&self.stores) {
+                let store = registration.store();
+                let hint = match store {
+                    StoreKind::Postgres => "postgres",
+                    StoreKind::Sqlite => "sqlite",
+                    StoreKind::MySql => "mysql",
+                };
+                return Err(RuntimeError::MissingStore { consumer: registration.consumer(), store, hint });
+            }
+            let workers = self.per_handler.get(registration.consumer()).copied().unwrap_or(self.concurrency);
+            if workers == 0 {
+                return Err(RuntimeError::Setting(format!("concurrency of `{}` must be at least 1", registration.consumer())));
+            }
+            actors.push(Actor {
+                registration,
+                spec: QueueSpec {
+                    queue: queue.to_owned(),
+                    consumer: registration.consumer().to_owned(),
+                    retry_delays: self.retry.delays(),
+                },
+                workers,
+            });
+        }
+        Ok(Runtime {
+            transport,
+            stores: Arc::new(self.stores),
+            actors,
+            prefetch: self.prefetch,
+            retry: self.retry,
+            shutdown_grace: self.shutdown_grace,
+            stats: Arc::new(Stats::default()),
+        })
+    }
+}
+
+struct Actor {
+    registration: &'static Registration,
+    spec: QueueSpec,
+    workers: usize,
+}
+
+/// A configured runtime; [`Runtime::run_until`] runs it.
+pub struct Runtime {
+    transport: Arc<dyn Transport>,
+    stores: Arc<Stores>,
+    actors: Vec<Actor>,
+    prefetch: u16,
+    retry: RetryPolicy,
+    shutdown_grace: Duration,
+    stats: Arc<Stats>,
+}
+
+impl Runtime {
+    /// A builder with the defaults: every registered handler, concurrency 8, prefetch 32,
+    /// [`RetryPolicy::default`], 30 s shutdown grace.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+
+    /// The runtime's counters, readable while it runs.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// Declares the topology, consumes until `shutdown` completes, then shuts down gracefully:
+    /// consumers stop, deliveries not yet started are released, in-flight ones may finish
+    /// within the grace period, and the transport is closed (anything unsettled goes back to
+    /// the broker, unacked).
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+        let specs: Vec<QueueSpec> = self.actors.iter().map(|a| a.spec.clone()).collect();
+        self.transport.declare(&specs).await?;
+
+        let (stop_tx, stop) = watch::channel(false);
+        let mut consumers = JoinSet::new();
+        let mut workers = JoinSet::new();
+        for actor in &self.actors {
+            let (mailbox_tx, mailbox) = mpsc::channel(usize::from(self.prefetch));
+            consumers.spawn(self.transport.consume(actor.spec.clone(), self.prefetch, mailbox_tx, stop.clone()));
+            let shared = Arc::new(worker::Shared {
+                registration: actor.registration,
+                stores: self.stores.clone(),
+                retry: self.retry.clone(),
+                stats: self.stats.clone(),
+            });
+            let mailbox = Arc::new(Mutex::new(mailbox));
+            for _ in 0..actor.workers {
+                workers.spawn(worker::run(shared.clone(), mailbox.clone(), stop.clone()));
+            }
+            tracing::info!(consumer = actor.spec.consumer, queue = actor.spec.queue, workers = actor.workers, "handler started");
+        }
+
+        shutdown.await;
+        tracing::info!("shutting down: no new deliveries; finishing those in flight");
+        let _ = stop_tx.send(true);
+        let drained = tokio::time::timeout(self.shutdown_grace, async {
+            while consumers.join_next().await.is_some() {}
+            while workers.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(grace = ?self.shutdown_grace, "in-flight deliveries did not finish in time; abandoning them uncommitted");
+            consumers.abort_all();
+            workers.abort_all();
+            while workers.join_next().await.is_some() {}
+        }
+        self.transport.close().await;
+        tracing::info!("runtime stopped");
+        Ok(())
+    }
+}

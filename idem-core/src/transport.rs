@@ -1,0 +1,116 @@
+//! The contract between the runtime and a message transport (RabbitMQ, the in-memory one).
+//!
+//! A transport turns broker deliveries into [`Delivery`] values in a handler's mailbox; the
+//! runtime settles each one exactly once through its [`Settle`]: ack, retry later, dead-letter
+//! or release. This is where a delivery enters and where the ack is sent.
+
+use crate::envelope::Envelope;
+use crate::registry::BoxFuture;
+use std::fmt;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+
+/// One delivery: the message and the means to settle it.
+pub struct Delivery {
+    /// The message.
+    pub envelope: Envelope,
+    /// How to settle it; consumed by the settlement.
+    pub settle: Box<dyn Settle>,
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery").field("envelope", &self.envelope).finish_non_exhaustive()
+    }
+}
+
+/// Why a message is dead-lettered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// A stable code (`decode`, `missing-key`, `handler`, `conflict`, `retries-exhausted`, …).
+    pub reason: String,
+    /// A human-readable explanation.
+    pub detail: String,
+    /// The consumer that refused it.
+    pub consumer: String,
+    /// The dedup key, when one was read.
+    pub key: Option<String>,
+    /// Delivery attempts made.
+    pub attempts: u32,
+}
+
+/// Settles one delivery. Exactly one method is called, once.
+pub trait Settle: Send + Sync {
+    /// The message is done with (processed or a duplicate): remove it from the queue.
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>>;
+
+    /// Deliver the message again after `delay`, as attempt `envelope.attempt + 1`.
+    fn retry<'a>(
+        self: Box<Self>,
+        envelope: &'a Envelope,
+        delay: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// Move the message to the dead-letter queue, once, keeping its id, body and properties.
+    fn dead_letter<'a>(
+        self: Box<Self>,
+        envelope: &'a Envelope,
+        reason: &'a DeadLetter,
+    ) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// Give the message back unprocessed (shutdown): it is delivered again, now or later.
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>>;
+}
+
+/// What one handler needs from the transport.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueSpec {
+    /// The queue to consume.
+    pub queue: String,
+    /// The consumer identity, for consumer tags and logs.
+    pub consumer: String,
+    /// The distinct delays the retry policy uses, shortest first.
+    pub retry_delays: Vec<Duration>,
+}
+
+/// Raised to `true` when consumers must stop taking new deliveries.
+pub type StopSignal = watch::Receiver<bool>;
+
+/// A message transport.
+pub trait Transport: Send + Sync + 'static {
+    /// Declares what `queues` need (queues, dead-letter and retry queues). Existing topology
+    /// with other arguments is an error saying which argument differs.
+    fn declare<'a>(&'a self, queues: &'a [QueueSpec]) -> BoxFuture<'a, Result<(), TransportError>>;
+
+    /// Consumes `queue` into `mailbox` with at most `prefetch` unsettled deliveries, until `stop`
+    /// is raised. Connection losses are retried with backoff inside; only `stop` ends it.
+    fn consume(
+        &self,
+        queue: QueueSpec,
+        prefetch: u16,
+        mailbox: mpsc::Sender<Delivery>,
+        stop: StopSignal,
+    ) -> BoxFuture<'static, ()>;
+
+    /// Closes connections; deliveries still unsettled go back to their queues.
+    fn close(&self) -> BoxFuture<'_, ()>;
+}
+
+/// A transport failure.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// Topology exists with other arguments, or could not be declared.
+    #[error("topology of `{queue}`: {message}")]
+    Topology {
+        /// The queue or exchange concerned.
+        queue: String,
+        /// What the broker said.
+        message: String,
+    },
+    /// The broker could not be reached or the connection failed.
+    #[error("connection: {0}")]
+    Connection(String),
+    /// A settlement could not be sent (the channel is gone); the broker redelivers.
+    #[error("settle: {0}")]
+    Settle(String),
+}

@@ -1,0 +1,97 @@
+//! Connection and topology settings.
+
+use std::time::Duration;
+
+/// The RabbitMQ queue type of the handler queues (and their DLQ and retry queues).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueueType {
+    /// Classic queues (single node).
+    #[default]
+    Classic,
+    /// Quorum queues: replicated across a cluster, with a delivery limit and at-least-once
+    /// dead-lettering.
+    Quorum,
+}
+
+impl QueueType {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Classic => "classic",
+            Self::Quorum => "quorum",
+        }
+    }
+}
+
+/// Settings of a [`crate::RabbitTransport`].
+#[derive(Debug, Clone)]
+pub struct RabbitConfig {
+    pub(crate) url: String,
+    pub(crate) queue_type: QueueType,
+    pub(crate) delivery_limit: Option<u32>,
+    pub(crate) name: String,
+    pub(crate) reconnect_min: Duration,
+    pub(crate) reconnect_max: Duration,
+}
+
+impl RabbitConfig {
+    /// Settings for the broker at `url` (`amqp://` or `amqps://`).
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            queue_type: QueueType::Classic,
+            delivery_limit: None,
+            name: "idem".to_owned(),
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(10),
+        }
+    }
+
+    /// The queue type (default classic).
+    pub fn queue_type(mut self, queue_type: QueueType) -> Self {
+        self.queue_type = queue_type;
+        self
+    }
+
+    /// Quorum queues only: after this many deliveries of one message without a settlement
+    /// (consumers crashing on it), the broker dead-letters it.
+    pub fn delivery_limit(mut self, limit: u32) -> Self {
+        self.delivery_limit = Some(limit);
+        self
+    }
+
+    /// The connection name shown by the broker (`idem` by default; the queue is appended).
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Reconnect backoff bounds (default 100 ms doubling up to 10 s).
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max.max(min);
+        self
+    }
+
+    /// The broker URL with any password hidden, for logs and errors.
+    pub(crate) fn redacted_url(&self) -> String {
+        match (self.url.find("://"), self.url.rfind('@')) {
+            (Some(scheme), Some(at)) if at > scheme => {
+                let userinfo = &self.url[scheme + 3..at];
+                let user = userinfo.split(':').next().unwrap_or_default();
+                format!("{}{}:***{}", &self.url[..scheme + 3], user, &self.url[at..])
+            }
+            _ => self.url.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_stay_out_of_logs() {
+        assert_eq!(RabbitConfig::new("amqp://guest:secret@h:5672/%2f").redacted_url(), "amqp://guest:***@h:5672/%2f");
+        assert_eq!(RabbitConfig::new("amqp://h:5672").redacted_url(), "amqp://h:5672");
+    }
+}

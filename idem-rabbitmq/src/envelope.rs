@@ -1,0 +1,99 @@
+//! Mapping between lapin deliveries and idem envelopes.
+
+use idem_core::{Envelope, HeaderValue, Headers};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+/// The header idem sets on a retried copy: which attempt it is.
+pub(crate) const ATTEMPT_HEADER: &str = "x-idem-attempt";
+
+/// Builds the envelope of a delivery. The attempt is the retry copy's attempt (from
+/// [`ATTEMPT_HEADER`], 1 for an original) plus the broker's redeliveries of this copy (quorum
+/// queues count them in `x-delivery-count`; classic queues only flag a redelivery).
+pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered: bool) -> Envelope {
+    let headers = properties.headers().as_ref().map(headers).unwrap_or_default();
+    let int = |name: &str| match headers.get(name) {
+        Some(HeaderValue::Int(n)) => u32::try_from(*n).ok(),
+        _ => None,
+    };
+    let base = int(ATTEMPT_HEADER).unwrap_or(1).max(1);
+    let redeliveries = int("x-delivery-count").unwrap_or(u32::from(redelivered));
+    Envelope {
+        message_id: properties.message_id().as_ref().map(ToString::to_string),
+        correlation_id: properties.correlation_id().as_ref().map(ToString::to_string),
+        content_type: properties.content_type().as_ref().map(ToString::to_string),
+        headers,
+        body,
+        attempt: base.saturating_add(redeliveries),
+        redelivered,
+    }
+}
+
+/// Converts AMQP headers; values idem has no use for (tables, arrays, decimals, timestamps)
+/// are left out of the envelope (they stay on the message when it is republished).
+fn headers(table: &FieldTable) -> Headers {
+    let mut headers = Headers::default();
+    for (name, value) in table {
+        let value = match value {
+            AMQPValue::LongString(s) => match std::str::from_utf8(s.as_bytes()) {
+                Ok(text) => HeaderValue::Str(text.to_owned()),
+                Err(_) => HeaderValue::Bytes(s.as_bytes().to_vec()),
+            },
+            AMQPValue::ShortString(s) => HeaderValue::Str(s.to_string()),
+            AMQPValue::Boolean(b) => HeaderValue::Bool(*b),
+            AMQPValue::ShortShortInt(n) => HeaderValue::Int(i64::from(*n)),
+            AMQPValue::ShortShortUInt(n) => HeaderValue::Int(i64::from(*n)),
+            AMQPValue::ShortInt(n) => HeaderValue::Int(i64::from(*n)),
+            AMQPValue::ShortUInt(n) => HeaderValue::Int(i64::from(*n)),
+            AMQPValue::LongInt(n) => HeaderValue::Int(i64::from(*n)),
+            AMQPValue::LongUInt(n) => HeaderValue::Int(i64::from(*n)),
+            AMQPValue::LongLongInt(n) => HeaderValue::Int(*n),
+            AMQPValue::Float(f) => HeaderValue::Float(f64::from(*f)),
+            AMQPValue::Double(f) => HeaderValue::Float(*f),
+            AMQPValue::ByteArray(b) => HeaderValue::Bytes(b.as_slice().to_vec()),
+            _ => continue,
+        };
+        headers.insert(name.to_string(), value);
+    }
+    headers
+}
+
+/// The properties of a delivery with `header` set, for republishing it (persistent).
+pub(crate) fn with_headers(properties: &BasicProperties, set: &[(&str, AMQPValue)]) -> BasicProperties {
+    let mut table = properties.headers().clone().unwrap_or_default();
+    for (name, value) in set {
+        table.insert(ShortString::from(*name), value.clone());
+    }
+    properties.clone().with_headers(table).with_delivery_mode(2)
+}
+
+/// A text header value.
+pub(crate) fn text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.as_bytes().to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attempts_and_properties() {
+        let mut table = FieldTable::default();
+        table.insert(ShortString::from("x-idempotency-key"), text("k-1"));
+        table.insert(ShortString::from(ATTEMPT_HEADER), AMQPValue::LongLongInt(3));
+        let props = BasicProperties::default()
+            .with_message_id(ShortString::from("m-1"))
+            .with_correlation_id(ShortString::from("c-1"))
+            .with_headers(table);
+        let env = envelope(&props, b"{}".to_vec(), false);
+        assert_eq!(env.message_id.as_deref(), Some("m-1"));
+        assert_eq!(env.correlation_id.as_deref(), Some("c-1"));
+        assert_eq!(env.headers.get("x-idempotency-key"), Some(&HeaderValue::Str("k-1".into())));
+        assert_eq!(env.attempt, 3);
+        assert_eq!(envelope(&BasicProperties::default(), vec![], true).attempt, 2);
+        assert_eq!(envelope(&BasicProperties::default(), vec![], false).attempt, 1);
+        let republished = with_headers(&props, &[(ATTEMPT_HEADER, AMQPValue::LongLongInt(4))]);
+        assert_eq!(envelope(&republished, vec![], false).attempt, 4);
+        assert_eq!(republished.message_id().as_ref().map(ToString::to_string).as_deref(), Some("m-1"));
+    }
+}

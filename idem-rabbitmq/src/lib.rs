@@ -1,0 +1,29 @@
+//! The RabbitMQ transport of idem, on lapin.
+//!
+//! Per handler queue `q` it declares:
+//! - `q`: durable, its dead letters routed by the broker to `q.dlq`;
+//! - `q.dlq`: durable; a dead-lettered message arrives there **once** (the broker moves it on
+//!   `basic.reject`), with its id, body and properties, and RabbitMQ's `x-death` header;
+//! - `q.dlq.reasons`: one record per dead-lettering, with `x-idem-reason`, `x-idem-consumer`,
+//!   `x-idem-attempts` and `x-idem-key` headers and the message id, so an operator can see why;
+//! - `q.retry.<ms>ms`, one per retry delay: a message published there waits out the queue's
+//!   TTL and is dead-lettered back into `q` (no head-of-line blocking between delays).
+//!
+//! Consumers reconnect with backoff when the connection or channel is lost; what was in flight
+//! is redelivered by the broker and recognised by the inbox as a duplicate where it committed.
+
+mod config;
+mod consume;
+mod envelope;
+mod publisher;
+mod settle;
+mod topology;
+mod transport;
+
+pub use config::{QueueType, RabbitConfig};
+pub use publisher::{PublishError, Publisher};
+pub use topology::{dlq, reasons_queue, retry_queue};
+pub use transport::RabbitTransport;
+
+/// Re-exported for users who build properties for [`Publisher`].
+pub use lapin;

@@ -1,0 +1,84 @@
+//! Queue names and their declaration.
+
+use crate::config::{QueueType, RabbitConfig};
+use idem_core::{QueueSpec, TransportError};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{Channel, Connection};
+use std::time::Duration;
+
+/// The dead-letter queue of `queue`.
+pub fn dlq(queue: &str) -> String {
+    format!("{queue}.dlq")
+}
+
+/// The queue that records why each message of `queue` was dead-lettered.
+pub fn reasons_queue(queue: &str) -> String {
+    format!("{queue}.dlq.reasons")
+}
+
+/// The delay queue of `queue` for `delay`.
+pub fn retry_queue(queue: &str, delay: Duration) -> String {
+    format!("{queue}.retry.{}ms", delay.as_millis())
+}
+
+fn text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.as_bytes().to_vec()))
+}
+
+fn queue_arguments(config: &RabbitConfig, dead_letter_to: Option<&str>) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-queue-type"), text(config.queue_type.name()));
+    if let Some(target) = dead_letter_to {
+        args.insert(ShortString::from("x-dead-letter-exchange"), text(""));
+        args.insert(ShortString::from("x-dead-letter-routing-key"), text(target));
+        if config.queue_type == QueueType::Quorum {
+            // Quorum queues dead-letter at most once unless told otherwise; a dead letter must
+            // never be lost, so confirm it into the target (which needs reject-publish).
+            args.insert(ShortString::from("x-dead-letter-strategy"), text("at-least-once"));
+            args.insert(ShortString::from("x-overflow"), text("reject-publish"));
+        }
+    }
+    args
+}
+
+/// Declares the queues of `spec`. A queue that exists with other arguments is an error carrying
+/// the broker's explanation (it names the argument that differs).
+pub(crate) async fn declare(connection: &Connection, config: &RabbitConfig, spec: &QueueSpec) -> Result<(), TransportError> {
+    let q = spec.queue.as_str();
+    let mut main = queue_arguments(config, Some(&dlq(q)));
+    if let (QueueType::Quorum, Some(limit)) = (config.queue_type, config.delivery_limit) {
+        main.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(i64::from(limit)));
+    }
+    let mut queues = vec![
+        (dlq(q), queue_arguments(config, None)),
+        (reasons_queue(q), queue_arguments(config, None)),
+        (q.to_owned(), main),
+    ];
+    for delay in &spec.retry_delays {
+        let mut args = queue_arguments(config, Some(q));
+        let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+        args.insert(ShortString::from("x-message-ttl"), AMQPValue::LongLongInt(ttl));
+        queues.push((retry_queue(q, *delay), args));
+    }
+    for (name, args) in queues {
+        // A failed declaration closes the channel: use a fresh one per queue.
+        let channel = channel(connection, &name).await?;
+        channel
+            .queue_declare(ShortString::from(name.as_str()), QueueDeclareOptions::durable(), args)
+            .await
+            .map_err(|e| TransportError::Topology {
+                queue: name.clone(),
+                message: format!("{e}; delete the queue or change the configuration to match it"),
+            })?;
+        let _ = channel.close(200, ShortString::from("declared")).await;
+    }
+    Ok(())
+}
+
+async fn channel(connection: &Connection, queue: &str) -> Result<Channel, TransportError> {
+    connection.create_channel().await.map_err(|e| TransportError::Topology {
+        queue: queue.to_owned(),
+        message: format!("cannot open a channel: {e}"),
+    })
+}
