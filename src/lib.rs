@@ -44,10 +44,12 @@
 
 pub use idem_core::registry;
 pub use idem_core::{
-    BoxError, Claim, ClaimRequest, Context, DispatchError, Envelope, ErrorClass, Fingerprint,
-    Handler, HandlerError, HandlerResult, HeaderValue, Headers, InboxStore, KeyError, KeySource,
-    KeyValue, MAX_KEY_LEN, Outcome, Registration, RegistryError, RejectReason, Rejection,
-    StoreError, StoreKind, StoredOutput, Stores, Transient, classify_sqlx, process,
+    BoxError, Claim, ClaimRequest, Context, DeadLetter, Delivery, DispatchError, Envelope,
+    ErrorClass, Fingerprint, Handler, HandlerError, HandlerResult, HeaderValue, Headers,
+    InboxStore, KeyError, KeySource, KeyValue, MAX_KEY_LEN, MemoryTransport, Outcome, QueueSpec,
+    Registration, RegistryError, RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime,
+    RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal, StoreError, StoreKind,
+    StoredOutput, Stores, Transient, Transport, TransportError, classify_sqlx, process,
 };
 pub use idem_macros::idempotent;
 

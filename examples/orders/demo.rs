@@ -1,86 +1,40 @@
-//! The demo workload: orders with duplicates, concurrent copies, malformed messages and a
-//! reused id, processed through the inbox; then the books are checked.
+//! The demo: orders with duplicates (some delivered concurrently), malformed messages and a
+//! reused id, published to the broker, consumed by the runtime, then the books are checked.
 
-use crate::Db;
 use crate::handlers::OrderPlaced;
-use idem::{Envelope, Outcome, Registration, Stores};
+use crate::{Broker, Db, Settings};
+use idem::rabbitmq::Publisher;
+use idem::rabbitmq::lapin::BasicProperties;
+use idem::rabbitmq::lapin::types::ShortString;
+use idem::{Envelope, MemoryTransport, QueueSpec, RetryPolicy, Snapshot, Transport};
 use std::collections::BTreeMap;
-use std::fmt;
-use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::Semaphore;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// The demo's parameters.
-pub struct Config {
-    pub orders: usize,
-    pub dup_rate: f64,
-    pub concurrency: usize,
+/// Demo settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Options {
+    /// Distinct orders to send.
+    #[arg(long, env = "ORDERS_COUNT", default_value_t = 2000)]
+    orders: usize,
+    /// Share of deliveries that are duplicates (0.0 to 0.9).
+    #[arg(long, env = "ORDERS_DUP_RATE", default_value_t = 0.2)]
+    dup_rate: f64,
+    /// Give up waiting for the consumer after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    timeout_secs: u64,
 }
 
-/// What happened.
-#[derive(Default)]
-pub struct Report {
-    delivered: usize,
-    outcomes: BTreeMap<&'static str, usize>,
-    expected_orders: i64,
-    stored_orders: i64,
-    expected_cents: i64,
-    stored_cents: i64,
-    wrong_balances: usize,
-    seconds: f64,
-}
-
-impl Report {
-    /// Whether every order was stored once and every balance is exact.
-    pub fn exact(&self) -> bool {
-        self.stored_orders == self.expected_orders
-            && self.stored_cents == self.expected_cents
-            && self.wrong_balances == 0
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            orders: 2000,
+            dup_rate: 0.2,
+            timeout_secs: 300,
+        }
     }
 }
 
-impl fmt::Display for Report {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let count = |label| self.outcomes.get(label).copied().unwrap_or(0);
-        writeln!(
-            f,
-            "delivered            {:>7}  ({:.0} msgs/s)",
-            self.delivered,
-            self.delivered as f64 / self.seconds
-        )?;
-        writeln!(f, "processed            {:>7}", count("processed"))?;
-        writeln!(f, "duplicates skipped   {:>7}", count("duplicate"))?;
-        writeln!(
-            f,
-            "dead-lettered        {:>7}  (rejected {}, conflict {})",
-            count("rejected") + count("conflict"),
-            count("rejected"),
-            count("conflict")
-        )?;
-        writeln!(f, "retried              {:>7}", count("retry"))?;
-        writeln!(
-            f,
-            "orders stored        {:>7}  (expected {})",
-            self.stored_orders, self.expected_orders
-        )?;
-        writeln!(
-            f,
-            "cents booked    {:>12}  (expected {})",
-            self.stored_cents, self.expected_cents
-        )?;
-        write!(
-            f,
-            "balances             {}",
-            if self.exact() {
-                "exact".to_owned()
-            } else {
-                format!("WRONG ({} customers off)", self.wrong_balances)
-            }
-        )
-    }
-}
-
-/// A small deterministic generator (xorshift), so a run is repeatable without a dependency.
+/// A small deterministic generator (xorshift), so a run needs no dependency.
 struct Rng(u64);
 
 impl Rng {
@@ -96,130 +50,216 @@ impl Rng {
     }
 }
 
-fn envelope(order: &OrderPlaced) -> Envelope {
+/// The messages of one run and what the books must show afterwards.
+struct Workload {
+    deliveries: Vec<Envelope>,
+    reused_id: Envelope,
+    expected: BTreeMap<String, i64>,
+    orders: usize,
+    customer_prefix: String,
+    order_prefix: String,
+}
+
+fn order_message(order: &OrderPlaced) -> Envelope {
     let body = serde_json::to_vec(order).unwrap_or_default();
     Envelope::new(body)
         .with_message_id(&order.order_id)
         .with_content_type("application/json")
 }
 
-/// Runs the workload through `handler` and checks the books.
-pub async fn run(
-    handler: &'static Registration,
-    stores: &Stores,
-    db: &Db,
-    config: &Config,
-) -> anyhow::Result<Report> {
-    let run_id = SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis();
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ run_id as u64 | 1);
-    let customers: Vec<String> = (0..50).map(|c| format!("customer-{run_id}-{c}")).collect();
-    let mut expected: BTreeMap<String, i64> = BTreeMap::new();
-
-    // A delivery list: each order once, plus duplicates, some of which go out at the same time
-    // as their original (a "burst"); then malformed messages and a reused id.
-    let mut deliveries: Vec<Vec<Envelope>> = Vec::new();
-    for n in 0..config.orders {
-        let customer = customers[(rng.next() % customers.len() as u64) as usize].clone();
-        let order = OrderPlaced {
-            order_id: format!("order-{run_id}-{n}"),
-            customer,
-            amount_cents: (rng.next() % 10_000) as i64 + 1,
+impl Workload {
+    fn generate(options: &Options) -> Self {
+        let run = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(1, |d| d.as_millis());
+        let mut rng = Rng(run as u64 | 1);
+        let (customer_prefix, order_prefix) = (format!("customer-{run}-"), format!("order-{run}-"));
+        let mut expected = BTreeMap::new();
+        let mut bursts = Vec::new();
+        for n in 0..options.orders {
+            let order = OrderPlaced {
+                order_id: format!("{order_prefix}{n}"),
+                customer: format!("{customer_prefix}{}", rng.next() % 50),
+                amount_cents: (rng.next() % 10_000) as i64 + 1,
+            };
+            *expected.entry(order.customer.clone()).or_default() += order.amount_cents;
+            // Copies published back to back reach different workers at the same time.
+            let mut burst = vec![order_message(&order)];
+            while rng.chance(options.dup_rate) {
+                burst.push(order_message(&order));
+            }
+            bursts.push(burst);
+        }
+        bursts.push(vec![
+            Envelope::new("this is not json").with_message_id(format!("bad-{run}-1")),
+        ]);
+        bursts.push(vec![
+            Envelope::new(r#"{"order_id":"x"}"#).with_message_id(format!("bad-{run}-2")),
+        ]);
+        let reused = OrderPlaced {
+            order_id: format!("{order_prefix}0"),
+            customer: "mallory".into(),
+            amount_cents: 1_000_000,
         };
-        *expected.entry(order.customer.clone()).or_default() += order.amount_cents;
-        let mut burst = vec![envelope(&order)];
-        while rng.chance(config.dup_rate) {
-            burst.push(envelope(&order).with_attempt(2));
+        bursts.push(vec![Envelope::new(
+            serde_json::to_vec(&reused).unwrap_or_default(),
+        )]); // no message id
+        // Shuffle the bursts, so that some duplicates come long after their original.
+        for i in (1..bursts.len()).rev() {
+            bursts.swap(i, (rng.next() % (i as u64 + 1)) as usize);
         }
-        deliveries.push(burst);
+        Self {
+            deliveries: bursts.into_iter().flatten().collect(),
+            reused_id: order_message(&reused),
+            expected,
+            orders: options.orders,
+            customer_prefix,
+            order_prefix,
+        }
     }
-    let reused = OrderPlaced {
-        order_id: format!("order-{run_id}-0"),
-        customer: "mallory".into(),
-        amount_cents: 1_000_000,
-    };
-    deliveries.push(vec![
-        Envelope::new("this is not json").with_message_id(format!("bad-{run_id}-1")),
-    ]);
-    deliveries.push(vec![
-        Envelope::new(r#"{"order_id":"x"}"#).with_message_id(format!("bad-{run_id}-2")),
-    ]);
-    deliveries.push(vec![Envelope::new(serde_json::to_vec(&reused)?)]); // no message id
-    // Shuffle, so that some duplicates arrive long after their original.
-    for i in (1..deliveries.len()).rev() {
-        deliveries.swap(i, (rng.next() % (i as u64 + 1)) as usize);
-    }
+}
 
-    let limit = Arc::new(Semaphore::new(config.concurrency));
-    let stores = Arc::new(stores.clone());
+/// Where the demo publishes.
+enum Sink {
+    Rabbit(Publisher),
+    Memory(MemoryTransport),
+}
+
+impl Sink {
+    async fn send_all(&self, queue: &str, messages: &[Envelope]) -> anyhow::Result<()> {
+        match self {
+            Self::Memory(transport) => messages
+                .iter()
+                .for_each(|m| transport.publish(queue, m.clone())),
+            Self::Rabbit(publisher) => {
+                for chunk in messages.chunks(500) {
+                    for message in chunk {
+                        let mut properties = BasicProperties::default();
+                        if let Some(id) = &message.message_id {
+                            properties = properties.with_message_id(ShortString::from(id.as_str()));
+                        }
+                        if let Some(ct) = &message.content_type {
+                            properties =
+                                properties.with_content_type(ShortString::from(ct.as_str()));
+                        }
+                        publisher
+                            .publish_unconfirmed(queue, &message.body, properties)
+                            .await?;
+                    }
+                    publisher.wait_for_confirms().await?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the demo and prints the report; fails if the books are wrong.
+pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        (0.0..=0.9).contains(&options.dup_rate),
+        "ORDERS_DUP_RATE must be between 0.0 and 0.9"
+    );
+    let workload = Workload::generate(options);
+    let builder = crate::runtime(settings, db);
+    let spec = QueueSpec {
+        queue: settings.queue.clone(),
+        consumer: "orders".into(),
+        retry_delays: RetryPolicy::default().delays(),
+    };
+    let (runtime, sink, transport_name) = match Broker::open(settings).await? {
+        Broker::Rabbit(transport, publisher) => {
+            transport.declare(std::slice::from_ref(&spec)).await?;
+            (
+                builder.transport(transport).build()?,
+                Sink::Rabbit(publisher),
+                "RabbitMQ",
+            )
+        }
+        Broker::Memory(transport) => (
+            builder.transport(transport.clone()).build()?,
+            Sink::Memory(transport),
+            "in-memory transport",
+        ),
+    };
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+
     let started = Instant::now();
-    let mut tasks = Vec::new();
-    for burst in deliveries {
-        for envelope in burst {
-            let permit = limit.clone().acquire_owned().await?;
-            let stores = stores.clone();
-            tasks.push(tokio::spawn(async move {
-                let outcome = handler.invoke(&stores, &envelope).await;
-                drop(permit);
-                outcome
-            }));
-        }
-    }
-    let mut report = Report {
-        delivered: tasks.len() + 1,
-        ..Report::default()
-    };
-    let mut outcomes = Vec::with_capacity(tasks.len() + 1);
-    for task in tasks {
-        outcomes.push(task.await??);
-    }
-    // Once order 0 is in, a producer reuses its id for different content: a conflict, which is
-    // dead-lettered, never silently dropped nor applied.
-    outcomes.push(handler.invoke(&stores, &envelope(&reused)).await?);
-    for outcome in outcomes {
-        if let Outcome::Rejected(r) = &outcome {
-            tracing::info!(reason = %r, "dead-lettered");
-        }
-        *report.outcomes.entry(outcome.label()).or_default() += 1;
-    }
-    report.seconds = started.elapsed().as_secs_f64();
+    let deadline = started + Duration::from_secs(options.timeout_secs);
+    sink.send_all(&settings.queue, &workload.deliveries).await?;
+    let total = workload.deliveries.len() as u64;
+    wait_for(&stats, total, deadline).await?;
+    // Once the original is in, a producer reuses its id for other content: a conflict, dead-lettered.
+    sink.send_all(&settings.queue, std::slice::from_ref(&workload.reused_id))
+        .await?;
+    let seen = wait_for(&stats, total + 1, deadline).await?;
+    let elapsed = started.elapsed();
+    let _ = stop.send(());
+    running.await??;
 
-    let prefix = format!("customer-{run_id}-%");
-    let stored: Vec<(String, i64)> = match db {
-        Db::Sqlite(pool) => {
-            sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
-                .bind(&prefix)
-                .fetch_all(pool)
-                .await?
-        }
-        Db::Postgres(pool) => {
-            sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
-                .bind(&prefix)
-                .fetch_all(pool)
-                .await?
-        }
-    };
-    let order_prefix = format!("order-{run_id}-%");
-    report.stored_orders = match db {
-        Db::Sqlite(pool) => {
-            sqlx::query_scalar("SELECT count(*) FROM orders WHERE order_id LIKE $1")
-                .bind(&order_prefix)
-                .fetch_one(pool)
-                .await?
-        }
-        Db::Postgres(pool) => {
-            sqlx::query_scalar("SELECT count(*) FROM orders WHERE order_id LIKE $1")
-                .bind(&order_prefix)
-                .fetch_one(pool)
-                .await?
-        }
-    };
-    report.expected_orders = config.orders as i64;
-    report.expected_cents = expected.values().sum();
-    report.stored_cents = stored.iter().map(|(_, c)| c).sum();
-    let stored: BTreeMap<String, i64> = stored.into_iter().collect();
-    report.wrong_balances = expected
+    let (balances, stored_orders) = db
+        .books(&workload.customer_prefix, &workload.order_prefix)
+        .await?;
+    let stored: BTreeMap<String, i64> = balances.into_iter().collect();
+    let wrong = workload
+        .expected
         .iter()
         .filter(|(c, cents)| stored.get(*c) != Some(cents))
         .count();
-    Ok(report)
+    let expected_cents: i64 = workload.expected.values().sum();
+    let stored_cents: i64 = stored.values().sum();
+    let exact =
+        wrong == 0 && stored_orders == workload.orders as i64 && stored_cents == expected_cents;
+
+    println!(
+        "transport            {transport_name}, queue {}",
+        settings.queue
+    );
+    println!(
+        "delivered            {:>7}  ({:.0} msgs/s)",
+        total + 1,
+        (total + 1) as f64 / elapsed.as_secs_f64()
+    );
+    println!("processed            {:>7}", seen.processed);
+    println!("duplicates skipped   {:>7}", seen.duplicates);
+    println!(
+        "dead-lettered        {:>7}  (rejected {}, conflict {}; see {}.dlq)",
+        seen.dead_lettered, seen.rejected, seen.conflicts, settings.queue
+    );
+    println!("retried              {:>7}", seen.retried);
+    println!(
+        "orders stored        {:>7}  (expected {})",
+        stored_orders, workload.orders
+    );
+    println!("cents booked    {stored_cents:>12}  (expected {expected_cents})");
+    println!(
+        "balances             {}",
+        if exact {
+            "exact".to_owned()
+        } else {
+            format!("WRONG ({wrong} customers off)")
+        }
+    );
+    anyhow::ensure!(exact, "the books do not add up");
+    Ok(())
+}
+
+/// Waits until `count` deliveries are settled for good.
+async fn wait_for(stats: &idem::Stats, count: u64, deadline: Instant) -> anyhow::Result<Snapshot> {
+    loop {
+        let now = stats.snapshot();
+        if now.settled() >= count {
+            return Ok(now);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "timed out: {} of {count} deliveries settled ({now:?})",
+            now.settled()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -1,35 +1,80 @@
 //! The orders example: an order consumer whose non-idempotent writes (an order row and a
-//! balance increment) are made effectively exactly once by idem's inbox.
+//! balance increment) are made effectively exactly once by idem.
 //!
-//! `cargo run --example orders` runs the demo against an embedded SQLite file: a few thousand
-//! orders with duplicates (some delivered concurrently), malformed messages and a reused id,
-//! then checks that every balance adds up. `--help` lists the configuration.
+//! - `cargo run --example orders` (or `-- demo`): publishes a few thousand orders with ~20%
+//!   duplicates (some concurrent), malformed messages and a reused id, consumes them, and checks
+//!   that every balance adds up. Uses RabbitMQ when it is reachable, the in-memory transport
+//!   otherwise; the embedded SQLite file unless `DATABASE_URL` names PostgreSQL.
+//! - `cargo run --example orders -- consume`: the long-running consumer.
+//!
+//! `--help` lists the configuration; every setting can come from the environment.
 
 mod demo;
 mod handlers;
 
 use anyhow::Context as _;
-use clap::Parser;
+use clap::{Parser, Subcommand, ValueEnum};
+use idem::rabbitmq::{Publisher, RabbitConfig, RabbitTransport};
 use idem::sql::{PgInbox, SqliteInbox};
-use idem::{StoreKind, Stores};
+use idem::{MemoryTransport, Runtime, RuntimeBuilder};
 
 /// The orders example of idem.
 #[derive(Debug, Parser)]
-#[command(version, about)]
+#[command(version, about, long_about = None)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    settings: Settings,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Consume orders until interrupted (SIGINT or SIGTERM).
+    Consume,
+    /// Publish a workload, consume it, and check the books (the default).
+    Demo(demo::Options),
+}
+
+/// Settings shared by both commands.
+#[derive(Debug, clap::Args)]
+struct Settings {
+    /// The RabbitMQ broker.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        global = true
+    )]
+    amqp_url: String,
     /// Where the inbox and the orders live: a `sqlite:` URL or file path (embedded, the
     /// default) or a `postgres://` URL.
-    #[arg(long, env = "DATABASE_URL", default_value = "sqlite://idem-orders.db")]
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "sqlite://idem-orders.db",
+        global = true
+    )]
     database_url: String,
-    /// How many distinct orders the demo sends.
-    #[arg(long, env = "ORDERS_COUNT", default_value_t = 2000)]
-    orders: usize,
-    /// The share of deliveries that are duplicates (0.0 to 0.9).
-    #[arg(long, env = "ORDERS_DUP_RATE", default_value_t = 0.2)]
-    dup_rate: f64,
-    /// How many deliveries are processed at once.
-    #[arg(long, env = "ORDERS_CONCURRENCY", default_value_t = 8)]
+    /// The queue to consume (its dead letters go to `<queue>.dlq`).
+    #[arg(long, env = "ORDERS_QUEUE", default_value = "orders", global = true)]
+    queue: String,
+    /// Orders processed at once.
+    #[arg(long, env = "ORDERS_CONCURRENCY", default_value_t = 8, global = true)]
     concurrency: usize,
+    /// Where messages come from: RabbitMQ, or the in-memory transport (demo only).
+    #[arg(long, value_enum, env = "ORDERS_TRANSPORT", default_value_t = TransportKind::Auto, global = true)]
+    transport: TransportKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TransportKind {
+    /// RabbitMQ if reachable, else in memory (demo only).
+    Auto,
+    /// RabbitMQ.
+    Rabbitmq,
+    /// In memory, nothing installed (demo only).
+    Memory,
 }
 
 #[tokio::main]
@@ -40,32 +85,97 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
+    let settings = &cli.settings;
     anyhow::ensure!(
-        (0.0..=0.9).contains(&cli.dup_rate),
-        "ORDERS_DUP_RATE must be between 0.0 and 0.9, got {}",
-        cli.dup_rate
+        settings.concurrency > 0,
+        "ORDERS_CONCURRENCY must be at least 1"
     );
-    anyhow::ensure!(cli.concurrency > 0, "ORDERS_CONCURRENCY must be at least 1");
+    let db = Db::connect(&settings.database_url).await?;
+    match cli.command {
+        Some(Command::Consume) => consume(settings, &db).await,
+        Some(Command::Demo(options)) => demo::run(settings, &db, &options).await,
+        None => demo::run(settings, &db, &demo::Options::default()).await,
+    }
+}
 
-    let (stores, store, db) = connect(&cli.database_url).await?;
-    let handlers = idem::registry::for_store(store);
-    idem::registry::validate(&handlers)?;
-    let handler = handlers
-        .into_iter()
-        .find(|r| r.consumer() == "orders")
-        .context("the orders handler is not registered")?;
-    let config = demo::Config {
-        orders: cli.orders,
-        dup_rate: cli.dup_rate,
-        concurrency: cli.concurrency,
-    };
-    let report = demo::run(handler, &stores, &db, &config).await?;
-    println!("{report}");
-    anyhow::ensure!(report.exact(), "effects are not exact");
+async fn consume(settings: &Settings, db: &Db) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        settings.transport != TransportKind::Memory,
+        "`consume` needs RabbitMQ; the in-memory transport is for `demo`"
+    );
+    let transport = RabbitTransport::new(RabbitConfig::new(&settings.amqp_url));
+    let runtime = runtime(settings, db).transport(transport).build()?;
+    tracing::info!(queue = settings.queue, "consuming orders");
+    runtime.run_until(shutdown_signal()).await?;
     Ok(())
 }
 
-/// The database the demo checks its results in.
+/// The runtime for the orders handler on `db`, without a transport yet.
+fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
+    let builder = Runtime::builder()
+        .handlers(["orders"])
+        .handler_queue("orders", &settings.queue)
+        .concurrency(settings.concurrency)
+        .prefetch(u16::try_from(settings.concurrency * 4).unwrap_or(u16::MAX));
+    match db {
+        Db::Sqlite(pool) => builder.store(SqliteInbox::new(pool.clone())),
+        Db::Postgres(pool) => builder.store(PgInbox::new(pool.clone())),
+    }
+}
+
+/// RabbitMQ or the in-memory transport, as configured and reachable.
+enum Broker {
+    Rabbit(RabbitTransport, Publisher),
+    Memory(MemoryTransport),
+}
+
+impl Broker {
+    async fn open(settings: &Settings) -> anyhow::Result<Self> {
+        if settings.transport == TransportKind::Memory {
+            return Ok(Self::Memory(MemoryTransport::new()));
+        }
+        let config = RabbitConfig::new(&settings.amqp_url);
+        match Publisher::connect(&config).await {
+            Ok(publisher) => Ok(Self::Rabbit(RabbitTransport::new(config), publisher)),
+            Err(e) if settings.transport == TransportKind::Auto => {
+                eprintln!(
+                    "RabbitMQ is not reachable at AMQP_URL ({e}).\n\
+                     Running the demo on the in-memory transport instead (--transport memory);\n\
+                     start RabbitMQ (`rabbitmq-server -detached`, or `docker compose up -d`) to use it."
+                );
+                Ok(Self::Memory(MemoryTransport::new()))
+            }
+            Err(e) => Err(e).context(
+                "RabbitMQ is not reachable at AMQP_URL; start it or pass --transport memory",
+            ),
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(signal) => signal,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the consumer");
+                let _ = interrupt.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+}
+
+/// The database holding the inbox and the orders.
 pub enum Db {
     /// The embedded default.
     Sqlite(sqlx::SqlitePool),
@@ -73,40 +183,71 @@ pub enum Db {
     Postgres(sqlx::PgPool),
 }
 
-async fn connect(url: &str) -> anyhow::Result<(Stores, StoreKind, Db)> {
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(16)
-            .connect(url)
-            .await
-            .with_context(|| format!("cannot connect to PostgreSQL at {url}"))?;
-        for statement in handlers::SCHEMA {
-            sqlx::query(statement).execute(&pool).await?;
+impl Db {
+    /// Connects, creates the example's tables and migrates the inbox.
+    async fn connect(url: &str) -> anyhow::Result<Self> {
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(20)
+                .connect(url)
+                .await
+                .with_context(|| format!("cannot connect to PostgreSQL at DATABASE_URL ({url})"))?;
+            let mut tx = pool.begin().await?;
+            sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.orders.schema'))::text")
+                .execute(&mut *tx)
+                .await?;
+            for statement in handlers::SCHEMA {
+                sqlx::query(statement).execute(&mut *tx).await?;
+            }
+            tx.commit().await?;
+            PgInbox::new(pool.clone()).migrate().await?;
+            Ok(Self::Postgres(pool))
+        } else if url.starts_with("sqlite:") || !url.contains("://") {
+            let pool = idem::sql::sqlite::pool(url)
+                .await
+                .with_context(|| format!("cannot open SQLite database DATABASE_URL ({url})"))?;
+            SqliteInbox::new(pool.clone()).migrate().await?;
+            for statement in handlers::SCHEMA {
+                sqlx::query(statement).execute(&pool).await?;
+            }
+            Ok(Self::Sqlite(pool))
+        } else {
+            anyhow::bail!(
+                "DATABASE_URL must be a sqlite: URL, a file path or a postgres:// URL, got {url}"
+            )
         }
-        let inbox = PgInbox::new(pool.clone());
-        inbox.migrate().await?;
-        Ok((
-            Stores::new().with(inbox),
-            StoreKind::Postgres,
-            Db::Postgres(pool),
-        ))
-    } else if url.starts_with("sqlite:") || !url.contains("://") {
-        let pool = idem::sql::sqlite::pool(url)
-            .await
-            .with_context(|| format!("cannot open SQLite database {url}"))?;
-        for statement in handlers::SCHEMA {
-            sqlx::query(statement).execute(&pool).await?;
-        }
-        let inbox = SqliteInbox::new(pool.clone());
-        inbox.migrate().await?;
-        Ok((
-            Stores::new().with(inbox),
-            StoreKind::Sqlite,
-            Db::Sqlite(pool),
-        ))
-    } else {
-        anyhow::bail!(
-            "DATABASE_URL must be a sqlite: URL, a file path or a postgres:// URL, got {url}"
-        )
+    }
+
+    /// Each balance whose customer starts with `prefix`, and the number of orders whose id does.
+    async fn books(
+        &self,
+        customer_prefix: &str,
+        order_prefix: &str,
+    ) -> anyhow::Result<(Vec<(String, i64)>, i64)> {
+        const BALANCES: &str = "SELECT customer, cents FROM balances WHERE customer LIKE $1";
+        const ORDERS: &str = "SELECT count(*) FROM orders WHERE order_id LIKE $1";
+        let (customers, orders) = (format!("{customer_prefix}%"), format!("{order_prefix}%"));
+        Ok(match self {
+            Self::Sqlite(pool) => (
+                sqlx::query_as(BALANCES)
+                    .bind(&customers)
+                    .fetch_all(pool)
+                    .await?,
+                sqlx::query_scalar(ORDERS)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+            ),
+            Self::Postgres(pool) => (
+                sqlx::query_as(BALANCES)
+                    .bind(&customers)
+                    .fetch_all(pool)
+                    .await?,
+                sqlx::query_scalar(ORDERS)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+            ),
+        })
     }
 }

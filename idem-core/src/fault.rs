@@ -25,12 +25,21 @@ fn faults() -> &'static Faults {
     static FAULTS: OnceLock<Faults> = OnceLock::new();
     FAULTS.get_or_init(|| {
         let mut faults = Faults::default();
-        for part in std::env::var("IDEM_FAULT").unwrap_or_default().split(',').filter(|p| !p.is_empty()) {
-            let parsed = part.split_once('=').and_then(|(k, v)| Some((k.trim(), v.trim().parse::<f64>().ok()?)));
+        for part in std::env::var("IDEM_FAULT")
+            .unwrap_or_default()
+            .split(',')
+            .filter(|p| !p.is_empty())
+        {
+            let parsed = part
+                .split_once('=')
+                .and_then(|(k, v)| Some((k.trim(), v.trim().parse::<f64>().ok()?)));
             match parsed {
                 Some(("before_commit", p)) => faults.before_commit = p,
                 Some(("after_commit", p)) => faults.after_commit = p,
-                _ => tracing::error!(part, "IDEM_FAULT: expected before_commit=<p> or after_commit=<p>"),
+                _ => tracing::error!(
+                    part,
+                    "IDEM_FAULT: expected before_commit=<p> or after_commit=<p>"
+                ),
             }
         }
         faults

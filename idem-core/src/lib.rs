@@ -29,12 +29,14 @@ pub use envelope::{Envelope, HeaderValue, Headers};
 pub use error::{BoxError, ErrorClass, HandlerError, StoreError, classify_sqlx};
 pub use fingerprint::Fingerprint;
 pub use handler::{Handler, HandlerResult};
-pub use memory::MemoryTransport;
 pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
+pub use memory::MemoryTransport;
 pub use outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
 pub use pipeline::process;
 pub use registry::{DispatchError, Registration, RegistryError};
 pub use retry::{RetryPolicy, RetryPolicyError};
 pub use runtime::{Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats};
 pub use store::{Claim, ClaimRequest, InboxStore, StoreKind, Stores};
-pub use transport::{DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError};
+pub use transport::{
+    DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
+};

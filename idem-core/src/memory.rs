@@ -4,7 +4,9 @@
 
 use crate::envelope::Envelope;
 use crate::registry::BoxFuture;
-use crate::transport::{DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError};
+use crate::transport::{
+    DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
+};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -49,7 +51,11 @@ impl MemoryTransport {
 
     /// Enqueues a message.
     pub fn publish(&self, queue: &str, envelope: Envelope) {
-        self.queues().entry(queue.to_owned()).or_default().ready.push_back(envelope);
+        self.queues()
+            .entry(queue.to_owned())
+            .or_default()
+            .ready
+            .push_back(envelope);
         self.inner.changed.notify_waiters();
     }
 
@@ -58,14 +64,18 @@ impl MemoryTransport {
     pub fn publish_copies(&self, queue: &str, envelope: &Envelope, copies: usize) {
         let mut queues = self.queues();
         let q = queues.entry(queue.to_owned()).or_default();
-        q.ready.extend(std::iter::repeat_n(envelope, copies).cloned());
+        q.ready
+            .extend(std::iter::repeat_n(envelope, copies).cloned());
         drop(queues);
         self.inner.changed.notify_waiters();
     }
 
     /// Messages dead-lettered from `queue`, with their reasons.
     pub fn dead_letters(&self, queue: &str) -> Vec<(Envelope, DeadLetter)> {
-        self.queues().get(queue).map(|q| q.dead.clone()).unwrap_or_default()
+        self.queues()
+            .get(queue)
+            .map(|q| q.dead.clone())
+            .unwrap_or_default()
     }
 
     /// How many deliveries of `queue` were acked.
@@ -75,7 +85,9 @@ impl MemoryTransport {
 
     /// Messages of `queue` waiting or delivered but not settled.
     pub fn pending(&self, queue: &str) -> usize {
-        self.queues().get(queue).map_or(0, |q| q.ready.len() + q.unacked)
+        self.queues()
+            .get(queue)
+            .map_or(0, |q| q.ready.len() + q.unacked)
     }
 
     fn settle(&self, queue: &str, apply: impl FnOnce(&mut Queue)) {
@@ -164,7 +176,8 @@ impl Drop for MemorySettle {
         if let Some(mut envelope) = self.envelope.take() {
             envelope.redelivered = true;
             envelope.attempt += 1;
-            self.transport.settle(&self.queue, |q| q.ready.push_front(envelope));
+            self.transport
+                .settle(&self.queue, |q| q.ready.push_front(envelope));
         }
     }
 }
@@ -175,7 +188,11 @@ impl Settle for MemorySettle {
         Box::pin(async { Ok(()) })
     }
 
-    fn retry<'a>(self: Box<Self>, _: &'a Envelope, delay: Duration) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn retry<'a>(
+        self: Box<Self>,
+        _: &'a Envelope,
+        delay: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
         let (transport, queue) = (self.transport.clone(), self.queue.clone());
         let mut retried = None;
         self.finish(|_, envelope| retried = Some(envelope));
@@ -189,7 +206,11 @@ impl Settle for MemorySettle {
         Box::pin(async { Ok(()) })
     }
 
-    fn dead_letter<'a>(self: Box<Self>, _: &'a Envelope, reason: &'a DeadLetter) -> BoxFuture<'a, Result<(), TransportError>> {
+    fn dead_letter<'a>(
+        self: Box<Self>,
+        _: &'a Envelope,
+        reason: &'a DeadLetter,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
         let reason = reason.clone();
         self.finish(|q, envelope| q.dead.push((envelope, reason)));
         Box::pin(async { Ok(()) })

@@ -71,7 +71,9 @@ impl RetryPolicy {
     /// Every delay the policy can ask for, shortest first, without repeats: the transport
     /// prepares one delay queue for each.
     pub fn delays(&self) -> Vec<Duration> {
-        let mut delays: Vec<_> = (1..self.max_attempts).filter_map(|a| self.delay_after(a)).collect();
+        let mut delays: Vec<_> = (1..self.max_attempts)
+            .filter_map(|a| self.delay_after(a))
+            .collect();
         delays.dedup();
         delays
     }
@@ -85,11 +87,20 @@ mod tests {
     fn backoff_schedule() {
         let p = RetryPolicy::default();
         let secs = |a| p.delay_after(a).map(|d| d.as_secs());
-        assert_eq!([secs(1), secs(2), secs(3), secs(4), secs(5)], [Some(1), Some(4), Some(16), Some(60), None]);
+        assert_eq!(
+            [secs(1), secs(2), secs(3), secs(4), secs(5)],
+            [Some(1), Some(4), Some(16), Some(60), None]
+        );
         assert_eq!(p.delays().len(), 4);
-        let flat = RetryPolicy::new(4, Duration::from_millis(50), 1, Duration::from_millis(50)).unwrap();
+        let flat =
+            RetryPolicy::new(4, Duration::from_millis(50), 1, Duration::from_millis(50)).unwrap();
         assert_eq!(flat.delays(), vec![Duration::from_millis(50)]);
         assert!(RetryPolicy::new(0, Duration::from_secs(1), 2, Duration::from_secs(1)).is_err());
-        assert_eq!(RetryPolicy::new(1, Duration::from_secs(1), 2, Duration::from_secs(1)).unwrap().delay_after(1), None);
+        assert_eq!(
+            RetryPolicy::new(1, Duration::from_secs(1), 2, Duration::from_secs(1))
+                .unwrap()
+                .delay_after(1),
+            None
+        );
     }
 }

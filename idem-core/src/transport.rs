@@ -20,7 +20,9 @@ pub struct Delivery {
 
 impl fmt::Debug for Delivery {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Delivery").field("envelope", &self.envelope).finish_non_exhaustive()
+        f.debug_struct("Delivery")
+            .field("envelope", &self.envelope)
+            .finish_non_exhaustive()
     }
 }
 

@@ -91,7 +91,13 @@ mod tests {
 
     #[test]
     fn passwords_stay_out_of_logs() {
-        assert_eq!(RabbitConfig::new("amqp://guest:secret@h:5672/%2f").redacted_url(), "amqp://guest:***@h:5672/%2f");
-        assert_eq!(RabbitConfig::new("amqp://h:5672").redacted_url(), "amqp://h:5672");
+        assert_eq!(
+            RabbitConfig::new("amqp://guest:secret@h:5672/%2f").redacted_url(),
+            "amqp://guest:***@h:5672/%2f"
+        );
+        assert_eq!(
+            RabbitConfig::new("amqp://h:5672").redacted_url(),
+            "amqp://h:5672"
+        );
     }
 }

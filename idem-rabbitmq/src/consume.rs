@@ -6,7 +6,9 @@ use crate::settle::RabbitSettle;
 use crate::transport::Connections;
 use futures_util::StreamExt;
 use idem_core::{Delivery, QueueSpec, StopSignal};
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{
+    BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
+};
 use lapin::types::{FieldTable, ShortString};
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -32,7 +34,17 @@ pub(crate) async fn run(
 ) {
     let mut backoff = config.reconnect_min;
     while !*stop.borrow() {
-        match session(&config, &connections, &spec, prefetch, &mailbox, &mut stop, &mut backoff).await {
+        match session(
+            &config,
+            &connections,
+            &spec,
+            prefetch,
+            &mailbox,
+            &mut stop,
+            &mut backoff,
+        )
+        .await
+        {
             Ok(Ended::Stopped | Ended::MailboxClosed) => return,
             Err(e) => {
                 tracing::warn!(queue = spec.queue, error = %e, retry_in = ?backoff, "RabbitMQ consumer lost; reconnecting");
@@ -58,8 +70,14 @@ async fn session(
     let fail = |e: lapin::Error| e.to_string();
     let connection = connections.open(config, &spec.queue).await.map_err(fail)?;
     let channel = connection.create_channel().await.map_err(fail)?;
-    channel.basic_qos(prefetch, BasicQosOptions::default()).await.map_err(fail)?;
-    channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(fail)?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await
+        .map_err(fail)?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(fail)?;
     let tag = format!("{}:{}", spec.consumer, std::process::id());
     let mut consumer = channel
         .basic_consume(
@@ -85,9 +103,20 @@ async fn session(
             Some(Err(e)) => return Err(e.to_string()),
             None => return Err("the consumer was cancelled or its channel closed".to_owned()),
         };
-        let lapin::message::Delivery { redelivered, properties, data, acker, .. } = delivery;
+        let lapin::message::Delivery {
+            redelivered,
+            properties,
+            data,
+            acker,
+            ..
+        } = delivery;
         let envelope = envelope(&properties, data, redelivered);
-        let settle = Box::new(RabbitSettle { acker, channel: channel.clone(), properties, queue: spec.queue.clone() });
+        let settle = Box::new(RabbitSettle {
+            acker,
+            channel: channel.clone(),
+            properties,
+            queue: spec.queue.clone(),
+        });
         // Waits while the mailbox is full: no more deliveries in memory than prefetch allows.
         if mailbox.send(Delivery { envelope, settle }).await.is_err() {
             return Ok(Ended::MailboxClosed);

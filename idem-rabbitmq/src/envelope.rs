@@ -11,7 +11,11 @@ pub(crate) const ATTEMPT_HEADER: &str = "x-idem-attempt";
 /// [`ATTEMPT_HEADER`], 1 for an original) plus the broker's redeliveries of this copy (quorum
 /// queues count them in `x-delivery-count`; classic queues only flag a redelivery).
 pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered: bool) -> Envelope {
-    let headers = properties.headers().as_ref().map(headers).unwrap_or_default();
+    let headers = properties
+        .headers()
+        .as_ref()
+        .map(headers)
+        .unwrap_or_default();
     let int = |name: &str| match headers.get(name) {
         Some(HeaderValue::Int(n)) => u32::try_from(*n).ok(),
         _ => None,
@@ -20,7 +24,10 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
     let redeliveries = int("x-delivery-count").unwrap_or(u32::from(redelivered));
     Envelope {
         message_id: properties.message_id().as_ref().map(ToString::to_string),
-        correlation_id: properties.correlation_id().as_ref().map(ToString::to_string),
+        correlation_id: properties
+            .correlation_id()
+            .as_ref()
+            .map(ToString::to_string),
         content_type: properties.content_type().as_ref().map(ToString::to_string),
         headers,
         body,
@@ -59,7 +66,10 @@ fn headers(table: &FieldTable) -> Headers {
 }
 
 /// The properties of a delivery with `header` set, for republishing it (persistent).
-pub(crate) fn with_headers(properties: &BasicProperties, set: &[(&str, AMQPValue)]) -> BasicProperties {
+pub(crate) fn with_headers(
+    properties: &BasicProperties,
+    set: &[(&str, AMQPValue)],
+) -> BasicProperties {
     let mut table = properties.headers().clone().unwrap_or_default();
     for (name, value) in set {
         table.insert(ShortString::from(*name), value.clone());
@@ -88,12 +98,28 @@ mod tests {
         let env = envelope(&props, b"{}".to_vec(), false);
         assert_eq!(env.message_id.as_deref(), Some("m-1"));
         assert_eq!(env.correlation_id.as_deref(), Some("c-1"));
-        assert_eq!(env.headers.get("x-idempotency-key"), Some(&HeaderValue::Str("k-1".into())));
+        assert_eq!(
+            env.headers.get("x-idempotency-key"),
+            Some(&HeaderValue::Str("k-1".into()))
+        );
         assert_eq!(env.attempt, 3);
-        assert_eq!(envelope(&BasicProperties::default(), vec![], true).attempt, 2);
-        assert_eq!(envelope(&BasicProperties::default(), vec![], false).attempt, 1);
+        assert_eq!(
+            envelope(&BasicProperties::default(), vec![], true).attempt,
+            2
+        );
+        assert_eq!(
+            envelope(&BasicProperties::default(), vec![], false).attempt,
+            1
+        );
         let republished = with_headers(&props, &[(ATTEMPT_HEADER, AMQPValue::LongLongInt(4))]);
         assert_eq!(envelope(&republished, vec![], false).attempt, 4);
-        assert_eq!(republished.message_id().as_ref().map(ToString::to_string).as_deref(), Some("m-1"));
+        assert_eq!(
+            republished
+                .message_id()
+                .as_ref()
+                .map(ToString::to_string)
+                .as_deref(),
+            Some("m-1")
+        );
     }
 }

@@ -30,7 +30,9 @@ impl Publisher {
         let connections = Connections::default();
         let connection = connections.open(config, "publisher").await?;
         let channel = connection.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
         Ok(Self {
             channel,
             _connections: connections,
@@ -57,11 +59,20 @@ impl Publisher {
             )
             .await?
             .await?;
-        if confirm.is_ack() { Ok(()) } else { Err(PublishError::Refused) }
+        if confirm.is_ack() {
+            Ok(())
+        } else {
+            Err(PublishError::Refused)
+        }
     }
 
     /// Publishes a JSON body to `queue` on the default exchange with the given message id.
-    pub async fn publish_json(&self, queue: &str, message_id: &str, body: &[u8]) -> Result<(), PublishError> {
+    pub async fn publish_json(
+        &self,
+        queue: &str,
+        message_id: &str,
+        body: &[u8],
+    ) -> Result<(), PublishError> {
         let properties = BasicProperties::default()
             .with_message_id(ShortString::from(message_id))
             .with_content_type(ShortString::from("application/json"));
@@ -70,7 +81,12 @@ impl Publisher {
 
     /// Publishes without waiting for the confirm; call [`Publisher::wait_for_confirms`] after
     /// a batch. Much faster for bulk loads.
-    pub async fn publish_unconfirmed(&self, queue: &str, body: &[u8], properties: BasicProperties) -> Result<(), PublishError> {
+    pub async fn publish_unconfirmed(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<(), PublishError> {
         self.channel
             .basic_publish(
                 ShortString::from(""),
@@ -86,6 +102,10 @@ impl Publisher {
     /// Waits until every message published so far is confirmed; fails if any was refused.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {
         let returned = self.channel.wait_for_confirms().await?;
-        if returned.is_empty() { Ok(()) } else { Err(PublishError::Refused) }
+        if returned.is_empty() {
+            Ok(())
+        } else {
+            Err(PublishError::Refused)
+        }
     }
 }

@@ -28,14 +28,20 @@ fn text(value: &str) -> AMQPValue {
 
 fn queue_arguments(config: &RabbitConfig, dead_letter_to: Option<&str>) -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-queue-type"), text(config.queue_type.name()));
+    args.insert(
+        ShortString::from("x-queue-type"),
+        text(config.queue_type.name()),
+    );
     if let Some(target) = dead_letter_to {
         args.insert(ShortString::from("x-dead-letter-exchange"), text(""));
         args.insert(ShortString::from("x-dead-letter-routing-key"), text(target));
         if config.queue_type == QueueType::Quorum {
             // Quorum queues dead-letter at most once unless told otherwise; a dead letter must
             // never be lost, so confirm it into the target (which needs reject-publish).
-            args.insert(ShortString::from("x-dead-letter-strategy"), text("at-least-once"));
+            args.insert(
+                ShortString::from("x-dead-letter-strategy"),
+                text("at-least-once"),
+            );
             args.insert(ShortString::from("x-overflow"), text("reject-publish"));
         }
     }
@@ -44,11 +50,18 @@ fn queue_arguments(config: &RabbitConfig, dead_letter_to: Option<&str>) -> Field
 
 /// Declares the queues of `spec`. A queue that exists with other arguments is an error carrying
 /// the broker's explanation (it names the argument that differs).
-pub(crate) async fn declare(connection: &Connection, config: &RabbitConfig, spec: &QueueSpec) -> Result<(), TransportError> {
+pub(crate) async fn declare(
+    connection: &Connection,
+    config: &RabbitConfig,
+    spec: &QueueSpec,
+) -> Result<(), TransportError> {
     let q = spec.queue.as_str();
     let mut main = queue_arguments(config, Some(&dlq(q)));
     if let (QueueType::Quorum, Some(limit)) = (config.queue_type, config.delivery_limit) {
-        main.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(i64::from(limit)));
+        main.insert(
+            ShortString::from("x-delivery-limit"),
+            AMQPValue::LongLongInt(i64::from(limit)),
+        );
     }
     let mut queues = vec![
         (dlq(q), queue_arguments(config, None)),
@@ -58,14 +71,21 @@ pub(crate) async fn declare(connection: &Connection, config: &RabbitConfig, spec
     for delay in &spec.retry_delays {
         let mut args = queue_arguments(config, Some(q));
         let ttl = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
-        args.insert(ShortString::from("x-message-ttl"), AMQPValue::LongLongInt(ttl));
+        args.insert(
+            ShortString::from("x-message-ttl"),
+            AMQPValue::LongLongInt(ttl),
+        );
         queues.push((retry_queue(q, *delay), args));
     }
     for (name, args) in queues {
         // A failed declaration closes the channel: use a fresh one per queue.
         let channel = channel(connection, &name).await?;
         channel
-            .queue_declare(ShortString::from(name.as_str()), QueueDeclareOptions::durable(), args)
+            .queue_declare(
+                ShortString::from(name.as_str()),
+                QueueDeclareOptions::durable(),
+                args,
+            )
             .await
             .map_err(|e| TransportError::Topology {
                 queue: name.clone(),
@@ -77,8 +97,11 @@ pub(crate) async fn declare(connection: &Connection, config: &RabbitConfig, spec
 }
 
 async fn channel(connection: &Connection, queue: &str) -> Result<Channel, TransportError> {
-    connection.create_channel().await.map_err(|e| TransportError::Topology {
-        queue: queue.to_owned(),
-        message: format!("cannot open a channel: {e}"),
-    })
+    connection
+        .create_channel()
+        .await
+        .map_err(|e| TransportError::Topology {
+            queue: queue.to_owned(),
+            message: format!("cannot open a channel: {e}"),
+        })
 }

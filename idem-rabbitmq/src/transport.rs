@@ -22,9 +22,14 @@ pub(crate) struct Connections(Arc<Mutex<Vec<Arc<Connection>>>>);
 
 impl Connections {
     /// Opens a connection named after `purpose` and keeps it for [`Connections::close_all`].
-    pub(crate) async fn open(&self, config: &RabbitConfig, purpose: &str) -> Result<Arc<Connection>, lapin::Error> {
+    pub(crate) async fn open(
+        &self,
+        config: &RabbitConfig,
+        purpose: &str,
+    ) -> Result<Arc<Connection>, lapin::Error> {
         let name = format!("{}:{purpose}", config.name);
-        let properties = ConnectionProperties::default().with_connection_name(LongString::from(name.into_bytes()));
+        let properties = ConnectionProperties::default()
+            .with_connection_name(LongString::from(name.into_bytes()));
         let connection = Arc::new(Connection::connect(&config.url, properties).await?);
         let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|c| c.status().connected());
@@ -33,9 +38,12 @@ impl Connections {
     }
 
     async fn close_all(&self) {
-        let all: Vec<Arc<Connection>> = std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+        let all: Vec<Arc<Connection>> =
+            std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
         for connection in all {
-            let _ = connection.close(200, ShortString::from("idem shutting down")).await;
+            let _ = connection
+                .close(200, ShortString::from("idem shutting down"))
+                .await;
         }
     }
 }
@@ -71,13 +79,28 @@ impl Transport for RabbitTransport {
                 Ok(())
             }
             .await;
-            let _ = connection.close(200, ShortString::from("topology declared")).await;
+            let _ = connection
+                .close(200, ShortString::from("topology declared"))
+                .await;
             result
         })
     }
 
-    fn consume(&self, queue: QueueSpec, prefetch: u16, mailbox: mpsc::Sender<Delivery>, stop: StopSignal) -> BoxFuture<'static, ()> {
-        Box::pin(consume::run(self.config.clone(), self.connections.clone(), queue, prefetch, mailbox, stop))
+    fn consume(
+        &self,
+        queue: QueueSpec,
+        prefetch: u16,
+        mailbox: mpsc::Sender<Delivery>,
+        stop: StopSignal,
+    ) -> BoxFuture<'static, ()> {
+        Box::pin(consume::run(
+            self.config.clone(),
+            self.connections.clone(),
+            queue,
+            prefetch,
+            mailbox,
+            stop,
+        ))
     }
 
     fn close(&self) -> BoxFuture<'_, ()> {

@@ -34,7 +34,9 @@ pub enum RuntimeError {
         consumer: &'static str,
     },
     /// A handler's store is missing.
-    #[error("handler `{consumer}` writes to {store}, but the runtime has no {store} store: add one with .store(...) (or .{hint}(pool))")]
+    #[error(
+        "handler `{consumer}` writes to {store}, but the runtime has no {store} store: add one with .store(...) (or .{hint}(pool))"
+    )]
     MissingStore {
         /// The handler's consumer identity.
         consumer: &'static str,
@@ -64,6 +66,7 @@ pub struct RuntimeBuilder {
     handlers: Option<Vec<String>>,
     concurrency: usize,
     per_handler: HashMap<String, usize>,
+    queues: HashMap<String, String>,
     prefetch: u16,
     retry: RetryPolicy,
     shutdown_grace: Duration,
@@ -77,6 +80,7 @@ impl Default for RuntimeBuilder {
             handlers: None,
             concurrency: 8,
             per_handler: HashMap::new(),
+            queues: HashMap::new(),
             prefetch: 32,
             retry: RetryPolicy::default(),
             shutdown_grace: Duration::from_secs(30),
@@ -115,6 +119,13 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Consumes `queue` for the handler with consumer identity `consumer`, instead of the
+    /// queue its `#[idempotent(queue = ...)]` names (for example from configuration).
+    pub fn handler_queue(mut self, consumer: impl Into<String>, queue: impl Into<String>) -> Self {
+        self.queues.insert(consumer.into(), queue.into());
+        self
+    }
+
     /// Unsettled deliveries per handler the broker may send ahead (default 32). This bounds
     /// what is held in memory: the mailbox holds at most this many.
     pub fn prefetch(mut self, prefetch: u16) -> Self {
@@ -135,40 +146,84 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Checks the configuration.
-    pub fn build(self) -> Result<Runtime, RuntimeError> {
-        let transport = self.transport.ok_or(RuntimeError::NoTransport)?;
-        let handlers = match &self.handlers {
-            None => registry::handlers(),
-            Some(chosen) => chosen
-                .iter()
-                .map(|c| registry::find(c).ok_or_else(|| RuntimeError::UnknownHandler(c.clone())))
-                .collect::<Result<_, _>>()?,
+    /// The handlers to run: the chosen consumers (or every registered one). A consumer written
+    /// for several stores (one function per database) runs on the store the runtime has.
+    fn select_handlers(&self) -> Result<Vec<&'static Registration>, RuntimeError> {
+        let all = registry::handlers();
+        let consumers: Vec<&str> = match &self.handlers {
+            Some(chosen) => chosen.iter().map(String::as_str).collect(),
+            None => {
+                let mut names: Vec<&str> = all.iter().map(|r| r.consumer()).collect();
+                names.dedup();
+                names
+            }
         };
-        if handlers.is_empty() {
-            return Err(RuntimeError::NoHandlers);
-        }
-        registry::validate(&handlers)?;
-        if self.prefetch == 0 {
-            return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
-        }
-        let mut actors = Vec::with_capacity(handlers.len());
-        for registration in handlers {
-            let Some(queue) = registration.queue() else {
-                return Err(RuntimeError::NoQueue { consumer: registration.consumer() });
+        let mut selected = Vec::new();
+        for consumer in consumers {
+            let candidates: Vec<_> = all
+                .iter()
+                .copied()
+                .filter(|r| r.consumer() == consumer)
+                .collect();
+            let Some(first) = candidates.first() else {
+                return Err(RuntimeError::UnknownHandler(consumer.to_owned()));
             };
-            if !registration.store_available(&self.stores) {
-                let store = registration.store();
+            let runnable: Vec<_> = candidates
+                .iter()
+                .copied()
+                .filter(|r| r.store_available(&self.stores))
+                .collect();
+            if runnable.is_empty() {
+                let store = first.store();
                 let hint = match store {
                     StoreKind::Postgres => "postgres",
                     StoreKind::Sqlite => "sqlite",
                     StoreKind::MySql => "mysql",
                 };
-                return Err(RuntimeError::MissingStore { consumer: registration.consumer(), store, hint });
+                return Err(RuntimeError::MissingStore {
+                    consumer: first.consumer(),
+                    store,
+                    hint,
+                });
             }
-            let workers = self.per_handler.get(registration.consumer()).copied().unwrap_or(self.concurrency);
+            selected.extend(runnable);
+        }
+        if selected.is_empty() {
+            return Err(RuntimeError::NoHandlers);
+        }
+        Ok(selected)
+    }
+
+    /// Checks the configuration.
+    pub fn build(self) -> Result<Runtime, RuntimeError> {
+        let handlers = self.select_handlers()?;
+        let transport = self.transport.ok_or(RuntimeError::NoTransport)?;
+        if self.prefetch == 0 {
+            return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
+        }
+        let mut actors = Vec::with_capacity(handlers.len());
+        for registration in handlers {
+            let queue = match self.queues.get(registration.consumer()) {
+                Some(queue) => queue.as_str(),
+                None => registration.queue().ok_or(RuntimeError::NoQueue {
+                    consumer: registration.consumer(),
+                })?,
+            };
+            if queue.is_empty() || queue.len() > 200 {
+                return Err(RuntimeError::Setting(format!(
+                    "queue name {queue:?} must be 1 to 200 characters"
+                )));
+            }
+            let workers = self
+                .per_handler
+                .get(registration.consumer())
+                .copied()
+                .unwrap_or(self.concurrency);
             if workers == 0 {
-                return Err(RuntimeError::Setting(format!("concurrency of `{}` must be at least 1", registration.consumer())));
+                return Err(RuntimeError::Setting(format!(
+                    "concurrency of `{}` must be at least 1",
+                    registration.consumer()
+                )));
             }
             actors.push(Actor {
                 registration,
@@ -234,7 +289,12 @@ impl Runtime {
         let mut workers = JoinSet::new();
         for actor in &self.actors {
             let (mailbox_tx, mailbox) = mpsc::channel(usize::from(self.prefetch));
-            consumers.spawn(self.transport.consume(actor.spec.clone(), self.prefetch, mailbox_tx, stop.clone()));
+            consumers.spawn(self.transport.consume(
+                actor.spec.clone(),
+                self.prefetch,
+                mailbox_tx,
+                stop.clone(),
+            ));
             let shared = Arc::new(worker::Shared {
                 registration: actor.registration,
                 stores: self.stores.clone(),
@@ -245,7 +305,12 @@ impl Runtime {
             for _ in 0..actor.workers {
                 workers.spawn(worker::run(shared.clone(), mailbox.clone(), stop.clone()));
             }
-            tracing::info!(consumer = actor.spec.consumer, queue = actor.spec.queue, workers = actor.workers, "handler started");
+            tracing::info!(
+                consumer = actor.spec.consumer,
+                queue = actor.spec.queue,
+                workers = actor.workers,
+                "handler started"
+            );
         }
 
         shutdown.await;

@@ -24,7 +24,11 @@ pub(crate) struct Shared {
 
 /// Runs until the mailbox is closed and empty. After `stop` is raised, deliveries not yet
 /// started are released to the broker instead of processed.
-pub(crate) async fn run(shared: Arc<Shared>, mailbox: Arc<Mutex<mpsc::Receiver<Delivery>>>, stop: StopSignal) {
+pub(crate) async fn run(
+    shared: Arc<Shared>,
+    mailbox: Arc<Mutex<mpsc::Receiver<Delivery>>>,
+    stop: StopSignal,
+) {
     loop {
         let next = mailbox.lock().await.recv().await;
         let Some(delivery) = next else { break };
