@@ -168,7 +168,8 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
         retry_delays: RetryPolicy::default().delays(),
     };
     let (runtime, sink, transport_name) = match Broker::open(settings).await? {
-        Broker::Rabbit(transport, publisher) => {
+        Broker::Rabbit(rabbit) => {
+            let (transport, publisher) = *rabbit;
             transport.declare(std::slice::from_ref(&spec)).await?;
             (
                 builder.transport(transport).build()?,

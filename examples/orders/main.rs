@@ -125,7 +125,7 @@ fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
 
 /// RabbitMQ or the in-memory transport, as configured and reachable.
 enum Broker {
-    Rabbit(RabbitTransport, Publisher),
+    Rabbit(Box<(RabbitTransport, Publisher)>),
     Memory(MemoryTransport),
 }
 
@@ -136,7 +136,10 @@ impl Broker {
         }
         let config = RabbitConfig::new(&settings.amqp_url);
         match Publisher::connect(&config).await {
-            Ok(publisher) => Ok(Self::Rabbit(RabbitTransport::new(config), publisher)),
+            Ok(publisher) => Ok(Self::Rabbit(Box::new((
+                RabbitTransport::new(config),
+                publisher,
+            )))),
             Err(e) if settings.transport == TransportKind::Auto => {
                 eprintln!(
                     "RabbitMQ is not reachable at AMQP_URL ({e}).\n\

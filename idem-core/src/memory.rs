@@ -164,7 +164,7 @@ struct MemorySettle {
 }
 
 impl MemorySettle {
-    fn finish(mut self: Box<Self>, apply: impl FnOnce(&mut Queue, Envelope)) {
+    fn finish(&mut self, apply: impl FnOnce(&mut Queue, Envelope)) {
         if let Some(envelope) = self.envelope.take() {
             self.transport.settle(&self.queue, |q| apply(q, envelope));
         }
@@ -183,13 +183,13 @@ impl Drop for MemorySettle {
 }
 
 impl Settle for MemorySettle {
-    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
+    fn ack(mut self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
         self.finish(|q, _| q.acked += 1);
         Box::pin(async { Ok(()) })
     }
 
     fn retry<'a>(
-        self: Box<Self>,
+        mut self: Box<Self>,
         _: &'a Envelope,
         delay: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
@@ -207,7 +207,7 @@ impl Settle for MemorySettle {
     }
 
     fn dead_letter<'a>(
-        self: Box<Self>,
+        mut self: Box<Self>,
         _: &'a Envelope,
         reason: &'a DeadLetter,
     ) -> BoxFuture<'a, Result<(), TransportError>> {

@@ -69,6 +69,26 @@ async fn session(
 ) -> Result<Ended, String> {
     let fail = |e: lapin::Error| e.to_string();
     let connection = connections.open(config, &spec.queue).await.map_err(fail)?;
+    let result = consume(&connection, spec, prefetch, mailbox, stop, backoff, config).await;
+    if result.is_err() {
+        // Whatever failed, start the next attempt on a fresh connection.
+        let _ = connection
+            .close(200, ShortString::from("reconnecting"))
+            .await;
+    }
+    result
+}
+
+async fn consume(
+    connection: &lapin::Connection,
+    spec: &QueueSpec,
+    prefetch: u16,
+    mailbox: &mpsc::Sender<Delivery>,
+    stop: &mut StopSignal,
+    backoff: &mut Duration,
+    config: &RabbitConfig,
+) -> Result<Ended, String> {
+    let fail = |e: lapin::Error| e.to_string();
     let channel = connection.create_channel().await.map_err(fail)?;
     channel
         .basic_qos(prefetch, BasicQosOptions::default())

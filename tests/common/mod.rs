@@ -78,3 +78,6 @@ where
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+pub mod broker;
+pub mod proxy;

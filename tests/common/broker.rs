@@ -1,0 +1,181 @@
+//! RabbitMQ helpers for the tests: the broker URL, publishing, reading a queue, closing
+//! connections from the broker's side.
+
+use idem::rabbitmq::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
+use idem::rabbitmq::lapin::types::ShortString;
+use idem::rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
+use idem::rabbitmq::{Publisher, RabbitConfig};
+use std::time::Duration;
+
+/// The broker the tests use: `AMQP_URL`, or the development machine's.
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// A confirmed publisher, or a failure saying how to start RabbitMQ.
+pub async fn publisher() -> Publisher {
+    Publisher::connect(&RabbitConfig::new(amqp_url())).await.unwrap_or_else(|e| {
+        panic!("RabbitMQ is not reachable at {}: {e}\nstart it with `rabbitmq-server -detached`, or point AMQP_URL at one", amqp_url())
+    })
+}
+
+/// Publishes `body` with `message_id` (if any) and extra properties.
+pub async fn publish(publisher: &Publisher, queue: &str, message_id: Option<&str>, body: &[u8]) {
+    let mut properties =
+        BasicProperties::default().with_content_type(ShortString::from("application/json"));
+    if let Some(id) = message_id {
+        properties = properties.with_message_id(ShortString::from(id));
+    }
+    publisher
+        .publish("", queue, body, properties)
+        .await
+        .expect("confirmed publish");
+}
+
+/// A message read back from a queue.
+#[derive(Debug)]
+pub struct Got {
+    pub properties: BasicProperties,
+    pub body: Vec<u8>,
+}
+
+impl Got {
+    /// A header as text (strings) or decimal (integers).
+    pub fn header(&self, name: &str) -> Option<String> {
+        use idem::rabbitmq::lapin::types::AMQPValue;
+        let value = self
+            .properties
+            .headers()
+            .as_ref()?
+            .inner()
+            .get(name)?
+            .clone();
+        Some(match value {
+            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            AMQPValue::ShortString(s) => s.to_string(),
+            AMQPValue::LongLongInt(n) => n.to_string(),
+            AMQPValue::LongInt(n) => n.to_string(),
+            other => format!("{other:?}"),
+        })
+    }
+
+    /// The message id.
+    pub fn message_id(&self) -> Option<String> {
+        self.properties
+            .message_id()
+            .as_ref()
+            .map(ToString::to_string)
+    }
+}
+
+async fn connect() -> Connection {
+    Connection::connect(&amqp_url(), ConnectionProperties::default())
+        .await
+        .expect("connect to RabbitMQ")
+}
+
+/// Takes every message now in `queue`.
+pub async fn drain(queue: &str) -> Vec<Got> {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let mut got = Vec::new();
+    while let Some(message) = channel
+        .basic_get(ShortString::from(queue), BasicGetOptions::default())
+        .await
+        .expect("basic.get")
+    {
+        let delivery = message.delivery;
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .expect("ack");
+        got.push(Got {
+            properties: delivery.properties,
+            body: delivery.data,
+        });
+    }
+    let _ = connection.close(200, ShortString::from("done")).await;
+    got
+}
+
+/// Takes one message from `queue` and gives it back (`basic.nack` with requeue), as a consumer
+/// that crashes on it would. Returns whether a message came within `deadline`.
+pub async fn give_back(queue: &str, deadline: Duration) -> bool {
+    use idem::rabbitmq::lapin::options::BasicNackOptions;
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let start = std::time::Instant::now();
+    let mut given = false;
+    while start.elapsed() < deadline {
+        let got = channel
+            .basic_get(ShortString::from(queue), BasicGetOptions::default())
+            .await
+            .expect("basic.get");
+        if let Some(message) = got {
+            message
+                .delivery
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .await
+                .expect("nack");
+            given = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = connection.close(200, ShortString::from("done")).await;
+    given
+}
+
+/// Deletes `queue` and the queues idem declared beside it.
+pub async fn delete_topology(queue: &str, delays: &[Duration]) {
+    let connection = connect().await;
+    let mut names = vec![
+        queue.to_owned(),
+        idem::rabbitmq::dlq(queue),
+        idem::rabbitmq::reasons_queue(queue),
+    ];
+    names.extend(
+        delays
+            .iter()
+            .map(|d| idem::rabbitmq::retry_queue(queue, *d)),
+    );
+    for name in names {
+        let channel = connection.create_channel().await.expect("channel");
+        let _ = channel
+            .queue_delete(
+                ShortString::from(name.as_str()),
+                QueueDeleteOptions::default(),
+            )
+            .await;
+    }
+    let _ = connection.close(200, ShortString::from("done")).await;
+}
+
+/// Closes, from the broker's side (`rabbitmqctl close_connection`), every connection whose
+/// client-provided name contains `name`. Returns how many it closed.
+pub fn close_connections(name: &str) -> usize {
+    let listed = std::process::Command::new("rabbitmqctl")
+        .args(["list_connections", "-q", "pid", "client_properties"])
+        .output()
+        .expect("rabbitmqctl");
+    let text = String::from_utf8_lossy(&listed.stdout);
+    let mut closed = 0;
+    for line in text.lines().filter(|l| l.contains(name)) {
+        let Some(pid) = line.split('\t').next() else {
+            continue;
+        };
+        let status = std::process::Command::new("rabbitmqctl")
+            .args(["close_connection", pid, "closed by an idem test"])
+            .status()
+            .expect("rabbitmqctl close_connection");
+        if status.success() {
+            closed += 1;
+        }
+    }
+    closed
+}

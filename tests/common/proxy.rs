@@ -1,0 +1,73 @@
+//! A TCP proxy the tests can cut and restore, to take a real service away from a client.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+
+/// Forwards 127.0.0.1:<port> to a target address.
+pub struct Proxy {
+    addr: SocketAddr,
+    open: Arc<AtomicBool>,
+    pipes: Arc<Mutex<Vec<AbortHandle>>>,
+    accept: AbortHandle,
+}
+
+impl Proxy {
+    /// Starts forwarding to `target` (host:port).
+    pub async fn start(target: &str) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let open = Arc::new(AtomicBool::new(true));
+        let pipes: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
+        let target = target.to_owned();
+        let (o, p) = (open.clone(), pipes.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if !o.load(Ordering::SeqCst) {
+                    continue; // dropped: the client sees the connection closed
+                }
+                let target = target.clone();
+                let pipe = tokio::spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(&target).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                p.lock().unwrap().push(pipe.abort_handle());
+            }
+        })
+        .abort_handle();
+        Proxy {
+            addr,
+            open,
+            pipes,
+            accept,
+        }
+    }
+
+    /// The port clients connect to.
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    /// Breaks every open connection and refuses new ones.
+    pub fn cut(&self) {
+        self.open.store(false, Ordering::SeqCst);
+        for pipe in self.pipes.lock().unwrap().drain(..) {
+            pipe.abort();
+        }
+    }
+
+    /// Accepts connections again.
+    pub fn restore(&self) {
+        self.open.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}

@@ -1,0 +1,673 @@
+//! The runtime against real RabbitMQ and PostgreSQL: duplicates, competing consumers, dead
+//! letters, retries, a broker connection closed under load, a database outage, graceful
+//! shutdown, quorum queues.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use common::broker::{self, Got, amqp_url, publish};
+use common::{unique, wait_until};
+use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
+use idem::sql::PgInbox;
+use idem::{
+    Context, HandlerError, QueueSpec, RetryPolicy, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
+    Stats, Transport, idempotent,
+};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const CONSUMER: &str = "rt.orders";
+
+#[derive(Debug, Deserialize)]
+struct Order {
+    order_id: String,
+    customer: String,
+    amount_cents: i64,
+}
+
+/// What the handler does for a key, per delivery, in order.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    FailTransient,
+    /// Block until `RELEASED` holds the key.
+    WaitForRelease,
+    /// Never finish.
+    Hang,
+}
+
+static SCRIPTS: Mutex<BTreeMap<String, Vec<Step>>> = Mutex::new(BTreeMap::new());
+/// The attempts each key was seen with.
+static ATTEMPTS: Mutex<BTreeMap<String, Vec<u32>>> = Mutex::new(BTreeMap::new());
+static STARTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+static RELEASED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Locks a test's shared state; a panic in another test must not poison it for this one.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn script(key: &str, steps: &[Step]) {
+    lock(&SCRIPTS).insert(key.to_owned(), steps.to_vec());
+}
+
+#[idempotent(store = Postgres, queue = "idem-test-overridden", consumer = "rt.orders")]
+async fn record(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    order: Order,
+    ctx: &Context<'_>,
+) -> Result<(), HandlerError> {
+    lock(&ATTEMPTS)
+        .entry(order.order_id.clone())
+        .or_default()
+        .push(ctx.attempt());
+    sqlx::query("INSERT INTO idem_rt_effects (key, customer, amount_cents) VALUES ($1, $2, $3)")
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO idem_rt_balances (customer, cents) VALUES ($1, $2)
+         ON CONFLICT (customer) DO UPDATE SET cents = idem_rt_balances.cents + excluded.cents",
+    )
+    .bind(&order.customer)
+    .bind(order.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    let step = {
+        let mut scripts = lock(&SCRIPTS);
+        scripts
+            .get_mut(&order.order_id)
+            .and_then(|steps| (!steps.is_empty()).then(|| steps.remove(0)))
+    };
+    match step {
+        None => Ok(()),
+        Some(Step::FailTransient) => Err(HandlerError::transient("scripted: database busy")),
+        Some(Step::WaitForRelease) => {
+            lock(&STARTED).push(order.order_id.clone());
+            while !lock(&RELEASED).contains(&order.order_id) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Ok(())
+        }
+        Some(Step::Hang) => {
+            lock(&STARTED).push(order.order_id.clone());
+            std::future::pending().await
+        }
+    }
+}
+
+struct Fixture {
+    pool: sqlx::PgPool,
+    queue: String,
+    publisher: Publisher,
+    policy: RetryPolicy,
+    rabbit: RabbitConfig,
+}
+
+fn fast_retries() -> RetryPolicy {
+    RetryPolicy::new(5, Duration::from_millis(200), 2, Duration::from_secs(2)).unwrap()
+}
+
+async fn fixture(
+    name: &str,
+    policy: RetryPolicy,
+    queue_type: QueueType,
+    delivery_limit: Option<u32>,
+) -> Fixture {
+    let pool = common::postgres(8).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS idem_rt_effects (key TEXT NOT NULL, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS idem_rt_balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+    ] {
+        sqlx::query(statement).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    PgInbox::new(pool.clone()).migrate().await.unwrap();
+    let queue = unique(&format!("idem-test-{name}"));
+    let mut rabbit = RabbitConfig::new(amqp_url())
+        .queue_type(queue_type)
+        .connection_name(format!("idem-test:{queue}"));
+    if let Some(limit) = delivery_limit {
+        rabbit = rabbit.delivery_limit(limit);
+    }
+    let publisher = broker::publisher().await;
+    let spec = QueueSpec {
+        queue: queue.clone(),
+        consumer: CONSUMER.into(),
+        retry_delays: policy.delays(),
+    };
+    RabbitTransport::new(rabbit.clone())
+        .declare(&[spec])
+        .await
+        .unwrap();
+    Fixture {
+        pool,
+        queue,
+        publisher,
+        policy,
+        rabbit,
+    }
+}
+
+impl Fixture {
+    fn runtime_with(&self, pool: sqlx::PgPool) -> RuntimeBuilder {
+        Runtime::builder()
+            .transport(RabbitTransport::new(self.rabbit.clone()))
+            .store(PgInbox::new(pool))
+            .handlers([CONSUMER])
+            .handler_queue(CONSUMER, &self.queue)
+            .retry(self.policy.clone())
+            .concurrency(4)
+            .prefetch(16)
+    }
+
+    fn runtime(&self) -> RuntimeBuilder {
+        self.runtime_with(self.pool.clone())
+    }
+
+    fn key(&self, n: usize) -> String {
+        format!("{}-{n}", self.queue)
+    }
+
+    fn customer(&self, n: usize) -> String {
+        format!("{}-c{}", self.queue, n % 7)
+    }
+
+    async fn publish_order(&self, n: usize, amount: i64) {
+        let body = serde_json::json!({"order_id": self.key(n), "customer": self.customer(n), "amount_cents": amount});
+        publish(
+            &self.publisher,
+            &self.queue,
+            Some(&self.key(n)),
+            body.to_string().as_bytes(),
+        )
+        .await;
+    }
+
+    /// Effects per key of this fixture's orders.
+    async fn effects(&self) -> HashMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT key, count(*) FROM idem_rt_effects WHERE key LIKE $1 GROUP BY key",
+        )
+        .bind(format!("{}-%", self.queue))
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+    }
+
+    async fn balances(&self) -> HashMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT customer, cents FROM idem_rt_balances WHERE customer LIKE $1",
+        )
+        .bind(format!("{}-c%", self.queue))
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+    }
+
+    /// Asserts that orders 0..n each took effect exactly once and the balances are exact.
+    async fn assert_exactly_once(&self, n: usize, amount: impl Fn(usize) -> i64) {
+        let effects = self.effects().await;
+        let doubled: Vec<_> = effects.iter().filter(|(_, c)| **c != 1).collect();
+        assert!(
+            doubled.is_empty(),
+            "keys not applied exactly once: {doubled:?}"
+        );
+        assert_eq!(effects.len(), n, "orders applied");
+        let mut expected: HashMap<String, i64> = HashMap::new();
+        for i in 0..n {
+            *expected.entry(self.customer(i)).or_default() += amount(i);
+        }
+        assert_eq!(self.balances().await, expected);
+    }
+
+    async fn cleanup(self) {
+        broker::delete_topology(&self.queue, &self.policy.delays()).await;
+    }
+}
+
+struct Running {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<(), RuntimeError>>,
+    stats: Arc<Stats>,
+}
+
+fn start(builder: RuntimeBuilder) -> Running {
+    let runtime = builder.build().unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    Running { stop, task, stats }
+}
+
+impl Running {
+    fn now(&self) -> Snapshot {
+        self.stats.snapshot()
+    }
+
+    async fn shut_down(self) -> Snapshot {
+        let _ = self.stop.send(());
+        self.task.await.unwrap().unwrap();
+        self.stats.snapshot()
+    }
+}
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_published_on_purpose_take_effect_once() {
+    let f = fixture("duplicates", fast_retries(), QueueType::Classic, None).await;
+    let mut published = 0;
+    for n in 0..150 {
+        for _ in 0..(n % 3 + 1) {
+            f.publish_order(n, 10 + n as i64).await;
+            published += 1;
+        }
+    }
+    let running = start(f.runtime());
+    wait_until("every delivery settled", DEADLINE, || async {
+        running.now().settled() >= published
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.duplicates, seen.dead_lettered),
+        (150, published - 150, 0)
+    );
+    f.assert_exactly_once(150, |n| 10 + n as i64).await;
+    assert!(
+        broker::drain(&idem::rabbitmq::dlq(&f.queue))
+            .await
+            .is_empty()
+    );
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_competing_runtimes_take_effect_once() {
+    let f = fixture("competing", fast_retries(), QueueType::Classic, None).await;
+    let runtimes: Vec<_> = (0..3).map(|_| start(f.runtime())).collect();
+    let mut published = 0;
+    for n in 0..200 {
+        for _ in 0..(n % 4 + 1) {
+            f.publish_order(n, 1).await;
+            published += 1;
+        }
+    }
+    wait_until("every delivery settled", DEADLINE, || async {
+        runtimes.iter().map(|r| r.now().settled()).sum::<u64>() >= published
+    })
+    .await;
+    let mut busy = 0;
+    for running in runtimes {
+        let seen = running.shut_down().await;
+        busy += u32::from(seen.processed > 0);
+    }
+    assert!(
+        busy >= 2,
+        "the work was not shared: only {busy} runtime(s) processed anything"
+    );
+    f.assert_exactly_once(200, |_| 1).await;
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn malformed_and_conflicting_messages_are_dead_lettered_with_reasons() {
+    let f = fixture("dead-letters", fast_retries(), QueueType::Classic, None).await;
+    let running = start(f.runtime());
+    publish(
+        &f.publisher,
+        &f.queue,
+        Some(&f.key(100)),
+        b"this is not json",
+    )
+    .await;
+    publish(
+        &f.publisher,
+        &f.queue,
+        Some(&f.key(101)),
+        br#"{"order_id": "x"}"#,
+    )
+    .await;
+    publish(
+        &f.publisher,
+        &f.queue,
+        None,
+        br#"{"order_id": "y", "customer": "c", "amount_cents": 1}"#,
+    )
+    .await;
+    f.publish_order(0, 500).await;
+    wait_until("the good order", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    let reused = serde_json::json!({"order_id": f.key(0), "customer": f.customer(0), "amount_cents": 999_999});
+    publish(
+        &f.publisher,
+        &f.queue,
+        Some(&f.key(0)),
+        reused.to_string().as_bytes(),
+    )
+    .await;
+    f.publish_order(1, 7).await; // the consumer keeps going
+    wait_until("all settled", DEADLINE, || async {
+        running.now().settled() == 6
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (
+            seen.processed,
+            seen.rejected,
+            seen.conflicts,
+            seen.dead_lettered
+        ),
+        (2, 3, 1, 4)
+    );
+    f.assert_exactly_once(2, |n| if n == 0 { 500 } else { 7 })
+        .await;
+
+    let dlq = broker::drain(&idem::rabbitmq::dlq(&f.queue)).await;
+    assert_eq!(dlq.len(), 4, "each dead letter lands once");
+    let mut ids: Vec<_> = dlq.iter().map(Got::message_id).collect();
+    ids.sort();
+    assert_eq!(
+        ids,
+        [None, Some(f.key(0)), Some(f.key(100)), Some(f.key(101))]
+    );
+    let not_json = dlq
+        .iter()
+        .find(|m| m.message_id() == Some(f.key(100)))
+        .unwrap();
+    assert_eq!(not_json.body, b"this is not json", "the body is kept");
+    assert!(dlq.iter().all(|m| {
+        m.properties
+            .headers()
+            .as_ref()
+            .is_some_and(|h| h.contains_key("x-death"))
+    }));
+    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
+    let mut summary: Vec<_> = reasons
+        .iter()
+        .map(|r| (r.message_id(), r.header("x-idem-reason").unwrap()))
+        .collect();
+    summary.sort();
+    assert_eq!(
+        summary,
+        [
+            (None, "missing-key".to_owned()),
+            (Some(f.key(0)), "conflict".to_owned()),
+            (Some(f.key(100)), "decode".to_owned()),
+            (Some(f.key(101)), "decode".to_owned()),
+        ]
+    );
+    assert!(
+        reasons
+            .iter()
+            .all(|r| r.header("x-idem-consumer").as_deref() == Some(CONSUMER))
+    );
+    let detail = reasons
+        .iter()
+        .find(|r| r.message_id() == Some(f.key(100)))
+        .unwrap()
+        .header("x-idem-detail")
+        .unwrap();
+    assert!(detail.contains("does not decode"), "{detail}");
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transient_failure_is_retried_with_delay_and_processed_once() {
+    let f = fixture("retry", fast_retries(), QueueType::Classic, None).await;
+    script(&f.key(0), &[Step::FailTransient, Step::FailTransient]);
+    let running = start(f.runtime());
+    let started = Instant::now();
+    f.publish_order(0, 42).await;
+    wait_until("the third attempt", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    let elapsed = started.elapsed();
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.retried, seen.processed, seen.dead_lettered),
+        (2, 1, 0)
+    );
+    assert_eq!(lock(&ATTEMPTS)[&f.key(0)], [1, 2, 3]);
+    assert!(
+        elapsed >= Duration::from_millis(600),
+        "retries waited 200 ms then 400 ms, but all took {elapsed:?}"
+    );
+    f.assert_exactly_once(1, |_| 42).await;
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retries_exhausted_end_in_the_dead_letter_queue() {
+    let policy = RetryPolicy::new(3, Duration::from_millis(50), 2, Duration::from_secs(1)).unwrap();
+    let f = fixture("exhausted", policy, QueueType::Classic, None).await;
+    script(&f.key(0), &[Step::FailTransient; 3]);
+    let running = start(f.runtime());
+    f.publish_order(0, 1).await;
+    wait_until("dead-lettered", DEADLINE, || async {
+        running.now().dead_lettered == 1
+    })
+    .await;
+    running.shut_down().await;
+    assert!(f.effects().await.is_empty());
+    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
+    assert_eq!(reasons.len(), 1);
+    assert_eq!(
+        reasons[0].header("x-idem-reason").as_deref(),
+        Some("retries-exhausted")
+    );
+    assert_eq!(reasons[0].header("x-idem-attempts").as_deref(), Some("3"));
+    let dlq = broker::drain(&idem::rabbitmq::dlq(&f.queue)).await;
+    assert_eq!(dlq.len(), 1);
+    assert_eq!(dlq[0].message_id(), Some(f.key(0)));
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broker_connection_closed_under_load_loses_and_doubles_nothing() {
+    let f = fixture("reconnect", fast_retries(), QueueType::Classic, None).await;
+    const ORDERS: usize = 1500;
+    for n in 0..ORDERS {
+        for _ in 0..(n % 2 + 1) {
+            f.publish_order(n, 3).await;
+        }
+    }
+    let running = start(f.runtime().concurrency(2).prefetch(8));
+    wait_until("some progress", DEADLINE, || async {
+        running.now().processed >= 50
+    })
+    .await;
+    let closed = broker::close_connections(&format!("idem-test:{}", f.queue));
+    assert!(closed >= 1, "no consumer connection to close");
+    let before = f.effects().await.len();
+    assert!(
+        before < ORDERS,
+        "all work was done before the connection was closed; the test proves nothing"
+    );
+    wait_until("every order applied", DEADLINE, || async {
+        f.effects().await.len() == ORDERS
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(ORDERS, |_| 3).await;
+    // Whatever is left in the queue can only be copies already applied.
+    let left = broker::drain(&f.queue).await;
+    assert!(left.len() < ORDERS, "{} messages left", left.len());
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_outage_is_retried_without_losing_messages() {
+    let policy =
+        RetryPolicy::new(30, Duration::from_millis(50), 2, Duration::from_millis(500)).unwrap();
+    let f = fixture("db-outage", policy, QueueType::Classic, None).await;
+    let target = common::postgres_url()
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .unwrap()
+        .to_owned();
+    let proxy = common::proxy::Proxy::start(&target).await;
+    let url = common::postgres_url().replace(&target, &format!("127.0.0.1:{}", proxy.port()));
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(1))
+        .connect(&url)
+        .await
+        .unwrap();
+    const ORDERS: usize = 300;
+    for n in 0..ORDERS {
+        f.publish_order(n, 5).await;
+    }
+    let running = start(f.runtime_with(proxied));
+    wait_until("some progress", DEADLINE, || async {
+        running.now().processed >= 30
+    })
+    .await;
+    proxy.cut();
+    wait_until("failures to be retried", DEADLINE, || async {
+        running.now().retried >= 5
+    })
+    .await;
+    proxy.restore();
+    wait_until("every order applied", DEADLINE, || async {
+        f.effects().await.len() == ORDERS
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 0);
+    assert!(seen.retried >= 5);
+    f.assert_exactly_once(ORDERS, |_| 5).await;
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graceful_shutdown_finishes_in_flight_work_and_acks_nothing_uncommitted() {
+    let f = fixture("shutdown", fast_retries(), QueueType::Classic, None).await;
+    script(&f.key(0), &[Step::WaitForRelease]);
+    script(&f.key(1), &[Step::WaitForRelease]);
+    let running = start(f.runtime().concurrency(2).prefetch(4));
+    for n in 0..8 {
+        f.publish_order(n, 1).await;
+    }
+    wait_until("both slow orders in flight", DEADLINE, || async {
+        let started = lock(&STARTED);
+        started.contains(&f.key(0)) && started.contains(&f.key(1))
+    })
+    .await;
+    let _ = running.stop.send(());
+    // The consumers stop; the two in-flight orders may still finish.
+    lock(&RELEASED).extend([f.key(0), f.key(1)]);
+    running.task.await.unwrap().unwrap();
+    let seen = running.stats.snapshot();
+    assert_eq!(
+        seen.processed, 2,
+        "only the in-flight orders were processed"
+    );
+    let effects = f.effects().await;
+    assert_eq!(
+        (effects.get(&f.key(0)), effects.get(&f.key(1))),
+        (Some(&1), Some(&1))
+    );
+    // The six not started went back to the queue, unacked and unprocessed.
+    let left: Vec<_> = broker::drain(&f.queue)
+        .await
+        .into_iter()
+        .filter_map(|m| m.message_id())
+        .collect();
+    assert_eq!(left.len(), 6, "{left:?}");
+
+    // A handler that does not finish within the grace period is abandoned: nothing commits and
+    // the message goes back to the broker.
+    script(&f.key(9), &[Step::Hang]);
+    let running = start(f.runtime().shutdown_grace(Duration::from_millis(300)));
+    f.publish_order(9, 1).await;
+    wait_until("the hanging order in flight", DEADLINE, || async {
+        lock(&STARTED).contains(&f.key(9))
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.processed, 0);
+    assert!(!f.effects().await.contains_key(&f.key(9)));
+    let back: Vec<_> = broker::drain(&f.queue)
+        .await
+        .into_iter()
+        .filter_map(|m| m.message_id())
+        .collect();
+    assert_eq!(back, [f.key(9)]);
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
+    let f = fixture("quorum", fast_retries(), QueueType::Quorum, Some(2)).await;
+    // A consumer that keeps giving one message back (as a crashing consumer would): after the
+    // delivery limit, the broker dead-letters it.
+    f.publish_order(0, 1).await;
+    for _ in 0..3 {
+        assert!(
+            broker::give_back(&f.queue, DEADLINE).await,
+            "the message was not redelivered"
+        );
+    }
+    wait_until(
+        "the over-delivered message in the DLQ",
+        DEADLINE,
+        || async {
+            !broker::drain(&idem::rabbitmq::dlq(&f.queue))
+                .await
+                .is_empty()
+        },
+    )
+    .await;
+
+    // A message given back once arrives as attempt 2; duplicates still take effect once.
+    f.publish_order(1, 5).await;
+    assert!(broker::give_back(&f.queue, DEADLINE).await);
+    f.publish_order(2, 6).await;
+    f.publish_order(2, 6).await;
+    let running = start(f.runtime());
+    wait_until("all settled", DEADLINE, || async {
+        running.now().settled() >= 3
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.duplicates), (2, 1));
+    assert_eq!(
+        lock(&ATTEMPTS)[&f.key(1)],
+        [2],
+        "x-delivery-count counts the give-back"
+    );
+    let effects = f.effects().await;
+    assert_eq!(
+        (
+            effects.get(&f.key(0)),
+            effects.get(&f.key(1)),
+            effects.get(&f.key(2))
+        ),
+        (None, Some(&1), Some(&1))
+    );
+    f.cleanup().await;
+}
