@@ -90,7 +90,7 @@ async fn main() -> anyhow::Result<()> {
         settings.concurrency > 0,
         "ORDERS_CONCURRENCY must be at least 1"
     );
-    let db = Db::connect(&settings.database_url).await?;
+    let db = Db::connect(&settings.database_url, settings.concurrency).await?;
     match cli.command {
         Some(Command::Consume) => consume(settings, &db).await,
         Some(Command::Demo(options)) => demo::run(settings, &db, &options).await,
@@ -188,10 +188,10 @@ pub enum Db {
 
 impl Db {
     /// Connects, creates the example's tables and migrates the inbox.
-    async fn connect(url: &str) -> anyhow::Result<Self> {
+    async fn connect(url: &str, concurrency: usize) -> anyhow::Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
             let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(20)
+                .max_connections(u32::try_from(concurrency + 2).unwrap_or(u32::MAX))
                 .connect(url)
                 .await
                 .with_context(|| format!("cannot connect to PostgreSQL at DATABASE_URL ({url})"))?;

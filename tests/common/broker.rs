@@ -179,3 +179,20 @@ pub fn close_connections(name: &str) -> usize {
     }
     closed
 }
+
+/// How many messages are ready in `queue` (a passive declare; not counting unacked ones).
+pub async fn count(queue: &str) -> usize {
+    use idem::rabbitmq::lapin::options::QueueDeclareOptions;
+    use idem::rabbitmq::lapin::types::FieldTable;
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let declared = channel
+        .queue_declare(
+            ShortString::from(queue),
+            QueueDeclareOptions { passive: true, ..Default::default() },
+            FieldTable::default(),
+        )
+        .await;
+    let _ = connection.close(200, ShortString::from("done")).await;
+    declared.map_or(0, |q| q.message_count() as usize)
+}

@@ -1,0 +1,174 @@
+//! Chaos: several `orders consume` processes (built with `fault-injection`) drain thousands of
+//! orders with duplicates and malformed messages, while processes are killed with SIGKILL at
+//! random and abort themselves before and after commits; every killed process is restarted.
+//! Afterwards every unique order is stored exactly once, every balance is exact and every
+//! malformed message is in the dead-letter queue exactly once.
+//!
+//! The default is a short run (`cargo test --workspace` includes it). The long run:
+//! `IDEM_CHAOS_ORDERS=20000 IDEM_CHAOS_PROCESSES=4 cargo test --release --test chaos -- --nocapture`.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use common::broker::{self, amqp_url};
+use idem::rabbitmq::lapin::BasicProperties;
+use idem::rabbitmq::lapin::types::ShortString;
+use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+use idem::{QueueSpec, RetryPolicy, Transport};
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn setting(name: &str, default: usize) -> usize {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Builds the orders example with fault injection into its own target directory (so the
+/// regular build of the example stays without it) and returns the binary.
+fn build_orders_with_faults() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let target = root.join("target").join("chaos");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+    let mut build = Command::new(cargo);
+    build.current_dir(&root).args(["build", "--example", "orders", "--features", "fault-injection", "--target-dir"]).arg(&target);
+    if !cfg!(debug_assertions) {
+        build.arg("--release");
+    }
+    let status = build.status().expect("run cargo");
+    assert!(status.success(), "building the orders example with fault-injection failed");
+    target.join(if cfg!(debug_assertions) { "debug" } else { "release" }).join("examples").join("orders")
+}
+
+/// A tiny xorshift generator: chaos that is different every run but needs no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
+    let orders = setting("IDEM_CHAOS_ORDERS", 2000);
+    let processes = setting("IDEM_CHAOS_PROCESSES", 3);
+    let malformed = 10;
+    let binary = build_orders_with_faults();
+
+    let queue = common::unique("idem-chaos");
+    let database_url = common::postgres_url();
+    let pool = common::postgres(4).await;
+    let mut rng = Rng(std::process::id() as u64 * 0x9E37_79B9 | 1);
+
+    // Topology as the consumers declare it, then the workload.
+    let spec = QueueSpec { queue: queue.clone(), consumer: "orders".into(), retry_delays: RetryPolicy::default().delays() };
+    RabbitTransport::new(RabbitConfig::new(amqp_url())).declare(&[spec]).await.unwrap();
+    let publisher = broker::publisher().await;
+    let mut expected: HashMap<String, i64> = HashMap::new();
+    let mut deliveries = 0;
+    for n in 0..orders {
+        let (id, customer, cents) = (format!("{queue}-{n}"), format!("{queue}-c{}", n % 37), (n % 997) as i64 + 1);
+        *expected.entry(customer.clone()).or_default() += cents;
+        let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents}).to_string();
+        let properties = BasicProperties::default().with_message_id(ShortString::from(id.as_str()));
+        let copies = if rng.below(5) == 0 { 2 + rng.below(2) } else { 1 };
+        for _ in 0..copies {
+            publisher.publish_unconfirmed(&queue, body.as_bytes(), properties.clone()).await.unwrap();
+            deliveries += 1;
+        }
+        if n % 500 == 499 {
+            publisher.wait_for_confirms().await.unwrap();
+        }
+    }
+    for n in 0..malformed {
+        let properties = BasicProperties::default().with_message_id(ShortString::from(format!("{queue}-bad-{n}").as_str()));
+        publisher.publish_unconfirmed(&queue, b"{not json", properties).await.unwrap();
+        deliveries += 1;
+    }
+    publisher.wait_for_confirms().await.unwrap();
+
+    let spawn = || -> Child {
+        Command::new(&binary)
+            .arg("consume")
+            .env("AMQP_URL", amqp_url())
+            .env("DATABASE_URL", &database_url)
+            .env("ORDERS_QUEUE", &queue)
+            .env("ORDERS_CONCURRENCY", "4")
+            .env("IDEM_FAULT", "before_commit=0.003,after_commit=0.003")
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start orders consume")
+    };
+    let mut children: Vec<Child> = (0..processes).map(|_| spawn()).collect();
+    let (mut kills, mut faults) = (0, 0);
+    let started = Instant::now();
+    let stored = |pool: sqlx::PgPool, prefix: String| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE order_id LIKE $1")
+            .bind(format!("{prefix}-%"))
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+    };
+    let dead = || async { broker::count(&idem::rabbitmq::dlq(&queue)).await };
+    loop {
+        // Keep every slot running: count the faults (self-aborts), restart the dead.
+        for child in &mut children {
+            if let Ok(Some(status)) = child.try_wait() {
+                if status.signal() == Some(6) {
+                    faults += 1;
+                }
+                *child = spawn();
+            }
+        }
+        if stored(pool.clone(), queue.clone()).await >= orders as i64 && dead().await >= malformed {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(600), "chaos run did not converge");
+        tokio::time::sleep(Duration::from_millis(200 + rng.below(600))).await;
+        let victim = rng.below(children.len() as u64) as usize;
+        children[victim].kill().unwrap(); // SIGKILL
+        children[victim].wait().unwrap();
+        kills += 1;
+        children[victim] = spawn();
+    }
+    for child in &mut children {
+        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    }
+    for child in &mut children {
+        let _ = child.wait();
+    }
+
+    let per_order: Vec<(String, i64)> = sqlx::query_as("SELECT order_id, 1::bigint FROM orders WHERE order_id LIKE $1")
+        .bind(format!("{queue}-%"))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let balances: HashMap<String, i64> = sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
+        .bind(format!("{queue}-c%"))
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let wrong_balances = expected.iter().filter(|(c, cents)| balances.get(*c) != Some(cents)).count();
+    let dead_letters = dead().await;
+    let violations = orders.abs_diff(per_order.len()) + wrong_balances + malformed.abs_diff(dead_letters);
+    eprintln!(
+        "chaos: messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
+         violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, dead letters {dead_letters}), {:.1} s",
+        deliveries - orders - malformed,
+        per_order.len(),
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(violations, 0);
+    assert!(kills > 0, "nothing was killed; the run proves nothing");
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
