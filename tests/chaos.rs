@@ -23,7 +23,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn setting(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Builds the orders example with fault injection into its own target directory (so the
@@ -33,13 +36,33 @@ fn build_orders_with_faults() -> PathBuf {
     let target = root.join("target").join("chaos");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut build = Command::new(cargo);
-    build.current_dir(&root).args(["build", "--example", "orders", "--features", "fault-injection", "--target-dir"]).arg(&target);
+    build
+        .current_dir(&root)
+        .args([
+            "build",
+            "--example",
+            "orders",
+            "--features",
+            "fault-injection",
+            "--target-dir",
+        ])
+        .arg(&target);
     if !cfg!(debug_assertions) {
         build.arg("--release");
     }
     let status = build.status().expect("run cargo");
-    assert!(status.success(), "building the orders example with fault-injection failed");
-    target.join(if cfg!(debug_assertions) { "debug" } else { "release" }).join("examples").join("orders")
+    assert!(
+        status.success(),
+        "building the orders example with fault-injection failed"
+    );
+    target
+        .join(if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        })
+        .join("examples")
+        .join("orders")
 }
 
 /// A tiny xorshift generator: chaos that is different every run but needs no dependency.
@@ -67,19 +90,38 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let mut rng = Rng(std::process::id() as u64 * 0x9E37_79B9 | 1);
 
     // Topology as the consumers declare it, then the workload.
-    let spec = QueueSpec { queue: queue.clone(), consumer: "orders".into(), retry_delays: RetryPolicy::default().delays() };
-    RabbitTransport::new(RabbitConfig::new(amqp_url())).declare(&[spec]).await.unwrap();
+    let spec = QueueSpec {
+        queue: queue.clone(),
+        consumer: "orders".into(),
+        retry_delays: RetryPolicy::default().delays(),
+    };
+    RabbitTransport::new(RabbitConfig::new(amqp_url()))
+        .declare(&[spec])
+        .await
+        .unwrap();
     let publisher = broker::publisher().await;
     let mut expected: HashMap<String, i64> = HashMap::new();
     let mut deliveries = 0;
     for n in 0..orders {
-        let (id, customer, cents) = (format!("{queue}-{n}"), format!("{queue}-c{}", n % 37), (n % 997) as i64 + 1);
+        let (id, customer, cents) = (
+            format!("{queue}-{n}"),
+            format!("{queue}-c{}", n % 37),
+            (n % 997) as i64 + 1,
+        );
         *expected.entry(customer.clone()).or_default() += cents;
-        let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents}).to_string();
+        let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents})
+            .to_string();
         let properties = BasicProperties::default().with_message_id(ShortString::from(id.as_str()));
-        let copies = if rng.below(5) == 0 { 2 + rng.below(2) } else { 1 };
+        let copies = if rng.below(5) == 0 {
+            2 + rng.below(2)
+        } else {
+            1
+        };
         for _ in 0..copies {
-            publisher.publish_unconfirmed(&queue, body.as_bytes(), properties.clone()).await.unwrap();
+            publisher
+                .publish_unconfirmed(&queue, body.as_bytes(), properties.clone())
+                .await
+                .unwrap();
             deliveries += 1;
         }
         if n % 500 == 499 {
@@ -87,8 +129,12 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         }
     }
     for n in 0..malformed {
-        let properties = BasicProperties::default().with_message_id(ShortString::from(format!("{queue}-bad-{n}").as_str()));
-        publisher.publish_unconfirmed(&queue, b"{not json", properties).await.unwrap();
+        let properties = BasicProperties::default()
+            .with_message_id(ShortString::from(format!("{queue}-bad-{n}").as_str()));
+        publisher
+            .publish_unconfirmed(&queue, b"{not json", properties)
+            .await
+            .unwrap();
         deliveries += 1;
     }
     publisher.wait_for_confirms().await.unwrap();
@@ -131,7 +177,10 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         if stored(pool.clone(), queue.clone()).await >= orders as i64 && dead().await >= malformed {
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(600), "chaos run did not converge");
+        assert!(
+            started.elapsed() < Duration::from_secs(600),
+            "chaos run did not converge"
+        );
         tokio::time::sleep(Duration::from_millis(200 + rng.below(600))).await;
         let victim = rng.below(children.len() as u64) as usize;
         children[victim].kill().unwrap(); // SIGKILL
@@ -140,27 +189,35 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         children[victim] = spawn();
     }
     for child in &mut children {
-        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        let _ = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status();
     }
     for child in &mut children {
         let _ = child.wait();
     }
 
-    let per_order: Vec<(String, i64)> = sqlx::query_as("SELECT order_id, 1::bigint FROM orders WHERE order_id LIKE $1")
-        .bind(format!("{queue}-%"))
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    let balances: HashMap<String, i64> = sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
-        .bind(format!("{queue}-c%"))
-        .fetch_all(&pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .collect();
-    let wrong_balances = expected.iter().filter(|(c, cents)| balances.get(*c) != Some(cents)).count();
+    let per_order: Vec<(String, i64)> =
+        sqlx::query_as("SELECT order_id, 1::bigint FROM orders WHERE order_id LIKE $1")
+            .bind(format!("{queue}-%"))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let balances: HashMap<String, i64> =
+        sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
+            .bind(format!("{queue}-c%"))
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let wrong_balances = expected
+        .iter()
+        .filter(|(c, cents)| balances.get(*c) != Some(cents))
+        .count();
     let dead_letters = dead().await;
-    let violations = orders.abs_diff(per_order.len()) + wrong_balances + malformed.abs_diff(dead_letters);
+    let violations =
+        orders.abs_diff(per_order.len()) + wrong_balances + malformed.abs_diff(dead_letters);
     eprintln!(
         "chaos: messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
          violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, dead letters {dead_letters}), {:.1} s",

@@ -189,7 +189,10 @@ pub async fn count(queue: &str) -> usize {
     let declared = channel
         .queue_declare(
             ShortString::from(queue),
-            QueueDeclareOptions { passive: true, ..Default::default() },
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
             FieldTable::default(),
         )
         .await;

@@ -22,7 +22,9 @@ use tokio::task::JoinSet;
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// No transport was configured.
-    #[error("no transport: call .transport(...) (or .rabbitmq(url)) on the runtime builder")]
+    #[error(
+        "no transport: call .transport(...) on the runtime builder, with idem::rabbitmq::RabbitTransport::new(RabbitConfig::new(url)) or idem::MemoryTransport::new()"
+    )]
     NoTransport,
     /// No handler is registered or selected.
     #[error("no handlers: annotate an async fn with #[idempotent(queue = \"...\", ...)]")]
@@ -35,14 +37,14 @@ pub enum RuntimeError {
     },
     /// A handler's store is missing.
     #[error(
-        "handler `{consumer}` writes to {store}, but the runtime has no {store} store: add one with .store(...) (or .{hint}(pool))"
+        "handler `{consumer}` writes to {store}, but the runtime has no {store} store: add one with .store({hint}::new(pool))"
     )]
     MissingStore {
         /// The handler's consumer identity.
         consumer: &'static str,
         /// The store it needs.
         store: StoreKind,
-        /// The builder method that adds it.
+        /// The store type to add.
         hint: &'static str,
     },
     /// A chosen handler is not registered.
@@ -176,9 +178,9 @@ impl RuntimeBuilder {
             if runnable.is_empty() {
                 let store = first.store();
                 let hint = match store {
-                    StoreKind::Postgres => "postgres",
-                    StoreKind::Sqlite => "sqlite",
-                    StoreKind::MySql => "mysql",
+                    StoreKind::Postgres => "idem::sql::PgInbox",
+                    StoreKind::Sqlite => "idem::sql::SqliteInbox",
+                    StoreKind::MySql => "idem::sql::MySqlInbox",
                 };
                 return Err(RuntimeError::MissingStore {
                     consumer: first.consumer(),

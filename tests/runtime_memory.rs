@@ -1,0 +1,158 @@
+//! The runtime on the in-memory transport and SQLite: what it does without a broker, including
+//! a panicking handler, concurrent copies, and its start-up checks.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use common::wait_until;
+use idem::sql::SqliteInbox;
+use idem::{
+    Envelope, HandlerError, MemoryTransport, RetryPolicy, Runtime, RuntimeError, idempotent,
+};
+use std::sync::Mutex;
+use std::time::Duration;
+
+#[derive(serde::Deserialize)]
+struct Order {
+    order_id: String,
+    panic: bool,
+}
+
+static PANICKED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[idempotent(store = Sqlite, queue = "mem-orders", consumer = "mem.orders", key = "order.order_id")]
+async fn record(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    order: Order,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO effects (key) VALUES ($1)")
+        .bind(&order.order_id)
+        .execute(&mut **tx)
+        .await?;
+    let first_time = {
+        let mut panicked = PANICKED.lock().unwrap_or_else(|e| e.into_inner());
+        let first = !panicked.contains(&order.order_id);
+        if first {
+            panicked.push(order.order_id.clone());
+        }
+        first
+    };
+    if order.panic && first_time {
+        panic!("handler bug on {}", order.order_id);
+    }
+    Ok(())
+}
+
+#[idempotent(store = Postgres, queue = "mem-pg", consumer = "mem.pg")]
+async fn needs_postgres(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    _m: serde_json::Value,
+) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+async fn effects(pool: &sqlx::SqlitePool, key: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = $1")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn message(id: &str, panic: bool) -> Envelope {
+    Envelope::new(serde_json::json!({"order_id": id, "panic": panic}).to_string())
+        .with_message_id(id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn panics_are_retried_and_concurrent_copies_take_effect_once() {
+    let (pool, _dir) = common::sqlite(4).await;
+    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    let transport = MemoryTransport::new();
+    let runtime = Runtime::builder()
+        .transport(transport.clone())
+        .store(inbox)
+        .handlers(["mem.orders"])
+        .retry(
+            RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100)).unwrap(),
+        )
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    transport.publish("mem-orders", message("boom", true));
+    transport.publish_copies("mem-orders", &message("twin", false), 8);
+    transport.publish("mem-orders", message("after", false));
+    wait_until(
+        "every delivery settled",
+        Duration::from_secs(30),
+        || async { stats.snapshot().settled() == 10 },
+    )
+    .await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+
+    let seen = stats.snapshot();
+    assert_eq!(
+        (seen.panics, seen.retried),
+        (1, 1),
+        "the panic was caught and retried"
+    );
+    assert_eq!(
+        (seen.processed, seen.duplicates, seen.dead_lettered),
+        (3, 7, 0)
+    );
+    for key in ["boom", "twin", "after"] {
+        assert_eq!(effects(&pool, key).await, 1, "{key}");
+    }
+    assert_eq!(transport.pending("mem-orders"), 0);
+}
+
+#[tokio::test]
+async fn wrong_configuration_fails_at_start_saying_what_to_change() {
+    let error = |builder: idem::RuntimeBuilder| builder.build().err().unwrap().to_string();
+    let (pool, _dir) = common::sqlite(1).await;
+    let no_transport = error(
+        Runtime::builder()
+            .store(SqliteInbox::new(pool.clone()))
+            .handlers(["mem.orders"]),
+    );
+    assert!(no_transport.contains("call .transport"), "{no_transport}");
+    let missing = error(
+        Runtime::builder()
+            .transport(MemoryTransport::new())
+            .handlers(["mem.pg"]),
+    );
+    assert!(
+        missing.contains("no Postgres store")
+            && missing.contains(".store(idem::sql::PgInbox::new(pool))"),
+        "{missing}"
+    );
+    let unknown = error(
+        Runtime::builder()
+            .transport(MemoryTransport::new())
+            .handlers(["nobody"]),
+    );
+    assert!(
+        unknown.contains("no registered handler has consumer = \"nobody\""),
+        "{unknown}"
+    );
+    let zero = Runtime::builder()
+        .transport(MemoryTransport::new())
+        .store(SqliteInbox::new(pool))
+        .handlers(["mem.orders"])
+        .prefetch(0)
+        .build();
+    assert!(matches!(zero, Err(RuntimeError::Setting(_))));
+}
