@@ -87,7 +87,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let queue = common::unique("idem-chaos");
     let database_url = common::postgres_url();
     let pool = common::postgres(4).await;
-    let mut rng = Rng(std::process::id() as u64 * 0x9E37_79B9 | 1);
+    let mut rng = Rng((u64::from(std::process::id()) * 0x9E37_79B9) | 1);
 
     // Topology as the consumers declare it, then the workload.
     let spec = QueueSpec {
