@@ -671,3 +671,98 @@ async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
     );
     f.cleanup().await;
 }
+
+#[idempotent(store = Postgres, queue = "idem-test-audit", consumer = "rt.audit")]
+async fn audit(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    order: Order,
+) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO idem_rt_audit (key) VALUES ($1)")
+        .bind(&order.order_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_subscribers_of_one_exchange_each_process_every_message_once() {
+    use idem::rabbitmq::lapin::{BasicProperties, ExchangeKind};
+    let f = fixture("pubsub", fast_retries(), QueueType::Classic, None).await;
+    sqlx::query("CREATE TABLE IF NOT EXISTS idem_rt_audit (key TEXT NOT NULL)")
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let (exchange, audit_queue) = (format!("{}-events", f.queue), format!("{}-audit", f.queue));
+    let rabbit = f
+        .rabbit
+        .clone()
+        .bind(&f.queue, &exchange, ExchangeKind::Fanout, "")
+        .bind(&audit_queue, &exchange, ExchangeKind::Fanout, "");
+    let specs: Vec<_> = [(&f.queue, CONSUMER), (&audit_queue, "rt.audit")]
+        .map(|(queue, consumer)| QueueSpec {
+            queue: queue.clone(),
+            consumer: consumer.into(),
+            retry_delays: f.policy.delays(),
+        })
+        .into();
+    RabbitTransport::new(rabbit.clone())
+        .declare(&specs)
+        .await
+        .unwrap();
+    let running = start(
+        Runtime::builder()
+            .transport(RabbitTransport::new(rabbit))
+            .store(PgInbox::new(f.pool.clone()))
+            .handlers([CONSUMER, "rt.audit"])
+            .handler_queue(CONSUMER, &f.queue)
+            .handler_queue("rt.audit", &audit_queue)
+            .retry(f.policy.clone()),
+    );
+    let mut published = 0;
+    for n in 0..100 {
+        let body =
+            serde_json::json!({"order_id": f.key(n), "customer": f.customer(n), "amount_cents": 2})
+                .to_string();
+        let properties = BasicProperties::default().with_message_id(f.key(n).as_str().into());
+        for _ in 0..(n % 2 + 1) {
+            f.publisher
+                .publish(&exchange, "", body.as_bytes(), properties.clone())
+                .await
+                .unwrap();
+            published += 2; // one copy per subscriber queue
+        }
+    }
+    wait_until("both subscribers settled everything", DEADLINE, || async {
+        running.now().settled() >= published
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(100, |_| 2).await;
+    let audited: Vec<(String, i64)> =
+        sqlx::query_as("SELECT key, count(*) FROM idem_rt_audit WHERE key LIKE $1 GROUP BY key")
+            .bind(format!("{}-%", f.queue))
+            .fetch_all(&f.pool)
+            .await
+            .unwrap();
+    assert_eq!(audited.len(), 100);
+    assert!(audited.iter().all(|(_, n)| *n == 1), "an audit ran twice");
+    broker::delete_topology(&audit_queue, &f.policy.delays()).await;
+    f.cleanup().await;
+}
+
+#[tokio::test]
+async fn existing_topology_with_other_arguments_stops_the_start() {
+    let f = fixture("mismatch", fast_retries(), QueueType::Classic, None).await;
+    let quorum = RabbitConfig::new(amqp_url()).queue_type(QueueType::Quorum);
+    let runtime = Runtime::builder()
+        .transport(RabbitTransport::new(quorum))
+        .store(PgInbox::new(f.pool.clone()))
+        .handlers([CONSUMER])
+        .handler_queue(CONSUMER, &f.queue)
+        .retry(f.policy.clone())
+        .build()
+        .unwrap();
+    let error = runtime.run_until(async {}).await.unwrap_err().to_string();
+    assert!(error.contains("x-queue-type"), "{error}");
+    f.cleanup().await;
+}

@@ -22,6 +22,15 @@ impl QueueType {
     }
 }
 
+/// A binding of a handler queue to an exchange, declared with the queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Binding {
+    pub(crate) queue: String,
+    pub(crate) exchange: String,
+    pub(crate) kind: lapin::ExchangeKind,
+    pub(crate) routing_key: String,
+}
+
 /// Settings of a [`crate::RabbitTransport`].
 #[derive(Debug, Clone)]
 pub struct RabbitConfig {
@@ -31,6 +40,7 @@ pub struct RabbitConfig {
     pub(crate) name: String,
     pub(crate) reconnect_min: Duration,
     pub(crate) reconnect_max: Duration,
+    pub(crate) bindings: Vec<Binding>,
 }
 
 impl RabbitConfig {
@@ -43,6 +53,7 @@ impl RabbitConfig {
             name: "idem".to_owned(),
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
+            bindings: Vec::new(),
         }
     }
 
@@ -62,6 +73,25 @@ impl RabbitConfig {
     /// The connection name shown by the broker (`idem` by default; the queue is appended).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.name = name.into();
+        self
+    }
+
+    /// Binds `queue` to `exchange` (declared durable, of `kind`) with `routing_key`. Several
+    /// handler queues bound to one fanout or topic exchange each get their own copy of a
+    /// message (publish/subscribe), and each processes it once.
+    pub fn bind(
+        mut self,
+        queue: impl Into<String>,
+        exchange: impl Into<String>,
+        kind: lapin::ExchangeKind,
+        routing_key: impl Into<String>,
+    ) -> Self {
+        self.bindings.push(Binding {
+            queue: queue.into(),
+            exchange: exchange.into(),
+            kind,
+            routing_key: routing_key.into(),
+        });
         self
     }
 

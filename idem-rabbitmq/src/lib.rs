@@ -20,7 +20,7 @@ mod settle;
 mod topology;
 mod transport;
 
-pub use config::{QueueType, RabbitConfig};
+pub use config::{Binding, QueueType, RabbitConfig};
 pub use publisher::{PublishError, Publisher};
 pub use topology::{dlq, reasons_queue, retry_queue};
 pub use transport::RabbitTransport;

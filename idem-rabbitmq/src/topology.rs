@@ -2,7 +2,7 @@
 
 use crate::config::{QueueType, RabbitConfig};
 use idem_core::{QueueSpec, TransportError};
-use lapin::options::QueueDeclareOptions;
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection};
 use std::time::Duration;
@@ -92,6 +92,37 @@ pub(crate) async fn declare(
                 message: format!("{e}; delete the queue or change the configuration to match it"),
             })?;
         let _ = channel.close(200, ShortString::from("declared")).await;
+    }
+    for binding in config.bindings.iter().filter(|b| b.queue == q) {
+        let channel = channel(connection, &binding.exchange).await?;
+        let failed = |what: &str, e: lapin::Error| TransportError::Topology {
+            queue: binding.exchange.clone(),
+            message: format!("{what}: {e}"),
+        };
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(
+                ShortString::from(binding.exchange.as_str()),
+                binding.kind.clone(),
+                durable,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| failed("declaring the exchange", e))?;
+        channel
+            .queue_bind(
+                ShortString::from(q),
+                ShortString::from(binding.exchange.as_str()),
+                ShortString::from(binding.routing_key.as_str()),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| failed("binding the queue", e))?;
+        let _ = channel.close(200, ShortString::from("bound")).await;
     }
     Ok(())
 }
