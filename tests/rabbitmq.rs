@@ -264,12 +264,20 @@ impl Running {
 
     async fn shut_down(self) -> Snapshot {
         let _ = self.stop.send(());
-        self.task.await.unwrap().unwrap();
+        finish(self.task).await;
         self.stats.snapshot()
     }
 }
 
 const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Waits for a runtime to stop; a shutdown that hangs fails the test instead of the CI run.
+async fn finish(task: JoinHandle<Result<(), RuntimeError>>) {
+    match tokio::time::timeout(DEADLINE, task).await {
+        Ok(result) => result.unwrap().unwrap(),
+        Err(_) => panic!("the runtime did not shut down within {DEADLINE:?}"),
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_published_on_purpose_take_effect_once() {
@@ -580,7 +588,7 @@ async fn graceful_shutdown_finishes_in_flight_work_and_acks_nothing_uncommitted(
     let _ = running.stop.send(());
     // The consumers stop; the two in-flight orders may still finish.
     lock(&RELEASED).extend([f.key(0), f.key(1)]);
-    running.task.await.unwrap().unwrap();
+    finish(running.task).await;
     let seen = running.stats.snapshot();
     assert_eq!(
         seen.processed, 2,

@@ -156,3 +156,27 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
         .build();
     assert!(matches!(zero, Err(RuntimeError::Setting(_))));
 }
+
+#[tokio::test]
+async fn an_inbox_never_migrated_stops_the_start_instead_of_dead_lettering_everything() {
+    let (pool, _dir) = common::sqlite(1).await;
+    let transport = MemoryTransport::new();
+    transport.publish("mem-orders", message("kept", false));
+    let runtime = Runtime::builder()
+        .transport(transport.clone())
+        .store(SqliteInbox::new(pool))
+        .handlers(["mem.orders"])
+        .build()
+        .unwrap();
+    let error = runtime.run_until(async {}).await.unwrap_err().to_string();
+    assert!(
+        error.contains("idem_inbox") && error.contains("migrate()"),
+        "{error}"
+    );
+    assert_eq!(
+        transport.pending("mem-orders"),
+        1,
+        "the message is untouched"
+    );
+    assert!(transport.dead_letters("mem-orders").is_empty());
+}

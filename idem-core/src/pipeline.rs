@@ -156,6 +156,10 @@ mod tests {
         type Tx = MemTx;
         const KIND: crate::store::StoreKind = crate::store::StoreKind::Sqlite;
 
+        async fn check(&self) -> Result<(), StoreError> {
+            Ok(())
+        }
+
         async fn begin(&self) -> Result<MemTx, StoreError> {
             Ok(MemTx::default())
         }

@@ -2,6 +2,7 @@
 //! `inventory`, and the runtime finds them here.
 
 use crate::envelope::Envelope;
+use crate::error::StoreError;
 use crate::handler::Handler;
 use crate::key::KeySource;
 use crate::outcome::Outcome;
@@ -10,6 +11,9 @@ use crate::store::{InboxStore, StoreKind, Stores};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
+
+/// The type-erased store check of one handler.
+pub type CheckFn = for<'a> fn(&'a Stores) -> BoxFuture<'a, Result<(), StoreError>>;
 
 /// A boxed, sendable future.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -28,6 +32,7 @@ pub struct Registration {
     store: StoreKind,
     invoke: InvokeFn,
     available: fn(&Stores) -> bool,
+    check: CheckFn,
 }
 
 inventory::collect!(Registration);
@@ -43,7 +48,13 @@ impl Registration {
             store: <H::Store as InboxStore>::KIND,
             invoke: invoke::<H>,
             available: available::<H>,
+            check: check::<H>,
         }
+    }
+
+    /// Checks that this handler's store is present and usable.
+    pub async fn check_store(&self, stores: &Stores) -> Result<(), StoreError> {
+        (self.check)(stores).await
     }
 
     /// Whether `stores` holds the store this handler writes to.
@@ -84,6 +95,19 @@ impl Registration {
     ) -> Result<Outcome, DispatchError> {
         (self.invoke)(stores, envelope).await
     }
+}
+
+fn check<'a, H: Handler>(stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>> {
+    Box::pin(async move {
+        match stores.get::<H::Store>() {
+            Some(store) => store.check().await,
+            None => Err(StoreError::new(
+                "check",
+                crate::error::ErrorClass::Permanent,
+                format!("no {} store was provided", <H::Store as InboxStore>::KIND),
+            )),
+        }
+    })
 }
 
 fn available<H: Handler>(stores: &Stores) -> bool {
@@ -198,6 +222,7 @@ mod tests {
             store,
             invoke: never,
             available: |_| true,
+            check: |_| Box::pin(async { Ok(()) }),
         }
     }
 

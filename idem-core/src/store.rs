@@ -70,6 +70,10 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Which database this is.
     const KIND: StoreKind;
 
+    /// Checks that the inbox is usable (its table exists with the expected columns); the
+    /// runtime calls this before it consumes anything.
+    fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Opens a transaction.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 

@@ -114,7 +114,10 @@ async fn consume(
         let next = tokio::select! {
             next = consumer.next() => next,
             _ = stop.changed() => {
-                let _ = channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default()).await;
+                let cancel = channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default());
+                if tokio::time::timeout(Duration::from_secs(5), cancel).await.is_err() {
+                    tracing::warn!(queue = spec.queue, "the broker did not confirm the consumer's cancel in time");
+                }
                 return Ok(Ended::Stopped);
             }
         };

@@ -18,6 +18,10 @@ pub trait Dialect: Database {
     const COMPLETE: &'static str;
 }
 
+/// Reads nothing, but fails unless the inbox table exists with the columns idem uses.
+const PROBE: &str = r#"SELECT consumer, key, fingerprint, status, outcome, attempts, created_at, completed_at, expires_at
+    FROM "{table}" WHERE 1 = 0"#;
+
 /// An inbox in a database of dialect `DB`; see [`crate::PgInbox`] and [`crate::SqliteInbox`].
 pub struct SqlInbox<DB: Dialect> {
     pub(crate) pool: Pool<DB>,
@@ -31,6 +35,7 @@ pub(crate) struct Statements {
     pub(crate) claim: Arc<str>,
     pub(crate) existing: Arc<str>,
     pub(crate) complete: Arc<str>,
+    pub(crate) probe: Arc<str>,
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -45,6 +50,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             claim: statement(DB::CLAIM, &config.table),
             existing: statement(DB::EXISTING, &config.table),
             complete: statement(DB::COMPLETE, &config.table),
+            probe: statement(PROBE, &config.table),
         });
         Self { pool, config, sql }
     }

@@ -137,6 +137,20 @@ impl InboxStore for SqliteInbox {
     type Tx = Transaction<'static, Sqlite>;
     const KIND: StoreKind = StoreKind::Sqlite;
 
+    async fn check(&self) -> Result<(), StoreError> {
+        sqlx::query(AssertSqlSafe(self.sql.probe.clone()))
+            .execute(&self.pool)
+            .await
+            .map(drop)
+            .map_err(|e| {
+                StoreError::new(
+                    "check",
+                    idem_core::ErrorClass::Permanent,
+                    format!("inbox table `{}`: {e}", self.config.table_name()),
+                )
+            })
+    }
+
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
         self.pool
             .begin_with("BEGIN IMMEDIATE")

@@ -18,6 +18,9 @@ use std::time::Duration;
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinSet;
 
+/// How long closing the transport may take at shutdown.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A wrong runtime configuration or a failed start.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -53,6 +56,17 @@ pub enum RuntimeError {
     /// Two handlers share a consumer.
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// A handler's inbox is not usable (for example, its table was never migrated).
+    #[error(
+        "the inbox of handler `{consumer}` is not usable: {error}; run the store's migrate() (or idem::sql::migrate(&pool)) before starting"
+    )]
+    Store {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// What the store said.
+        #[source]
+        error: crate::error::StoreError,
+    },
     /// A numeric setting is out of range.
     #[error("invalid setting: {0}")]
     Setting(String),
@@ -283,6 +297,14 @@ impl Runtime {
     /// within the grace period, and the transport is closed (anything unsettled goes back to
     /// the broker, unacked).
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+        for actor in &self.actors {
+            let consumer = actor.registration.consumer();
+            actor
+                .registration
+                .check_store(&self.stores)
+                .await
+                .map_err(|error| RuntimeError::Store { consumer, error })?;
+        }
         let specs: Vec<QueueSpec> = self.actors.iter().map(|a| a.spec.clone()).collect();
         self.transport.declare(&specs).await?;
 
@@ -329,7 +351,16 @@ impl Runtime {
             workers.abort_all();
             while workers.join_next().await.is_some() {}
         }
-        self.transport.close().await;
+        // Closing returns whatever is still unsettled to the broker; a broker that does not
+        // answer must not keep the process from exiting (the broker requeues on disconnect).
+        if tokio::time::timeout(CLOSE_TIMEOUT, self.transport.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the transport did not close in time; leaving it to the broker to notice"
+            );
+        }
         tracing::info!("runtime stopped");
         Ok(())
     }
