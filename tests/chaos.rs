@@ -1,6 +1,7 @@
 //! Chaos: several `orders consume` processes (built with `fault-injection`) drain thousands of
 //! orders with duplicates and malformed messages, while processes are killed with SIGKILL at
-//! random and abort themselves before and after commits; every killed process is restarted.
+//! random and abort themselves before and after commits and half-way through dead-lettering;
+//! every killed process is restarted.
 //! Afterwards every unique order is stored exactly once, every balance is exact and every
 //! malformed message is in the dead-letter queue exactly once.
 //!
@@ -146,7 +147,10 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
             .env("DATABASE_URL", &database_url)
             .env("ORDERS_QUEUE", &queue)
             .env("ORDERS_CONCURRENCY", "4")
-            .env("IDEM_FAULT", "before_commit=0.003,after_commit=0.003")
+            .env(
+                "IDEM_FAULT",
+                "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3",
+            )
             .env("RUST_LOG", "error")
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -216,16 +220,21 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         .filter(|(c, cents)| balances.get(*c) != Some(cents))
         .count();
     let dead_letters = dead().await;
+    let reasons = broker::count(&idem::rabbitmq::reasons_queue(&queue)).await;
     let violations =
         orders.abs_diff(per_order.len()) + wrong_balances + malformed.abs_diff(dead_letters);
     eprintln!(
         "chaos: messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
-         violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, dead letters {dead_letters}), {:.1} s",
+         violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, dead letters {dead_letters}, reason records {reasons}), {:.1} s",
         deliveries - orders - malformed,
         per_order.len(),
         started.elapsed().as_secs_f64()
     );
     assert_eq!(violations, 0);
+    assert!(
+        reasons >= dead_letters,
+        "a dead letter without its reason record"
+    );
     assert!(kills > 0, "nothing was killed; the run proves nothing");
     broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
 }

@@ -1,6 +1,6 @@
 //! Fault injection for crash tests (feature `fault-injection`): `IDEM_FAULT` names crash points
-//! and probabilities, `IDEM_FAULT="before_commit=0.02,after_commit=0.02"`, and the process
-//! aborts there. Without the feature none of this is compiled.
+//! and probabilities, `IDEM_FAULT="before_commit=0.02,after_commit=0.02,in_dead_letter=0.1"`,
+//! and the process aborts there. Without the feature none of this is compiled.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -13,12 +13,16 @@ pub enum Point {
     BeforeCommit,
     /// After the COMMIT, before the ack.
     AfterCommit,
+    /// Half-way through dead-lettering: after the reason is recorded, before the message is
+    /// moved to the dead-letter queue.
+    InDeadLetter,
 }
 
 #[derive(Debug, Default)]
 struct Faults {
     before_commit: f64,
     after_commit: f64,
+    in_dead_letter: f64,
 }
 
 fn faults() -> &'static Faults {
@@ -36,9 +40,10 @@ fn faults() -> &'static Faults {
             match parsed {
                 Some(("before_commit", p)) => faults.before_commit = p,
                 Some(("after_commit", p)) => faults.after_commit = p,
+                Some(("in_dead_letter", p)) => faults.in_dead_letter = p,
                 _ => tracing::error!(
                     part,
-                    "IDEM_FAULT: expected before_commit=<p> or after_commit=<p>"
+                    "IDEM_FAULT: expected before_commit=<p>, after_commit=<p> or in_dead_letter=<p>"
                 ),
             }
         }
@@ -51,6 +56,7 @@ pub fn maybe_crash(point: Point) {
     let p = match point {
         Point::BeforeCommit => faults().before_commit,
         Point::AfterCommit => faults().after_commit,
+        Point::InDeadLetter => faults().in_dead_letter,
     };
     if p > 0.0 && random() < p {
         tracing::error!(?point, "fault injection: aborting the process");

@@ -137,6 +137,8 @@ impl Settle for RabbitSettle {
             {
                 tracing::warn!(error = %e, "could not record the dead-letter reason; dead-lettering anyway");
             }
+            #[cfg(feature = "fault-injection")]
+            idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
             settled(
                 "reject",
                 self.acker
