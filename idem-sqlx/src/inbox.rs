@@ -1,6 +1,7 @@
 //! The inbox store shared by every dialect: pool, configuration and prepared statement text.
 
 use crate::config::{ConfigError, InboxConfig, TableName};
+use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending};
 use idem_core::StoreError;
 use sqlx::{Database, Pool, Transaction};
 use std::fmt;
@@ -16,6 +17,20 @@ pub trait Dialect: Database {
     const EXISTING: &'static str;
     /// Stores the handler's result on a claimed row.
     const COMPLETE: &'static str;
+    /// The schema versions of the inbox table.
+    const MIGRATIONS: Migrations;
+    /// Runs before the migration transaction.
+    const PREPARE: Option<&'static str>;
+    /// Starts the migration transaction (`None`: a plain `BEGIN`).
+    const BEGIN: Option<&'static str>;
+    /// Runs first inside the migration transaction.
+    const LOCK: Option<&'static str>;
+    /// Creates the schema version table.
+    const VERSION_TABLE: &'static str;
+    /// Reads a table's version (`$1`/`?1`: the table).
+    const READ_VERSION: &'static str;
+    /// Records a table's version (the table, the version).
+    const WRITE_VERSION: &'static str;
 }
 
 /// Reads nothing, but fails unless the inbox table exists with the columns idem uses.
@@ -78,6 +93,67 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 }
 
+impl<DB: Dialect> SqlInbox<DB>
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    String: for<'q> sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i32: for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    /// Creates or upgrades the inbox table, in one transaction that concurrent migrations
+    /// (from other processes too) wait for. Run it on every start.
+    pub async fn migrate(&self) -> Result<(), MigrateError> {
+        use sqlx::Row;
+        let table = &self.config.table;
+        let err = MigrateError::database;
+        if let Some(prepare) = DB::PREPARE {
+            sqlx::query(prepare)
+                .execute(&self.pool)
+                .await
+                .map_err(err(table))?;
+        }
+        let mut tx = match DB::BEGIN {
+            Some(begin) => self.pool.begin_with(begin).await,
+            None => self.pool.begin().await,
+        }
+        .map_err(err(table))?;
+        for statement in DB::LOCK.into_iter().chain([DB::VERSION_TABLE]) {
+            sqlx::query(statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(err(table))?;
+        }
+        let current = match sqlx::query(DB::READ_VERSION)
+            .bind(table.as_str().to_owned())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(err(table))?
+        {
+            Some(row) => row.try_get::<i32, usize>(0).map_err(err(table))?,
+            None => 0,
+        };
+        let statements = pending(DB::MIGRATIONS, table, current)?;
+        if statements.is_empty() {
+            return Ok(());
+        }
+        for statement in statements {
+            sqlx::query(statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(err(table))?;
+        }
+        sqlx::query(DB::WRITE_VERSION)
+            .bind(table.as_str().to_owned())
+            .bind(SCHEMA_VERSION)
+            .execute(&mut *tx)
+            .await
+            .map_err(err(table))?;
+        tx.commit().await.map_err(err(table))
+    }
+}
+
 impl<DB: Dialect> Clone for SqlInbox<DB> {
     fn clone(&self) -> Self {
         Self {
@@ -101,6 +177,25 @@ impl<DB: Dialect> fmt::Debug for SqlInbox<DB> {
 /// [`TableName`]), so the resulting text is safe to hand to `sqlx::AssertSqlSafe`.
 pub(crate) fn statement(template: &str, table: &TableName) -> Arc<str> {
     template.replace("{table}", table.as_str()).into()
+}
+
+/// Fails unless the inbox table exists with the columns idem uses.
+pub(crate) async fn check<DB: Dialect>(inbox: &SqlInbox<DB>) -> Result<(), StoreError>
+where
+    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
+{
+    sqlx::query(sqlx::AssertSqlSafe(inbox.sql.probe.clone()))
+        .execute(&inbox.pool)
+        .await
+        .map(drop)
+        .map_err(|e| {
+            StoreError::new(
+                "check",
+                idem_core::ErrorClass::Permanent,
+                format!("inbox table `{}`: {e}", inbox.config.table_name()),
+            )
+        })
 }
 
 /// Commits an inbox transaction.

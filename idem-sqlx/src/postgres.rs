@@ -1,7 +1,7 @@
 //! The PostgreSQL inbox.
 
-use crate::inbox::{Dialect, SqlInbox, commit, rollback};
-use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending, stored_fingerprint};
+use crate::inbox::{Dialect, SqlInbox, check, commit, rollback};
+use crate::{Migrations, stored_fingerprint};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 
@@ -54,48 +54,25 @@ const READ_VERSION: &str = "SELECT version FROM idem_schema_version WHERE inbox_
 const WRITE_VERSION: &str = "INSERT INTO idem_schema_version (inbox_table, version, migrated_at)
     VALUES ($1, $2, now()) ON CONFLICT (inbox_table) DO UPDATE SET version = $2, migrated_at = now()";
 
-/// The PostgreSQL inbox.
+/// The PostgreSQL inbox. `migrate()` takes an advisory lock, so several processes may run it
+/// at once.
 pub type PgInbox = SqlInbox<Postgres>;
 
-impl PgInbox {
-    /// Creates or upgrades the inbox table. Safe to run from several processes at once (an
-    /// advisory lock serializes them) and on every start.
-    pub async fn migrate(&self) -> Result<(), MigrateError> {
-        let table = &self.config.table;
-        let err = MigrateError::database;
-        let mut tx = self.pool.begin().await.map_err(err(table))?;
-        sqlx::query(LOCK)
-            .execute(&mut *tx)
-            .await
-            .map_err(err(table))?;
-        sqlx::query(VERSION_TABLE)
-            .execute(&mut *tx)
-            .await
-            .map_err(err(table))?;
-        let current: Option<i32> = sqlx::query_scalar(READ_VERSION)
-            .bind(table.as_str())
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(err(table))?;
-        let statements = pending(MIGRATIONS, table, current.unwrap_or(0))?;
-        if statements.is_empty() {
-            return Ok(());
-        }
-        for statement in statements {
-            sqlx::query(statement)
-                .execute(&mut *tx)
-                .await
-                .map_err(err(table))?;
-        }
-        sqlx::query(WRITE_VERSION)
-            .bind(table.as_str())
-            .bind(SCHEMA_VERSION)
-            .execute(&mut *tx)
-            .await
-            .map_err(err(table))?;
-        tx.commit().await.map_err(err(table))
-    }
+impl Dialect for Postgres {
+    const CLAIM: &'static str = CLAIM;
+    const EXISTING: &'static str = EXISTING;
+    const COMPLETE: &'static str = COMPLETE;
+    const MIGRATIONS: Migrations = MIGRATIONS;
+    const PREPARE: Option<&'static str> = None;
+    const BEGIN: Option<&'static str> = None;
+    // Serializes concurrent migrations from several processes.
+    const LOCK: Option<&'static str> = Some(LOCK);
+    const VERSION_TABLE: &'static str = VERSION_TABLE;
+    const READ_VERSION: &'static str = READ_VERSION;
+    const WRITE_VERSION: &'static str = WRITE_VERSION;
+}
 
+impl PgInbox {
     async fn existing(
         &self,
         tx: &mut Transaction<'static, Postgres>,
@@ -109,12 +86,6 @@ impl PgInbox {
             .map_err(|e| StoreError::sqlx("claim", e))?;
         row.map(|row| claim_from_row(&row)).transpose()
     }
-}
-
-impl Dialect for Postgres {
-    const CLAIM: &'static str = CLAIM;
-    const EXISTING: &'static str = EXISTING;
-    const COMPLETE: &'static str = COMPLETE;
 }
 
 fn claim_from_row(row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
@@ -135,17 +106,7 @@ impl InboxStore for PgInbox {
     const KIND: StoreKind = StoreKind::Postgres;
 
     async fn check(&self) -> Result<(), StoreError> {
-        sqlx::query(AssertSqlSafe(self.sql.probe.clone()))
-            .execute(&self.pool)
-            .await
-            .map(drop)
-            .map_err(|e| {
-                StoreError::new(
-                    "check",
-                    idem_core::ErrorClass::Permanent,
-                    format!("inbox table `{}`: {e}", self.config.table_name()),
-                )
-            })
+        check(self).await
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {

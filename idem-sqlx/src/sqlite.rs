@@ -5,8 +5,8 @@
 //! `SQLITE_BUSY` and `SQLITE_LOCKED` are classified as transient, so a claim that waited too
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
-use crate::inbox::{Dialect, SqlInbox, commit, rollback};
-use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending, stored_fingerprint};
+use crate::inbox::{Dialect, SqlInbox, check, commit, rollback};
+use crate::{Migrations, stored_fingerprint};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
@@ -79,58 +79,22 @@ pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
         .busy_timeout(BUSY_TIMEOUT))
 }
 
-/// The SQLite inbox.
+/// The SQLite inbox. `migrate()` also switches the database to WAL mode.
 pub type SqliteInbox = SqlInbox<Sqlite>;
-
-impl SqliteInbox {
-    /// Switches the database to WAL mode and creates or upgrades the inbox table, in one
-    /// `BEGIN IMMEDIATE` transaction (so concurrent migrations queue).
-    pub async fn migrate(&self) -> Result<(), MigrateError> {
-        let table = &self.config.table;
-        let err = MigrateError::database;
-        // Persistent for file databases; an in-memory database answers "memory" and stays so.
-        sqlx::query("PRAGMA journal_mode = WAL")
-            .execute(&self.pool)
-            .await
-            .map_err(err(table))?;
-        let mut tx = self
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(err(table))?;
-        sqlx::query(VERSION_TABLE)
-            .execute(&mut *tx)
-            .await
-            .map_err(err(table))?;
-        let current: Option<i32> = sqlx::query_scalar(READ_VERSION)
-            .bind(table.as_str())
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(err(table))?;
-        let statements = pending(MIGRATIONS, table, current.unwrap_or(0))?;
-        if statements.is_empty() {
-            return Ok(());
-        }
-        for statement in statements {
-            sqlx::query(statement)
-                .execute(&mut *tx)
-                .await
-                .map_err(err(table))?;
-        }
-        sqlx::query(WRITE_VERSION)
-            .bind(table.as_str())
-            .bind(SCHEMA_VERSION)
-            .execute(&mut *tx)
-            .await
-            .map_err(err(table))?;
-        tx.commit().await.map_err(err(table))
-    }
-}
 
 impl Dialect for Sqlite {
     const CLAIM: &'static str = CLAIM;
     const EXISTING: &'static str = EXISTING;
     const COMPLETE: &'static str = COMPLETE;
+    const MIGRATIONS: Migrations = MIGRATIONS;
+    // Persistent for file databases; an in-memory database answers "memory" and stays so.
+    const PREPARE: Option<&'static str> = Some("PRAGMA journal_mode = WAL");
+    // Takes the write lock up front, so concurrent migrations queue.
+    const BEGIN: Option<&'static str> = Some("BEGIN IMMEDIATE");
+    const LOCK: Option<&'static str> = None;
+    const VERSION_TABLE: &'static str = VERSION_TABLE;
+    const READ_VERSION: &'static str = READ_VERSION;
+    const WRITE_VERSION: &'static str = WRITE_VERSION;
 }
 
 impl InboxStore for SqliteInbox {
@@ -138,17 +102,7 @@ impl InboxStore for SqliteInbox {
     const KIND: StoreKind = StoreKind::Sqlite;
 
     async fn check(&self) -> Result<(), StoreError> {
-        sqlx::query(AssertSqlSafe(self.sql.probe.clone()))
-            .execute(&self.pool)
-            .await
-            .map(drop)
-            .map_err(|e| {
-                StoreError::new(
-                    "check",
-                    idem_core::ErrorClass::Permanent,
-                    format!("inbox table `{}`: {e}", self.config.table_name()),
-                )
-            })
+        check(self).await
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
