@@ -109,6 +109,8 @@ async fn consume(
         .await
         .map_err(fail)?;
     tracing::info!(queue = spec.queue, prefetch, "consuming");
+    // Shared by every delivery's settlement: no per-delivery copy of the name.
+    let queue: std::sync::Arc<str> = spec.queue.as_str().into();
     *backoff = config.reconnect_min;
     loop {
         let next = tokio::select! {
@@ -138,7 +140,7 @@ async fn consume(
             acker,
             channel: channel.clone(),
             properties,
-            queue: spec.queue.clone(),
+            queue: queue.clone(),
         });
         // Waits while the mailbox is full: no more deliveries in memory than prefetch allows.
         if mailbox.send(Delivery { envelope, settle }).await.is_err() {

@@ -8,6 +8,7 @@ use idem_core::{DeadLetter, Envelope, Settle, TransportError};
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, BasicRejectOptions};
 use lapin::types::{AMQPValue, ShortString};
 use lapin::{Acker, BasicProperties, Channel};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// One delivery's settlement handle: its acker, its channel (for the retry and reason
@@ -16,7 +17,7 @@ pub(crate) struct RabbitSettle {
     pub(crate) acker: Acker,
     pub(crate) channel: Channel,
     pub(crate) properties: BasicProperties,
-    pub(crate) queue: String,
+    pub(crate) queue: Arc<str>,
 }
 
 fn settled(what: &str, result: lapin::Result<bool>) -> Result<(), TransportError> {
