@@ -316,6 +316,53 @@ macro_rules! inbox_suite {
                 }
             }
 
+            #[tokio::test]
+            async fn a_batch_commits_together_and_a_failing_message_rolls_back_alone() {
+                let f = fixture(2).await;
+                let customer = unique("c");
+                let ids: Vec<String> = (0..5).map(|_| unique("o")).collect();
+                let [a, b, c, seen, e] = [0, 1, 2, 3, 4].map(|i| ids[i].clone());
+                assert_eq!(run(&f, "record", &order(&seen, &customer, 1)).await.label(), "processed");
+                script(&b, vec![Step::FailPermanent]);
+                script(&e, vec![Step::FailTransient]);
+                let batch = vec![
+                    order(&a, &customer, 10),
+                    order(&b, &customer, 20),
+                    order(&c, &customer, 30),
+                    order(&a, &customer, 10),
+                    order(&seen, &customer, 1),
+                    order(&e, &customer, 50),
+                    order(&c, &customer, 31),
+                    Envelope::new("not json"),
+                ];
+                let registration = idem::registry::find(&consumer("record")).expect("registered handler");
+                let outcomes = registration.invoke_batch(&f.stores, &batch).await.expect("store present");
+                let labels: Vec<&str> = outcomes.iter().map(Outcome::label).collect();
+                assert_eq!(
+                    labels,
+                    ["processed", "rejected", "processed", "duplicate", "duplicate", "retry", "conflict", "rejected"],
+                    "{outcomes:#?}"
+                );
+                // The copy of `a` replays the result `a` stored in the same transaction.
+                let receipt: Receipt = outcomes[3].output().unwrap().decode().unwrap();
+                assert_eq!(receipt, Receipt { balance: 1 + 10 });
+                // The failed messages' writes and markers were rolled back to their savepoints.
+                for (id, applied) in [(&a, 1), (&b, 0), (&c, 1), (&seen, 1), (&e, 0)] {
+                    assert_eq!(effects(&f.pool, "record", id).await, applied, "effects of {id}");
+                    assert_eq!(inbox_rows(&f.pool, "record", id).await, applied, "marker of {id}");
+                }
+                assert_eq!(balance(&f.pool, &customer).await, Some(1 + 10 + 30));
+                // Redelivered, the failed ones are processed; nothing is applied twice.
+                let again = vec![order(&b, &customer, 20), order(&e, &customer, 50), order(&a, &customer, 10)];
+                let outcomes = registration.invoke_batch(&f.stores, &again).await.unwrap();
+                let labels: Vec<&str> = outcomes.iter().map(Outcome::label).collect();
+                assert_eq!(labels, ["processed", "processed", "duplicate"]);
+                assert_eq!(balance(&f.pool, &customer).await, Some(1 + 10 + 30 + 20 + 50));
+                for id in &ids {
+                    assert_eq!(effects(&f.pool, "record", id).await, 1, "effects of {id}");
+                }
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn transaction_dropped_before_commit_records_nothing() {
                 let f = Arc::new(fixture(2).await);

@@ -7,6 +7,7 @@
 //!
 //! Nothing here knows RabbitMQ or a particular SQL dialect.
 
+pub mod batch;
 pub mod context;
 pub mod envelope;
 pub mod error;
@@ -24,6 +25,7 @@ pub mod runtime;
 pub mod store;
 pub mod transport;
 
+pub use batch::process_batch;
 pub use context::Context;
 pub use envelope::{Envelope, HeaderValue, Headers};
 pub use error::{BoxError, ErrorClass, HandlerError, StoreError, classify_sqlx};

@@ -17,21 +17,10 @@ use crate::store::{Claim, ClaimRequest, InboxStore};
 /// committed unless the outcome is [`Outcome::Processed`]; every other outcome leaves the
 /// database as it was.
 pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
-    let payload = match H::decode(envelope) {
-        Ok(payload) => payload,
-        Err(rejection) => return Outcome::Rejected(rejection),
+    let (payload, key, fingerprint) = match prepare::<H>(envelope) {
+        Ok(prepared) => prepared,
+        Err(rejected) => return rejected,
     };
-    let key = match H::key(envelope, &payload) {
-        Ok(key) => key,
-        Err(e) => {
-            return Outcome::Rejected(Rejection::new(
-                RejectReason::MissingKey,
-                e.to_string(),
-                None,
-            ));
-        }
-    };
-    let fingerprint = Fingerprint::of(&envelope.body);
     let request = ClaimRequest {
         consumer: H::CONSUMER,
         key: &key,
@@ -50,16 +39,7 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
             output,
         }) => {
             store.rollback(tx).await;
-            return if stored == fingerprint {
-                tracing::debug!(consumer = H::CONSUMER, %key, correlation_id = envelope.correlation_id.as_deref(), "duplicate skipped");
-                Outcome::Duplicate {
-                    key,
-                    output: output.unwrap_or_else(StoredOutput::null),
-                }
-            } else {
-                tracing::warn!(consumer = H::CONSUMER, %key, correlation_id = envelope.correlation_id.as_deref(), stored = %stored, received = %fingerprint, "same key, different payload");
-                Outcome::Conflict { key }
-            };
+            return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, output);
         }
         Err(e) => {
             store.rollback(tx).await;
@@ -69,19 +49,11 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
 
     let ctx = Context::new(envelope, H::CONSUMER, &key);
     let result = H::call(&mut tx, payload, &ctx).await;
-    let output = match result.map(|value| StoredOutput::encode(&value)) {
-        Ok(Ok(output)) => output,
-        Ok(Err(e)) => {
+    let output = match encode_result::<H>(result, &key) {
+        Ok(output) => output,
+        Err(failed) => {
             store.rollback(tx).await;
-            return Outcome::Rejected(Rejection::new(
-                RejectReason::Output,
-                format!("the handler's result could not be serialized: {e}"),
-                Some(key),
-            ));
-        }
-        Err(e) => {
-            store.rollback(tx).await;
-            return handler_failure(e, key);
+            return failed;
         }
     };
     if !output.is_null()
@@ -100,6 +72,60 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
     }
 }
 
+/// Decodes the payload, reads its key and fingerprints the body; a failure is the rejection.
+pub(crate) fn prepare<H: Handler>(
+    envelope: &Envelope,
+) -> Result<(H::Payload, String, Fingerprint), Outcome> {
+    let payload = H::decode(envelope).map_err(Outcome::Rejected)?;
+    let key = H::key(envelope, &payload).map_err(|e| {
+        Outcome::Rejected(Rejection::new(
+            RejectReason::MissingKey,
+            e.to_string(),
+            None,
+        ))
+    })?;
+    Ok((payload, key, Fingerprint::of(&envelope.body)))
+}
+
+/// The outcome of a message whose key was committed before: a duplicate when the payload is
+/// the same, a conflict when it is not.
+pub(crate) fn existing(
+    consumer: &str,
+    envelope: &Envelope,
+    key: String,
+    fingerprint: &Fingerprint,
+    stored: &Fingerprint,
+    output: Option<StoredOutput>,
+) -> Outcome {
+    let correlation_id = envelope.correlation_id.as_deref();
+    if stored == fingerprint {
+        tracing::debug!(consumer, %key, correlation_id, "duplicate skipped");
+        Outcome::Duplicate {
+            key,
+            output: output.unwrap_or_else(StoredOutput::null),
+        }
+    } else {
+        tracing::warn!(consumer, %key, correlation_id, %stored, received = %fingerprint, "same key, different payload");
+        Outcome::Conflict { key }
+    }
+}
+
+/// The handler's result as the output to store, or the outcome of its failure.
+pub(crate) fn encode_result<H: Handler>(
+    result: Result<H::Output, HandlerError>,
+    key: &str,
+) -> Result<StoredOutput, Outcome> {
+    match result.map(|value| StoredOutput::encode(&value)) {
+        Ok(Ok(output)) => Ok(output),
+        Ok(Err(e)) => Err(Outcome::Rejected(Rejection::new(
+            RejectReason::Output,
+            format!("the handler's result could not be serialized: {e}"),
+            Some(key.to_owned()),
+        ))),
+        Err(e) => Err(handler_failure(e, key.to_owned())),
+    }
+}
+
 fn handler_failure(error: HandlerError, key: String) -> Outcome {
     match error.class() {
         ErrorClass::Transient => Outcome::Retry(Transient {
@@ -114,15 +140,20 @@ fn handler_failure(error: HandlerError, key: String) -> Outcome {
     }
 }
 
-fn store_failure(error: StoreError, key: &str) -> Outcome {
-    match error.class() {
+pub(crate) fn store_failure(error: StoreError, key: &str) -> Outcome {
+    failure(error.class(), error.to_string(), key)
+}
+
+/// The outcome of a store failure of `class`, described by `message`.
+pub(crate) fn failure(class: ErrorClass, message: String, key: &str) -> Outcome {
+    match class {
         ErrorClass::Transient => Outcome::Retry(Transient {
-            message: error.to_string(),
+            message,
             key: Some(key.to_owned()),
         }),
         ErrorClass::Permanent => Outcome::Rejected(Rejection::new(
             RejectReason::Store,
-            error.to_string(),
+            message,
             Some(key.to_owned()),
         )),
     }
@@ -185,6 +216,18 @@ mod tests {
             if let Some(row) = tx.row.as_mut() {
                 row.1.1 = Some(output.clone());
             }
+            Ok(())
+        }
+
+        async fn savepoint(&self, _: &mut MemTx, _: bool) -> Result<(), StoreError> {
+            Ok(())
+        }
+
+        async fn rollback_to_savepoint(&self, _: &mut MemTx) -> Result<(), StoreError> {
+            Ok(())
+        }
+
+        async fn unclaim(&self, _: &mut MemTx, _: &str, _: &[&str]) -> Result<(), StoreError> {
             Ok(())
         }
 

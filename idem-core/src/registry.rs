@@ -1,6 +1,7 @@
 //! The handler registry: every `#[idempotent]` function submits a [`Registration`] through
 //! `inventory`, and the runtime finds them here.
 
+use crate::batch::process_batch;
 use crate::envelope::Envelope;
 use crate::error::StoreError;
 use crate::handler::Handler;
@@ -22,6 +23,10 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub type InvokeFn =
     for<'a> fn(&'a Stores, &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
 
+/// The type-erased batch entry point of one handler.
+pub type InvokeBatchFn =
+    for<'a> fn(&'a Stores, &'a [Envelope]) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>>;
+
 /// One registered handler.
 #[derive(Debug)]
 pub struct Registration {
@@ -31,6 +36,7 @@ pub struct Registration {
     key: KeySource,
     store: StoreKind,
     invoke: InvokeFn,
+    invoke_batch: InvokeBatchFn,
     available: fn(&Stores) -> bool,
     check: CheckFn,
 }
@@ -47,6 +53,7 @@ impl Registration {
             key: H::KEY,
             store: <H::Store as InboxStore>::KIND,
             invoke: invoke::<H>,
+            invoke_batch: invoke_batch::<H>,
             available: available::<H>,
             check: check::<H>,
         }
@@ -95,6 +102,16 @@ impl Registration {
     ) -> Result<Outcome, DispatchError> {
         (self.invoke)(stores, envelope).await
     }
+
+    /// Processes a batch of deliveries with this handler in one transaction of its store; one
+    /// outcome per envelope, in order.
+    pub async fn invoke_batch(
+        &self,
+        stores: &Stores,
+        envelopes: &[Envelope],
+    ) -> Result<Vec<Outcome>, DispatchError> {
+        (self.invoke_batch)(stores, envelopes).await
+    }
 }
 
 fn check<'a, H: Handler>(stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>> {
@@ -126,6 +143,21 @@ fn invoke<'a, H: Handler>(
                 store: <H::Store as InboxStore>::KIND,
             })?;
         Ok(process::<H>(store, envelope).await)
+    })
+}
+
+fn invoke_batch<'a, H: Handler>(
+    stores: &'a Stores,
+    envelopes: &'a [Envelope],
+) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
+    Box::pin(async move {
+        let store = stores
+            .get::<H::Store>()
+            .ok_or(DispatchError::MissingStore {
+                consumer: H::CONSUMER,
+                store: <H::Store as InboxStore>::KIND,
+            })?;
+        Ok(process_batch::<H>(store, envelopes).await)
     })
 }
 
@@ -221,6 +253,7 @@ mod tests {
             key: KeySource::MessageId,
             store,
             invoke: never,
+            invoke_batch: |_, _| Box::pin(async { unreachable!("not invoked") }),
             available: |_| true,
             check: |_| Box::pin(async { Ok(()) }),
         }

@@ -93,6 +93,60 @@ pub trait InboxStore: Send + Sync + 'static {
         output: &StoredOutput,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Claims several keys at once (batch mode), answering in `requests`' order. The keys are
+    /// distinct. The default claims one by one; stores override it with one statement.
+    fn claim_batch(
+        &self,
+        tx: &mut Self::Tx,
+        requests: &[ClaimRequest<'_>],
+    ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send {
+        async move {
+            let mut claims = Vec::with_capacity(requests.len());
+            for request in requests {
+                claims.push(self.claim(tx, request).await?);
+            }
+            Ok(claims)
+        }
+    }
+
+    /// Stores the results of several messages claimed in this transaction (batch mode). The
+    /// default completes one by one.
+    fn complete_batch(
+        &self,
+        tx: &mut Self::Tx,
+        completed: &[(ClaimRequest<'_>, &StoredOutput)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            for (request, output) in completed {
+                self.complete(tx, request, output).await?;
+            }
+            Ok(())
+        }
+    }
+
+    /// Starts the savepoint of the next message of a batch: the first one (`first`), or
+    /// releasing the previous message's and starting a new one, in one round trip.
+    fn savepoint(
+        &self,
+        tx: &mut Self::Tx,
+        first: bool,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Undoes everything since the current savepoint: one message of a batch failed.
+    fn rollback_to_savepoint(
+        &self,
+        tx: &mut Self::Tx,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Removes the markers of `keys`, claimed in this transaction by messages that then failed,
+    /// so that they are not committed with the rest of the batch.
+    fn unclaim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        keys: &[&str],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 

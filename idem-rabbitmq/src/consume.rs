@@ -1,5 +1,6 @@
 //! Consuming one queue, reconnecting with backoff: this is where a delivery enters idem.
 
+use crate::acks;
 use crate::config::RabbitConfig;
 use crate::envelope::envelope;
 use crate::settle::RabbitSettle;
@@ -69,7 +70,17 @@ async fn session(
 ) -> Result<Ended, String> {
     let fail = |e: lapin::Error| e.to_string();
     let connection = connections.open(config, &spec.queue).await.map_err(fail)?;
-    let result = consume(&connection, spec, prefetch, mailbox, stop, backoff, config).await;
+    let result = consume(
+        &connection,
+        connections,
+        spec,
+        prefetch,
+        mailbox,
+        stop,
+        backoff,
+        config,
+    )
+    .await;
     if result.is_err() {
         // Whatever failed, start the next attempt on a fresh connection.
         let _ = connection
@@ -79,8 +90,10 @@ async fn session(
     result
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn consume(
     connection: &lapin::Connection,
+    connections: &Connections,
     spec: &QueueSpec,
     prefetch: u16,
     mailbox: &mpsc::Sender<Delivery>,
@@ -111,6 +124,10 @@ async fn consume(
     tracing::info!(queue = spec.queue, prefetch, "consuming");
     // Shared by every delivery's settlement: no per-delivery copy of the name.
     let queue: std::sync::Arc<str> = spec.queue.as_str().into();
+    // Every settlement of this channel goes through one task, in tag order; shutdown waits
+    // for it to send what it holds before the connection closes.
+    let (acks, settler) = acks::spawn(channel.clone(), queue.clone());
+    connections.track(settler);
     *backoff = config.reconnect_min;
     loop {
         let next = tokio::select! {
@@ -129,18 +146,20 @@ async fn consume(
             None => return Err("the consumer was cancelled or its channel closed".to_owned()),
         };
         let lapin::message::Delivery {
+            delivery_tag,
             redelivered,
             properties,
             data,
-            acker,
             ..
         } = delivery;
         let envelope = envelope(&properties, data, redelivered);
         let settle = Box::new(RabbitSettle {
-            acker,
+            tag: delivery_tag,
+            acks: acks.clone(),
             channel: channel.clone(),
             properties,
             queue: queue.clone(),
+            done: false,
         });
         // Waits while the mailbox is full: no more deliveries in memory than prefetch allows.
         if mailbox.send(Delivery { envelope, settle }).await.is_err() {

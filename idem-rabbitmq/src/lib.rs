@@ -12,6 +12,7 @@
 //! Consumers reconnect with backoff when the connection or channel is lost; what was in flight
 //! is redelivered by the broker and recognised by the inbox as a duplicate where it committed.
 
+mod acks;
 mod config;
 mod consume;
 mod envelope;

@@ -1,36 +1,42 @@
-//! Settling a RabbitMQ delivery: this is where the ack is sent, always after the pipeline
-//! returned (after the commit).
+//! Settling a RabbitMQ delivery: this is where the ack is decided, always after the pipeline
+//! returned (after the commit); [`crate::acks`] sends it, coalesced with its neighbours.
 
+use crate::acks::{Acks, Op};
 use crate::envelope::{ATTEMPT_HEADER, text, with_headers};
 use crate::topology::{reasons_queue, retry_queue};
 use idem_core::registry::BoxFuture;
 use idem_core::{DeadLetter, Envelope, Settle, TransportError};
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, BasicRejectOptions};
+use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, ShortString};
-use lapin::{Acker, BasicProperties, Channel};
+use lapin::{BasicProperties, Channel};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// One delivery's settlement handle: its acker, its channel (for the retry and reason
-/// publishes, confirmed) and its properties (kept on republished copies).
+/// One delivery's settlement handle: its tag and its channel's settlement task, its channel
+/// (for the retry and reason publishes, confirmed) and its properties (kept on republished
+/// copies). Dropped unsettled (an abandoned worker), it gives the delivery back.
 pub(crate) struct RabbitSettle {
-    pub(crate) acker: Acker,
+    pub(crate) tag: u64,
+    pub(crate) acks: Acks,
     pub(crate) channel: Channel,
     pub(crate) properties: BasicProperties,
     pub(crate) queue: Arc<str>,
-}
-
-fn settled(what: &str, result: lapin::Result<bool>) -> Result<(), TransportError> {
-    match result {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(TransportError::Settle(format!(
-            "{what} not sent: the channel was closed"
-        ))),
-        Err(e) => Err(TransportError::Settle(format!("{what} failed: {e}"))),
-    }
+    pub(crate) done: bool,
 }
 
 impl RabbitSettle {
+    /// Hands `op` to the channel's settlement task, which sends it in tag order.
+    fn settle(mut self: Box<Self>, op: Op) -> Result<(), TransportError> {
+        self.done = true;
+        if self.acks.send(self.tag, op) {
+            Ok(())
+        } else {
+            Err(TransportError::Settle(
+                "the delivery's channel is closed; the broker redelivers".to_owned(),
+            ))
+        }
+    }
+
     /// Publishes on the delivery's channel (in confirm mode) and waits for the broker's ack.
     async fn publish_confirmed(
         &self,
@@ -65,7 +71,8 @@ impl RabbitSettle {
 
 impl Settle for RabbitSettle {
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move { settled("ack", self.acker.ack(BasicAckOptions::default()).await) })
+        let settled = self.settle(Op::Ack);
+        Box::pin(std::future::ready(settled))
     }
 
     /// Publishes the copy to the delay queue, confirmed, then acks the original. A crash in
@@ -87,16 +94,10 @@ impl Settle for RabbitSettle {
                 .await
             {
                 // Not acked either: the broker redelivers the original.
-                let _ = self
-                    .acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await;
+                let _ = self.settle(Op::Requeue);
                 return Err(e);
             }
-            settled("ack", self.acker.ack(BasicAckOptions::default()).await)
+            self.settle(Op::Ack)
         })
     }
 
@@ -140,26 +141,20 @@ impl Settle for RabbitSettle {
             }
             #[cfg(feature = "fault-injection")]
             idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
-            settled(
-                "reject",
-                self.acker
-                    .reject(BasicRejectOptions { requeue: false })
-                    .await,
-            )
+            self.settle(Op::Reject)
         })
     }
 
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move {
-            settled(
-                "nack",
-                self.acker
-                    .nack(BasicNackOptions {
-                        requeue: true,
-                        ..Default::default()
-                    })
-                    .await,
-            )
-        })
+        let settled = self.settle(Op::Requeue);
+        Box::pin(std::future::ready(settled))
+    }
+}
+
+impl Drop for RabbitSettle {
+    fn drop(&mut self) {
+        if !self.done {
+            self.acks.send(self.tag, Op::Requeue);
+        }
     }
 }

@@ -8,6 +8,7 @@ use lapin::types::{LongString, ShortString};
 use lapin::{Connection, ConnectionProperties};
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 /// RabbitMQ through lapin: one connection per consumed queue, reopened with backoff.
 #[derive(Debug, Clone)]
@@ -16,9 +17,13 @@ pub struct RabbitTransport {
     connections: Connections,
 }
 
-/// The connections opened so far, closed together at shutdown.
+/// The connections opened so far, closed together at shutdown, and the channels' settlement
+/// tasks, which shutdown lets finish first.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Connections(Arc<Mutex<Vec<Arc<Connection>>>>);
+pub(crate) struct Connections {
+    open: Arc<Mutex<Vec<Arc<Connection>>>>,
+    settlers: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
 
 impl Connections {
     /// Opens a connection named after `purpose` and keeps it for [`Connections::close_all`].
@@ -31,15 +36,28 @@ impl Connections {
         let properties = ConnectionProperties::default()
             .with_connection_name(LongString::from(name.into_bytes()));
         let connection = Arc::new(Connection::connect(&config.url, properties).await?);
-        let mut all = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.open.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|c| c.status().connected());
         all.push(connection.clone());
         Ok(connection)
     }
 
+    /// Keeps a channel's settlement task, so that closing waits for its last acks.
+    pub(crate) fn track(&self, settler: JoinHandle<()>) {
+        let mut all = self.settlers.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|task| !task.is_finished());
+        all.push(settler);
+    }
+
     async fn close_all(&self) {
+        let settlers: Vec<JoinHandle<()>> =
+            std::mem::take(&mut *self.settlers.lock().unwrap_or_else(|e| e.into_inner()));
+        for settler in settlers {
+            // Ends once every delivery of its channel is settled or dropped.
+            let _ = settler.await;
+        }
         let all: Vec<Arc<Connection>> =
-            std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()));
+            std::mem::take(&mut *self.open.lock().unwrap_or_else(|e| e.into_inner()));
         for connection in all {
             let _ = connection
                 .close(200, ShortString::from("idem shutting down"))

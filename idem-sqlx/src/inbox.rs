@@ -17,6 +17,10 @@ pub trait Dialect: Database {
     const EXISTING: &'static str;
     /// Stores the handler's result on a claimed row.
     const COMPLETE: &'static str;
+    /// Removes a marker claimed in the current transaction (a failed message of a batch).
+    const UNCLAIM: &'static str;
+    /// Batch statements of this dialect, if it has any beyond the single-row ones.
+    const BATCH: [&'static str; 3];
     /// The schema versions of the inbox table.
     const MIGRATIONS: Migrations;
     /// Runs before the migration transaction.
@@ -50,7 +54,10 @@ pub(crate) struct Statements {
     pub(crate) claim: Arc<str>,
     pub(crate) existing: Arc<str>,
     pub(crate) complete: Arc<str>,
+    pub(crate) unclaim: Arc<str>,
     pub(crate) probe: Arc<str>,
+    /// Dialect-specific batch statements (PostgreSQL: claim, existing, complete).
+    pub(crate) batch: [Arc<str>; 3],
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -65,7 +72,9 @@ impl<DB: Dialect> SqlInbox<DB> {
             claim: statement(DB::CLAIM, &config.table),
             existing: statement(DB::EXISTING, &config.table),
             complete: statement(DB::COMPLETE, &config.table),
+            unclaim: statement(DB::UNCLAIM, &config.table),
             probe: statement(PROBE, &config.table),
+            batch: DB::BATCH.map(|template| statement(template, &config.table)),
         });
         Self { pool, config, sql }
     }
@@ -201,6 +210,42 @@ where
 /// Commits an inbox transaction.
 pub(crate) async fn commit<DB: Database>(tx: Transaction<'static, DB>) -> Result<(), StoreError> {
     tx.commit().await.map_err(|e| StoreError::sqlx("commit", e))
+}
+
+/// The savepoint each message of a batch runs under.
+const SAVEPOINT: &str = "SAVEPOINT idem_message";
+/// Ends one message's savepoint and starts the next one's, in one round trip.
+const NEXT_SAVEPOINT: &str = "RELEASE SAVEPOINT idem_message; SAVEPOINT idem_message";
+const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_message";
+
+/// Starts the first message's savepoint of a batch, or moves on to the next message's.
+pub(crate) async fn savepoint<DB: Database>(
+    tx: &mut Transaction<'static, DB>,
+    first: bool,
+) -> Result<(), StoreError>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    let statement = if first { SAVEPOINT } else { NEXT_SAVEPOINT };
+    sqlx::raw_sql(statement)
+        .execute(&mut **tx)
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::sqlx("savepoint", e))
+}
+
+/// Undoes the current message of a batch; the savepoint stays, for the next message.
+pub(crate) async fn rollback_to_savepoint<DB: Database>(
+    tx: &mut Transaction<'static, DB>,
+) -> Result<(), StoreError>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    sqlx::raw_sql(ROLLBACK_TO_SAVEPOINT)
+        .execute(&mut **tx)
+        .await
+        .map(drop)
+        .map_err(|e| StoreError::sqlx("rollback to savepoint", e))
 }
 
 /// Rolls an inbox transaction back, logging a failure: a transaction that cannot be rolled back

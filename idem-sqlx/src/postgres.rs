@@ -1,9 +1,10 @@
 //! The PostgreSQL inbox.
 
-use crate::inbox::{Dialect, SqlInbox, check, commit, rollback};
+use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint, savepoint};
 use crate::{Migrations, stored_fingerprint};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
+use std::collections::{HashMap, HashSet};
 
 const MIGRATIONS: Migrations = &[(
     1,
@@ -47,6 +48,26 @@ const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{t
 
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $3 WHERE consumer = $1 AND key = $2"#;
 
+/// Claims a batch's keys in one statement, in key order (two batches sharing keys lock them in
+/// the same order); returns the keys it inserted. The others exist, committed, and
+/// [`EXISTING_BATCH`] reads them in a fresh snapshot.
+const CLAIM_BATCH: &str = r#"
+INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
+SELECT $1, i.key, i.fingerprint, 'completed', i.attempts, now(), now(), now() + $5 * interval '1 second'
+FROM unnest($2::text[], $3::bytea[], $4::int4[]) AS i(key, fingerprint, attempts)
+ORDER BY i.key
+ON CONFLICT (consumer, key) DO NOTHING
+RETURNING key"#;
+
+const EXISTING_BATCH: &str =
+    r#"SELECT key, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
+
+const COMPLETE_BATCH: &str = r#"UPDATE "{table}" AS t SET outcome = u.outcome
+FROM unnest($2::text[], $3::text[]) AS u(key, outcome)
+WHERE t.consumer = $1 AND t.key = u.key"#;
+
+const UNCLAIM: &str = r#"DELETE FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
+
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('idem.migrate'))::text";
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table text PRIMARY KEY, version integer NOT NULL, migrated_at timestamptz NOT NULL)";
@@ -62,6 +83,8 @@ impl Dialect for Postgres {
     const CLAIM: &'static str = CLAIM;
     const EXISTING: &'static str = EXISTING;
     const COMPLETE: &'static str = COMPLETE;
+    const UNCLAIM: &'static str = UNCLAIM;
+    const BATCH: [&'static str; 3] = [CLAIM_BATCH, EXISTING_BATCH, COMPLETE_BATCH];
     const MIGRATIONS: Migrations = MIGRATIONS;
     const PREPARE: Option<&'static str> = None;
     const BEGIN: Option<&'static str> = None;
@@ -158,6 +181,118 @@ impl InboxStore for PgInbox {
             .await
             .map(drop)
             .map_err(|e| StoreError::sqlx("complete", e))
+    }
+
+    async fn claim_batch(
+        &self,
+        tx: &mut Self::Tx,
+        requests: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        let Some(first) = requests.first() else {
+            return Ok(Vec::new());
+        };
+        let fail = |e| StoreError::sqlx("claim", e);
+        let keys: Vec<&str> = requests.iter().map(|r| r.key).collect();
+        let fingerprints: Vec<&[u8]> = requests
+            .iter()
+            .map(|r| r.fingerprint.as_bytes().as_slice())
+            .collect();
+        let attempts: Vec<i32> = requests
+            .iter()
+            .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
+            .collect();
+        let [claim, existing, _] = &self.sql.batch;
+        let inserted: Vec<String> = sqlx::query_scalar(AssertSqlSafe(claim.clone()))
+            .bind(first.consumer)
+            .bind(&keys)
+            .bind(&fingerprints)
+            .bind(&attempts)
+            .bind(self.config.retention_secs())
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(fail)?;
+        let inserted: HashSet<&str> = inserted.iter().map(String::as_str).collect();
+        let taken: Vec<&str> = keys
+            .iter()
+            .copied()
+            .filter(|k| !inserted.contains(k))
+            .collect();
+        let mut found = HashMap::with_capacity(taken.len());
+        if !taken.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(existing.clone()))
+                .bind(first.consumer)
+                .bind(&taken)
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(fail)?;
+            for row in rows {
+                let key: String = row.try_get("key").map_err(fail)?;
+                let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(fail)?;
+                let output: Option<String> = row.try_get("outcome").map_err(fail)?;
+                let claim = Claim::Existing {
+                    fingerprint: stored_fingerprint(&fingerprint)?,
+                    output: output.map(StoredOutput::from_json),
+                };
+                found.insert(key, claim);
+            }
+        }
+        keys.iter()
+            .map(|key| {
+                if inserted.contains(key) {
+                    return Ok(Claim::Claimed);
+                }
+                found.remove(*key).ok_or_else(|| {
+                    StoreError::new(
+                        "claim",
+                        idem_core::ErrorClass::Transient,
+                        "a key is taken by a transaction this snapshot cannot see yet",
+                    )
+                })
+            })
+            .collect()
+    }
+
+    async fn complete_batch(
+        &self,
+        tx: &mut Self::Tx,
+        completed: &[(ClaimRequest<'_>, &StoredOutput)],
+    ) -> Result<(), StoreError> {
+        let Some((first, _)) = completed.first() else {
+            return Ok(());
+        };
+        let keys: Vec<&str> = completed.iter().map(|(r, _)| r.key).collect();
+        let outputs: Vec<&str> = completed.iter().map(|(_, o)| o.as_json()).collect();
+        sqlx::query(AssertSqlSafe(self.sql.batch[2].clone()))
+            .bind(first.consumer)
+            .bind(&keys)
+            .bind(&outputs)
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+            .map_err(|e| StoreError::sqlx("complete", e))
+    }
+
+    async fn savepoint(&self, tx: &mut Self::Tx, first: bool) -> Result<(), StoreError> {
+        savepoint(tx, first).await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        rollback_to_savepoint(tx).await
+    }
+
+    async fn unclaim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        sqlx::query(AssertSqlSafe(self.sql.unclaim.clone()))
+            .bind(consumer)
+            .bind(keys)
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+            .map_err(|e| StoreError::sqlx("unclaim", e))
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {

@@ -5,7 +5,7 @@
 //! `SQLITE_BUSY` and `SQLITE_LOCKED` are classified as transient, so a claim that waited too
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
-use crate::inbox::{Dialect, SqlInbox, check, commit, rollback};
+use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint, savepoint};
 use crate::{Migrations, stored_fingerprint};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
@@ -49,6 +49,8 @@ const EXISTING: &str =
 
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = ?3 WHERE consumer = ?1 AND key = ?2"#;
 
+const UNCLAIM: &str = r#"DELETE FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
+
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table TEXT PRIMARY KEY, version INTEGER NOT NULL, migrated_at INTEGER NOT NULL)";
 const READ_VERSION: &str = "SELECT version FROM idem_schema_version WHERE inbox_table = ?1";
@@ -86,6 +88,9 @@ impl Dialect for Sqlite {
     const CLAIM: &'static str = CLAIM;
     const EXISTING: &'static str = EXISTING;
     const COMPLETE: &'static str = COMPLETE;
+    const UNCLAIM: &'static str = UNCLAIM;
+    // SQLite runs in process: the single-row statements cost no round trips.
+    const BATCH: [&'static str; 3] = ["", "", ""];
     const MIGRATIONS: Migrations = MIGRATIONS;
     // Persistent for file databases; an in-memory database answers "memory" and stays so.
     const PREPARE: Option<&'static str> = Some("PRAGMA journal_mode = WAL");
@@ -161,6 +166,31 @@ impl InboxStore for SqliteInbox {
             .await
             .map(drop)
             .map_err(|e| StoreError::sqlx("complete", e))
+    }
+
+    async fn savepoint(&self, tx: &mut Self::Tx, first: bool) -> Result<(), StoreError> {
+        savepoint(tx, first).await
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        rollback_to_savepoint(tx).await
+    }
+
+    async fn unclaim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        for key in keys {
+            sqlx::query(AssertSqlSafe(self.sql.unclaim.clone()))
+                .bind(consumer)
+                .bind(*key)
+                .execute(&mut **tx)
+                .await
+                .map_err(|e| StoreError::sqlx("unclaim", e))?;
+        }
+        Ok(())
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {

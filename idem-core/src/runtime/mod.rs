@@ -1,6 +1,7 @@
 //! The actor runtime: one actor per handler, fed by the transport's consumer through a bounded
 //! mailbox, with N workers that process deliveries and settle them after the commit.
 
+mod batch;
 mod decide;
 mod stats;
 mod worker;
@@ -11,12 +12,22 @@ use crate::registry::{self, Registration, RegistryError};
 use crate::retry::RetryPolicy;
 use crate::store::{InboxStore, StoreKind, Stores};
 use crate::transport::{QueueSpec, Transport, TransportError};
+use batch::BatchSpec;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinSet;
+
+/// Deliveries processed at once per handler, one transaction each, unless configured.
+const DEFAULT_CONCURRENCY: usize = 8;
+/// Batches executing at once per handler in batch mode, unless configured.
+const DEFAULT_BATCHES_IN_FLIGHT: usize = 1;
+/// Unsettled deliveries per handler, one transaction each, unless configured.
+const DEFAULT_PREFETCH: u16 = 32;
+/// How long a batch waits for more deliveries after its first, unless configured.
+const DEFAULT_LINGER: Duration = Duration::from_millis(5);
 
 /// How long closing the transport may take at shutdown.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -80,10 +91,13 @@ pub struct RuntimeBuilder {
     transport: Option<Arc<dyn Transport>>,
     stores: Stores,
     handlers: Option<Vec<String>>,
-    concurrency: usize,
+    concurrency: Option<usize>,
     per_handler: HashMap<String, usize>,
     queues: HashMap<String, String>,
-    prefetch: u16,
+    prefetch: Option<u16>,
+    batch: usize,
+    per_handler_batch: HashMap<String, usize>,
+    linger: Duration,
     retry: RetryPolicy,
     shutdown_grace: Duration,
 }
@@ -94,10 +108,13 @@ impl Default for RuntimeBuilder {
             transport: None,
             stores: Stores::new(),
             handlers: None,
-            concurrency: 8,
+            concurrency: None,
             per_handler: HashMap::new(),
             queues: HashMap::new(),
-            prefetch: 32,
+            prefetch: None,
+            batch: 0,
+            per_handler_batch: HashMap::new(),
+            linger: DEFAULT_LINGER,
             retry: RetryPolicy::default(),
             shutdown_grace: Duration::from_secs(30),
         }
@@ -123,13 +140,15 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Deliveries processed at once per handler (default 8).
+    /// Deliveries processed at once per handler (default 8); in batch mode, batches executing
+    /// at once (default 1).
     pub fn concurrency(mut self, workers: usize) -> Self {
-        self.concurrency = workers;
+        self.concurrency = Some(workers);
         self
     }
 
-    /// Deliveries processed at once for the handler with consumer identity `consumer`.
+    /// Deliveries (in batch mode: batches) processed at once for the handler with consumer
+    /// identity `consumer`.
     pub fn handler_concurrency(mut self, consumer: impl Into<String>, workers: usize) -> Self {
         self.per_handler.insert(consumer.into(), workers);
         self
@@ -142,10 +161,34 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Unsettled deliveries per handler the broker may send ahead (default 32). This bounds
-    /// what is held in memory: the mailbox holds at most this many.
+    /// Unsettled deliveries per handler the broker may send ahead (default 32; in batch mode
+    /// twice the batch size). This bounds what is held in memory: the mailbox holds at most
+    /// this many.
     pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = prefetch;
+        self.prefetch = Some(prefetch);
+        self
+    }
+
+    /// Batch mode for every handler: up to `size` deliveries per transaction (0, the default:
+    /// one transaction per delivery). Keys are claimed with one statement, each new message
+    /// runs under its own savepoint (a failure rolls back and dead-letters that message only),
+    /// and the deliveries are acked after the one commit. Prefetch defaults to `2 × size`, so
+    /// the next batch gathers while one commits; a batch larger than the prefetch is refused.
+    pub fn batch(mut self, size: usize) -> Self {
+        self.batch = size;
+        self
+    }
+
+    /// Batch mode for the handler with consumer identity `consumer` (see [`Self::batch`]).
+    pub fn handler_batch(mut self, consumer: impl Into<String>, size: usize) -> Self {
+        self.per_handler_batch.insert(consumer.into(), size);
+        self
+    }
+
+    /// How long a batch waits for more deliveries after its first (default 5 ms): the most a
+    /// message waits for company when traffic is light.
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
         self
     }
 
@@ -213,52 +256,102 @@ impl RuntimeBuilder {
     /// Checks the configuration.
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let handlers = self.select_handlers()?;
-        let transport = self.transport.ok_or(RuntimeError::NoTransport)?;
-        if self.prefetch == 0 {
+        let transport = self.transport.clone().ok_or(RuntimeError::NoTransport)?;
+        if self.prefetch == Some(0) {
             return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
         }
         let mut actors = Vec::with_capacity(handlers.len());
         for registration in handlers {
-            let queue = match self.queues.get(registration.consumer()) {
-                Some(queue) => queue.as_str(),
-                None => registration.queue().ok_or(RuntimeError::NoQueue {
-                    consumer: registration.consumer(),
-                })?,
-            };
-            if queue.is_empty() || queue.len() > 200 {
-                return Err(RuntimeError::Setting(format!(
-                    "queue name {queue:?} must be 1 to 200 characters"
-                )));
-            }
-            let workers = self
-                .per_handler
-                .get(registration.consumer())
-                .copied()
-                .unwrap_or(self.concurrency);
-            if workers == 0 {
-                return Err(RuntimeError::Setting(format!(
-                    "concurrency of `{}` must be at least 1",
-                    registration.consumer()
-                )));
-            }
-            actors.push(Actor {
-                registration,
-                spec: QueueSpec {
-                    queue: queue.to_owned(),
-                    consumer: registration.consumer().to_owned(),
-                    retry_delays: self.retry.delays(),
-                },
-                workers,
-            });
+            actors.push(self.actor(registration)?);
         }
         Ok(Runtime {
             transport,
             stores: Arc::new(self.stores),
             actors,
-            prefetch: self.prefetch,
             retry: self.retry,
             shutdown_grace: self.shutdown_grace,
             stats: Arc::new(Stats::default()),
+        })
+    }
+
+    /// One handler's queue, workers, prefetch and batching.
+    fn actor(&self, registration: &'static Registration) -> Result<Actor, RuntimeError> {
+        let consumer = registration.consumer();
+        let queue = match self.queues.get(consumer) {
+            Some(queue) => queue.as_str(),
+            None => registration
+                .queue()
+                .ok_or(RuntimeError::NoQueue { consumer })?,
+        };
+        if queue.is_empty() || queue.len() > 200 {
+            return Err(RuntimeError::Setting(format!(
+                "queue name {queue:?} must be 1 to 200 characters"
+            )));
+        }
+        let size = self
+            .per_handler_batch
+            .get(consumer)
+            .copied()
+            .unwrap_or(self.batch);
+        let batch = (size > 0).then_some(BatchSpec {
+            size,
+            linger: self.linger,
+        });
+        let workers = self
+            .per_handler
+            .get(consumer)
+            .copied()
+            .or(self.concurrency)
+            .unwrap_or(match batch {
+                Some(_) => DEFAULT_BATCHES_IN_FLIGHT,
+                None => DEFAULT_CONCURRENCY,
+            });
+        if workers == 0 {
+            return Err(RuntimeError::Setting(format!(
+                "concurrency of `{consumer}` must be at least 1"
+            )));
+        }
+        let prefetch = match (self.prefetch, batch) {
+            (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
+                return Err(RuntimeError::Setting(format!(
+                    "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
+                    batch.size,
+                    batch.size.saturating_mul(2).min(usize::from(u16::MAX)),
+                )));
+            }
+            (Some(prefetch), Some(batch)) => {
+                if batch.size * 2 > usize::from(prefetch) {
+                    tracing::warn!(
+                        consumer,
+                        batch = batch.size,
+                        prefetch,
+                        "batch size is above prefetch / 2: the next batch cannot gather while one commits"
+                    );
+                }
+                prefetch
+            }
+            (Some(prefetch), None) => prefetch,
+            (None, Some(batch)) => u16::try_from(batch.size.saturating_mul(2))
+                .map_err(|_| {
+                    RuntimeError::Setting(format!(
+                        "`{consumer}` batches {} deliveries; at most {} fit twice in a prefetch",
+                        batch.size,
+                        u16::MAX / 2
+                    ))
+                })?
+                .max(DEFAULT_PREFETCH),
+            (None, None) => DEFAULT_PREFETCH,
+        };
+        Ok(Actor {
+            registration,
+            spec: QueueSpec {
+                queue: queue.to_owned(),
+                consumer: consumer.to_owned(),
+                retry_delays: self.retry.delays(),
+            },
+            workers,
+            prefetch,
+            batch,
         })
     }
 }
@@ -266,7 +359,10 @@ impl RuntimeBuilder {
 struct Actor {
     registration: &'static Registration,
     spec: QueueSpec,
+    /// Deliveries (batch mode: batches) processed at once.
     workers: usize,
+    prefetch: u16,
+    batch: Option<BatchSpec>,
 }
 
 /// A configured runtime; [`Runtime::run_until`] runs it.
@@ -274,7 +370,6 @@ pub struct Runtime {
     transport: Arc<dyn Transport>,
     stores: Arc<Stores>,
     actors: Vec<Actor>,
-    prefetch: u16,
     retry: RetryPolicy,
     shutdown_grace: Duration,
     stats: Arc<Stats>,
@@ -312,10 +407,10 @@ impl Runtime {
         let mut consumers = JoinSet::new();
         let mut workers = JoinSet::new();
         for actor in &self.actors {
-            let (mailbox_tx, mailbox) = mpsc::channel(usize::from(self.prefetch));
+            let (mailbox_tx, mailbox) = mpsc::channel(usize::from(actor.prefetch));
             consumers.spawn(self.transport.consume(
                 actor.spec.clone(),
-                self.prefetch,
+                actor.prefetch,
                 mailbox_tx,
                 stop.clone(),
             ));
@@ -325,14 +420,32 @@ impl Runtime {
                 retry: self.retry.clone(),
                 stats: self.stats.clone(),
             });
-            let mailbox = Arc::new(Mutex::new(mailbox));
-            for _ in 0..actor.workers {
-                workers.spawn(worker::run(shared.clone(), mailbox.clone(), stop.clone()));
+            match actor.batch {
+                None => {
+                    let mailbox = Arc::new(Mutex::new(mailbox));
+                    for _ in 0..actor.workers {
+                        workers.spawn(worker::run(shared.clone(), mailbox.clone(), stop.clone()));
+                    }
+                }
+                Some(spec) => {
+                    let (batches_tx, batches) = mpsc::channel(1);
+                    workers.spawn(batch::gather(mailbox, batches_tx, spec));
+                    let batches = Arc::new(Mutex::new(batches));
+                    for _ in 0..actor.workers {
+                        workers.spawn(batch::execute(
+                            shared.clone(),
+                            batches.clone(),
+                            stop.clone(),
+                        ));
+                    }
+                }
             }
             tracing::info!(
                 consumer = actor.spec.consumer,
                 queue = actor.spec.queue,
                 workers = actor.workers,
+                prefetch = actor.prefetch,
+                batch = actor.batch.map(|b| b.size),
                 "handler started"
             );
         }

@@ -7,7 +7,7 @@ use crate::outcome::{Outcome, Transient};
 use crate::registry::Registration;
 use crate::retry::RetryPolicy;
 use crate::store::Stores;
-use crate::transport::{Delivery, StopSignal};
+use crate::transport::{Delivery, Settle, StopSignal};
 use futures_util::FutureExt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -63,42 +63,53 @@ async fn handle(shared: &Shared, delivery: Delivery) {
             span.record("key", key);
         }
         span.record("outcome", outcome.label());
-        #[cfg(feature = "fault-injection")]
-        if matches!(outcome, Outcome::Processed { .. }) {
-            crate::fault::maybe_crash(crate::fault::Point::AfterCommit);
-        }
-        let stats = &shared.stats;
-        let settled = match decide(&outcome, &envelope, consumer, &shared.retry) {
-            Settlement::Ack => {
-                Stats::add(match outcome {
-                    Outcome::Duplicate { .. } => &stats.duplicates,
-                    _ => &stats.processed,
-                });
-                settle.ack().await
-            }
-            Settlement::Retry(delay) => {
-                tracing::info!(?delay, failure = %describe(&outcome), "transient failure; retrying later");
-                Stats::add(&stats.retried);
-                settle.retry(&envelope, delay).await
-            }
-            Settlement::DeadLetter(reason) => {
-                tracing::warn!(reason = %reason.reason, detail = %reason.detail, "dead-lettering");
-                match outcome {
-                    Outcome::Conflict { .. } => Stats::add(&stats.conflicts),
-                    Outcome::Rejected(_) => Stats::add(&stats.rejected),
-                    _ => {}
-                }
-                Stats::add(&stats.dead_lettered);
-                settle.dead_letter(&envelope, &reason).await
-            }
-        };
-        if let Err(e) = settled {
-            Stats::add(&stats.settle_failures);
-            tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will recognise what committed");
-        }
+        settle_outcome(shared, &outcome, &envelope, settle).await;
     }
     .instrument(span)
     .await;
+}
+
+/// Settles one delivery according to its outcome, counting it.
+pub(crate) async fn settle_outcome(
+    shared: &Shared,
+    outcome: &Outcome,
+    envelope: &Envelope,
+    settle: Box<dyn Settle>,
+) {
+    #[cfg(feature = "fault-injection")]
+    if matches!(outcome, Outcome::Processed { .. }) {
+        crate::fault::maybe_crash(crate::fault::Point::AfterCommit);
+    }
+    let stats = &shared.stats;
+    let consumer = shared.registration.consumer();
+    let settled = match decide(outcome, envelope, consumer, &shared.retry) {
+        Settlement::Ack => {
+            Stats::add(match outcome {
+                Outcome::Duplicate { .. } => &stats.duplicates,
+                _ => &stats.processed,
+            });
+            settle.ack().await
+        }
+        Settlement::Retry(delay) => {
+            tracing::info!(?delay, key = outcome.key(), failure = %describe(outcome), "transient failure; retrying later");
+            Stats::add(&stats.retried);
+            settle.retry(envelope, delay).await
+        }
+        Settlement::DeadLetter(reason) => {
+            tracing::warn!(key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
+            match outcome {
+                Outcome::Conflict { .. } => Stats::add(&stats.conflicts),
+                Outcome::Rejected(_) => Stats::add(&stats.rejected),
+                _ => {}
+            }
+            Stats::add(&stats.dead_lettered);
+            settle.dead_letter(envelope, &reason).await
+        }
+    };
+    if let Err(e) = settled {
+        Stats::add(&stats.settle_failures);
+        tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will recognise what committed");
+    }
 }
 
 /// The pipeline, with a panic turned into a transient failure so the message is retried and
@@ -113,20 +124,23 @@ async fn run_pipeline(shared: &Shared, envelope: &Envelope) -> Outcome {
             message: dispatch.to_string(),
             key: None,
         }),
-        Err(panic) => {
-            Stats::add(&shared.stats.panics);
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-string panic".to_owned());
-            tracing::error!(panic = %message, "handler panicked; the message will be retried");
-            Outcome::Retry(Transient {
-                message: format!("handler panicked: {message}"),
-                key: None,
-            })
-        }
+        Err(panic) => panicked(shared, panic),
     }
+}
+
+/// A panic in a handler, as a transient failure: the message is retried, the worker lives on.
+pub(crate) fn panicked(shared: &Shared, panic: Box<dyn std::any::Any + Send>) -> Outcome {
+    Stats::add(&shared.stats.panics);
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic".to_owned());
+    tracing::error!(panic = %message, "handler panicked; the message will be retried");
+    Outcome::Retry(Transient {
+        message: format!("handler panicked: {message}"),
+        key: None,
+    })
 }
 
 fn describe(outcome: &Outcome) -> String {
