@@ -1,9 +1,11 @@
-//! The inbox pipeline for a batch of deliveries: one transaction, one multi-row claim, each new
-//! message's handler under its own savepoint, one commit.
+//! The inbox pipeline for a batch of deliveries: one transaction, one multi-row claim, the
+//! handler of each new message, one commit.
 //!
-//! A message whose handler fails permanently is rolled back to its savepoint and its marker
-//! removed, so it alone is dead-lettered and the rest commit; a transient handler failure
-//! likewise retries only that message. A failure of the batch itself (begin, claim, savepoint,
+//! The fast pass runs the handlers back to back. If one fails, that pass is rolled back and the
+//! batch runs again with each new message under its own savepoint: a message whose handler
+//! fails permanently is rolled back to its savepoint and its marker removed, so it alone is
+//! dead-lettered and the rest commit; a transient handler failure likewise retries only that
+//! message. The happy path pays no round trip for savepoints; a failing batch runs twice. A failure of the batch itself (begin, claim, savepoint,
 //! commit: the database went away) leaves nothing committed, and every message whose outcome
 //! depended on it is retried.
 
@@ -57,7 +59,19 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
         }
     }
     if !items.is_empty() {
-        run::<H>(store, envelopes, &mut items, payloads, &mut outcomes).await;
+        let pass = run::<H>(store, envelopes, &mut items, payloads, &mut outcomes, false).await;
+        if pass == Pass::NeedsIsolation {
+            // A handler failed in the fast pass, which was rolled back: run the batch again
+            // with every message under its own savepoint. The payloads are decoded anew.
+            let payloads = items
+                .iter()
+                .map(|item| prepare::<H>(&envelopes[item.index]).ok().map(|p| p.0))
+                .collect();
+            for item in &items {
+                outcomes[item.index] = None;
+            }
+            run::<H>(store, envelopes, &mut items, payloads, &mut outcomes, true).await;
+        }
     }
     for (index, item, key, fingerprint) in copies {
         let first = &items[item];
@@ -104,14 +118,28 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
         .collect()
 }
 
+/// How a pass over a batch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Every item has its outcome (committed, or failed as a whole).
+    Done,
+    /// A handler failed without savepoints; the transaction was rolled back.
+    NeedsIsolation,
+}
+
 /// The transaction of one batch. Fills `outcomes` for every item.
+///
+/// Without `isolate`, handlers run without savepoints (no extra round trip per message), and
+/// the first handler failure rolls everything back and asks for an isolated pass; with it,
+/// each new message runs under its own savepoint, and a failure undoes that message only.
 async fn run<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     items: &mut [Item],
     mut payloads: Vec<Option<H::Payload>>,
     outcomes: &mut [Option<Outcome>],
-) {
+    isolate: bool,
+) -> Pass {
     // Fails every item whose outcome is not settled by committed data.
     let abort = |items: &[Item], outcomes: &mut [Option<Outcome>], error: StoreError| {
         let message = error.to_string();
@@ -125,7 +153,10 @@ async fn run<H: Handler>(
 
     let mut tx = match store.begin().await {
         Ok(tx) => tx,
-        Err(e) => return abort(items, outcomes, e),
+        Err(e) => {
+            abort(items, outcomes, e);
+            return Pass::Done;
+        }
     };
     let claimed = {
         let requests = requests(items, envelopes, H::CONSUMER);
@@ -140,11 +171,13 @@ async fn run<H: Handler>(
                 ErrorClass::Permanent,
                 "the store answered a batch claim with the wrong number of rows",
             );
-            return abort(items, outcomes, e);
+            abort(items, outcomes, e);
+            return Pass::Done;
         }
         Err(e) => {
             store.rollback(tx).await;
-            return abort(items, outcomes, e);
+            abort(items, outcomes, e);
+            return Pass::Done;
         }
     };
 
@@ -170,11 +203,14 @@ async fn run<H: Handler>(
                 ));
             }
             Claim::Claimed => {
-                if let Err(e) = store.savepoint(&mut tx, first).await {
-                    store.rollback(tx).await;
-                    return abort(items, outcomes, e);
+                if isolate {
+                    if let Err(e) = store.savepoint(&mut tx, first).await {
+                        store.rollback(tx).await;
+                        abort(items, outcomes, e);
+                        return Pass::Done;
+                    }
+                    first = false;
                 }
-                first = false;
                 let Some(payload) = payloads[k].take() else {
                     continue;
                 };
@@ -187,12 +223,17 @@ async fn run<H: Handler>(
                             output,
                         });
                     }
+                    Err(_) if !isolate => {
+                        store.rollback(tx).await;
+                        return Pass::NeedsIsolation;
+                    }
                     Err(failure) => {
                         outcomes[item.index] = Some(failure);
                         failed.push(k);
                         if let Err(e) = store.rollback_to_savepoint(&mut tx).await {
                             store.rollback(tx).await;
-                            return abort(items, outcomes, e);
+                            abort(items, outcomes, e);
+                            return Pass::Done;
                         }
                     }
                 }
@@ -222,7 +263,8 @@ async fn run<H: Handler>(
     .await;
     if let Err(e) = finished {
         store.rollback(tx).await;
-        return abort(items, outcomes, e);
+        abort(items, outcomes, e);
+        return Pass::Done;
     }
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
@@ -230,6 +272,7 @@ async fn run<H: Handler>(
         // It may or may not have committed; the retries find out (duplicates if it did).
         abort(items, outcomes, e);
     }
+    Pass::Done
 }
 
 /// The claims of `items`, in order.

@@ -199,3 +199,17 @@ pub async fn count(queue: &str) -> usize {
     let _ = connection.close(200, ShortString::from("done")).await;
     declared.map_or(0, |q| q.message_count() as usize)
 }
+
+/// How many deliveries of `queue` are unacknowledged, from the broker (`rabbitmqctl`).
+pub fn unacked(queue: &str) -> usize {
+    let listed = std::process::Command::new("rabbitmqctl")
+        .args(["list_queues", "-q", "name", "messages_unacknowledged"])
+        .output()
+        .expect("rabbitmqctl");
+    String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .find(|(name, _)| *name == queue)
+        .and_then(|(_, n)| n.trim().parse().ok())
+        .unwrap_or(0)
+}

@@ -1,6 +1,6 @@
-//! Batch mode: a gatherer forms batches from the mailbox (up to `size` deliveries, or what
-//! arrived within `linger` of the first), executors run each in one transaction and settle its
-//! deliveries after the commit. While one batch executes, the next one gathers.
+//! Batch mode: executors take batches from the mailbox (up to `size` deliveries, or what
+//! arrived within `linger` of the first), run each in one transaction and settle its
+//! deliveries after the commit. While one batch executes, the next one fills the mailbox.
 
 use super::worker::{Shared, panicked, settle_outcome};
 use crate::envelope::Envelope;
@@ -23,42 +23,39 @@ pub(crate) struct BatchSpec {
     pub(crate) linger: Duration,
 }
 
-/// Forms batches until the mailbox is closed and empty. The batch channel holds one formed
-/// batch: the next one is ready when an executor finishes.
-pub(crate) async fn gather(
-    mut mailbox: mpsc::Receiver<Delivery>,
-    batches: mpsc::Sender<Vec<Delivery>>,
+/// Takes the next batch from the mailbox: what is there up to `size`, then whatever arrives
+/// within `linger` of the first delivery. Empty when the mailbox is closed and empty.
+async fn gather(mailbox: &mut mpsc::Receiver<Delivery>, spec: BatchSpec) -> Vec<Delivery> {
+    let mut batch = Vec::with_capacity(spec.size);
+    if mailbox.recv_many(&mut batch, spec.size).await == 0 {
+        return batch;
+    }
+    let deadline = Instant::now() + spec.linger;
+    while batch.len() < spec.size {
+        let wanted = spec.size - batch.len();
+        match timeout_at(deadline, mailbox.recv_many(&mut batch, wanted)).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+    batch
+}
+
+/// Gathers and runs batches until the mailbox is closed and empty. While a batch executes, the
+/// broker keeps delivering the next one into the mailbox (prefetch is at least twice the batch
+/// size), so it is ready the moment this one is settled. After `stop` is raised, batches are
+/// released to the broker instead of processed.
+pub(crate) async fn execute(
+    shared: Arc<Shared>,
+    mailbox: Arc<Mutex<mpsc::Receiver<Delivery>>>,
+    stop: StopSignal,
     spec: BatchSpec,
 ) {
     loop {
-        let mut batch = Vec::with_capacity(spec.size);
-        if mailbox.recv_many(&mut batch, spec.size).await == 0 {
-            return;
+        let batch = gather(&mut *mailbox.lock().await, spec).await;
+        if batch.is_empty() {
+            break;
         }
-        let deadline = Instant::now() + spec.linger;
-        while batch.len() < spec.size {
-            let wanted = spec.size - batch.len();
-            match timeout_at(deadline, mailbox.recv_many(&mut batch, wanted)).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-        }
-        if batches.send(batch).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Runs batches until the batch channel is closed and empty. After `stop` is raised, batches
-/// not yet started are released to the broker instead of processed.
-pub(crate) async fn execute(
-    shared: Arc<Shared>,
-    batches: Arc<Mutex<mpsc::Receiver<Vec<Delivery>>>>,
-    stop: StopSignal,
-) {
-    loop {
-        let next = batches.lock().await.recv().await;
-        let Some(batch) = next else { break };
         if *stop.borrow() {
             for delivery in batch {
                 if let Err(e) = delivery.settle.release().await {

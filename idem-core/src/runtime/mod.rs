@@ -428,14 +428,13 @@ impl Runtime {
                     }
                 }
                 Some(spec) => {
-                    let (batches_tx, batches) = mpsc::channel(1);
-                    workers.spawn(batch::gather(mailbox, batches_tx, spec));
-                    let batches = Arc::new(Mutex::new(batches));
+                    let mailbox = Arc::new(Mutex::new(mailbox));
                     for _ in 0..actor.workers {
                         workers.spawn(batch::execute(
                             shared.clone(),
-                            batches.clone(),
+                            mailbox.clone(),
                             stop.clone(),
+                            spec,
                         ));
                     }
                 }

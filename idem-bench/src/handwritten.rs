@@ -1,0 +1,187 @@
+//! The consumers a user would write by hand with lapin + sqlx: insert-first inbox row and the
+//! business writes in one transaction, ack after the commit. Kept honest and reasonably tuned:
+//! prepared statements, a pool per worker, concurrent workers or batches with one multiple ack.
+
+use crate::workload::{ADD_TO_BALANCE, INSERT_ORDER, Order};
+use anyhow::Context as _;
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Connection, ConnectionProperties};
+use sqlx::{PgPool, Postgres, Transaction};
+use std::collections::HashSet;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const CONSUMER: &str = "handwritten";
+
+async fn channel(
+    url: &str,
+    queue: &str,
+    prefetch: u16,
+) -> anyhow::Result<(Connection, Channel, lapin::Consumer)> {
+    let connection = Connection::connect(url, ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let consumer = channel
+        .basic_consume(
+            ShortString::from(queue),
+            ShortString::from(CONSUMER),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok((connection, channel, consumer))
+}
+
+fn parse(delivery: &Delivery) -> anyhow::Result<(String, Order)> {
+    let key = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .context("no message id")?
+        .to_string();
+    Ok((key, serde_json::from_slice(&delivery.data)?))
+}
+
+async fn apply(tx: &mut Transaction<'_, Postgres>, order: &Order) -> Result<(), sqlx::Error> {
+    sqlx::query(INSERT_ORDER)
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(ADD_TO_BALANCE)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// One transaction per message, `workers` at once, each delivery acked after its commit.
+/// Returns the time from the first delivery to the last ack.
+pub async fn per_message(
+    url: &str,
+    pool: PgPool,
+    queue: &str,
+    expect: usize,
+    workers: usize,
+    prefetch: u16,
+) -> anyhow::Result<Duration> {
+    let (connection, _channel, consumer) = channel(url, queue, prefetch).await?;
+    let first = OnceLock::new();
+    consumer
+        .take(expect)
+        .for_each_concurrent(workers, |delivery| {
+            let (pool, first) = (&pool, &first);
+            async move {
+                let Ok(delivery) = delivery else {
+                    panic!("the consumer failed")
+                };
+                first.get_or_init(Instant::now);
+                while let Err(e) = process_one(pool, &delivery).await {
+                    tracing::warn!(error = %e, "retrying");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                if let Err(e) = delivery.ack(BasicAckOptions::default()).await {
+                    panic!("ack failed: {e}");
+                }
+            }
+        })
+        .await;
+    let elapsed = first.get().map(Instant::elapsed).unwrap_or_default();
+    let _ = connection.close(200, ShortString::from("done")).await;
+    Ok(elapsed)
+}
+
+async fn process_one(pool: &PgPool, delivery: &Delivery) -> anyhow::Result<()> {
+    let (key, order) = parse(delivery)?;
+    let mut tx = pool.begin().await?;
+    let claimed = sqlx::query(
+        "INSERT INTO bench_inbox (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+    )
+    .bind(CONSUMER)
+    .bind(&key)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if claimed {
+        apply(&mut tx, &order).await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// Up to `batch` messages per transaction (or what arrives within `linger`), keys claimed with
+/// one multi-row insert, then one `basic.ack(multiple)` after the commit. One batch at a time.
+pub async fn batched(
+    url: &str,
+    pool: PgPool,
+    queue: &str,
+    expect: usize,
+    batch: usize,
+    linger: Duration,
+) -> anyhow::Result<Duration> {
+    let prefetch = u16::try_from(batch * 2).unwrap_or(u16::MAX);
+    let (connection, channel, mut consumer) = channel(url, queue, prefetch).await?;
+    let mut first = None;
+    let mut settled = 0;
+    while settled < expect {
+        let mut deliveries = Vec::with_capacity(batch);
+        deliveries.push(consumer.next().await.context("the consumer ended")??);
+        first.get_or_insert_with(Instant::now);
+        let deadline = tokio::time::Instant::now() + linger;
+        while deliveries.len() < batch {
+            match tokio::time::timeout_at(deadline, consumer.next()).await {
+                Ok(Some(delivery)) => deliveries.push(delivery?),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        while let Err(e) = process_batch(&pool, &deliveries).await {
+            tracing::warn!(error = %e, "retrying the batch");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let last = deliveries
+            .last()
+            .map(|d| d.delivery_tag)
+            .unwrap_or_default();
+        channel
+            .basic_ack(last, BasicAckOptions { multiple: true })
+            .await?;
+        settled += deliveries.len();
+    }
+    let elapsed = first.map(|t| t.elapsed()).unwrap_or_default();
+    let _ = connection.close(200, ShortString::from("done")).await;
+    Ok(elapsed)
+}
+
+async fn process_batch(pool: &PgPool, deliveries: &[Delivery]) -> anyhow::Result<()> {
+    let parsed = deliveries
+        .iter()
+        .map(parse)
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let keys: Vec<&str> = parsed.iter().map(|(key, _)| key.as_str()).collect();
+    let mut tx = pool.begin().await?;
+    let claimed: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO bench_inbox (consumer, key) SELECT $1, unnest($2::text[])
+         ON CONFLICT DO NOTHING RETURNING key",
+    )
+    .bind(CONSUMER)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await?;
+    let mut new: HashSet<String> = claimed.into_iter().collect();
+    for (key, order) in &parsed {
+        // A key twice in the batch: only its first copy was claimed.
+        if new.remove(key) {
+            apply(&mut tx, order).await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(())
+}

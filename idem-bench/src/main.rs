@@ -1,0 +1,324 @@
+//! `idem-bench`: end-to-end throughput and peak memory of idem against handwritten lapin + sqlx
+//! consumers, on the same workload, in the same run, alternating.
+//!
+//! Every run of every consumer starts from empty tables and a freshly filled queue; the consumer
+//! runs in its own process (so its peak RSS is its own) and is timed from its first handler call
+//! to its last settlement; afterwards the effects are checked (every distinct order once,
+//! balances exact, queue empty). The table gives medians and ratios.
+
+mod handwritten;
+mod report;
+mod with_idem;
+mod workload;
+
+use anyhow::{Context as _, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use idem::QueueSpec;
+use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+use idem::{RetryPolicy, Transport};
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{FieldTable, ShortString};
+use report::{Sample, Table};
+use std::process::Stdio;
+use std::time::Duration;
+use workload::Workload;
+
+#[derive(Parser, Debug)]
+#[command(about = "idem against handwritten lapin + sqlx consumers: msgs/s and peak RSS")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    bench: Bench,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+struct Bench {
+    /// Messages per run (duplicates included).
+    #[arg(long, default_value_t = 50_000)]
+    messages: usize,
+    /// Share of messages that are exact copies of an earlier one.
+    #[arg(long, default_value_t = 0.1)]
+    dup_rate: f64,
+    /// Runs of each consumer (the table shows medians).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Messages per transaction in the batched consumers.
+    #[arg(long, default_value_t = 200)]
+    batch: usize,
+    /// Workers of the per-message consumers.
+    #[arg(long, default_value_t = 8)]
+    workers: usize,
+    /// Prefetch of the per-message consumers (the batched ones use 2 × batch).
+    #[arg(long, default_value_t = 32)]
+    prefetch: u16,
+    /// Batches in flight in idem's batch mode.
+    #[arg(long, default_value_t = 1)]
+    batches_in_flight: usize,
+    /// Which consumers to run, in this order within each run.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "hand,hand-batch,idem,idem-batch"
+    )]
+    variants: Vec<Variant>,
+    /// The broker.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
+    amqp_url: String,
+    /// The database (PostgreSQL).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    database_url: String,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Runs one consumer until `expect` deliveries are settled (started by the benchmark).
+    #[command(hide = true)]
+    Consume {
+        #[arg(long)]
+        variant: Variant,
+        #[arg(long)]
+        queue: String,
+        #[arg(long)]
+        expect: usize,
+    },
+}
+
+/// The consumers compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Variant {
+    /// Handwritten, one transaction per message, N workers.
+    Hand,
+    /// Handwritten, batched, multiple ack.
+    HandBatch,
+    /// idem, one transaction per message.
+    Idem,
+    /// idem, batch mode.
+    IdemBatch,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Hand => "handwritten, per message",
+            Self::HandBatch => "handwritten, batched",
+            Self::Idem => "idem, per message",
+            Self::IdemBatch => "idem, batch mode",
+        }
+    }
+
+    fn queue(self) -> String {
+        format!(
+            "idem-bench-{}",
+            self.to_possible_value()
+                .map(|v| v.get_name().to_owned())
+                .unwrap_or_default()
+        )
+    }
+
+    fn uses_idem(self) -> bool {
+        matches!(self, Self::Idem | Self::IdemBatch)
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    match cli.command {
+        None => runtime.block_on(bench(cli.bench)),
+        Some(Command::Consume {
+            variant,
+            queue,
+            expect,
+        }) => runtime.block_on(consume(&cli.bench, variant, &queue, expect)),
+    }
+}
+
+async fn pool(url: &str, connections: u32) -> anyhow::Result<sqlx::PgPool> {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(connections)
+        .connect(url)
+        .await
+        .with_context(|| format!("cannot connect to {url}"))
+}
+
+/// The child process: one consumer, then a `RESULT` line with its time and peak RSS.
+async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> anyhow::Result<()> {
+    let pool = pool(&b.database_url, b.workers as u32 + 2).await?;
+    let linger = Duration::from_millis(5);
+    let elapsed = match variant {
+        Variant::Hand => {
+            handwritten::per_message(&b.amqp_url, pool, queue, expect, b.workers, b.prefetch)
+                .await?
+        }
+        Variant::HandBatch => {
+            handwritten::batched(&b.amqp_url, pool, queue, expect, b.batch, linger).await?
+        }
+        Variant::Idem | Variant::IdemBatch => {
+            let mode = with_idem::Mode {
+                batch: if variant == Variant::IdemBatch {
+                    b.batch
+                } else {
+                    0
+                },
+                concurrency: if variant == Variant::IdemBatch {
+                    b.batches_in_flight
+                } else {
+                    b.workers
+                },
+                prefetch: b.prefetch,
+            };
+            let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
+            with_idem::run(rabbit, pool, queue, expect, mode).await?
+        }
+    };
+    println!(
+        "RESULT {} {} {}",
+        elapsed.as_micros(),
+        report::peak_rss_kib().unwrap_or(0),
+        report::cpu_ms().unwrap_or(0)
+    );
+    Ok(())
+}
+
+/// The parent: for each run, each consumer in turn on a fresh queue and empty tables.
+async fn bench(b: Bench) -> anyhow::Result<()> {
+    let workload = Workload::new(b.messages, b.dup_rate);
+    eprintln!(
+        "workload: {} messages, {} distinct orders ({} duplicates), {} runs of {:?}",
+        b.messages,
+        workload.unique,
+        b.messages - workload.unique,
+        b.runs,
+        b.variants
+    );
+    let pool = pool(&b.database_url, 2).await?;
+    with_idem::inbox(pool.clone())?.migrate().await?;
+    let mut table = Table::new(b.variants.iter().map(|v| v.name()).collect());
+    for run in 1..=b.runs {
+        for (column, &variant) in b.variants.iter().enumerate() {
+            workload::reset(&pool, with_idem::TABLE).await?;
+            let queue = variant.queue();
+            fresh_queue(&b.amqp_url, &queue, variant.uses_idem()).await?;
+            workload
+                .publish(&RabbitConfig::new(&b.amqp_url), &queue)
+                .await?;
+            let sample = child(variant, &queue, b.messages).await?;
+            workload::verify(&pool, &workload)
+                .await
+                .with_context(|| format!("{} left wrong effects", variant.name()))?;
+            let left = workload::left_in_queue(&b.amqp_url, &queue).await?;
+            if left > 0 {
+                bail!("{} left {left} messages in the queue", variant.name());
+            }
+            eprintln!(
+                "run {run}: {:<26} {:>9.0} msgs/s  CPU {:>6.2} s  peak RSS {:>6.1} MiB  (effects exact)",
+                variant.name(),
+                b.messages as f64 / sample.elapsed.as_secs_f64(),
+                sample.cpu.as_secs_f64(),
+                sample.rss_kib as f64 / 1024.0
+            );
+            table.add(column, sample);
+        }
+    }
+    println!("{}", table.render(b.messages));
+    Ok(())
+}
+
+/// Deletes `queue` (and idem's queues around it) and declares it anew, empty.
+async fn fresh_queue(url: &str, queue: &str, idem: bool) -> anyhow::Result<()> {
+    let delays = RetryPolicy::default().delays();
+    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
+        .await
+        .with_context(|| format!("cannot reach RabbitMQ at {url}"))?;
+    let channel = connection.create_channel().await?;
+    let mut names = vec![
+        queue.to_owned(),
+        idem::rabbitmq::dlq(queue),
+        idem::rabbitmq::reasons_queue(queue),
+    ];
+    names.extend(
+        delays
+            .iter()
+            .map(|d| idem::rabbitmq::retry_queue(queue, *d)),
+    );
+    for name in names {
+        channel
+            .queue_delete(
+                ShortString::from(name.as_str()),
+                QueueDeleteOptions::default(),
+            )
+            .await?;
+    }
+    if idem {
+        let spec = QueueSpec {
+            queue: queue.to_owned(),
+            consumer: with_idem::CONSUMER.to_owned(),
+            retry_delays: delays,
+        };
+        RabbitTransport::new(RabbitConfig::new(url))
+            .declare(&[spec])
+            .await?;
+    } else {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(ShortString::from(queue), durable, FieldTable::default())
+            .await?;
+    }
+    let _ = connection.close(200, ShortString::from("declared")).await;
+    Ok(())
+}
+
+/// Runs one consumer in a child process and reads its result.
+async fn child(variant: Variant, queue: &str, expect: usize) -> anyhow::Result<Sample> {
+    let exe = std::env::current_exe()?;
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    // The benchmark's own options first, then the subcommand.
+    args.extend([
+        "consume".to_owned(),
+        "--variant".to_owned(),
+        variant
+            .to_possible_value()
+            .map(|v| v.get_name().to_owned())
+            .unwrap_or_default(),
+        "--queue".to_owned(),
+        queue.to_owned(),
+        "--expect".to_owned(),
+        expect.to_string(),
+    ]);
+    let output = tokio::process::Command::new(exe)
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()?
+        .wait_with_output()
+        .await?;
+    if !output.status.success() {
+        bail!("{} failed: {}", variant.name(), output.status);
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT "))
+        .context("the consumer printed no result")?;
+    Sample::parse(line)
+}

@@ -1,0 +1,135 @@
+//! Samples, medians, ratios and the table the benchmark prints.
+
+use anyhow::Context as _;
+use std::time::Duration;
+
+/// One run of one consumer.
+#[derive(Debug, Clone, Copy)]
+pub struct Sample {
+    /// First handler call (or delivery) to last settlement.
+    pub elapsed: Duration,
+    /// The consumer process's peak resident set (VmHWM), KiB.
+    pub rss_kib: u64,
+    /// CPU time the consumer process used (user + system).
+    pub cpu: Duration,
+}
+
+impl Sample {
+    /// Reads `<elapsed µs> <peak RSS KiB> <CPU ms>`.
+    pub fn parse(line: &str) -> anyhow::Result<Self> {
+        let mut fields = line.split_whitespace().map(str::parse::<u64>);
+        let micros = fields.next().context("no time")??;
+        let rss_kib = fields.next().context("no RSS")??;
+        let cpu_ms = fields.next().context("no CPU time")??;
+        Ok(Self {
+            elapsed: Duration::from_micros(micros),
+            rss_kib,
+            cpu: Duration::from_millis(cpu_ms),
+        })
+    }
+}
+
+/// CPU time (user + system) this process has used, from `/proc/self/stat`, in milliseconds
+/// (assuming the usual 100 ticks per second).
+pub fn cpu_ms() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may contain spaces).
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) * 10)
+}
+
+/// This process's peak resident set size in KiB, from `/proc/self/status`.
+pub fn peak_rss_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Samples per consumer, in the order the consumers were given.
+pub struct Table {
+    names: Vec<&'static str>,
+    samples: Vec<Vec<Sample>>,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+impl Table {
+    /// An empty table for these consumers.
+    pub fn new(names: Vec<&'static str>) -> Self {
+        let samples = vec![Vec::new(); names.len()];
+        Self { names, samples }
+    }
+
+    /// Adds a sample of consumer `column`.
+    pub fn add(&mut self, column: usize, sample: Sample) {
+        self.samples[column].push(sample);
+    }
+
+    /// Medians of msgs/s and peak RSS, with ratios to the first two consumers (the handwritten
+    /// per-message and batched ones, in the default order).
+    pub fn render(&self, messages: usize) -> String {
+        let rates: Vec<f64> = self
+            .samples
+            .iter()
+            .map(|s| {
+                median(
+                    s.iter()
+                        .map(|x| messages as f64 / x.elapsed.as_secs_f64())
+                        .collect(),
+                )
+            })
+            .collect();
+        let mut out = format!(
+            "| consumer | runs | msgs/s (median) | min–max | consumer CPU µs/msg | peak RSS MiB (median) | × {} | × {} |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+            self.names.first().copied().unwrap_or("-"),
+            self.names.get(1).copied().unwrap_or("-"),
+        );
+        for (i, name) in self.names.iter().enumerate() {
+            let all: Vec<f64> = self.samples[i]
+                .iter()
+                .map(|x| messages as f64 / x.elapsed.as_secs_f64())
+                .collect();
+            let (lo, hi) = all.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &r| {
+                (lo.min(r), hi.max(r))
+            });
+            let rss = median(
+                self.samples[i]
+                    .iter()
+                    .map(|x| x.rss_kib as f64 / 1024.0)
+                    .collect(),
+            );
+            let cpu = median(
+                self.samples[i]
+                    .iter()
+                    .map(|x| x.cpu.as_secs_f64() * 1e6 / messages as f64)
+                    .collect(),
+            );
+            let ratio = |j: usize| {
+                rates
+                    .get(j)
+                    .map(|base| format!("{:.2}", rates[i] / base))
+                    .unwrap_or_else(|| "-".to_owned())
+            };
+            out.push_str(&format!(
+                "| {name} | {} | {:.0} | {lo:.0}–{hi:.0} | {cpu:.0} | {rss:.1} | {} | {} |\n",
+                all.len(),
+                rates[i],
+                ratio(0),
+                ratio(1),
+            ));
+        }
+        out
+    }
+}

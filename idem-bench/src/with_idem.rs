@@ -1,0 +1,94 @@
+//! The same work with idem: one `#[idempotent]` handler, the runtime per message or in batch
+//! mode.
+
+use crate::workload::{ADD_TO_BALANCE, INSERT_ORDER, Order};
+use anyhow::bail;
+use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+use idem::sql::PgInbox;
+use idem::{HandlerError, Runtime, idempotent};
+use sqlx::{PgPool, Postgres, Transaction};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// The consumer identity of the handler.
+pub const CONSUMER: &str = "bench.orders";
+/// The inbox table idem keeps its markers in during the benchmark.
+pub const TABLE: &str = "bench_idem_inbox";
+
+/// When the handler first ran: the start of the measured interval.
+static FIRST: OnceLock<Instant> = OnceLock::new();
+
+#[idempotent(store = Postgres, consumer = "bench.orders", queue = "bench-orders")]
+async fn place_order(tx: &mut Transaction<'_, Postgres>, order: Order) -> Result<(), HandlerError> {
+    FIRST.get_or_init(Instant::now);
+    sqlx::query(INSERT_ORDER)
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(ADD_TO_BALANCE)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The inbox of the benchmark.
+pub fn inbox(pool: PgPool) -> anyhow::Result<PgInbox> {
+    Ok(PgInbox::new(pool).table(TABLE)?)
+}
+
+/// How idem runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Mode {
+    /// 0: one transaction per message; N: batch mode.
+    pub batch: usize,
+    /// Workers (per message) or batches in flight (batch mode).
+    pub concurrency: usize,
+    /// Prefetch (per message; batch mode uses its default, 2 × batch).
+    pub prefetch: u16,
+}
+
+/// Consumes until `expect` deliveries are settled. Returns the time from the first handler call
+/// to the last settlement.
+pub async fn run(
+    rabbit: RabbitConfig,
+    pool: PgPool,
+    queue: &str,
+    expect: usize,
+    mode: Mode,
+) -> anyhow::Result<Duration> {
+    let mut builder = Runtime::builder()
+        .transport(RabbitTransport::new(rabbit))
+        .store(inbox(pool)?)
+        .handlers([CONSUMER])
+        .handler_queue(CONSUMER, queue)
+        .concurrency(mode.concurrency)
+        .batch(mode.batch);
+    if mode.batch == 0 {
+        builder = builder.prefetch(mode.prefetch);
+    }
+    let runtime = builder.build()?;
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    while (stats.snapshot().settled() as usize) < expect {
+        if task.is_finished() {
+            bail!("the runtime stopped early: {:?}", task.await);
+        }
+        tick.tick().await;
+    }
+    let elapsed = FIRST.get().map(Instant::elapsed).unwrap_or_default();
+    let seen = stats.snapshot();
+    if seen.dead_lettered > 0 || seen.retried > 0 {
+        bail!("unexpected outcomes: {seen:?}");
+    }
+    let _ = stop.send(());
+    task.await??;
+    Ok(elapsed)
+}

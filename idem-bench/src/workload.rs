@@ -1,0 +1,188 @@
+//! The workload every consumer gets: orders with a share of exact duplicates, the tables they
+//! write, and the check that their effects are exact.
+
+use anyhow::{Context as _, bail, ensure};
+use idem::rabbitmq::{Publisher, RabbitConfig};
+use lapin::BasicProperties;
+use lapin::types::ShortString;
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use std::collections::HashMap;
+
+/// Customers the orders are spread over (each order adds to one balance row).
+pub const CUSTOMERS: usize = 1000;
+
+/// One message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Order {
+    /// The dedup key (also the AMQP message id).
+    pub order_id: String,
+    /// Whose balance it adds to.
+    pub customer: String,
+    /// How much.
+    pub amount_cents: i64,
+}
+
+/// The messages, in publishing order, duplicates included.
+pub struct Workload {
+    /// Every message to publish.
+    pub messages: Vec<Order>,
+    /// Distinct orders among them.
+    pub unique: usize,
+    /// The balance each customer must end with.
+    pub balances: HashMap<String, i64>,
+}
+
+/// A small deterministic generator (xorshift64*): the same workload in every run.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+impl Workload {
+    /// `messages` messages of which about `dup_rate` are exact copies of an earlier one.
+    pub fn new(messages: usize, dup_rate: f64) -> Self {
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        let mut out: Vec<Order> = Vec::with_capacity(messages);
+        let mut balances: HashMap<String, i64> = HashMap::new();
+        let mut unique = 0;
+        for _ in 0..messages {
+            if unique > 0 && rng.unit() < dup_rate {
+                let copy = out[rng.below(out.len())].clone();
+                out.push(copy);
+                continue;
+            }
+            let order = Order {
+                order_id: format!("order-{unique:08}"),
+                customer: format!("customer-{:04}", rng.below(CUSTOMERS)),
+                amount_cents: 1 + rng.below(10_000) as i64,
+            };
+            *balances.entry(order.customer.clone()).or_default() += order.amount_cents;
+            unique += 1;
+            out.push(order);
+        }
+        Self {
+            messages: out,
+            unique,
+            balances,
+        }
+    }
+
+    /// Publishes every message to `queue` (persistent, message id = order id), confirmed.
+    pub async fn publish(&self, rabbit: &RabbitConfig, queue: &str) -> anyhow::Result<()> {
+        let publisher = Publisher::connect(rabbit).await?;
+        for chunk in self.messages.chunks(2000) {
+            for order in chunk {
+                let body = serde_json::to_vec(order)?;
+                let properties = BasicProperties::default()
+                    .with_message_id(ShortString::from(order.order_id.as_str()))
+                    .with_content_type(ShortString::from("application/json"))
+                    .with_delivery_mode(2);
+                publisher
+                    .publish_unconfirmed(queue, &body, properties)
+                    .await?;
+            }
+            publisher.wait_for_confirms().await?;
+        }
+        Ok(())
+    }
+}
+
+/// The business tables and the handwritten consumers' inbox.
+const SCHEMA: [&str; 3] = [
+    "CREATE TABLE IF NOT EXISTS bench_orders (order_id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS bench_balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS bench_inbox (consumer TEXT NOT NULL, key TEXT NOT NULL, PRIMARY KEY (consumer, key))",
+];
+
+/// The business writes of one order, the same in every consumer: the order row, then the
+/// customer's balance.
+pub const INSERT_ORDER: &str =
+    "INSERT INTO bench_orders (order_id, customer, amount_cents) VALUES ($1, $2, $3)";
+/// Adds to a balance (not idempotent on its own: run twice, it adds twice).
+pub const ADD_TO_BALANCE: &str = "UPDATE bench_balances SET cents = cents + $2 WHERE customer = $1";
+
+/// Creates the tables and empties them, with every balance at 0.
+pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {
+    for statement in SCHEMA {
+        sqlx::query(statement).execute(pool).await?;
+    }
+    let truncate = format!("TRUNCATE bench_orders, bench_balances, bench_inbox, \"{idem_table}\"");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(truncate))
+        .execute(pool)
+        .await?;
+    sqlx::query(
+        "INSERT INTO bench_balances (customer, cents)
+         SELECT 'customer-' || lpad(n::text, 4, '0'), 0 FROM generate_series(0, $1 - 1) AS n",
+    )
+    .bind(CUSTOMERS as i32)
+    .execute(pool)
+    .await?;
+    let vacuum =
+        format!("VACUUM ANALYZE bench_orders, bench_balances, bench_inbox, \"{idem_table}\"");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(vacuum))
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
+/// Fails unless every distinct order took effect exactly once and every balance is exact.
+pub async fn verify(pool: &PgPool, workload: &Workload) -> anyhow::Result<()> {
+    let (orders, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT order_id) FROM bench_orders")
+            .fetch_one(pool)
+            .await?;
+    ensure!(
+        orders as usize == workload.unique && distinct == orders,
+        "{orders} order rows ({distinct} distinct) for {} distinct orders",
+        workload.unique
+    );
+    let rows: Vec<(String, i64)> =
+        sqlx::query_as("SELECT customer, cents FROM bench_balances WHERE cents <> 0")
+            .fetch_all(pool)
+            .await?;
+    let found: HashMap<String, i64> = rows.into_iter().collect();
+    if found != workload.balances {
+        let wrong = workload
+            .balances
+            .iter()
+            .filter(|(c, cents)| found.get(*c) != Some(cents))
+            .count();
+        bail!("{wrong} balances are wrong");
+    }
+    Ok(())
+}
+
+/// Messages still in `queue` (ready; the consumer has exited, so none are unacked).
+pub async fn left_in_queue(url: &str, queue: &str) -> anyhow::Result<u32> {
+    let connection =
+        lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    let declared = channel
+        .queue_declare(
+            ShortString::from(queue),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            Default::default(),
+        )
+        .await
+        .context("the queue is gone")?;
+    let _ = connection.close(200, ShortString::from("counted")).await;
+    Ok(declared.message_count())
+}

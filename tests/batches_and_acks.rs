@@ -1,0 +1,159 @@
+//! Batch mode and coalesced acks against real RabbitMQ and PostgreSQL: an ack never covers a
+//! delivery whose transaction has not committed; batches take effect once through duplicates,
+//! handler failures, a closed broker connection and a database outage.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+#[path = "common/runtime_fixture.rs"]
+mod runtime_fixture;
+
+use common::{broker, wait_until};
+use idem::RetryPolicy;
+use idem::rabbitmq::QueueType;
+use runtime_fixture::*;
+use std::time::{Duration, Instant};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_ack_never_covers_an_uncommitted_delivery() {
+    let f = fixture("watermark", fast_retries(), QueueType::Classic, None).await;
+    // The first delivery is slow and will never commit in this life; the fast ones after it
+    // (other customers: no lock in common with it) commit while it waits. A
+    // `basic.ack(multiple)` for them that covered it would remove it from the broker, and the
+    // crash below would lose it.
+    script(&f.key(0), &[Step::WaitThenFail]);
+    const FAST: usize = 6;
+    for n in 0..=FAST {
+        f.publish_order(n, 1).await;
+    }
+    let running = start(f.runtime().concurrency(4).prefetch(32));
+    wait_until(
+        "the slow one started and the fast ones committed",
+        DEADLINE,
+        || async { lock(&STARTED).contains(&f.key(0)) && running.now().processed == FAST as u64 },
+    )
+    .await;
+    // Nothing may be acked while the first delivery is uncommitted: watch the broker for a
+    // while (an absence cannot be awaited; this is a bounded observation, not a wait).
+    let watch = Instant::now();
+    while watch.elapsed() < Duration::from_secs(2) {
+        let unacked = broker::unacked(&f.queue);
+        assert_eq!(
+            unacked,
+            FAST + 1,
+            "an ack covered the uncommitted first delivery"
+        );
+    }
+    // The consumer's connection dies while the slow delivery is in its transaction, which then
+    // fails: the broker must still hold it, and redeliver it.
+    assert!(broker::close_connections(&format!("idem-test:{}", f.queue)) >= 1);
+    lock(&RELEASED).push(f.key(0));
+    wait_until(
+        "the slow order redelivered and applied",
+        DEADLINE,
+        || async { f.effects().await.len() == FAST + 1 },
+    )
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 0);
+    f.assert_exactly_once(FAST + 1, |_| 1).await;
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batches_take_effect_once_through_duplicates_failures_and_a_closed_connection() {
+    let f = fixture("batches", fast_retries(), QueueType::Classic, None).await;
+    const ORDERS: usize = 1500;
+    // Two orders fail transiently once: their batches run again with a savepoint per message
+    // and only they are retried.
+    script(&f.key(7), &[Step::FailTransient, Step::FailTransient]);
+    script(&f.key(700), &[Step::FailTransient, Step::FailTransient]);
+    // The batch holding order 300 waits in its transaction while the connection is closed; it
+    // then commits, its acks cannot be sent, and its redelivered copies must be duplicates.
+    script(&f.key(300), &[Step::WaitForRelease]);
+    let mut published = 0;
+    for n in 0..ORDERS {
+        for _ in 0..(n % 3 + 1) {
+            f.publish_order(n, 2).await;
+            published += 1;
+        }
+    }
+    let running = start(
+        f.runtime()
+            .batch(50)
+            .prefetch(100)
+            .linger(Duration::from_millis(20)),
+    );
+    wait_until("a batch in its transaction", DEADLINE, || async {
+        lock(&STARTED).contains(&f.key(300))
+    })
+    .await;
+    assert!(broker::close_connections(&format!("idem-test:{}", f.queue)) >= 1);
+    lock(&RELEASED).push(f.key(300));
+    wait_until("every order applied", DEADLINE, || async {
+        f.effects().await.len() == ORDERS
+    })
+    .await;
+    wait_until("every delivery settled", DEADLINE, || async {
+        broker::count(&f.queue).await == 0
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 0, "{seen:?}");
+    assert!(seen.retried >= 2, "{seen:?}");
+    assert!(
+        seen.settled() >= published as u64,
+        "{seen:?} of {published}"
+    );
+    f.assert_exactly_once(ORDERS, |_| 2).await;
+    f.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_outage_under_batches_loses_and_doubles_nothing() {
+    let policy =
+        RetryPolicy::new(30, Duration::from_millis(50), 2, Duration::from_millis(500)).unwrap();
+    let f = fixture("batch-db-outage", policy, QueueType::Classic, None).await;
+    let target = common::postgres_url()
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .unwrap()
+        .to_owned();
+    let proxy = common::proxy::Proxy::start(&target).await;
+    let url = common::postgres_url().replace(&target, &format!("127.0.0.1:{}", proxy.port()));
+    let proxied = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(1))
+        .connect(&url)
+        .await
+        .unwrap();
+    const ORDERS: usize = 1000;
+    for n in 0..ORDERS {
+        f.publish_order(n, 5).await;
+    }
+    let running = start(
+        f.runtime_with(proxied)
+            .batch(40)
+            .prefetch(120)
+            .concurrency(2),
+    );
+    wait_until("some progress", DEADLINE, || async {
+        running.now().processed >= 100
+    })
+    .await;
+    proxy.cut();
+    wait_until("whole batches to be retried", DEADLINE, || async {
+        running.now().retried >= 40
+    })
+    .await;
+    proxy.restore();
+    wait_until("every order applied", DEADLINE, || async {
+        f.effects().await.len() == ORDERS
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 0);
+    f.assert_exactly_once(ORDERS, |_| 5).await;
+    f.cleanup().await;
+}

@@ -1,0 +1,285 @@
+//! The runtime fixture of the RabbitMQ tests: a scripted order handler on PostgreSQL, a fresh
+//! queue per test, a runtime started in the background, checks of exactly-once effects.
+#![allow(dead_code)]
+
+use crate::common::broker::{self, amqp_url, publish};
+use crate::common::unique;
+use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
+use idem::sql::PgInbox;
+use idem::{
+    Context, HandlerError, QueueSpec, RetryPolicy, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
+    Stats, Transport, idempotent,
+};
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub const CONSUMER: &str = "rt.orders";
+
+#[derive(Debug, Deserialize)]
+pub struct Order {
+    pub order_id: String,
+    pub customer: String,
+    pub amount_cents: i64,
+}
+
+/// What the handler does for a key, per delivery, in order.
+#[derive(Debug, Clone, Copy)]
+pub enum Step {
+    FailTransient,
+    /// Block until `RELEASED` holds the key.
+    WaitForRelease,
+    /// Never finish.
+    Hang,
+    /// Block until `RELEASED` holds the key, then fail transiently (nothing commits).
+    WaitThenFail,
+}
+
+pub static SCRIPTS: Mutex<BTreeMap<String, Vec<Step>>> = Mutex::new(BTreeMap::new());
+/// The attempts each key was seen with.
+pub static ATTEMPTS: Mutex<BTreeMap<String, Vec<u32>>> = Mutex::new(BTreeMap::new());
+pub static STARTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+pub static RELEASED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Locks a test's shared state; a panic in another test must not poison it for this one.
+pub fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn script(key: &str, steps: &[Step]) {
+    lock(&SCRIPTS).insert(key.to_owned(), steps.to_vec());
+}
+
+#[idempotent(store = Postgres, queue = "idem-test-overridden", consumer = "rt.orders")]
+async fn record(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    order: Order,
+    ctx: &Context<'_>,
+) -> Result<(), HandlerError> {
+    lock(&ATTEMPTS)
+        .entry(order.order_id.clone())
+        .or_default()
+        .push(ctx.attempt());
+    sqlx::query("INSERT INTO idem_rt_effects (key, customer, amount_cents) VALUES ($1, $2, $3)")
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(
+        "INSERT INTO idem_rt_balances (customer, cents) VALUES ($1, $2)
+         ON CONFLICT (customer) DO UPDATE SET cents = idem_rt_balances.cents + excluded.cents",
+    )
+    .bind(&order.customer)
+    .bind(order.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    let step = {
+        let mut scripts = lock(&SCRIPTS);
+        scripts
+            .get_mut(&order.order_id)
+            .and_then(|steps| (!steps.is_empty()).then(|| steps.remove(0)))
+    };
+    match step {
+        None => Ok(()),
+        Some(Step::FailTransient) => Err(HandlerError::transient("scripted: database busy")),
+        Some(Step::WaitForRelease) => {
+            lock(&STARTED).push(order.order_id.clone());
+            while !lock(&RELEASED).contains(&order.order_id) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Ok(())
+        }
+        Some(Step::WaitThenFail) => {
+            lock(&STARTED).push(order.order_id.clone());
+            while !lock(&RELEASED).contains(&order.order_id) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err(HandlerError::transient("scripted: failed after waiting"))
+        }
+        Some(Step::Hang) => {
+            lock(&STARTED).push(order.order_id.clone());
+            std::future::pending().await
+        }
+    }
+}
+
+pub struct Fixture {
+    pub pool: sqlx::PgPool,
+    pub queue: String,
+    pub publisher: Publisher,
+    pub policy: RetryPolicy,
+    pub rabbit: RabbitConfig,
+}
+
+pub fn fast_retries() -> RetryPolicy {
+    RetryPolicy::new(5, Duration::from_millis(200), 2, Duration::from_secs(2)).unwrap()
+}
+
+pub async fn fixture(
+    name: &str,
+    policy: RetryPolicy,
+    queue_type: QueueType,
+    delivery_limit: Option<u32>,
+) -> Fixture {
+    let pool = crate::common::postgres(8).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS idem_rt_effects (key TEXT NOT NULL, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS idem_rt_balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+    ] {
+        sqlx::query(statement).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    PgInbox::new(pool.clone()).migrate().await.unwrap();
+    let queue = unique(&format!("idem-test-{name}"));
+    let mut rabbit = RabbitConfig::new(amqp_url())
+        .queue_type(queue_type)
+        .connection_name(format!("idem-test:{queue}"));
+    if let Some(limit) = delivery_limit {
+        rabbit = rabbit.delivery_limit(limit);
+    }
+    let publisher = broker::publisher().await;
+    let spec = QueueSpec {
+        queue: queue.clone(),
+        consumer: CONSUMER.into(),
+        retry_delays: policy.delays(),
+    };
+    RabbitTransport::new(rabbit.clone())
+        .declare(&[spec])
+        .await
+        .unwrap();
+    Fixture {
+        pool,
+        queue,
+        publisher,
+        policy,
+        rabbit,
+    }
+}
+
+impl Fixture {
+    pub fn runtime_with(&self, pool: sqlx::PgPool) -> RuntimeBuilder {
+        Runtime::builder()
+            .transport(RabbitTransport::new(self.rabbit.clone()))
+            .store(PgInbox::new(pool))
+            .handlers([CONSUMER])
+            .handler_queue(CONSUMER, &self.queue)
+            .retry(self.policy.clone())
+            .concurrency(4)
+            .prefetch(16)
+    }
+
+    pub fn runtime(&self) -> RuntimeBuilder {
+        self.runtime_with(self.pool.clone())
+    }
+
+    pub fn key(&self, n: usize) -> String {
+        format!("{}-{n}", self.queue)
+    }
+
+    pub fn customer(&self, n: usize) -> String {
+        format!("{}-c{}", self.queue, n % 7)
+    }
+
+    pub async fn publish_order(&self, n: usize, amount: i64) {
+        let body = serde_json::json!({"order_id": self.key(n), "customer": self.customer(n), "amount_cents": amount});
+        publish(
+            &self.publisher,
+            &self.queue,
+            Some(&self.key(n)),
+            body.to_string().as_bytes(),
+        )
+        .await;
+    }
+
+    /// Effects per key of this fixture's orders.
+    pub async fn effects(&self) -> HashMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT key, count(*) FROM idem_rt_effects WHERE key LIKE $1 GROUP BY key",
+        )
+        .bind(format!("{}-%", self.queue))
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+    }
+
+    pub async fn balances(&self) -> HashMap<String, i64> {
+        sqlx::query_as::<_, (String, i64)>(
+            "SELECT customer, cents FROM idem_rt_balances WHERE customer LIKE $1",
+        )
+        .bind(format!("{}-c%", self.queue))
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+    }
+
+    /// Asserts that orders 0..n each took effect exactly once and the balances are exact.
+    pub async fn assert_exactly_once(&self, n: usize, amount: impl Fn(usize) -> i64) {
+        let effects = self.effects().await;
+        let doubled: Vec<_> = effects.iter().filter(|(_, c)| **c != 1).collect();
+        assert!(
+            doubled.is_empty(),
+            "keys not applied exactly once: {doubled:?}"
+        );
+        assert_eq!(effects.len(), n, "orders applied");
+        let mut expected: HashMap<String, i64> = HashMap::new();
+        for i in 0..n {
+            *expected.entry(self.customer(i)).or_default() += amount(i);
+        }
+        assert_eq!(self.balances().await, expected);
+    }
+
+    pub async fn cleanup(self) {
+        broker::delete_topology(&self.queue, &self.policy.delays()).await;
+    }
+}
+
+pub struct Running {
+    pub stop: oneshot::Sender<()>,
+    pub task: JoinHandle<Result<(), RuntimeError>>,
+    pub stats: Arc<Stats>,
+}
+
+pub fn start(builder: RuntimeBuilder) -> Running {
+    let runtime = builder.build().unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    Running { stop, task, stats }
+}
+
+impl Running {
+    pub fn now(&self) -> Snapshot {
+        self.stats.snapshot()
+    }
+
+    pub async fn shut_down(self) -> Snapshot {
+        let _ = self.stop.send(());
+        finish(self.task).await;
+        self.stats.snapshot()
+    }
+}
+
+pub const DEADLINE: Duration = Duration::from_secs(60);
+
+/// Waits for a runtime to stop; a shutdown that hangs fails the test instead of the CI run.
+pub async fn finish(task: JoinHandle<Result<(), RuntimeError>>) {
+    match tokio::time::timeout(DEADLINE, task).await {
+        Ok(result) => result.unwrap().unwrap(),
+        Err(_) => panic!("the runtime did not shut down within {DEADLINE:?}"),
+    }
+}
