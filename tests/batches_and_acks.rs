@@ -26,21 +26,21 @@ async fn an_ack_never_covers_an_uncommitted_delivery() {
     for n in 0..=FAST {
         f.publish_order(n, 1).await;
     }
-    let running = start(f.runtime().concurrency(4).prefetch(32));
+    let running = start(f.runtime().concurrency(4).prefetch(16));
     wait_until(
         "the slow one started and the fast ones committed",
         DEADLINE,
         || async { lock(&STARTED).contains(&f.key(0)) && running.now().processed == FAST as u64 },
     )
     .await;
-    // Nothing may be acked while the first delivery is uncommitted: watch the broker for a
-    // while (an absence cannot be awaited; this is a bounded observation, not a wait).
+    // The first delivery must stay unacked while it is uncommitted (the fast ones may be
+    // acked, one by one): watch the broker for a while (an absence cannot be awaited; this is a
+    // bounded observation, not a wait).
     let watch = Instant::now();
     while watch.elapsed() < Duration::from_secs(2) {
         let unacked = broker::unacked(&f.queue);
-        assert_eq!(
-            unacked,
-            FAST + 1,
+        assert!(
+            unacked >= 1,
             "an ack covered the uncommitted first delivery"
         );
     }

@@ -155,6 +155,73 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
         .prefetch(0)
         .build();
     assert!(matches!(zero, Err(RuntimeError::Setting(_))));
+    let batch = error(
+        Runtime::builder()
+            .transport(MemoryTransport::new())
+            .store(SqliteInbox::new(pool))
+            .handlers(["mem.orders"])
+            .batch(100)
+            .prefetch(50),
+    );
+    assert!(
+        batch.contains("batches 100 deliveries but prefetch is 50")
+            && batch.contains("set .prefetch(200)"),
+        "{batch}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_mode_takes_effect_once_through_copies_and_a_panic() {
+    let (pool, _dir) = common::sqlite(4).await;
+    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    let transport = MemoryTransport::new();
+    let runtime = Runtime::builder()
+        .transport(transport.clone())
+        .store(inbox)
+        .handlers(["mem.orders"])
+        .retry(
+            RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100)).unwrap(),
+        )
+        .batch(16)
+        .build()
+        .unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    // Copies land in the same batch and in different ones; the panic fails its whole batch
+    // once, and every message in it is retried.
+    let mut published = 0;
+    for n in 0..100 {
+        let copies = n % 3 + 1;
+        transport.publish_copies("mem-orders", &message(&format!("b{n}"), false), copies);
+        published += copies as u64;
+    }
+    transport.publish("mem-orders", message("batch-boom", true));
+    published += 1;
+    wait_until(
+        "every delivery settled",
+        Duration::from_secs(30),
+        || async { stats.snapshot().processed == 101 },
+    )
+    .await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    let seen = stats.snapshot();
+    assert_eq!(seen.panics, 1, "{seen:?}");
+    assert_eq!(seen.dead_lettered, 0, "{seen:?}");
+    assert_eq!(seen.processed + seen.duplicates, published, "{seen:?}");
+    for n in 0..100 {
+        assert_eq!(effects(&pool, &format!("b{n}")).await, 1, "b{n}");
+    }
+    assert_eq!(effects(&pool, "batch-boom").await, 1);
+    assert_eq!(transport.pending("mem-orders"), 0);
 }
 
 #[tokio::test]

@@ -7,7 +7,8 @@
 //!   otherwise; the embedded SQLite file unless `DATABASE_URL` names PostgreSQL.
 //! - `cargo run --example orders -- consume`: the long-running consumer.
 //!
-//! `--help` lists the configuration; every setting can come from the environment.
+//! `--help` lists the configuration; every setting can come from the environment
+//! (`ORDERS_BATCH=200` tries batch mode).
 
 mod demo;
 mod handlers;
@@ -59,9 +60,12 @@ struct Settings {
     /// The queue to consume (its dead letters go to `<queue>.dlq`).
     #[arg(long, env = "ORDERS_QUEUE", default_value = "orders", global = true)]
     queue: String,
-    /// Orders processed at once.
+    /// Orders processed at once, one transaction each (ignored in batch mode).
     #[arg(long, env = "ORDERS_CONCURRENCY", default_value_t = 8, global = true)]
     concurrency: usize,
+    /// Batch mode: up to this many orders per transaction (0: one transaction per order).
+    #[arg(long, env = "ORDERS_BATCH", default_value_t = 0, global = true)]
+    batch: usize,
     /// Where messages come from: RabbitMQ, or the in-memory transport (demo only).
     #[arg(long, value_enum, env = "ORDERS_TRANSPORT", default_value_t = TransportKind::Auto, global = true)]
     transport: TransportKind,
@@ -114,9 +118,14 @@ async fn consume(settings: &Settings, db: &Db) -> anyhow::Result<()> {
 fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
     let builder = Runtime::builder()
         .handlers(["orders"])
-        .handler_queue("orders", &settings.queue)
-        .concurrency(settings.concurrency)
-        .prefetch(u16::try_from(settings.concurrency * 4).unwrap_or(u16::MAX));
+        .handler_queue("orders", &settings.queue);
+    // Batch mode keeps its defaults: one batch in flight, prefetch twice the batch.
+    let builder = match settings.batch {
+        0 => builder
+            .concurrency(settings.concurrency)
+            .prefetch(u16::try_from(settings.concurrency * 4).unwrap_or(u16::MAX)),
+        size => builder.batch(size),
+    };
     match db {
         Db::Sqlite(pool) => builder.store(SqliteInbox::new(pool.clone())),
         Db::Postgres(pool) => builder.store(PgInbox::new(pool.clone())),

@@ -132,9 +132,10 @@ pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {
     .bind(CUSTOMERS as i32)
     .execute(pool)
     .await?;
-    let vacuum =
-        format!("VACUUM ANALYZE bench_orders, bench_balances, bench_inbox, \"{idem_table}\"");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(vacuum))
+    // Only the balances are analysed: an empty table analysed as empty would plan reads of
+    // its key as sequential scans until autovacuum analyses it again (truncated, its size is
+    // unknown and the primary key is used, as on a freshly created table).
+    sqlx::raw_sql("VACUUM ANALYZE bench_balances")
         .execute(pool)
         .await?;
     Ok(())

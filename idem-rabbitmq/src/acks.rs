@@ -6,10 +6,16 @@
 //! to the one named, so it may only name a tag when every tag below it is settled too: the
 //! [`Watermark`] tracks the lowest unsettled tag and acks only the contiguous settled prefix.
 //! A delivery that is still in a transaction is never covered by an ack.
+//!
+//! A slow delivery holds the watermark back; the committed deliveries after it would keep the
+//! broker's prefetch window full and starve the workers. So when more than `lag` committed
+//! deliveries wait above the watermark, they are acked one by one (`multiple = false`), which
+//! is always safe.
 
 use lapin::Channel;
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -36,16 +42,18 @@ impl Acks {
     }
 }
 
-/// Starts the settlement task of `channel`. It ends, after sending what it was given, when
+/// Starts the settlement task of `channel`; at most `lag` committed deliveries wait for the
+/// watermark before they are acked one by one. It ends, after sending what it was given, when
 /// every [`Acks`] handle is dropped or the channel fails.
-pub(crate) fn spawn(channel: Channel, queue: std::sync::Arc<str>) -> (Acks, JoinHandle<()>) {
+pub(crate) fn spawn(channel: Arc<Channel>, queue: Arc<str>, lag: usize) -> (Acks, JoinHandle<()>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    (Acks(tx), tokio::spawn(run(channel, queue, rx)))
+    (Acks(tx), tokio::spawn(run(channel, queue, lag, rx)))
 }
 
 async fn run(
-    channel: Channel,
-    queue: std::sync::Arc<str>,
+    channel: Arc<Channel>,
+    queue: Arc<str>,
+    lag: usize,
     mut rx: mpsc::UnboundedReceiver<(u64, Op)>,
 ) {
     let mut watermark = Watermark::default();
@@ -81,6 +89,15 @@ async fn run(
             tracing::warn!(queue = %queue, up_to, error = %e, "ack not sent; the broker redelivers");
             return;
         }
+        for tag in watermark.overflow(lag) {
+            if let Err(e) = channel
+                .basic_ack(tag, BasicAckOptions { multiple: false })
+                .await
+            {
+                tracing::warn!(queue = %queue, tag, error = %e, "ack not sent; the broker redelivers");
+                return;
+            }
+        }
     }
 }
 
@@ -91,6 +108,8 @@ pub(crate) struct Watermark {
     next: u64,
     /// Settled tags above `next`, with whether each still needs an ack.
     settled: BTreeMap<u64, bool>,
+    /// How many of `settled` still need an ack.
+    waiting: usize,
 }
 
 impl Default for Watermark {
@@ -98,6 +117,7 @@ impl Default for Watermark {
         Self {
             next: 1,
             settled: BTreeMap::new(),
+            waiting: 0,
         }
     }
 }
@@ -106,8 +126,8 @@ impl Watermark {
     /// Records that `tag` is settled: committed and waiting for its ack (`needs_ack`), or
     /// already rejected or requeued on its own.
     pub(crate) fn settle(&mut self, tag: u64, needs_ack: bool) {
-        if tag >= self.next {
-            self.settled.insert(tag, needs_ack);
+        if tag >= self.next && self.settled.insert(tag, needs_ack).is_none() && needs_ack {
+            self.waiting += 1;
         }
     }
 
@@ -119,10 +139,28 @@ impl Watermark {
         while let Some(needs_ack) = self.settled.remove(&self.next) {
             if needs_ack {
                 ack = Some(self.next);
+                self.waiting -= 1;
             }
             self.next += 1;
         }
         ack
+    }
+
+    /// When more than `lag` settled tags above the watermark still need an ack, returns them
+    /// (to be acked one by one) and records them as acked.
+    pub(crate) fn overflow(&mut self, lag: usize) -> Vec<u64> {
+        if self.waiting <= lag {
+            return Vec::new();
+        }
+        let mut tags = Vec::with_capacity(self.waiting);
+        for (tag, needs_ack) in &mut self.settled {
+            if *needs_ack {
+                *needs_ack = false;
+                tags.push(*tag);
+            }
+        }
+        self.waiting = 0;
+        tags
     }
 }
 
@@ -155,5 +193,23 @@ mod tests {
         // A stale tag below the watermark is ignored.
         w.settle(3, true);
         assert_eq!(w.advance(), None);
+    }
+
+    #[test]
+    fn a_long_lag_behind_a_slow_tag_is_acked_one_by_one() {
+        let mut w = Watermark::default();
+        for tag in 2..=4 {
+            w.settle(tag, true);
+        }
+        assert_eq!(w.advance(), None);
+        assert_eq!(w.overflow(3), Vec::<u64>::new(), "within the allowed lag");
+        w.settle(5, true);
+        assert_eq!(w.overflow(3), vec![2, 3, 4, 5]);
+        assert_eq!(w.overflow(3), Vec::<u64>::new(), "each tag is acked once");
+        // Tag 1 commits: it alone is still outstanding, and the multiple ack names it.
+        w.settle(1, true);
+        assert_eq!(w.advance(), Some(1));
+        w.settle(6, true);
+        assert_eq!(w.advance(), Some(6));
     }
 }

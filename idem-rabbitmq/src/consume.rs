@@ -126,7 +126,9 @@ async fn consume(
     let queue: std::sync::Arc<str> = spec.queue.as_str().into();
     // Every settlement of this channel goes through one task, in tag order; shutdown waits
     // for it to send what it holds before the connection closes.
-    let (acks, settler) = acks::spawn(channel.clone(), queue.clone());
+    // Deliveries share the channel (one handle, not a clone of its many parts per delivery).
+    let channel = std::sync::Arc::new(channel);
+    let (acks, settler) = acks::spawn(channel.clone(), queue.clone(), usize::from(prefetch / 4));
     connections.track(settler);
     *backoff = config.reconnect_min;
     loop {

@@ -18,7 +18,7 @@ use std::time::Duration;
 pub(crate) struct RabbitSettle {
     pub(crate) tag: u64,
     pub(crate) acks: Acks,
-    pub(crate) channel: Channel,
+    pub(crate) channel: Arc<Channel>,
     pub(crate) properties: BasicProperties,
     pub(crate) queue: Arc<str>,
     pub(crate) done: bool,
