@@ -150,7 +150,7 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
     );
     let zero = Runtime::builder()
         .transport(MemoryTransport::new())
-        .store(SqliteInbox::new(pool))
+        .store(SqliteInbox::new(pool.clone()))
         .handlers(["mem.orders"])
         .prefetch(0)
         .build();

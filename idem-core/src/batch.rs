@@ -18,6 +18,7 @@ use crate::outcome::{Outcome, StoredOutput, Transient};
 use crate::pipeline::{encode_result, existing, failure, prepare};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use std::collections::HashMap;
+use tokio::sync::oneshot;
 
 /// One distinct key of a batch (its payload is kept apart: payloads need not be `Sync`).
 struct Item {
@@ -29,12 +30,34 @@ struct Item {
     stored: Option<Fingerprint>,
 }
 
+/// Lets consecutive batches overlap: the next batch begins and claims its keys while this one
+/// commits, and runs its handlers only once this one has committed (so their writes never wait
+/// on each other's locks). A dropped sender counts as fired.
+#[derive(Debug, Default)]
+pub struct Stages {
+    /// Resolves when the previous batch has committed (or given up).
+    pub after: Option<oneshot::Receiver<()>>,
+    /// Fired when this batch's handlers are done and it is about to commit.
+    pub committing: Option<oneshot::Sender<()>>,
+    /// Fired when this batch has committed (or given up).
+    pub committed: Option<oneshot::Sender<()>>,
+}
+
 /// Processes `envelopes` with handler `H` in one transaction of `store`, returning one outcome
 /// per envelope, in order.
 ///
 /// A key that occurs twice in the batch is processed once; its later copies are duplicates (or
 /// conflicts) of the first once that has committed, and are retried if it did not.
 pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope]) -> Vec<Outcome> {
+    process_batch_staged::<H>(store, envelopes, Stages::default()).await
+}
+
+/// [`process_batch`], overlapping with the batches before and after it through `stages`.
+pub async fn process_batch_staged<H: Handler>(
+    store: &H::Store,
+    envelopes: &[Envelope],
+    mut stages: Stages,
+) -> Vec<Outcome> {
     let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
     let mut items: Vec<Item> = Vec::with_capacity(envelopes.len());
     let mut payloads: Vec<Option<H::Payload>> = Vec::with_capacity(envelopes.len());
@@ -59,7 +82,16 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
         }
     }
     if !items.is_empty() {
-        let pass = run::<H>(store, envelopes, &mut items, payloads, &mut outcomes, false).await;
+        let pass = run::<H>(
+            store,
+            envelopes,
+            &mut items,
+            payloads,
+            &mut outcomes,
+            false,
+            &mut stages,
+        )
+        .await;
         if pass == Pass::NeedsIsolation {
             // A handler failed in the fast pass, which was rolled back: run the batch again
             // with every message under its own savepoint. The payloads are decoded anew.
@@ -70,7 +102,16 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
             for item in &items {
                 outcomes[item.index] = None;
             }
-            run::<H>(store, envelopes, &mut items, payloads, &mut outcomes, true).await;
+            run::<H>(
+                store,
+                envelopes,
+                &mut items,
+                payloads,
+                &mut outcomes,
+                true,
+                &mut stages,
+            )
+            .await;
         }
     }
     for (index, item, key, fingerprint) in copies {
@@ -139,6 +180,7 @@ async fn run<H: Handler>(
     mut payloads: Vec<Option<H::Payload>>,
     outcomes: &mut [Option<Outcome>],
     isolate: bool,
+    stages: &mut Stages,
 ) -> Pass {
     // Fails every item whose outcome is not settled by committed data.
     let abort = |items: &[Item], outcomes: &mut [Option<Outcome>], error: StoreError| {
@@ -180,6 +222,10 @@ async fn run<H: Handler>(
             return Pass::Done;
         }
     };
+    // The keys are ours; the handlers wait for the previous batch's commit.
+    if let Some(after) = stages.after.take() {
+        let _ = after.await;
+    }
 
     let mut first = true;
     let mut failed: Vec<usize> = Vec::new();
@@ -268,7 +314,14 @@ async fn run<H: Handler>(
     }
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
-    if let Err(e) = store.commit(tx).await {
+    if let Some(committing) = stages.committing.take() {
+        let _ = committing.send(());
+    }
+    let committed = store.commit(tx).await;
+    if let Some(signal) = stages.committed.take() {
+        let _ = signal.send(());
+    }
+    if let Err(e) = committed {
         // It may or may not have committed; the retries find out (duplicates if it did).
         abort(items, outcomes, e);
     }

@@ -1,7 +1,7 @@
 //! The handler registry: every `#[idempotent]` function submits a [`Registration`] through
 //! `inventory`, and the runtime finds them here.
 
-use crate::batch::process_batch;
+use crate::batch::{Stages, process_batch_staged};
 use crate::envelope::Envelope;
 use crate::error::StoreError;
 use crate::handler::Handler;
@@ -24,8 +24,11 @@ pub type InvokeFn =
     for<'a> fn(&'a Stores, &'a Envelope) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
 
 /// The type-erased batch entry point of one handler.
-pub type InvokeBatchFn =
-    for<'a> fn(&'a Stores, &'a [Envelope]) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>>;
+pub type InvokeBatchFn = for<'a> fn(
+    &'a Stores,
+    &'a [Envelope],
+    Stages,
+) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>>;
 
 /// One registered handler.
 #[derive(Debug)]
@@ -110,7 +113,17 @@ impl Registration {
         stores: &Stores,
         envelopes: &[Envelope],
     ) -> Result<Vec<Outcome>, DispatchError> {
-        (self.invoke_batch)(stores, envelopes).await
+        (self.invoke_batch)(stores, envelopes, Stages::default()).await
+    }
+
+    /// [`Self::invoke_batch`], overlapping with the neighbouring batches through `stages`.
+    pub async fn invoke_batch_staged(
+        &self,
+        stores: &Stores,
+        envelopes: &[Envelope],
+        stages: Stages,
+    ) -> Result<Vec<Outcome>, DispatchError> {
+        (self.invoke_batch)(stores, envelopes, stages).await
     }
 }
 
@@ -149,6 +162,7 @@ fn invoke<'a, H: Handler>(
 fn invoke_batch<'a, H: Handler>(
     stores: &'a Stores,
     envelopes: &'a [Envelope],
+    stages: Stages,
 ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
     Box::pin(async move {
         let store = stores
@@ -157,7 +171,7 @@ fn invoke_batch<'a, H: Handler>(
                 consumer: H::CONSUMER,
                 store: <H::Store as InboxStore>::KIND,
             })?;
-        Ok(process_batch::<H>(store, envelopes).await)
+        Ok(process_batch_staged::<H>(store, envelopes, stages).await)
     })
 }
 
@@ -253,7 +267,7 @@ mod tests {
             key: KeySource::MessageId,
             store,
             invoke: never,
-            invoke_batch: |_, _| Box::pin(async { unreachable!("not invoked") }),
+            invoke_batch: |_, _, _| Box::pin(async { unreachable!("not invoked") }),
             available: |_| true,
             check: |_| Box::pin(async { Ok(()) }),
         }

@@ -1,8 +1,10 @@
 //! Batch mode: executors take batches from the mailbox (up to `size` deliveries, or what
 //! arrived within `linger` of the first), run each in one transaction and settle its
-//! deliveries after the commit. While one batch executes, the next one fills the mailbox.
+//! deliveries after the commit. While one batch executes, the next one fills the mailbox; while
+//! it commits, the next one begins and claims its keys (its handlers wait for the commit).
 
 use super::worker::{Shared, panicked, settle_outcome};
+use crate::batch::Stages;
 use crate::envelope::Envelope;
 use crate::outcome::{Outcome, Transient};
 use crate::transport::{Delivery, Settle, StopSignal};
@@ -10,7 +12,8 @@ use futures_util::FutureExt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{Mutex, mpsc};
+use tokio::sync::{Mutex, mpsc, oneshot};
+use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout_at};
 use tracing::Instrument;
 
@@ -51,6 +54,8 @@ pub(crate) async fn execute(
     stop: StopSignal,
     spec: BatchSpec,
 ) {
+    let mut in_flight = JoinSet::new();
+    let mut previous: Option<oneshot::Receiver<()>> = None;
     loop {
         let batch = gather(&mut *mailbox.lock().await, spec).await;
         if batch.is_empty() {
@@ -64,12 +69,24 @@ pub(crate) async fn execute(
             }
             continue;
         }
-        handle(&shared, batch).await;
+        let (committing_tx, committing) = oneshot::channel();
+        let (committed_tx, committed) = oneshot::channel();
+        let stages = Stages {
+            after: previous.take(),
+            committing: Some(committing_tx),
+            committed: Some(committed_tx),
+        };
+        in_flight.spawn(handle(shared.clone(), batch, stages));
+        previous = Some(committed);
+        // Pipelining: the next batch is gathered, begun and claimed while this one commits.
+        let _ = committing.await;
+        while in_flight.try_join_next().is_some() {}
     }
+    while in_flight.join_next().await.is_some() {}
 }
 
 /// Processes one batch in one transaction, then settles each delivery by its outcome.
-async fn handle(shared: &Shared, batch: Vec<Delivery>) {
+async fn handle(shared: Arc<Shared>, batch: Vec<Delivery>, stages: Stages) {
     let (envelopes, settles): (Vec<Envelope>, Vec<Box<dyn Settle>>) = batch
         .into_iter()
         .map(|delivery| (delivery.envelope, delivery.settle))
@@ -80,10 +97,13 @@ async fn handle(shared: &Shared, batch: Vec<Delivery>) {
         size = envelopes.len()
     );
     async {
-        let invoked =
-            AssertUnwindSafe(shared.registration.invoke_batch(&shared.stores, &envelopes))
-                .catch_unwind()
-                .await;
+        let invoked = AssertUnwindSafe(shared.registration.invoke_batch_staged(
+            &shared.stores,
+            &envelopes,
+            stages,
+        ))
+        .catch_unwind()
+        .await;
         let outcomes = match invoked {
             Ok(Ok(outcomes)) => outcomes,
             Ok(Err(dispatch)) => {
@@ -93,10 +113,10 @@ async fn handle(shared: &Shared, batch: Vec<Delivery>) {
                 });
                 vec![failed; envelopes.len()]
             }
-            Err(panic) => vec![panicked(shared, panic); envelopes.len()],
+            Err(panic) => vec![panicked(&shared, panic); envelopes.len()],
         };
         for ((outcome, envelope), settle) in outcomes.iter().zip(&envelopes).zip(settles) {
-            settle_outcome(shared, outcome, envelope, settle).await;
+            settle_outcome(&shared, outcome, envelope, settle).await;
         }
     }
     .instrument(span)
