@@ -219,7 +219,11 @@ impl InboxStore for PgInbox {
             .collect();
         let mut found = HashMap::with_capacity(taken.len());
         if !taken.is_empty() {
+            // Planned for these keys each time (one statement per batch): a cached generic
+            // plan made while the table was small may scan the whole key range of the
+            // consumer, and without ANALYZE it is never replaced.
             let rows = sqlx::query(AssertSqlSafe(existing.clone()))
+                .persistent(false)
                 .bind(first.consumer)
                 .bind(&taken)
                 .fetch_all(&mut **tx)
@@ -287,6 +291,7 @@ impl InboxStore for PgInbox {
         keys: &[&str],
     ) -> Result<(), StoreError> {
         sqlx::query(AssertSqlSafe(self.sql.unclaim.clone()))
+            .persistent(false)
             .bind(consumer)
             .bind(keys)
             .execute(&mut **tx)
