@@ -99,6 +99,13 @@ async fn run(
             }
         }
     }
+    // Every delivery of the channel is settled: close it now, while its connection is open,
+    // rather than leave it to close itself when dropped during the connection's shutdown.
+    if channel.status().connected() {
+        let _ = channel
+            .close(200, lapin::types::ShortString::from("settled"))
+            .await;
+    }
 }
 
 /// The contiguous-settled prefix of a channel's delivery tags.
