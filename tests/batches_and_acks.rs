@@ -132,12 +132,9 @@ async fn a_database_outage_under_batches_loses_and_doubles_nothing() {
     for n in 0..ORDERS {
         f.publish_order(n, 5).await;
     }
-    let running = start(
-        f.runtime_with(proxied)
-            .batch(40)
-            .prefetch(120)
-            .concurrency(2),
-    );
+    // One batch in flight (the default): these orders share seven balance rows, which two
+    // concurrent batches would lock in different orders (see the README on concurrency).
+    let running = start(f.runtime_with(proxied).batch(40).prefetch(120));
     wait_until("some progress", DEADLINE, || async {
         running.now().processed >= 100
     })
