@@ -82,6 +82,7 @@ async fn batches_take_effect_once_through_duplicates_failures_and_a_closed_conne
         f.runtime()
             .batch(50)
             .prefetch(100)
+            .concurrency(1)
             .linger(Duration::from_millis(20)),
     );
     wait_until("a batch in its transaction", DEADLINE, || async {
@@ -132,9 +133,14 @@ async fn a_database_outage_under_batches_loses_and_doubles_nothing() {
     for n in 0..ORDERS {
         f.publish_order(n, 5).await;
     }
-    // One batch in flight (the default): these orders share seven balance rows, which two
-    // concurrent batches would lock in different orders (see the README on concurrency).
-    let running = start(f.runtime_with(proxied).batch(40).prefetch(120));
+    // One batch in flight (the fixture's runtime has four workers): these orders share seven
+    // balance rows, which concurrent batches lock in different orders (see the README).
+    let running = start(
+        f.runtime_with(proxied)
+            .batch(40)
+            .prefetch(120)
+            .concurrency(1),
+    );
     wait_until("some progress", DEADLINE, || async {
         running.now().processed >= 100
     })
