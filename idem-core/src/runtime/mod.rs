@@ -2,32 +2,24 @@
 //! mailbox, with N workers that process deliveries and settle them after the commit.
 
 mod batch;
+mod builder;
 mod decide;
 mod stats;
 mod worker;
 
+pub use builder::RuntimeBuilder;
 pub use stats::{Snapshot, Stats};
 
-use crate::registry::{self, Registration, RegistryError};
+use crate::registry::{Registration, RegistryError};
 use crate::retry::RetryPolicy;
-use crate::store::{InboxStore, StoreKind, Stores};
+use crate::store::{StoreKind, Stores};
 use crate::transport::{QueueSpec, Transport, TransportError};
 use batch::BatchSpec;
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinSet;
-
-/// Deliveries processed at once per handler, one transaction each, unless configured.
-const DEFAULT_CONCURRENCY: usize = 8;
-/// Batches executing at once per handler in batch mode, unless configured.
-const DEFAULT_BATCHES_IN_FLIGHT: usize = 1;
-/// Unsettled deliveries per handler, one transaction each, unless configured.
-const DEFAULT_PREFETCH: u16 = 32;
-/// How long a batch waits for more deliveries after its first, unless configured.
-const DEFAULT_LINGER: Duration = Duration::from_millis(5);
 
 /// How long closing the transport may take at shutdown.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -84,276 +76,6 @@ pub enum RuntimeError {
     /// The transport refused the topology or could not connect.
     #[error(transparent)]
     Transport(#[from] TransportError),
-}
-
-/// Builds a [`Runtime`].
-pub struct RuntimeBuilder {
-    transport: Option<Arc<dyn Transport>>,
-    stores: Stores,
-    handlers: Option<Vec<String>>,
-    concurrency: Option<usize>,
-    per_handler: HashMap<String, usize>,
-    queues: HashMap<String, String>,
-    prefetch: Option<u16>,
-    batch: usize,
-    per_handler_batch: HashMap<String, usize>,
-    linger: Duration,
-    retry: RetryPolicy,
-    shutdown_grace: Duration,
-}
-
-impl Default for RuntimeBuilder {
-    fn default() -> Self {
-        Self {
-            transport: None,
-            stores: Stores::new(),
-            handlers: None,
-            concurrency: None,
-            per_handler: HashMap::new(),
-            queues: HashMap::new(),
-            prefetch: None,
-            batch: 0,
-            per_handler_batch: HashMap::new(),
-            linger: DEFAULT_LINGER,
-            retry: RetryPolicy::default(),
-            shutdown_grace: Duration::from_secs(30),
-        }
-    }
-}
-
-impl RuntimeBuilder {
-    /// The transport deliveries come from.
-    pub fn transport(mut self, transport: impl Transport) -> Self {
-        self.transport = Some(Arc::new(transport));
-        self
-    }
-
-    /// Adds an inbox store.
-    pub fn store<S: InboxStore>(mut self, store: S) -> Self {
-        self.stores.insert(store);
-        self
-    }
-
-    /// Runs only the handlers with these consumer identities (default: every registered one).
-    pub fn handlers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, consumers: I) -> Self {
-        self.handlers = Some(consumers.into_iter().map(Into::into).collect());
-        self
-    }
-
-    /// Deliveries processed at once per handler (default 8); in batch mode, batches executing
-    /// at once (default 1).
-    pub fn concurrency(mut self, workers: usize) -> Self {
-        self.concurrency = Some(workers);
-        self
-    }
-
-    /// Deliveries (in batch mode: batches) processed at once for the handler with consumer
-    /// identity `consumer`.
-    pub fn handler_concurrency(mut self, consumer: impl Into<String>, workers: usize) -> Self {
-        self.per_handler.insert(consumer.into(), workers);
-        self
-    }
-
-    /// Consumes `queue` for the handler with consumer identity `consumer`, instead of the
-    /// queue its `#[idempotent(queue = ...)]` names (for example from configuration).
-    pub fn handler_queue(mut self, consumer: impl Into<String>, queue: impl Into<String>) -> Self {
-        self.queues.insert(consumer.into(), queue.into());
-        self
-    }
-
-    /// Unsettled deliveries per handler the broker may send ahead (default 32; in batch mode
-    /// twice the batch size). This bounds what is held in memory: the mailbox holds at most
-    /// this many.
-    pub fn prefetch(mut self, prefetch: u16) -> Self {
-        self.prefetch = Some(prefetch);
-        self
-    }
-
-    /// Batch mode for every handler: up to `size` deliveries per transaction (0, the default:
-    /// one transaction per delivery). Keys are claimed with one statement, each new message
-    /// runs under its own savepoint (a failure rolls back and dead-letters that message only),
-    /// and the deliveries are acked after the one commit. Prefetch defaults to `2 × size`, so
-    /// the next batch gathers while one commits; a batch larger than the prefetch is refused.
-    pub fn batch(mut self, size: usize) -> Self {
-        self.batch = size;
-        self
-    }
-
-    /// Batch mode for the handler with consumer identity `consumer` (see [`Self::batch`]).
-    pub fn handler_batch(mut self, consumer: impl Into<String>, size: usize) -> Self {
-        self.per_handler_batch.insert(consumer.into(), size);
-        self
-    }
-
-    /// How long a batch waits for more deliveries after its first (default 5 ms): the most a
-    /// message waits for company when traffic is light.
-    pub fn linger(mut self, linger: Duration) -> Self {
-        self.linger = linger;
-        self
-    }
-
-    /// How transient failures are retried.
-    pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.retry = policy;
-        self
-    }
-
-    /// How long shutdown waits for in-flight deliveries (default 30 s); what has not finished
-    /// by then is abandoned, uncommitted, and goes back to the broker.
-    pub fn shutdown_grace(mut self, grace: Duration) -> Self {
-        self.shutdown_grace = grace;
-        self
-    }
-
-    /// The handlers to run: the chosen consumers (or every registered one). A consumer written
-    /// for several stores (one function per database) runs on the store the runtime has.
-    fn select_handlers(&self) -> Result<Vec<&'static Registration>, RuntimeError> {
-        let all = registry::handlers();
-        let consumers: Vec<&str> = match &self.handlers {
-            Some(chosen) => chosen.iter().map(String::as_str).collect(),
-            None => {
-                let mut names: Vec<&str> = all.iter().map(|r| r.consumer()).collect();
-                names.dedup();
-                names
-            }
-        };
-        let mut selected = Vec::new();
-        for consumer in consumers {
-            let candidates: Vec<_> = all
-                .iter()
-                .copied()
-                .filter(|r| r.consumer() == consumer)
-                .collect();
-            let Some(first) = candidates.first() else {
-                return Err(RuntimeError::UnknownHandler(consumer.to_owned()));
-            };
-            let runnable: Vec<_> = candidates
-                .iter()
-                .copied()
-                .filter(|r| r.store_available(&self.stores))
-                .collect();
-            if runnable.is_empty() {
-                let store = first.store();
-                let hint = match store {
-                    StoreKind::Postgres => "idem::sql::PgInbox",
-                    StoreKind::Sqlite => "idem::sql::SqliteInbox",
-                    StoreKind::MySql => "idem::sql::MySqlInbox",
-                };
-                return Err(RuntimeError::MissingStore {
-                    consumer: first.consumer(),
-                    store,
-                    hint,
-                });
-            }
-            selected.extend(runnable);
-        }
-        if selected.is_empty() {
-            return Err(RuntimeError::NoHandlers);
-        }
-        Ok(selected)
-    }
-
-    /// Checks the configuration.
-    pub fn build(self) -> Result<Runtime, RuntimeError> {
-        let handlers = self.select_handlers()?;
-        let transport = self.transport.clone().ok_or(RuntimeError::NoTransport)?;
-        if self.prefetch == Some(0) {
-            return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
-        }
-        let mut actors = Vec::with_capacity(handlers.len());
-        for registration in handlers {
-            actors.push(self.actor(registration)?);
-        }
-        Ok(Runtime {
-            transport,
-            stores: Arc::new(self.stores),
-            actors,
-            retry: self.retry,
-            shutdown_grace: self.shutdown_grace,
-            stats: Arc::new(Stats::default()),
-        })
-    }
-
-    /// One handler's queue, workers, prefetch and batching.
-    fn actor(&self, registration: &'static Registration) -> Result<Actor, RuntimeError> {
-        let consumer = registration.consumer();
-        let queue = match self.queues.get(consumer) {
-            Some(queue) => queue.as_str(),
-            None => registration
-                .queue()
-                .ok_or(RuntimeError::NoQueue { consumer })?,
-        };
-        if queue.is_empty() || queue.len() > 200 {
-            return Err(RuntimeError::Setting(format!(
-                "queue name {queue:?} must be 1 to 200 characters"
-            )));
-        }
-        let size = self
-            .per_handler_batch
-            .get(consumer)
-            .copied()
-            .unwrap_or(self.batch);
-        let batch = (size > 0).then_some(BatchSpec {
-            size,
-            linger: self.linger,
-        });
-        let workers = self
-            .per_handler
-            .get(consumer)
-            .copied()
-            .or(self.concurrency)
-            .unwrap_or(match batch {
-                Some(_) => DEFAULT_BATCHES_IN_FLIGHT,
-                None => DEFAULT_CONCURRENCY,
-            });
-        if workers == 0 {
-            return Err(RuntimeError::Setting(format!(
-                "concurrency of `{consumer}` must be at least 1"
-            )));
-        }
-        let prefetch = match (self.prefetch, batch) {
-            (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
-                return Err(RuntimeError::Setting(format!(
-                    "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
-                    batch.size,
-                    batch.size.saturating_mul(2).min(usize::from(u16::MAX)),
-                )));
-            }
-            (Some(prefetch), Some(batch)) => {
-                if batch.size * 2 > usize::from(prefetch) {
-                    tracing::warn!(
-                        consumer,
-                        batch = batch.size,
-                        prefetch,
-                        "batch size is above prefetch / 2: the next batch cannot gather while one commits"
-                    );
-                }
-                prefetch
-            }
-            (Some(prefetch), None) => prefetch,
-            (None, Some(batch)) => u16::try_from(batch.size.saturating_mul(2))
-                .map_err(|_| {
-                    RuntimeError::Setting(format!(
-                        "`{consumer}` batches {} deliveries; at most {} fit twice in a prefetch",
-                        batch.size,
-                        u16::MAX / 2
-                    ))
-                })?
-                .max(DEFAULT_PREFETCH),
-            (None, None) => DEFAULT_PREFETCH,
-        };
-        Ok(Actor {
-            registration,
-            spec: QueueSpec {
-                queue: queue.to_owned(),
-                consumer: consumer.to_owned(),
-                retry_delays: self.retry.delays(),
-            },
-            workers,
-            prefetch,
-            batch,
-        })
-    }
 }
 
 struct Actor {
