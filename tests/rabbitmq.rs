@@ -268,20 +268,7 @@ async fn a_database_outage_is_retried_without_losing_messages() {
     let policy =
         RetryPolicy::new(30, Duration::from_millis(50), 2, Duration::from_millis(500)).unwrap();
     let f = fixture("db-outage", policy, QueueType::Classic, None).await;
-    let target = common::postgres_url()
-        .split('@')
-        .nth(1)
-        .and_then(|h| h.split('/').next())
-        .unwrap()
-        .to_owned();
-    let proxy = common::proxy::Proxy::start(&target).await;
-    let url = common::postgres_url().replace(&target, &format!("127.0.0.1:{}", proxy.port()));
-    let proxied = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(1))
-        .connect(&url)
-        .await
-        .unwrap();
+    let (proxy, proxied) = proxied_postgres().await;
     const ORDERS: usize = 300;
     for n in 0..ORDERS {
         f.publish_order(n, 5).await;

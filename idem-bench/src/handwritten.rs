@@ -2,14 +2,14 @@
 //! business writes in one transaction, ack after the commit. Kept honest and reasonably tuned:
 //! prepared statements, a pool per worker, concurrent workers or batches with one multiple ack.
 
-use crate::workload::{ADD_TO_BALANCE, INSERT_ORDER, Order};
+use crate::workload::{Order, apply};
 use anyhow::Context as _;
 use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
 use std::collections::HashSet;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -45,21 +45,6 @@ fn parse(delivery: &Delivery) -> anyhow::Result<(String, Order)> {
         .context("no message id")?
         .to_string();
     Ok((key, serde_json::from_slice(&delivery.data)?))
-}
-
-async fn apply(tx: &mut Transaction<'_, Postgres>, order: &Order) -> Result<(), sqlx::Error> {
-    sqlx::query(INSERT_ORDER)
-        .bind(&order.order_id)
-        .bind(&order.customer)
-        .bind(order.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-    sqlx::query(ADD_TO_BALANCE)
-        .bind(&order.customer)
-        .bind(order.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
 }
 
 /// One transaction per message, `workers` at once, each delivery acked after its commit.

@@ -1,7 +1,7 @@
 //! The same work with idem: one `#[idempotent]` handler, the runtime per message or in batch
 //! mode.
 
-use crate::workload::{ADD_TO_BALANCE, INSERT_ORDER, Order};
+use crate::workload::{Order, apply};
 use anyhow::bail;
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
@@ -21,17 +21,7 @@ static FIRST: OnceLock<Instant> = OnceLock::new();
 #[idempotent(store = Postgres, consumer = "bench.orders", queue = "bench-orders")]
 async fn place_order(tx: &mut Transaction<'_, Postgres>, order: Order) -> Result<(), HandlerError> {
     FIRST.get_or_init(Instant::now);
-    sqlx::query(INSERT_ORDER)
-        .bind(&order.order_id)
-        .bind(&order.customer)
-        .bind(order.amount_cents)
-        .execute(&mut **tx)
-        .await?;
-    sqlx::query(ADD_TO_BALANCE)
-        .bind(&order.customer)
-        .bind(order.amount_cents)
-        .execute(&mut **tx)
-        .await?;
+    apply(tx, &order).await?;
     Ok(())
 }
 

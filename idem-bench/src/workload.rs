@@ -111,10 +111,29 @@ const SCHEMA: [&str; 3] = [
 
 /// The business writes of one order, the same in every consumer: the order row, then the
 /// customer's balance.
-pub const INSERT_ORDER: &str =
+const INSERT_ORDER: &str =
     "INSERT INTO bench_orders (order_id, customer, amount_cents) VALUES ($1, $2, $3)";
 /// Adds to a balance (not idempotent on its own: run twice, it adds twice).
-pub const ADD_TO_BALANCE: &str = "UPDATE bench_balances SET cents = cents + $2 WHERE customer = $1";
+const ADD_TO_BALANCE: &str = "UPDATE bench_balances SET cents = cents + $2 WHERE customer = $1";
+
+/// The business writes of one order, the same in every consumer.
+pub async fn apply(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    order: &Order,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(INSERT_ORDER)
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(ADD_TO_BALANCE)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
 
 /// Creates the tables and empties them, with every balance at 0.
 pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {

@@ -283,3 +283,24 @@ pub async fn finish(task: JoinHandle<Result<(), RuntimeError>>) {
         Err(_) => panic!("the runtime did not shut down within {DEADLINE:?}"),
     }
 }
+
+/// A pool of four connections to PostgreSQL through a TCP proxy the test can cut and restore;
+/// a connection waits at most a second for the pool.
+pub async fn proxied_postgres() -> (crate::common::proxy::Proxy, sqlx::PgPool) {
+    let url = crate::common::postgres_url();
+    let target = url
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .expect("host:port in DATABASE_URL")
+        .to_owned();
+    let proxy = crate::common::proxy::Proxy::start(&target).await;
+    let proxied_url = url.replace(&target, &format!("127.0.0.1:{}", proxy.port()));
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(1))
+        .connect(&proxied_url)
+        .await
+        .expect("PostgreSQL through the proxy");
+    (proxy, pool)
+}
