@@ -144,17 +144,20 @@ fn available<H: Handler>(stores: &Stores) -> bool {
     stores.get::<H::Store>().is_some()
 }
 
+/// The store handler `H` writes to, from `stores`.
+fn store_of<H: Handler>(stores: &Stores) -> Result<&H::Store, DispatchError> {
+    stores.get::<H::Store>().ok_or(DispatchError::MissingStore {
+        consumer: H::CONSUMER,
+        store: <H::Store as InboxStore>::KIND,
+    })
+}
+
 fn invoke<'a, H: Handler>(
     stores: &'a Stores,
     envelope: &'a Envelope,
 ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
     Box::pin(async move {
-        let store = stores
-            .get::<H::Store>()
-            .ok_or(DispatchError::MissingStore {
-                consumer: H::CONSUMER,
-                store: <H::Store as InboxStore>::KIND,
-            })?;
+        let store = store_of::<H>(stores)?;
         Ok(process::<H>(store, envelope).await)
     })
 }
@@ -165,12 +168,7 @@ fn invoke_batch<'a, H: Handler>(
     stages: Stages,
 ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
     Box::pin(async move {
-        let store = stores
-            .get::<H::Store>()
-            .ok_or(DispatchError::MissingStore {
-                consumer: H::CONSUMER,
-                store: <H::Store as InboxStore>::KIND,
-            })?;
+        let store = store_of::<H>(stores)?;
         Ok(process_batch_staged::<H>(store, envelopes, stages).await)
     })
 }
