@@ -39,8 +39,8 @@
 //! [`Registration::invoke`] processes one delivery with the inbox stores in [`Stores`].
 //!
 //! ## Features
-//! `postgres` and `sqlite` (both on by default) enable the inbox stores [`sql::PgInbox`] and
-//! [`sql::SqliteInbox`].
+//! `postgres`, `mysql` and `sqlite` (all on by default) enable the inbox stores
+//! [`sql::PgInbox`], [`sql::MySqlInbox`] (MySQL and MariaDB) and [`sql::SqliteInbox`].
 
 pub use idem_core::registry;
 pub use idem_core::{
@@ -81,6 +81,9 @@ pub mod __private {
         /// `store = Sqlite`.
         #[cfg(feature = "sqlite")]
         pub type Sqlite = idem_sqlx::SqliteInbox;
+        /// `store = MySql` (MySQL or MariaDB).
+        #[cfg(feature = "mysql")]
+        pub type MySql = idem_sqlx::MySqlInbox;
     }
 }
 

@@ -1,5 +1,5 @@
-//! The inbox against real databases: PostgreSQL (at `DATABASE_URL`) and SQLite (a temporary
-//! file). One suite, instantiated once per database.
+//! The inbox against real databases: PostgreSQL (at `DATABASE_URL`), MariaDB/MySQL (at
+//! `MYSQL_URL`) and SQLite (a temporary file). One suite, instantiated once per database.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -11,6 +11,70 @@ const SCHEMA: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS idem_test_effects (consumer TEXT NOT NULL, key TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS idem_test_balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
 ];
+
+/// The test's own statements, in each dialect's placeholders and quoting.
+struct Sql {
+    insert_effect: &'static str,
+    upsert_balance: &'static str,
+    balance: &'static str,
+    count_effects: &'static str,
+    count_inbox: &'static str,
+    count_custom: &'static str,
+}
+
+const PORTABLE_SQL: Sql = Sql {
+    insert_effect: "INSERT INTO idem_test_effects (consumer, key, amount_cents) VALUES ($1, $2, $3)",
+    upsert_balance: "INSERT INTO idem_test_balances (customer, cents) VALUES ($1, $2)
+        ON CONFLICT (customer) DO UPDATE SET cents = idem_test_balances.cents + excluded.cents",
+    balance: "SELECT cents FROM idem_test_balances WHERE customer = $1",
+    count_effects: "SELECT count(*) FROM idem_test_effects WHERE consumer = $1 AND key = $2",
+    count_inbox: "SELECT count(*) FROM idem_inbox WHERE consumer = $1 AND key = $2",
+    count_custom: "SELECT count(*) FROM idem_inbox_custom WHERE key = $1",
+};
+
+const MYSQL_SQL: Sql = Sql {
+    insert_effect: "INSERT INTO idem_test_effects (consumer, `key`, amount_cents) VALUES (?, ?, ?)",
+    upsert_balance: "INSERT INTO idem_test_balances (customer, cents) VALUES (?, ?)
+        ON DUPLICATE KEY UPDATE cents = cents + VALUES(cents)",
+    balance: "SELECT cents FROM idem_test_balances WHERE customer = ?",
+    count_effects: "SELECT count(*) FROM idem_test_effects WHERE consumer = ? AND `key` = ?",
+    count_inbox: "SELECT count(*) FROM idem_inbox WHERE consumer = ? AND `key` = ?",
+    count_custom: "SELECT count(*) FROM idem_inbox_custom WHERE `key` = ?",
+};
+
+async fn mysql_setup(
+    connections: u32,
+    _: Option<&Path>,
+) -> (sqlx::MySqlPool, Option<tempfile::TempDir>) {
+    let pool = common::mysql(connections).await;
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS idem_test_effects (consumer VARCHAR(191) NOT NULL,
+            `key` VARCHAR(191) NOT NULL, amount_cents BIGINT NOT NULL) ENGINE = InnoDB",
+        "CREATE TABLE IF NOT EXISTS idem_test_balances (customer VARCHAR(191) PRIMARY KEY,
+            cents BIGINT NOT NULL) ENGINE = InnoDB",
+    ] {
+        sqlx::query(statement)
+            .execute(&pool)
+            .await
+            .expect("test schema");
+    }
+    (pool, None)
+}
+
+/// How many sessions are inside a claim. (InnoDB's lock-wait tables list only the waiters that
+/// have reached the lock manager, which under 32 copies is not all of the blocked ones; the
+/// process list shows every statement in flight.) The other tests of the suite run claims too,
+/// so this may count a few of theirs: the copies then overlap a little less, and still must
+/// yield one effect.
+async fn mysql_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::MySql>) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.PROCESSLIST
+         WHERE info LIKE 'INSERT IGNORE INTO `idem_inbox`%' AND id <> CONNECTION_ID()",
+    )
+    .fetch_one(&mut **tx)
+    .await
+    .expect("INNODB_LOCK_WAITS")
+}
 
 async fn pg_setup(connections: u32, _: Option<&Path>) -> (sqlx::PgPool, Option<tempfile::TempDir>) {
     let pool = common::postgres(connections).await;
@@ -66,7 +130,7 @@ async fn sqlite_lock_waiters(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> i64
 }
 
 macro_rules! inbox_suite {
-    ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident) => {
+    ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident, $sql:ident) => {
         mod $module {
             use super::common::{unique, wait_until};
             use idem::{Context, Envelope, HandlerError, Outcome, RejectReason, Stores, idempotent};
@@ -115,21 +179,21 @@ macro_rules! inbox_suite {
             }
 
             async fn apply(tx: &mut Tx<'_>, consumer: &str, key: &str, customer: &str, cents: i64) -> Result<i64, sqlx::Error> {
-                sqlx::query("INSERT INTO idem_test_effects (consumer, key, amount_cents) VALUES ($1, $2, $3)")
+                sqlx::query(super::$sql.insert_effect)
                     .bind(consumer)
                     .bind(key)
                     .bind(cents)
                     .execute(&mut **tx)
                     .await?;
-                sqlx::query_scalar(
-                    "INSERT INTO idem_test_balances (customer, cents) VALUES ($1, $2)
-                     ON CONFLICT (customer) DO UPDATE SET cents = idem_test_balances.cents + excluded.cents
-                     RETURNING cents",
-                )
-                .bind(customer)
-                .bind(cents)
-                .fetch_one(&mut **tx)
-                .await
+                sqlx::query(super::$sql.upsert_balance)
+                    .bind(customer)
+                    .bind(cents)
+                    .execute(&mut **tx)
+                    .await?;
+                sqlx::query_scalar(super::$sql.balance)
+                    .bind(customer)
+                    .fetch_one(&mut **tx)
+                    .await
             }
 
             async fn await_lock_waiters(tx: &mut Tx<'_>, n: i64) {
@@ -219,7 +283,7 @@ macro_rules! inbox_suite {
             }
 
             async fn effects(pool: &Pool, handler: &str, key: &str) -> i64 {
-                sqlx::query_scalar("SELECT count(*) FROM idem_test_effects WHERE consumer = $1 AND key = $2")
+                sqlx::query_scalar(super::$sql.count_effects)
                     .bind(consumer(handler))
                     .bind(key)
                     .fetch_one(pool)
@@ -228,7 +292,7 @@ macro_rules! inbox_suite {
             }
 
             async fn balance(pool: &Pool, customer: &str) -> Option<i64> {
-                sqlx::query_scalar("SELECT cents FROM idem_test_balances WHERE customer = $1")
+                sqlx::query_scalar(super::$sql.balance)
                     .bind(customer)
                     .fetch_optional(pool)
                     .await
@@ -236,7 +300,7 @@ macro_rules! inbox_suite {
             }
 
             async fn inbox_rows(pool: &Pool, handler: &str, key: &str) -> i64 {
-                sqlx::query_scalar("SELECT count(*) FROM idem_inbox WHERE consumer = $1 AND key = $2")
+                sqlx::query_scalar(super::$sql.count_inbox)
                     .bind(consumer(handler))
                     .bind(key)
                     .fetch_one(pool)
@@ -545,7 +609,7 @@ macro_rules! inbox_suite {
                 let registration = idem::registry::find(&consumer("record")).unwrap();
                 let outcome = registration.invoke(&stores, &order(&id, &customer, 1)).await.unwrap();
                 assert_eq!(outcome.label(), "processed");
-                let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_inbox_custom WHERE key = $1")
+                let rows: i64 = sqlx::query_scalar(super::$sql.count_custom)
                     .bind(&id)
                     .fetch_one(&f.pool)
                     .await
@@ -568,7 +632,17 @@ inbox_suite!(
     sqlx::Postgres,
     idem::sql::PgInbox,
     pg_setup,
-    pg_lock_waiters
+    pg_lock_waiters,
+    PORTABLE_SQL
+);
+inbox_suite!(
+    mysql,
+    MySql,
+    sqlx::MySql,
+    idem::sql::MySqlInbox,
+    mysql_setup,
+    mysql_lock_waiters,
+    MYSQL_SQL
 );
 inbox_suite!(
     sqlite,
@@ -576,15 +650,126 @@ inbox_suite!(
     sqlx::Sqlite,
     idem::sql::SqliteInbox,
     sqlite_setup,
-    sqlite_lock_waiters
+    sqlite_lock_waiters,
+    PORTABLE_SQL
 );
 
 #[test]
 fn registered_consumers_are_unique() {
     let handlers = idem::registry::handlers();
-    assert_eq!(handlers.len(), 10);
+    assert_eq!(handlers.len(), 15);
     idem::registry::validate(&handlers).unwrap();
     let record = idem::registry::find("inbox::postgres::record").unwrap();
     assert_eq!(record.key(), idem::KeySource::Field("order.order_id"));
     assert_eq!(record.store(), idem::StoreKind::Postgres);
+}
+
+/// MariaDB's own transient failures, produced for real and fed through the classification.
+mod mysql_errors {
+    use super::common::unique;
+    use idem::{ErrorClass, Stores, classify_sqlx};
+    use sqlx::Executor;
+
+    /// Holds `customer`'s balance row locked in a transaction of its own.
+    async fn lock_balance(
+        pool: &sqlx::MySqlPool,
+        customer: &str,
+    ) -> sqlx::Transaction<'static, sqlx::MySql> {
+        sqlx::query("INSERT INTO idem_test_balances (customer, cents) VALUES (?, 0)")
+            .bind(customer)
+            .execute(pool)
+            .await
+            .unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("SELECT cents FROM idem_test_balances WHERE customer = ? FOR UPDATE")
+            .bind(customer)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx
+    }
+
+    #[tokio::test]
+    async fn a_lock_wait_timeout_in_the_handler_is_retried_then_processed() {
+        let (pool, _) = super::mysql_setup(2, None).await;
+        // The handler's connections give up on a lock after one second.
+        let impatient = sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(1)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute("SET SESSION innodb_lock_wait_timeout = 1")
+                        .await
+                        .map(drop)
+                })
+            })
+            .connect(&super::common::mysql_url())
+            .await
+            .unwrap();
+        let stores = Stores::new().with(idem::sql::MySqlInbox::new(impatient));
+        let (id, customer) = (unique("o"), unique("c"));
+        let holder = lock_balance(&pool, &customer).await;
+        let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": 7});
+        let envelope = idem::Envelope::new(body.to_string());
+        let record = idem::registry::find("inbox::mysql::record").unwrap();
+
+        let blocked = record.invoke(&stores, &envelope).await.unwrap();
+        assert_eq!(blocked.label(), "retry", "{blocked:?}");
+        let idem::Outcome::Retry(transient) = &blocked else {
+            unreachable!()
+        };
+        assert!(
+            transient.message.contains("Lock wait timeout"),
+            "{transient:?}"
+        );
+        holder.rollback().await.unwrap();
+
+        let again = record.invoke(&stores, &envelope).await.unwrap();
+        assert_eq!(again.label(), "processed", "{again:?}");
+        let cents: i64 =
+            sqlx::query_scalar("SELECT cents FROM idem_test_balances WHERE customer = ?")
+                .bind(&customer)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(cents, 7);
+    }
+
+    #[tokio::test]
+    async fn a_deadlock_is_transient() {
+        let (pool, _) = super::mysql_setup(3, None).await;
+        let (a, b) = (unique("c"), unique("c"));
+        let mut first = lock_balance(&pool, &a).await;
+        let mut second = lock_balance(&pool, &b).await;
+        let lock = "UPDATE idem_test_balances SET cents = cents + 1 WHERE customer = ?";
+        let first_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
+            .fetch_one(&mut *first)
+            .await
+            .unwrap();
+        // Each waits for the row the other holds; InnoDB breaks the cycle by failing one.
+        let (one, two) = tokio::join!(sqlx::query(lock).bind(&b).execute(&mut *first), async {
+            super::common::wait_until(
+                "the first transaction to wait",
+                std::time::Duration::from_secs(20),
+                || async {
+                    sqlx::query_scalar::<_, i64>(
+                        "SELECT count(*) FROM information_schema.INNODB_TRX
+                         WHERE trx_state = 'LOCK WAIT' AND trx_mysql_thread_id = ?",
+                    )
+                    .bind(first_id)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap()
+                        == 1
+                },
+            )
+            .await;
+            sqlx::query(lock).bind(&a).execute(&mut *second).await
+        });
+        let error = match (one, two) {
+            (Err(e), Ok(_)) | (Ok(_), Err(e)) => e,
+            other => panic!("expected exactly one deadlock victim, got {other:?}"),
+        };
+        assert!(error.to_string().contains("Deadlock"), "{error}");
+        assert_eq!(classify_sqlx(&error), ErrorClass::Transient);
+    }
 }

@@ -2,7 +2,7 @@
 
 use idem::{HandlerError, idempotent};
 use serde::{Deserialize, Serialize};
-use sqlx::{Postgres, Sqlite, Transaction};
+use sqlx::{MySql, Postgres, Sqlite, Transaction};
 
 /// The message: AMQP `message_id` = `order_id`, the dedup key.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -16,6 +16,12 @@ pub struct OrderPlaced {
 pub const SCHEMA: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS orders (order_id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+];
+
+/// The same tables on MySQL/MariaDB (keys need a length there).
+pub const MYSQL_SCHEMA: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS orders (order_id VARCHAR(191) PRIMARY KEY, customer VARCHAR(191) NOT NULL, amount_cents BIGINT NOT NULL) ENGINE = InnoDB",
+    "CREATE TABLE IF NOT EXISTS balances (customer VARCHAR(191) PRIMARY KEY, cents BIGINT NOT NULL) ENGINE = InnoDB",
 ];
 
 const INSERT_ORDER: &str =
@@ -55,6 +61,30 @@ pub async fn place_order_postgres(
         .execute(&mut **tx)
         .await?;
     sqlx::query(ADD_TO_BALANCE)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+const MYSQL_INSERT_ORDER: &str =
+    "INSERT INTO orders (order_id, customer, amount_cents) VALUES (?, ?, ?)";
+const MYSQL_ADD_TO_BALANCE: &str = "INSERT INTO balances (customer, cents) VALUES (?, ?)
+    ON DUPLICATE KEY UPDATE cents = cents + VALUES(cents)";
+
+#[idempotent(queue = "orders", consumer = "orders", store = MySql)]
+pub async fn place_order_mysql(
+    tx: &mut Transaction<'_, MySql>,
+    order: OrderPlaced,
+) -> Result<(), HandlerError> {
+    sqlx::query(MYSQL_INSERT_ORDER)
+        .bind(&order.order_id)
+        .bind(&order.customer)
+        .bind(order.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query(MYSQL_ADD_TO_BALANCE)
         .bind(&order.customer)
         .bind(order.amount_cents)
         .execute(&mut **tx)

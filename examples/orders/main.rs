@@ -4,7 +4,7 @@
 //! - `cargo run --example orders` (or `-- demo`): publishes a few thousand orders with ~20%
 //!   duplicates (some concurrent), malformed messages and a reused id, consumes them, and checks
 //!   that every balance adds up. Uses RabbitMQ when it is reachable, the in-memory transport
-//!   otherwise; the embedded SQLite file unless `DATABASE_URL` names PostgreSQL.
+//!   otherwise; the embedded SQLite file unless `DATABASE_URL` names PostgreSQL or MySQL/MariaDB.
 //! - `cargo run --example orders -- consume`: the long-running consumer.
 //!
 //! `--help` lists the configuration; every setting can come from the environment
@@ -16,7 +16,7 @@ mod handlers;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use idem::rabbitmq::{Publisher, RabbitConfig, RabbitTransport};
-use idem::sql::{PgInbox, SqliteInbox};
+use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
 use idem::{MemoryTransport, Runtime, RuntimeBuilder};
 
 /// The orders example of idem.
@@ -49,7 +49,7 @@ struct Settings {
     )]
     amqp_url: String,
     /// Where the inbox and the orders live: a `sqlite:` URL or file path (embedded, the
-    /// default) or a `postgres://` URL.
+    /// default), a `postgres://` or a `mysql://` (MySQL or MariaDB) URL.
     #[arg(
         long,
         env = "DATABASE_URL",
@@ -129,6 +129,7 @@ fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
     match db {
         Db::Sqlite(pool) => builder.store(SqliteInbox::new(pool.clone())),
         Db::Postgres(pool) => builder.store(PgInbox::new(pool.clone())),
+        Db::MySql(pool) => builder.store(MySqlInbox::new(pool.clone())),
     }
 }
 
@@ -193,6 +194,8 @@ pub enum Db {
     Sqlite(sqlx::SqlitePool),
     /// A PostgreSQL server.
     Postgres(sqlx::PgPool),
+    /// A MySQL or MariaDB server.
+    MySql(sqlx::MySqlPool),
 }
 
 impl Db {
@@ -214,6 +217,21 @@ impl Db {
             tx.commit().await?;
             PgInbox::new(pool.clone()).migrate().await?;
             Ok(Self::Postgres(pool))
+        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            let url = url.replacen("mariadb://", "mysql://", 1);
+            let pool = sqlx::mysql::MySqlPoolOptions::new()
+                .max_connections(u32::try_from(concurrency + 2).unwrap_or(u32::MAX))
+                .connect(&url)
+                .await
+                .with_context(|| {
+                    format!("cannot connect to MySQL/MariaDB at DATABASE_URL ({url})")
+                })?;
+            // MySQL runs DDL outside transactions; IF NOT EXISTS makes concurrent starts safe.
+            for statement in handlers::MYSQL_SCHEMA {
+                sqlx::query(statement).execute(&pool).await?;
+            }
+            MySqlInbox::new(pool.clone()).migrate().await?;
+            Ok(Self::MySql(pool))
         } else if url.starts_with("sqlite:") || !url.contains("://") {
             let pool = idem::sql::sqlite::pool(url)
                 .await
@@ -225,7 +243,7 @@ impl Db {
             Ok(Self::Sqlite(pool))
         } else {
             anyhow::bail!(
-                "DATABASE_URL must be a sqlite: URL, a file path or a postgres:// URL, got {url}"
+                "DATABASE_URL must be a sqlite: URL, a file path, a postgres:// or a mysql:// URL, got {url}"
             )
         }
     }
@@ -238,6 +256,8 @@ impl Db {
     ) -> anyhow::Result<(Vec<(String, i64)>, i64)> {
         const BALANCES: &str = "SELECT customer, cents FROM balances WHERE customer LIKE $1";
         const ORDERS: &str = "SELECT count(*) FROM orders WHERE order_id LIKE $1";
+        const MYSQL_BALANCES: &str = "SELECT customer, cents FROM balances WHERE customer LIKE ?";
+        const MYSQL_ORDERS: &str = "SELECT count(*) FROM orders WHERE order_id LIKE ?";
         let (customers, orders) = (format!("{customer_prefix}%"), format!("{order_prefix}%"));
         Ok(match self {
             Self::Sqlite(pool) => (
@@ -256,6 +276,16 @@ impl Db {
                     .fetch_all(pool)
                     .await?,
                 sqlx::query_scalar(ORDERS)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+            ),
+            Self::MySql(pool) => (
+                sqlx::query_as(MYSQL_BALANCES)
+                    .bind(&customers)
+                    .fetch_all(pool)
+                    .await?,
+                sqlx::query_scalar(MYSQL_ORDERS)
                     .bind(&orders)
                     .fetch_one(pool)
                     .await?,

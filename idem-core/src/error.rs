@@ -122,10 +122,17 @@ impl StoreError {
 pub fn classify_sqlx(error: &sqlx::Error) -> ErrorClass {
     use sqlx::Error as E;
     match error {
-        E::Database(db) => match db.code() {
-            Some(code) => classify_database_code(&code),
-            None => ErrorClass::Permanent,
-        },
+        E::Database(db) => {
+            #[cfg(feature = "mysql")]
+            if let Some(mysql) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return classify_mysql_number(mysql.number())
+                    .unwrap_or_else(|| classify_database_code(mysql.code().unwrap_or("HY000")));
+            }
+            match db.code() {
+                Some(code) => classify_database_code(&code),
+                None => ErrorClass::Permanent,
+            }
+        }
         E::Io(_)
         | E::Tls(_)
         | E::Protocol(_)
@@ -166,9 +173,26 @@ pub fn classify_database_code(code: &str) -> ErrorClass {
     }
 }
 
+/// Classifies the MySQL/MariaDB error numbers whose SQLSTATE is the catch-all `HY000` but that
+/// a retry can overcome: lock wait timeout (1205), deadlock (1213), query interrupted (1317),
+/// connection killed (1927). `None`: the SQLSTATE decides.
+pub fn classify_mysql_number(number: u16) -> Option<ErrorClass> {
+    matches!(number, 1205 | 1213 | 1317 | 1927).then_some(ErrorClass::Transient)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mysql_numbers() {
+        for number in [1205, 1213, 1317, 1927] {
+            assert_eq!(classify_mysql_number(number), Some(ErrorClass::Transient));
+        }
+        // Duplicate entry, data too long: the SQLSTATE (23000, 22001) decides, permanent.
+        assert_eq!(classify_mysql_number(1062), None);
+        assert_eq!(classify_database_code("22001"), ErrorClass::Permanent);
+    }
 
     #[test]
     fn sqlstate_and_sqlite_codes() {

@@ -28,7 +28,9 @@ pub mod transport;
 pub use batch::process_batch;
 pub use context::Context;
 pub use envelope::{Envelope, HeaderValue, Headers};
-pub use error::{BoxError, ErrorClass, HandlerError, StoreError, classify_sqlx};
+pub use error::{
+    BoxError, ErrorClass, HandlerError, StoreError, classify_mysql_number, classify_sqlx,
+};
 pub use fingerprint::Fingerprint;
 pub use handler::{Handler, HandlerResult};
 pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};

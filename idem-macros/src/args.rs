@@ -9,15 +9,17 @@ use syn::{Ident, LitStr};
 pub(crate) enum Store {
     Postgres,
     Sqlite,
+    MySql,
 }
 
 impl Store {
-    pub(crate) const NAMES: &'static str = "`Postgres` or `Sqlite`";
+    pub(crate) const NAMES: &'static str = "`Postgres`, `MySql` or `Sqlite`";
 
     fn parse(ident: &Ident) -> syn::Result<Self> {
         match ident.to_string().as_str() {
             "Postgres" => Ok(Self::Postgres),
             "Sqlite" => Ok(Self::Sqlite),
+            "MySql" => Ok(Self::MySql),
             other => Err(syn::Error::new(
                 ident.span(),
                 format!("unknown store `{other}`; expected {}", Self::NAMES),
@@ -29,6 +31,7 @@ impl Store {
         match self {
             Self::Postgres => "Postgres",
             Self::Sqlite => "Sqlite",
+            Self::MySql => "MySql",
         }
     }
 }

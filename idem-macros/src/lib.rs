@@ -16,7 +16,7 @@ mod signature;
 ///     -> Result<(), idem::HandlerError> { … }
 /// ```
 ///
-/// Arguments: `store` (required: `Postgres` or `Sqlite`), `key` (`"message_id"` by default,
+/// Arguments: `store` (required: `Postgres`, `MySql` or `Sqlite`), `key` (`"message_id"` by default,
 /// `"header:<name>"`, `"cloudevents"` or `"<payload>.<field>"`), `queue`, `consumer` (defaults to
 /// the function's module path and name).
 #[proc_macro_attribute]

@@ -23,12 +23,16 @@ pub trait Dialect: Database {
     const BATCH: [&'static str; 3];
     /// The schema versions of the inbox table.
     const MIGRATIONS: Migrations;
+    /// Reads nothing, but fails unless the inbox table has the columns idem uses.
+    const PROBE: &'static str = PROBE;
     /// Runs before the migration transaction.
     const PREPARE: Option<&'static str>;
     /// Starts the migration transaction (`None`: a plain `BEGIN`).
     const BEGIN: Option<&'static str>;
     /// Runs first inside the migration transaction.
     const LOCK: Option<&'static str>;
+    /// Releases a session-level [`Dialect::LOCK`], last on the migration's connection.
+    const UNLOCK: Option<&'static str> = None;
     /// Creates the schema version table.
     const VERSION_TABLE: &'static str;
     /// Reads a table's version (`$1`/`?1`: the table).
@@ -38,8 +42,8 @@ pub trait Dialect: Database {
 }
 
 /// Reads nothing, but fails unless the inbox table exists with the columns idem uses.
-const PROBE: &str = r#"SELECT consumer, key, fingerprint, status, outcome, attempts, created_at, completed_at, expires_at
-    FROM "{table}" WHERE 1 = 0"#;
+const PROBE: &str = r#"SELECT consumer, key, fingerprint, status, outcome, attempts, created_at, completed_at,
+    expires_at, owner, locked_until FROM "{table}" WHERE 1 = 0"#;
 
 /// An inbox in a database of dialect `DB`; see [`crate::PgInbox`] and [`crate::SqliteInbox`].
 pub struct SqlInbox<DB: Dialect> {
@@ -73,7 +77,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             existing: statement(DB::EXISTING, &config.table),
             complete: statement(DB::COMPLETE, &config.table),
             unclaim: statement(DB::UNCLAIM, &config.table),
-            probe: statement(PROBE, &config.table),
+            probe: statement(DB::PROBE, &config.table),
             batch: DB::BATCH.map(|template| statement(template, &config.table)),
         });
         Self { pool, config, sql }
@@ -114,7 +118,6 @@ where
     /// Creates or upgrades the inbox table, in one transaction that concurrent migrations
     /// (from other processes too) wait for. Run it on every start.
     pub async fn migrate(&self) -> Result<(), MigrateError> {
-        use sqlx::Row;
         let table = &self.config.table;
         let err = MigrateError::database;
         if let Some(prepare) = DB::PREPARE {
@@ -128,38 +131,56 @@ where
             None => self.pool.begin().await,
         }
         .map_err(err(table))?;
+        let migrated = Self::migrate_in(&mut tx, table).await;
+        if let Some(unlock) = DB::UNLOCK {
+            // Also after a failure: the lock would otherwise go back to the pool with the
+            // connection.
+            sqlx::query(unlock)
+                .execute(&mut *tx)
+                .await
+                .map_err(err(table))?;
+        }
+        migrated?;
+        tx.commit().await.map_err(err(table))
+    }
+
+    async fn migrate_in(
+        tx: &mut Transaction<'_, DB>,
+        table: &TableName,
+    ) -> Result<(), MigrateError> {
+        use sqlx::Row;
+        let err = MigrateError::database;
         for statement in DB::LOCK.into_iter().chain([DB::VERSION_TABLE]) {
             sqlx::query(statement)
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await
                 .map_err(err(table))?;
         }
         let current = match sqlx::query(DB::READ_VERSION)
             .bind(table.as_str().to_owned())
-            .fetch_optional(&mut *tx)
+            .fetch_optional(&mut **tx)
             .await
             .map_err(err(table))?
         {
             Some(row) => row.try_get::<i32, usize>(0).map_err(err(table))?,
             None => 0,
         };
-        let statements = pending(DB::MIGRATIONS, table, current)?;
-        if statements.is_empty() {
+        if current == SCHEMA_VERSION {
             return Ok(());
         }
-        for statement in statements {
+        for statement in pending(DB::MIGRATIONS, table, current)? {
             sqlx::query(statement)
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await
                 .map_err(err(table))?;
         }
         sqlx::query(DB::WRITE_VERSION)
             .bind(table.as_str().to_owned())
             .bind(SCHEMA_VERSION)
-            .execute(&mut *tx)
+            .execute(&mut **tx)
             .await
             .map_err(err(table))?;
-        tx.commit().await.map_err(err(table))
+        Ok(())
     }
 }
 

@@ -6,11 +6,14 @@
 //! key decides between concurrent copies of a message.
 //!
 //! - [`PgInbox`]: PostgreSQL (feature `postgres`).
+//! - [`MySqlInbox`]: MySQL and MariaDB, InnoDB (feature `mysql`).
 //! - [`SqliteInbox`]: SQLite, the embedded default (feature `sqlite`); see [`sqlite::pool`] for
 //!   a pool set up as idem needs (WAL, busy timeout).
 
 pub mod config;
 pub mod inbox;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "sqlite")]
@@ -18,6 +21,8 @@ pub mod sqlite;
 
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};
 pub use inbox::{Dialect, SqlInbox};
+#[cfg(feature = "mysql")]
+pub use mysql::MySqlInbox;
 #[cfg(feature = "postgres")]
 pub use postgres::PgInbox;
 #[cfg(feature = "sqlite")]
@@ -39,6 +44,14 @@ impl InboxPool for sqlx::PgPool {
     }
 }
 
+#[cfg(feature = "mysql")]
+impl InboxPool for sqlx::MySqlPool {
+    fn migrate_inbox(&self) -> impl std::future::Future<Output = Result<(), MigrateError>> + Send {
+        let inbox = MySqlInbox::new(self.clone());
+        async move { inbox.migrate().await }
+    }
+}
+
 #[cfg(feature = "sqlite")]
 impl InboxPool for sqlx::SqlitePool {
     fn migrate_inbox(&self) -> impl std::future::Future<Output = Result<(), MigrateError>> + Send {
@@ -54,7 +67,7 @@ pub async fn migrate<P: InboxPool>(pool: &P) -> Result<(), MigrateError> {
 }
 
 /// The current inbox schema version.
-pub const SCHEMA_VERSION: i32 = 1;
+pub const SCHEMA_VERSION: i32 = 2;
 
 /// The table recording which schema version each inbox table has.
 pub const SCHEMA_TABLE: &str = "idem_schema_version";

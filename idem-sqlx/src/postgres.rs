@@ -6,10 +6,11 @@ use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOu
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 use std::collections::{HashMap, HashSet};
 
-const MIGRATIONS: Migrations = &[(
-    1,
-    &[
-        r#"CREATE TABLE IF NOT EXISTS "{table}" (
+const MIGRATIONS: Migrations = &[
+    (
+        1,
+        &[
+            r#"CREATE TABLE IF NOT EXISTS "{table}" (
             consumer     text        NOT NULL,
             key          text        NOT NULL,
             fingerprint  bytea       NOT NULL,
@@ -21,9 +22,17 @@ const MIGRATIONS: Migrations = &[(
             expires_at   timestamptz NOT NULL,
             PRIMARY KEY (consumer, key)
         )"#,
-        r#"CREATE INDEX IF NOT EXISTS "{table}_expires_at" ON "{table}" (expires_at)"#,
-    ],
-)];
+            r#"CREATE INDEX IF NOT EXISTS "{table}_expires_at" ON "{table}" (expires_at)"#,
+        ],
+    ),
+    (
+        2,
+        &[
+            r#"ALTER TABLE "{table}" ADD COLUMN IF NOT EXISTS owner text,
+        ADD COLUMN IF NOT EXISTS locked_until timestamptz"#,
+        ],
+    ),
+];
 
 /// Claims in one round trip: the insert, and for an existing row its fingerprint and result.
 ///

@@ -17,10 +17,11 @@ use std::time::Duration;
 /// reported as a transient failure.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
 
-const MIGRATIONS: Migrations = &[(
-    1,
-    &[
-        r#"CREATE TABLE IF NOT EXISTS "{table}" (
+const MIGRATIONS: Migrations = &[
+    (
+        1,
+        &[
+            r#"CREATE TABLE IF NOT EXISTS "{table}" (
             consumer     TEXT    NOT NULL,
             key          TEXT    NOT NULL,
             fingerprint  BLOB    NOT NULL,
@@ -32,9 +33,17 @@ const MIGRATIONS: Migrations = &[(
             expires_at   INTEGER NOT NULL,
             PRIMARY KEY (consumer, key)
         ) WITHOUT ROWID"#,
-        r#"CREATE INDEX IF NOT EXISTS "{table}_expires_at" ON "{table}" (expires_at)"#,
-    ],
-)];
+            r#"CREATE INDEX IF NOT EXISTS "{table}_expires_at" ON "{table}" (expires_at)"#,
+        ],
+    ),
+    (
+        2,
+        &[
+            r#"ALTER TABLE "{table}" ADD COLUMN owner TEXT"#,
+            r#"ALTER TABLE "{table}" ADD COLUMN locked_until INTEGER"#,
+        ],
+    ),
+];
 
 const CLAIM: &str = r#"
 INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)

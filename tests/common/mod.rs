@@ -31,6 +31,38 @@ pub async fn postgres(connections: u32) -> sqlx::PgPool {
         })
 }
 
+/// The MariaDB/MySQL the tests use: `MYSQL_URL`, a `mysql://` `DATABASE_URL`, or the
+/// development machine's server.
+pub fn mysql_url() -> String {
+    std::env::var("MYSQL_URL")
+        .ok()
+        .or_else(|| {
+            std::env::var("DATABASE_URL")
+                .ok()
+                .filter(|u| u.starts_with("mysql"))
+        })
+        .unwrap_or_else(|| "mysql://root@127.0.0.1:3306/test".to_owned())
+}
+
+/// Connects to MariaDB/MySQL with `connections` connections, all opened up front, or fails
+/// saying how to start the server.
+pub async fn mysql(connections: u32) -> sqlx::MySqlPool {
+    let url = mysql_url();
+    sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(connections)
+        .min_connections(connections)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "MariaDB is not reachable at {url}: {e}\n\
+                 start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`, \
+                 or point MYSQL_URL at one"
+            )
+        })
+}
+
 /// A SQLite database in a fresh temporary directory, opened as idem sets it up.
 pub async fn sqlite(connections: u32) -> (sqlx::SqlitePool, tempfile::TempDir) {
     let dir = tempfile::tempdir().expect("temporary directory");
