@@ -44,12 +44,13 @@
 
 pub use idem_core::registry;
 pub use idem_core::{
-    BoxError, Claim, ClaimRequest, Context, DeadLetter, Delivery, DispatchError, Envelope,
-    ErrorClass, Fingerprint, Handler, HandlerError, HandlerResult, HeaderValue, Headers,
-    InboxStore, KeyError, KeySource, KeyValue, MAX_KEY_LEN, MemoryTransport, Outcome, QueueSpec,
-    Registration, RegistryError, RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime,
-    RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal, StoreError, StoreKind,
-    StoredOutput, Stores, Transient, Transport, TransportError, classify_sqlx, process,
+    BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DeadLetter, Delivery, DispatchError,
+    Envelope, ErrorClass, Fingerprint, Handler, HandlerError, HandlerResult, HeaderValue, Headers,
+    InboxStore, KeyError, KeySource, KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, MemoryTransport, Mode,
+    Outcome, QueueSpec, Registration, RegistryError, RejectReason, Rejection, RetryPolicy,
+    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal,
+    StoreError, StoreKind, StoredOutput, Stores, Transient, Transport, TransportError,
+    classify_sqlx, process,
 };
 pub use idem_macros::idempotent;
 
@@ -68,8 +69,8 @@ pub mod sql {
 #[doc(hidden)]
 pub mod __private {
     pub use idem_core::{
-        Context, Envelope, Handler, HandlerError, HandlerResult, InboxStore, KeyError, KeySource,
-        Registration, field_key,
+        Context, DEFAULT_LEASE, Envelope, Handler, HandlerError, HandlerResult, InboxStore,
+        KeyError, KeySource, Mode, Registration, field_key,
     };
     pub use inventory;
 

@@ -16,8 +16,9 @@ use crate::fingerprint::Fingerprint;
 use crate::handler::Handler;
 use crate::outcome::{Outcome, StoredOutput, Transient};
 use crate::pipeline::{encode_result, existing, failure, prepare};
-use crate::store::{Claim, ClaimRequest, InboxStore};
+use crate::store::{Claim, ClaimRequest, InboxStore, retention_of};
 use std::collections::HashMap;
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// One distinct key of a batch (its payload is kept apart: payloads need not be `Sync`).
@@ -56,7 +57,17 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
 pub async fn process_batch_staged<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
+    stages: Stages,
+) -> Vec<Outcome> {
+    process_batch_in::<H>(store, envelopes, stages, retention_of::<H>(store, None)).await
+}
+
+/// [`process_batch_staged`], keeping the rows for `retention`.
+pub(crate) async fn process_batch_in<H: Handler>(
+    store: &H::Store,
+    envelopes: &[Envelope],
     mut stages: Stages,
+    retention: Duration,
 ) -> Vec<Outcome> {
     let mut outcomes: Vec<Option<Outcome>> = vec![None; envelopes.len()];
     let mut items: Vec<Item> = Vec::with_capacity(envelopes.len());
@@ -82,9 +93,13 @@ pub async fn process_batch_staged<H: Handler>(
         }
     }
     if !items.is_empty() {
-        let pass = run::<H>(
+        let input = Input::<H> {
             store,
             envelopes,
+            retention,
+        };
+        let pass = run::<H>(
+            &input,
             &mut items,
             payloads,
             &mut outcomes,
@@ -103,8 +118,7 @@ pub async fn process_batch_staged<H: Handler>(
                 outcomes[item.index] = None;
             }
             run::<H>(
-                store,
-                envelopes,
+                &input,
                 &mut items,
                 payloads,
                 &mut outcomes,
@@ -173,15 +187,26 @@ enum Pass {
 /// Without `isolate`, handlers run without savepoints (no extra round trip per message), and
 /// the first handler failure rolls everything back and asks for an isolated pass; with it,
 /// each new message runs under its own savepoint, and a failure undoes that message only.
+/// What every pass of a batch works on.
+struct Input<'a, H: Handler> {
+    store: &'a H::Store,
+    envelopes: &'a [Envelope],
+    retention: Duration,
+}
+
 async fn run<H: Handler>(
-    store: &H::Store,
-    envelopes: &[Envelope],
+    input: &Input<'_, H>,
     items: &mut [Item],
     mut payloads: Vec<Option<H::Payload>>,
     outcomes: &mut [Option<Outcome>],
     isolate: bool,
     stages: &mut Stages,
 ) -> Pass {
+    let Input {
+        store,
+        envelopes,
+        retention,
+    } = *input;
     // Fails every item whose outcome is not settled by committed data.
     let abort = |items: &[Item], outcomes: &mut [Option<Outcome>], error: StoreError| {
         let message = error.to_string();
@@ -201,7 +226,7 @@ async fn run<H: Handler>(
         }
     };
     let claimed = {
-        let requests = requests(items, envelopes, H::CONSUMER);
+        let requests = requests(items, envelopes, H::CONSUMER, retention);
         store.claim_batch(&mut tx, &requests).await
     };
     let claims = match claimed {
@@ -288,7 +313,7 @@ async fn run<H: Handler>(
     }
 
     let finished = async {
-        let all = requests(items, envelopes, H::CONSUMER);
+        let all = requests(items, envelopes, H::CONSUMER, retention);
         let completed: Vec<(ClaimRequest<'_>, &StoredOutput)> = all
             .iter()
             .zip(items.iter())
@@ -333,6 +358,7 @@ fn requests<'a>(
     items: &'a [Item],
     envelopes: &[Envelope],
     consumer: &'a str,
+    retention: Duration,
 ) -> Vec<ClaimRequest<'a>> {
     items
         .iter()
@@ -341,6 +367,7 @@ fn requests<'a>(
             key: &item.key,
             fingerprint: &item.fingerprint,
             attempt: envelopes[item.index].attempt,
+            retention,
         })
         .collect()
 }

@@ -9,6 +9,27 @@ use crate::store::InboxStore;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
+use std::time::Duration;
+
+/// The lease an external-mode handler gets unless it sets `lease = "..."`.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// How a handler's work relates to the inbox row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The handler writes in the inbox transaction: marker and writes commit together.
+    Transactional,
+    /// The handler calls something that cannot join a transaction (a payment API, a mailer).
+    /// The key is claimed `in_progress` with a lease and committed first; the handler runs
+    /// with the key to pass downstream; the row is then marked `completed` or `failed`. A
+    /// consumer that dies mid-call leaves the lease to expire; the next copy takes over and
+    /// calls again with the same key, which the downstream deduplicates.
+    External {
+        /// How long a claim holds the key before another copy may take it over. Longer than
+        /// the handler ever runs.
+        lease: Duration,
+    },
+}
 
 /// An idempotent message handler. `#[idempotent]` implements this for each annotated function;
 /// implement it by hand only to build a handler the attribute cannot express.
@@ -28,6 +49,10 @@ pub trait Handler: Send + Sync + 'static {
     const QUEUE: Option<&'static str>;
     /// Where the dedup key comes from.
     const KEY: KeySource;
+    /// Transactional (the default) or external.
+    const MODE: Mode = Mode::Transactional;
+    /// How long this consumer's inbox rows are kept (`None`: the runtime's or the store's).
+    const RETENTION: Option<Duration> = None;
 
     /// Decodes the body (JSON).
     fn decode(envelope: &Envelope) -> Result<Self::Payload, Rejection> {
@@ -52,6 +77,20 @@ pub trait Handler: Send + Sync + 'static {
         payload: Self::Payload,
         ctx: &'a Context<'a>,
     ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a;
+
+    /// Runs the user's function outside any transaction ([`Mode::External`]). Handlers of the
+    /// transactional mode keep this default, which refuses.
+    fn call_external<'a>(
+        payload: Self::Payload,
+        ctx: &'a Context<'a>,
+    ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a {
+        let _ = (payload, ctx);
+        async {
+            Err(HandlerError::permanent(
+                "this handler runs in a transaction (mode = \"transactional\")",
+            ))
+        }
+    }
 }
 
 /// What an `#[idempotent]` function may return: `Result<T, E>` with `E: Into<HandlerError>`

@@ -11,6 +11,7 @@ pub mod batch;
 pub mod context;
 pub mod envelope;
 pub mod error;
+pub mod external;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod fingerprint;
@@ -32,7 +33,7 @@ pub use error::{
     BoxError, ErrorClass, HandlerError, StoreError, classify_mysql_number, classify_sqlx,
 };
 pub use fingerprint::Fingerprint;
-pub use handler::{Handler, HandlerResult};
+pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
 pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
 pub use memory::MemoryTransport;
 pub use outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
@@ -40,7 +41,7 @@ pub use pipeline::process;
 pub use registry::{DispatchError, Registration, RegistryError};
 pub use retry::{RetryPolicy, RetryPolicyError};
 pub use runtime::{Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats};
-pub use store::{Claim, ClaimRequest, InboxStore, StoreKind, Stores};
+pub use store::{Claim, ClaimRequest, InboxStore, Lease, LeaseEnd, StoreKind, Stores};
 pub use transport::{
     DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };

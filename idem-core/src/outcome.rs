@@ -149,10 +149,13 @@ pub enum RejectReason {
     Output,
     /// The inbox store failed permanently (for example, a missing table).
     Store,
+    /// External mode: an earlier copy of this key failed permanently, so it is not run again.
+    PreviouslyFailed,
 }
 
 impl RejectReason {
-    /// The stable code: `decode`, `missing-key`, `handler`, `output`, `store`.
+    /// The stable code: `decode`, `missing-key`, `handler`, `output`, `store`,
+    /// `previously-failed`.
     pub fn code(self) -> &'static str {
         match self {
             Self::Decode => "decode",
@@ -160,6 +163,7 @@ impl RejectReason {
             Self::Handler => "handler",
             Self::Output => "output",
             Self::Store => "store",
+            Self::PreviouslyFailed => "previously-failed",
         }
     }
 }

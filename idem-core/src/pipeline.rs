@@ -9,7 +9,8 @@ use crate::error::{ErrorClass, HandlerError, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::handler::Handler;
 use crate::outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
-use crate::store::{Claim, ClaimRequest, InboxStore};
+use crate::store::{Claim, ClaimRequest, InboxStore, retention_of};
+use std::time::Duration;
 
 /// Processes one delivery with handler `H` in `store`'s transaction.
 ///
@@ -17,6 +18,15 @@ use crate::store::{Claim, ClaimRequest, InboxStore};
 /// committed unless the outcome is [`Outcome::Processed`]; every other outcome leaves the
 /// database as it was.
 pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
+    process_in::<H>(store, envelope, retention_of::<H>(store, None)).await
+}
+
+/// [`process`], keeping the row for `retention`.
+pub(crate) async fn process_in<H: Handler>(
+    store: &H::Store,
+    envelope: &Envelope,
+    retention: Duration,
+) -> Outcome {
     let (payload, key, fingerprint) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
@@ -26,6 +36,7 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
         key: &key,
         fingerprint: &fingerprint,
         attempt: envelope.attempt,
+        retention,
     };
 
     let mut tx = match store.begin().await {

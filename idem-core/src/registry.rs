@@ -1,17 +1,19 @@
 //! The handler registry: every `#[idempotent]` function submits a [`Registration`] through
 //! `inventory`, and the runtime finds them here.
 
-use crate::batch::{Stages, process_batch_staged};
+use crate::batch::{Stages, process_batch_in};
 use crate::envelope::Envelope;
 use crate::error::StoreError;
-use crate::handler::Handler;
+use crate::external::process_external_in;
+use crate::handler::{Handler, Mode};
 use crate::key::KeySource;
 use crate::outcome::Outcome;
-use crate::pipeline::process;
-use crate::store::{InboxStore, StoreKind, Stores};
+use crate::pipeline::process_in;
+use crate::store::{InboxStore, StoreKind, Stores, retention_of};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::time::Duration;
 
 /// The type-erased store check of one handler.
 pub type CheckFn = for<'a> fn(&'a Stores) -> BoxFuture<'a, Result<(), StoreError>>;
@@ -42,6 +44,9 @@ pub struct Registration {
     invoke_batch: InvokeBatchFn,
     available: fn(&Stores) -> bool,
     check: CheckFn,
+    mode: Mode,
+    retention: Option<Duration>,
+    store_retention: fn(&Stores) -> Option<Duration>,
 }
 
 inventory::collect!(Registration);
@@ -55,8 +60,17 @@ impl Registration {
             queue: H::QUEUE,
             key: H::KEY,
             store: <H::Store as InboxStore>::KIND,
-            invoke: invoke::<H>,
-            invoke_batch: invoke_batch::<H>,
+            invoke: match H::MODE {
+                Mode::Transactional => invoke::<H>,
+                Mode::External { .. } => invoke_external::<H>,
+            },
+            invoke_batch: match H::MODE {
+                Mode::Transactional => invoke_batch::<H>,
+                Mode::External { .. } => invoke_batch_external::<H>,
+            },
+            mode: H::MODE,
+            retention: H::RETENTION,
+            store_retention: store_retention::<H>,
             available: available::<H>,
             check: check::<H>,
         }
@@ -95,6 +109,19 @@ impl Registration {
     /// Which database its transaction runs on.
     pub fn store(&self) -> StoreKind {
         self.store
+    }
+
+    /// Transactional or external.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// How long this handler's inbox rows are kept with `stores`: its own retention, else the
+    /// one [`Stores::with_retention`] set, else its store's (`None`: the store is missing).
+    pub fn retention(&self, stores: &Stores) -> Option<Duration> {
+        self.retention
+            .or(stores.retention())
+            .or_else(|| (self.store_retention)(stores))
     }
 
     /// Processes one delivery with this handler, using its store from `stores`.
@@ -140,6 +167,10 @@ fn check<'a, H: Handler>(stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreEr
     })
 }
 
+fn store_retention<H: Handler>(stores: &Stores) -> Option<Duration> {
+    stores.get::<H::Store>().map(InboxStore::retention)
+}
+
 fn available<H: Handler>(stores: &Stores) -> bool {
     stores.get::<H::Store>().is_some()
 }
@@ -158,7 +189,8 @@ fn invoke<'a, H: Handler>(
 ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
     Box::pin(async move {
         let store = store_of::<H>(stores)?;
-        Ok(process::<H>(store, envelope).await)
+        let retention = retention_of::<H>(store, stores.retention());
+        Ok(process_in::<H>(store, envelope, retention).await)
     })
 }
 
@@ -169,7 +201,43 @@ fn invoke_batch<'a, H: Handler>(
 ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
     Box::pin(async move {
         let store = store_of::<H>(stores)?;
-        Ok(process_batch_staged::<H>(store, envelopes, stages).await)
+        let retention = retention_of::<H>(store, stores.retention());
+        Ok(process_batch_in::<H>(store, envelopes, stages, retention).await)
+    })
+}
+
+fn invoke_external<'a, H: Handler>(
+    stores: &'a Stores,
+    envelope: &'a Envelope,
+) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
+    Box::pin(async move {
+        let store = store_of::<H>(stores)?;
+        let retention = retention_of::<H>(store, stores.retention());
+        Ok(process_external_in::<H>(store, envelope, retention).await)
+    })
+}
+
+/// External handlers share no transaction: a batch is its messages one after another, each
+/// leased and settled on its own, after the previous batch.
+fn invoke_batch_external<'a, H: Handler>(
+    stores: &'a Stores,
+    envelopes: &'a [Envelope],
+    stages: Stages,
+) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
+    Box::pin(async move {
+        let store = store_of::<H>(stores)?;
+        let retention = retention_of::<H>(store, stores.retention());
+        if let Some(after) = stages.after {
+            let _ = after.await;
+        }
+        let mut outcomes = Vec::with_capacity(envelopes.len());
+        for envelope in envelopes {
+            outcomes.push(process_external_in::<H>(store, envelope, retention).await);
+        }
+        for done in [stages.committing, stages.committed].into_iter().flatten() {
+            let _ = done.send(());
+        }
+        Ok(outcomes)
     })
 }
 
@@ -268,6 +336,9 @@ mod tests {
             invoke_batch: |_, _, _| Box::pin(async { unreachable!("not invoked") }),
             available: |_| true,
             check: |_| Box::pin(async { Ok(()) }),
+            mode: Mode::Transactional,
+            retention: None,
+            store_retention: |_| None,
         }
     }
 

@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The database behind an inbox store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -41,6 +42,24 @@ pub struct ClaimRequest<'a> {
     pub fingerprint: &'a Fingerprint,
     /// The delivery attempt, recorded on the row.
     pub attempt: u32,
+    /// How long the row is kept: it expires this long after the claim.
+    pub retention: Duration,
+}
+
+/// How long inbox rows are kept unless the handler, the runtime or the store says otherwise:
+/// 7 days. It must outlast the broker's redelivery window (including operators resubmitting
+/// from a dead-letter queue), or a late redelivery finds no marker and is processed again.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The retention of handler `H`'s rows: its own `retention = ...`, else the runtime's, else
+/// its store's.
+pub(crate) fn retention_of<H: crate::handler::Handler>(
+    store: &H::Store,
+    runtime: Option<Duration>,
+) -> Duration {
+    H::RETENTION
+        .or(runtime)
+        .unwrap_or_else(|| store.retention())
 }
 
 /// What a claim found.
@@ -58,6 +77,66 @@ pub enum Claim {
     },
 }
 
+/// What an external-mode claim ([`InboxStore::lease`]) found for its key.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Lease {
+    /// The caller holds the lease: the row is new (`attempts` = 1) or an expired lease was
+    /// taken over (`attempts` counts every holder so far).
+    Acquired {
+        /// How many times a lease on this key was granted.
+        attempts: u32,
+    },
+    /// The key was processed; the stored result is replayed.
+    Completed {
+        /// The fingerprint stored with it.
+        fingerprint: Fingerprint,
+        /// The stored result (`None` for `null`).
+        output: Option<StoredOutput>,
+    },
+    /// The handler failed permanently for this key; it is not run again.
+    Failed {
+        /// The fingerprint stored with it.
+        fingerprint: Fingerprint,
+        /// The stored failure.
+        output: Option<StoredOutput>,
+    },
+    /// Another consumer holds a live lease.
+    Held {
+        /// The fingerprint stored with it.
+        fingerprint: Fingerprint,
+        /// How long the lease still runs.
+        remaining: Duration,
+    },
+}
+
+/// How an external-mode handler ended, as [`InboxStore::settle`] records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseEnd {
+    /// The handler succeeded: `completed`, its result replayed to later copies.
+    Completed,
+    /// The handler failed permanently: `failed`, later copies are dead-lettered unrun.
+    Failed,
+}
+
+impl LeaseEnd {
+    /// The status column's value.
+    pub fn status(self) -> &'static str {
+        match self {
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// The lease operations of external mode, which a store without them refuses.
+fn no_external(operation: &'static str, kind: StoreKind) -> StoreError {
+    StoreError::new(
+        operation,
+        crate::error::ErrorClass::Permanent,
+        format!("the {kind} store does not support mode = \"external\""),
+    )
+}
+
 /// An inbox: claims and completes dedup markers inside a transaction the caller also hands to
 /// the user's handler, so that marker and side effects commit together or not at all.
 ///
@@ -73,6 +152,12 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Checks that the inbox is usable (its table exists with the expected columns); the
     /// runtime calls this before it consumes anything.
     fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// How long rows are kept when neither the handler nor the runtime sets a retention
+    /// (default [`DEFAULT_RETENTION`]).
+    fn retention(&self) -> Duration {
+        DEFAULT_RETENTION
+    }
 
     /// Opens a transaction.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
@@ -147,6 +232,44 @@ pub trait InboxStore: Send + Sync + 'static {
         keys: &[&str],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// External mode: claims `request`'s key with a lease for `owner` lasting `lease`, in a
+    /// transaction of its own that is committed before this returns. A new key is inserted
+    /// `in_progress`; an `in_progress` row whose lease expired (same payload) is taken over,
+    /// attempts + 1; anything else is reported as it is.
+    fn lease(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Lease, StoreError>> + Send {
+        let _ = (request, owner, lease);
+        async { Err(no_external("lease", Self::KIND)) }
+    }
+
+    /// External mode: ends `owner`'s lease on `request`'s key as `end`, storing `output`.
+    /// `false`: the lease was lost (taken over after it expired), and nothing was written.
+    fn settle(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+        end: LeaseEnd,
+        output: &StoredOutput,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let _ = (request, owner, end, output);
+        async { Err(no_external("settle", Self::KIND)) }
+    }
+
+    /// External mode: gives up `owner`'s lease after a transient failure, so that the retry
+    /// takes the key over at once.
+    fn release(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (request, owner);
+        async { Err(no_external("release", Self::KIND)) }
+    }
+
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 
@@ -159,6 +282,7 @@ pub trait InboxStore: Send + Sync + 'static {
 #[derive(Clone, Default)]
 pub struct Stores {
     stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
+    retention: Option<Duration>,
 }
 
 impl Stores {
@@ -176,6 +300,18 @@ impl Stores {
     /// Adds `store`, replacing any store of the same type.
     pub fn insert<S: InboxStore>(&mut self, store: S) {
         self.stores.insert(TypeId::of::<S>(), Arc::new(store));
+    }
+
+    /// Keeps rows for `retention` for handlers that set none of their own (default: each
+    /// store's own retention).
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+
+    /// The retention set with [`Self::with_retention`].
+    pub fn retention(&self) -> Option<Duration> {
+        self.retention
     }
 
     /// The store of type `S`, if one was added.

@@ -96,6 +96,13 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Closes connections; deliveries still unsettled go back to their queues.
     fn close(&self) -> BoxFuture<'_, ()>;
+
+    /// The message TTL `queue` is declared with, if any: a message may wait that long before
+    /// it is delivered, so the runtime refuses a retention shorter than it.
+    fn message_ttl(&self, queue: &str) -> Option<Duration> {
+        let _ = queue;
+        None
+    }
 }
 
 /// A transport failure.

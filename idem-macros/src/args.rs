@@ -36,23 +36,56 @@ impl Store {
     }
 }
 
+/// `mode = "..."`: where the handler's work goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// In the inbox transaction (the default).
+    Transactional,
+    /// Outside any transaction, under a lease.
+    External,
+}
+
 /// The parsed arguments.
 pub(crate) struct Args {
     pub(crate) store: (Store, Ident),
     pub(crate) key: Option<LitStr>,
     pub(crate) queue: Option<LitStr>,
     pub(crate) consumer: Option<LitStr>,
+    pub(crate) mode: Mode,
+    /// The lease in milliseconds (external mode).
+    pub(crate) lease_ms: Option<u64>,
+    /// The retention in milliseconds.
+    pub(crate) retention_ms: Option<u64>,
 }
 
-const EXPECTED: &str = "expected one of: `store`, `key`, `queue`, `consumer`";
+const EXPECTED: &str =
+    "expected one of: `store`, `key`, `queue`, `consumer`, `mode`, `lease`, `retention`";
 
 impl Args {
+    /// The mode the arguments ask for, read even when they do not parse, so that the signature
+    /// is checked against the right shape.
+    pub(crate) fn mode_hint(tokens: &TokenStream) -> Mode {
+        let tokens: Vec<_> = tokens.clone().into_iter().collect();
+        let external = tokens.windows(3).any(|w| {
+            matches!(&w[0], proc_macro2::TokenTree::Ident(i) if i == "mode")
+                && matches!(&w[2], proc_macro2::TokenTree::Literal(l) if l.to_string() == "\"external\"")
+        });
+        if external {
+            Mode::External
+        } else {
+            Mode::Transactional
+        }
+    }
+
     /// Parses `key = "...", store = Postgres, queue = "...", consumer = "..."`.
     pub(crate) fn parse(tokens: TokenStream) -> syn::Result<Self> {
         let mut store: Option<(Store, Ident)> = None;
         let mut key = None;
         let mut queue = None;
         let mut consumer = None;
+        let mut mode: Option<Mode> = None;
+        let mut lease: Option<(u64, LitStr)> = None;
+        let mut retention: Option<u64> = None;
         let mut store_mentioned = false;
         let mut errors: Option<syn::Error> = None;
         let mut push = |e: syn::Error| match errors.as_mut() {
@@ -99,6 +132,44 @@ impl Args {
                         *slot = Some(lit);
                     }
                 }
+                "mode" => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    if let Some(e) = duplicate(mode.is_some()) {
+                        push(e);
+                    } else {
+                        match lit.value().as_str() {
+                            "transactional" => mode = Some(Mode::Transactional),
+                            "external" => mode = Some(Mode::External),
+                            other => push(syn::Error::new(
+                                lit.span(),
+                                format!(
+                                    "unknown mode {other:?}; expected \"transactional\" or \"external\""
+                                ),
+                            )),
+                        }
+                    }
+                }
+                "lease" | "retention" => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    let set = if name == "lease" {
+                        lease.is_some()
+                    } else {
+                        retention.is_some()
+                    };
+                    if let Some(e) = duplicate(set) {
+                        push(e);
+                    } else {
+                        match crate::duration::parse_millis(&lit) {
+                            Ok(ms) if name == "lease" => lease = Some((ms, lit)),
+                            Ok(ms) if ms < 1_000 => push(syn::Error::new(
+                                lit.span(),
+                                "the retention must be at least one second",
+                            )),
+                            Ok(ms) => retention = Some(ms),
+                            Err(e) => push(e),
+                        }
+                    }
+                }
                 _ => {
                     // Skip the value so the next argument still parses.
                     if meta.input.peek(syn::Token![=]) {
@@ -123,6 +194,13 @@ impl Args {
                 ),
             ));
         }
+        let mode = mode.unwrap_or(Mode::Transactional);
+        if let (Some((_, lit)), Mode::Transactional) = (&lease, mode) {
+            push(syn::Error::new(
+                lit.span(),
+                "`lease` applies to `mode = \"external\"` only: a transactional handler's claim lasts as long as its transaction",
+            ));
+        }
         match (errors, store) {
             (Some(e), _) => Err(e),
             (None, Some(store)) => Ok(Self {
@@ -130,6 +208,9 @@ impl Args {
                 key,
                 queue,
                 consumer,
+                mode,
+                lease_ms: lease.map(|(ms, _)| ms),
+                retention_ms: retention,
             }),
             (None, None) => Err(syn::Error::new(Span::call_site(), "missing `store`")),
         }

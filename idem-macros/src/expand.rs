@@ -30,8 +30,13 @@ pub(crate) fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
 }
 
 fn generate(args: TokenStream, func: &ItemFn) -> syn::Result<TokenStream> {
+    let hint = Args::mode_hint(&args);
     let args = Args::parse(args);
-    let sig = signature::check(&func.sig, args.as_ref().ok().map(|a| a.store.0));
+    let (store, mode) = match &args {
+        Ok(a) => (Some(a.store.0), a.mode),
+        Err(_) => (None, hint),
+    };
+    let sig = signature::check(&func.sig, store, mode);
     let (args, sig) = match (args, sig) {
         (Ok(args), Ok(sig)) => (args, sig),
         (Err(mut a), Err(s)) => {
@@ -77,8 +82,6 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
         }
         _ => quote!(_),
     };
-    // Spanned at the user's tokens, so type errors point at the parameter or signature at fault.
-    let tx_arg = quote_spanned!(sig.tx_ty.span()=> __idem_tx);
     let ctx_arg = sig.has_ctx.then(|| quote!(, __idem_ctx));
     let into_result =
         quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result);
@@ -88,9 +91,56 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
             Output = ::core::result::Result<Self::Output, #krate::HandlerError>,
         > + ::core::marker::Send + '__idem
     );
-    let future = quote_spanned!(func.sig.span()=>
-        async move { #into_result(#name(#tx_arg, __idem_payload #ctx_arg).await) }
-    );
+    let (call, call_external) = match sig.tx_ty {
+        Some(tx_ty) => {
+            // Spanned at the user's tokens, so type errors point at the parameter at fault.
+            let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
+            let future = quote_spanned!(func.sig.span()=>
+                async move { #into_result(#name(#tx_arg, __idem_payload #ctx_arg).await) }
+            );
+            (future, quote!())
+        }
+        None => {
+            let future = quote_spanned!(func.sig.span()=>
+                async move { #into_result(#name(__idem_payload #ctx_arg).await) }
+            );
+            let call = quote! {
+                let _ = (__idem_tx, __idem_payload, __idem_ctx);
+                async move {
+                    ::core::result::Result::Err(#krate::HandlerError::permanent(
+                        "an external handler runs outside the inbox transaction",
+                    ))
+                }
+            };
+            let call_external = quote! {
+                fn call_external<'__idem>(
+                    __idem_payload: Self::Payload,
+                    __idem_ctx: &'__idem #krate::Context<'__idem>,
+                ) -> #call_future {
+                    #future
+                }
+            };
+            (call, call_external)
+        }
+    };
+    let millis = |ms: u64| quote!(::core::time::Duration::from_millis(#ms));
+    let mode = match args.mode {
+        crate::args::Mode::Transactional => quote!(#krate::Mode::Transactional),
+        crate::args::Mode::External => {
+            let lease = match args.lease_ms {
+                Some(ms) => millis(ms),
+                None => quote!(#krate::DEFAULT_LEASE),
+            };
+            quote!(#krate::Mode::External { lease: #lease })
+        }
+    };
+    let retention = match args.retention_ms {
+        Some(ms) => {
+            let duration = millis(ms);
+            quote!(::core::option::Option::Some(#duration))
+        }
+        None => quote!(::core::option::Option::None),
+    };
 
     quote! {
         #func
@@ -107,6 +157,8 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
                 const CONSUMER: &'static str = #consumer;
                 const QUEUE: ::core::option::Option<&'static str> = #queue;
                 const KEY: #krate::KeySource = #source;
+                const MODE: #krate::Mode = #mode;
+                const RETENTION: ::core::option::Option<::core::time::Duration> = #retention;
 
                 fn key(
                     __idem_envelope: &#krate::Envelope,
@@ -120,8 +172,10 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
                     __idem_payload: Self::Payload,
                     __idem_ctx: &'__idem #krate::Context<'__idem>,
                 ) -> #call_future {
-                    #future
+                    #call
                 }
+
+                #call_external
             }
 
             #krate::inventory::submit! { #krate::Registration::of::<__IdemHandler>() }

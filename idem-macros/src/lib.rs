@@ -4,6 +4,7 @@
 use proc_macro::TokenStream;
 
 mod args;
+mod duration;
 mod expand;
 mod key;
 mod signature;
@@ -18,7 +19,9 @@ mod signature;
 ///
 /// Arguments: `store` (required: `Postgres`, `MySql` or `Sqlite`), `key` (`"message_id"` by default,
 /// `"header:<name>"`, `"cloudevents"` or `"<payload>.<field>"`), `queue`, `consumer` (defaults to
-/// the function's module path and name).
+/// the function's module path and name), `mode` (`"transactional"` by default, or `"external"`:
+/// the function takes `(payload, ctx)` and no transaction), `lease` (external mode, `"30s"` by
+/// default) and `retention` (how long the inbox keeps this consumer's rows, such as `"30d"`).
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent(args.into(), item.into()).into()

@@ -1,6 +1,6 @@
 //! Checking the annotated function's signature, with a spanned error for each mistake.
 
-use crate::args::Store;
+use crate::args::{Mode, Store};
 use syn::spanned::Spanned;
 use syn::{
     FnArg, GenericArgument, GenericParam, Ident, Pat, PathArguments, ReturnType, Signature, Type,
@@ -9,7 +9,8 @@ use syn::{
 /// The parts of a valid handler signature the expansion needs.
 pub(crate) struct HandlerSig<'a> {
     pub(crate) name: &'a Ident,
-    pub(crate) tx_ty: &'a Type,
+    /// The transaction parameter's type (transactional mode only).
+    pub(crate) tx_ty: Option<&'a Type>,
     pub(crate) payload: &'a Ident,
     pub(crate) payload_ty: &'a Type,
     pub(crate) has_ctx: bool,
@@ -20,9 +21,16 @@ pub(crate) struct HandlerSig<'a> {
 }
 
 const SHAPE: &str = "expected `(tx: &mut sqlx::Transaction<'_, DB>, payload: T)`, optionally followed by `ctx: &idem::Context<'_>`";
+const EXTERNAL_SHAPE: &str = "expected `(payload: T, ctx: &idem::Context<'_>)` (or just `(payload: T)`): an external handler runs outside any transaction, and passes `ctx.idempotency_key()` downstream";
 
 /// Checks `sig`; `store` is the parsed store, when the arguments parsed.
-pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<HandlerSig<'_>> {
+pub(crate) fn check(
+    sig: &Signature,
+    store: Option<Store>,
+    mode: Mode,
+) -> syn::Result<HandlerSig<'_>> {
+    let external = mode == Mode::External;
+    let shape = if external { EXTERNAL_SHAPE } else { SHAPE };
     let mut errors = Errors::default();
     if sig.asyncness.is_none() {
         errors.push(
@@ -73,17 +81,35 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
             FnArg::Typed(t) => typed.push(t),
         }
     }
-    if !(2..=3).contains(&typed.len()) {
-        errors.push(sig.paren_token.span.join(), SHAPE);
+    let first = usize::from(!external);
+    if external
+        && let Some(t) = typed.first()
+        && matches!(&*t.ty, Type::Reference(r) if r.mutability.is_some())
+    {
+        errors.push(
+            t.span(),
+            "an external handler takes no transaction: its work cannot join the inbox transaction; remove this parameter (or use mode = \"transactional\" for database writes)",
+        );
+        return Err(errors
+            .finish()
+            .err()
+            .unwrap_or_else(|| syn::Error::new(sig.span(), EXTERNAL_SHAPE)));
+    }
+    if !(first + 1..=first + 2).contains(&typed.len()) {
+        errors.push(sig.paren_token.span.join(), shape);
     }
 
-    let tx_ty = typed.first().map(|t| &*t.ty);
+    let tx_ty = if external {
+        None
+    } else {
+        typed.first().map(|t| &*t.ty)
+    };
     if let Some(ty) = tx_ty {
         check_tx(ty, store, &mut errors);
     }
 
     let mut payload = None;
-    if let Some(t) = typed.get(1) {
+    if let Some(t) = typed.get(first) {
         match &*t.pat {
             Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
                 payload = Some((&p.ident, &*t.ty))
@@ -98,13 +124,15 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
         }
     }
 
-    if let Some(t) = typed.get(2)
+    if let Some(t) = typed.get(first + 1)
         && !matches!(&*t.ty, Type::Reference(r) if r.mutability.is_none())
     {
-        errors.push(
-            t.ty.span(),
-            "the third parameter must be `ctx: &idem::Context<'_>`",
-        );
+        let message = if external {
+            "the second parameter of an external handler must be `ctx: &idem::Context<'_>` (it takes no transaction)"
+        } else {
+            "the third parameter must be `ctx: &idem::Context<'_>`"
+        };
+        errors.push(t.ty.span(), message);
     }
 
     let output = match &sig.output {
@@ -122,17 +150,17 @@ pub(crate) fn check(sig: &Signature, store: Option<Store>) -> syn::Result<Handle
     };
 
     errors.finish()?;
-    match (tx_ty, payload, output) {
-        (Some(tx_ty), Some((payload, payload_ty)), Some((output, returns))) => Ok(HandlerSig {
+    match (tx_ty.is_some() || external, payload, output) {
+        (true, Some((payload, payload_ty)), Some((output, returns))) => Ok(HandlerSig {
             name: &sig.ident,
             tx_ty,
             payload,
             payload_ty,
-            has_ctx: typed.len() == 3,
+            has_ctx: typed.len() == first + 2,
             output,
             returns,
         }),
-        _ => Err(syn::Error::new(sig.span(), SHAPE)),
+        _ => Err(syn::Error::new(sig.span(), shape)),
     }
 }
 
@@ -215,7 +243,7 @@ mod tests {
 
     fn check_str(src: &str, store: Store) -> Result<(), String> {
         let f: syn::ItemFn = syn::parse_str(src).unwrap();
-        check(&f.sig, Some(store))
+        check(&f.sig, Some(store), Mode::Transactional)
             .map(drop)
             .map_err(|e| e.to_string())
     }
@@ -260,5 +288,27 @@ mod tests {
         assert!(err("async fn h(tx: &mut T, o: O) -> u32 {}").contains("must return `Result"));
         assert!(err("async fn h(tx: &mut T, o: O) {}").contains("must return `Result"));
         assert!(err("async fn h(tx: &mut T, o: O) -> Result {}").contains("must return `Result"));
+    }
+
+    #[test]
+    fn external_handlers_take_no_transaction() {
+        let check_external = |src: &str| {
+            let f: syn::ItemFn = syn::parse_str(src).unwrap();
+            check(&f.sig, Some(Store::Postgres), Mode::External)
+                .map(|s| (s.tx_ty.is_none(), s.has_ctx))
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            check_external("async fn h(p: P, ctx: &Context<'_>) -> Result<(), E> {}"),
+            Ok((true, true))
+        );
+        assert_eq!(
+            check_external("async fn h(p: P) -> Result<(), E> {}"),
+            Ok((true, false))
+        );
+        let err =
+            check_external("async fn h(tx: &mut Tx, p: P, ctx: &Context<'_>) -> Result<(), E> {}")
+                .unwrap_err();
+        assert!(err.contains("external handler"), "{err}");
     }
 }

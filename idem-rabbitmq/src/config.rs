@@ -41,6 +41,7 @@ pub struct RabbitConfig {
     pub(crate) reconnect_min: Duration,
     pub(crate) reconnect_max: Duration,
     pub(crate) bindings: Vec<Binding>,
+    pub(crate) message_ttl: Option<Duration>,
 }
 
 impl RabbitConfig {
@@ -54,7 +55,16 @@ impl RabbitConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
             bindings: Vec::new(),
+            message_ttl: None,
         }
+    }
+
+    /// Declares the handler queues with a message TTL (`x-message-ttl`): a message waiting
+    /// longer is dead-lettered into `<queue>.dlq`. The runtime refuses to start when a
+    /// handler's inbox retention is shorter than this.
+    pub fn message_ttl(mut self, ttl: Duration) -> Self {
+        self.message_ttl = Some(ttl);
+        self
     }
 
     /// The queue type (default classic).

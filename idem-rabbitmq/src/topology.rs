@@ -63,6 +63,12 @@ pub(crate) async fn declare(
             AMQPValue::LongLongInt(i64::from(limit)),
         );
     }
+    if let Some(ttl) = config.message_ttl {
+        main.insert(
+            ShortString::from("x-message-ttl"),
+            AMQPValue::LongLongInt(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)),
+        );
+    }
     let mut queues = vec![
         (dlq(q), queue_arguments(config, None)),
         (reasons_queue(q), queue_arguments(config, None)),

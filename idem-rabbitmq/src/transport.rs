@@ -124,4 +124,8 @@ impl Transport for RabbitTransport {
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.connections.close_all())
     }
+
+    fn message_ttl(&self, _queue: &str) -> Option<std::time::Duration> {
+        self.config.message_ttl
+    }
 }

@@ -5,10 +5,7 @@ use std::time::Duration;
 /// The default inbox table.
 pub const DEFAULT_TABLE: &str = "idem_inbox";
 
-/// The default retention of inbox rows: 7 days. It must outlast the broker's redelivery window
-/// (including operators resubmitting from a dead-letter queue), or a late redelivery finds no
-/// marker and is processed again.
-pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+pub use idem_core::store::DEFAULT_RETENTION;
 
 /// A wrong inbox configuration, reported when the store is built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -97,11 +94,11 @@ impl InboxConfig {
     pub fn retention_period(&self) -> Duration {
         self.retention
     }
+}
 
-    /// The retention in whole seconds, as bound into claims.
-    pub(crate) fn retention_secs(&self) -> i64 {
-        i64::try_from(self.retention.as_secs()).unwrap_or(i64::MAX)
-    }
+/// A retention in whole seconds, as bound into claims.
+pub(crate) fn secs(retention: Duration) -> i64 {
+    i64::try_from(retention.as_secs()).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]
@@ -137,6 +134,6 @@ mod tests {
         let c = InboxConfig::default()
             .retention(Duration::from_secs(60))
             .unwrap();
-        assert_eq!(c.retention_secs(), 60);
+        assert_eq!(secs(c.retention_period()), 60);
     }
 }

@@ -21,6 +21,10 @@ pub trait Dialect: Database {
     const UNCLAIM: &'static str;
     /// Batch statements of this dialect, if it has any beyond the single-row ones.
     const BATCH: [&'static str; 3];
+    /// External mode's lease statements (see [`crate::lease`]).
+    const LEASE: crate::lease::LeaseStatements;
+    /// The current time in the dialect's timestamp column type, for `{now}` in statements.
+    const NOW: &'static str = "now()";
     /// The schema versions of the inbox table.
     const MIGRATIONS: Migrations;
     /// Reads nothing, but fails unless the inbox table has the columns idem uses.
@@ -62,6 +66,8 @@ pub(crate) struct Statements {
     pub(crate) probe: Arc<str>,
     /// Dialect-specific batch statements (PostgreSQL: claim, existing, complete).
     pub(crate) batch: [Arc<str>; 3],
+    /// External mode: insert, takeover, read, settle, release.
+    pub(crate) lease: [Arc<str>; 5],
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -79,6 +85,8 @@ impl<DB: Dialect> SqlInbox<DB> {
             unclaim: statement(DB::UNCLAIM, &config.table),
             probe: statement(DB::PROBE, &config.table),
             batch: DB::BATCH.map(|template| statement(template, &config.table)),
+            lease: DB::LEASE
+                .map(|template| statement(&template.replace("{now}", DB::NOW), &config.table)),
         });
         Self { pool, config, sql }
     }

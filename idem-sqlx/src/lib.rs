@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod inbox;
+mod lease;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]

@@ -57,6 +57,26 @@ const COMPLETE: &str = r#"UPDATE `{table}` SET outcome = ? WHERE consumer = ? AN
 
 const UNCLAIM: &str = r#"DELETE FROM `{table}` WHERE consumer = ? AND `key` = ?"#;
 
+/// External mode's statements; see [`crate::lease`] for their bind order.
+const LEASE: crate::lease::LeaseStatements = [
+    r#"INSERT IGNORE INTO `{table}`
+        (consumer, `key`, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
+    VALUES (?, ?, ?, 'in_progress', 1, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? SECOND, ?,
+            UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND)"#,
+    r#"UPDATE `{table}` SET owner = ?,
+        locked_until = UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, attempts = attempts + 1
+    WHERE consumer = ? AND `key` = ? AND status = 'in_progress'
+        AND locked_until < UTC_TIMESTAMP(6) AND fingerprint = ?"#,
+    r#"SELECT status, attempts, fingerprint, outcome,
+        CAST(COALESCE(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000, 0) AS SIGNED)
+            AS remaining_ms
+    FROM `{table}` WHERE consumer = ? AND `key` = ? LOCK IN SHARE MODE"#,
+    r#"UPDATE `{table}` SET status = ?, outcome = ?, completed_at = UTC_TIMESTAMP(6), locked_until = NULL
+    WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
+    r#"UPDATE `{table}` SET locked_until = UTC_TIMESTAMP(6)
+    WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
+];
+
 /// Serializes concurrent migrations from several processes. `GET_LOCK` belongs to the session,
 /// so [`UNLOCK`] releases it before the connection goes back to the pool.
 const LOCK: &str = "SELECT GET_LOCK('idem.migrate', 300)";
@@ -80,6 +100,7 @@ impl Dialect for MySql {
     const COMPLETE: &'static str = COMPLETE;
     const UNCLAIM: &'static str = UNCLAIM;
     const BATCH: [&'static str; 3] = ["", "", ""];
+    const LEASE: crate::lease::LeaseStatements = LEASE;
     const MIGRATIONS: Migrations = MIGRATIONS;
     const PROBE: &'static str = PROBE;
     const PREPARE: Option<&'static str> = None;
@@ -108,12 +129,18 @@ fn check_lengths(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
     Ok(())
 }
 
+crate::lease::lease_ops!(MySql);
+
 impl InboxStore for MySqlInbox {
     type Tx = Transaction<'static, MySql>;
     const KIND: StoreKind = StoreKind::MySql;
 
     async fn check(&self) -> Result<(), StoreError> {
         check(self).await
+    }
+
+    fn retention(&self) -> std::time::Duration {
+        self.config.retention_period()
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
@@ -135,7 +162,7 @@ impl InboxStore for MySqlInbox {
             .bind(request.key)
             .bind(request.fingerprint.as_bytes().as_slice())
             .bind(i64::from(request.attempt))
-            .bind(self.config.retention_secs())
+            .bind(crate::config::secs(request.retention))
             .execute(&mut **tx)
             .await
             .map_err(fail)?
@@ -209,6 +236,30 @@ impl InboxStore for MySqlInbox {
                 .map_err(|e| StoreError::sqlx("unclaim", e))?;
         }
         Ok(())
+    }
+
+    async fn lease(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+        lease: std::time::Duration,
+    ) -> Result<idem_core::Lease, StoreError> {
+        check_lengths(request)?;
+        self.lease_key(request, owner, lease).await
+    }
+
+    async fn settle(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+        end: idem_core::LeaseEnd,
+        output: &StoredOutput,
+    ) -> Result<bool, StoreError> {
+        self.settle_key(request, owner, end, output).await
+    }
+
+    async fn release(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<(), StoreError> {
+        self.release_key(request, owner).await
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {

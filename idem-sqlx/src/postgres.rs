@@ -77,6 +77,25 @@ WHERE t.consumer = $1 AND t.key = u.key"#;
 
 const UNCLAIM: &str = r#"DELETE FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
 
+/// External mode's statements; see [`crate::lease`] for their bind order.
+const LEASE: crate::lease::LeaseStatements = [
+    r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
+    VALUES ($1, $2, $3, 'in_progress', 1, now(), now() + $4 * interval '1 second', $5,
+            now() + $6 * interval '1 millisecond')
+    ON CONFLICT (consumer, key) DO NOTHING"#,
+    r#"UPDATE "{table}" SET owner = $1, locked_until = now() + $2 * interval '1 millisecond',
+        attempts = attempts + 1
+    WHERE consumer = $3 AND key = $4 AND status = 'in_progress' AND locked_until < now()
+        AND fingerprint = $5"#,
+    r#"SELECT status, attempts, fingerprint, outcome,
+        COALESCE((EXTRACT(EPOCH FROM (locked_until - now())) * 1000)::int8, 0) AS remaining_ms
+    FROM "{table}" WHERE consumer = $1 AND key = $2"#,
+    r#"UPDATE "{table}" SET status = $1, outcome = $2, completed_at = now(), locked_until = NULL
+    WHERE consumer = $3 AND key = $4 AND owner = $5 AND status = 'in_progress'"#,
+    r#"UPDATE "{table}" SET locked_until = now()
+    WHERE consumer = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'"#,
+];
+
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('idem.migrate'))::text";
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table text PRIMARY KEY, version integer NOT NULL, migrated_at timestamptz NOT NULL)";
@@ -94,6 +113,7 @@ impl Dialect for Postgres {
     const COMPLETE: &'static str = COMPLETE;
     const UNCLAIM: &'static str = UNCLAIM;
     const BATCH: [&'static str; 3] = [CLAIM_BATCH, EXISTING_BATCH, COMPLETE_BATCH];
+    const LEASE: crate::lease::LeaseStatements = LEASE;
     const MIGRATIONS: Migrations = MIGRATIONS;
     const PREPARE: Option<&'static str> = None;
     const BEGIN: Option<&'static str> = None;
@@ -133,12 +153,18 @@ fn claim_from_row(row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
     })
 }
 
+crate::lease::lease_ops!(Postgres);
+
 impl InboxStore for PgInbox {
     type Tx = Transaction<'static, Postgres>;
     const KIND: StoreKind = StoreKind::Postgres;
 
     async fn check(&self) -> Result<(), StoreError> {
         check(self).await
+    }
+
+    fn retention(&self) -> std::time::Duration {
+        self.config.retention_period()
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
@@ -158,7 +184,7 @@ impl InboxStore for PgInbox {
             .bind(request.key)
             .bind(request.fingerprint.as_bytes().as_slice())
             .bind(i32::try_from(request.attempt).unwrap_or(i32::MAX))
-            .bind(self.config.retention_secs())
+            .bind(crate::config::secs(request.retention))
             .fetch_optional(&mut **tx)
             .await
             .map_err(|e| StoreError::sqlx("claim", e))?;
@@ -216,7 +242,7 @@ impl InboxStore for PgInbox {
             .bind(&keys)
             .bind(&fingerprints)
             .bind(&attempts)
-            .bind(self.config.retention_secs())
+            .bind(crate::config::secs(first.retention))
             .fetch_all(&mut **tx)
             .await
             .map_err(fail)?;
@@ -308,6 +334,8 @@ impl InboxStore for PgInbox {
             .map(drop)
             .map_err(|e| StoreError::sqlx("unclaim", e))
     }
+
+    crate::lease::lease_methods!();
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         commit(tx).await

@@ -60,6 +60,23 @@ const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = ?3 WHERE consumer = ?1 
 
 const UNCLAIM: &str = r#"DELETE FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
 
+/// External mode's statements; see [`crate::lease`] for their bind order. `{now}` is the time in
+/// Unix milliseconds.
+const LEASE: crate::lease::LeaseStatements = [
+    r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
+    VALUES (?1, ?2, ?3, 'in_progress', 1, {now}, {now} + ?4 * 1000, ?5, {now} + ?6)
+    ON CONFLICT (consumer, key) DO NOTHING"#,
+    r#"UPDATE "{table}" SET owner = ?1, locked_until = {now} + ?2, attempts = attempts + 1
+    WHERE consumer = ?3 AND key = ?4 AND status = 'in_progress' AND locked_until < {now}
+        AND fingerprint = ?5"#,
+    r#"SELECT status, attempts, fingerprint, outcome, COALESCE(locked_until - {now}, 0) AS remaining_ms
+    FROM "{table}" WHERE consumer = ?1 AND key = ?2"#,
+    r#"UPDATE "{table}" SET status = ?1, outcome = ?2, completed_at = {now}, locked_until = NULL
+    WHERE consumer = ?3 AND key = ?4 AND owner = ?5 AND status = 'in_progress'"#,
+    r#"UPDATE "{table}" SET locked_until = {now} - 1
+    WHERE consumer = ?1 AND key = ?2 AND owner = ?3 AND status = 'in_progress'"#,
+];
+
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table TEXT PRIMARY KEY, version INTEGER NOT NULL, migrated_at INTEGER NOT NULL)";
 const READ_VERSION: &str = "SELECT version FROM idem_schema_version WHERE inbox_table = ?1";
@@ -100,6 +117,8 @@ impl Dialect for Sqlite {
     const UNCLAIM: &'static str = UNCLAIM;
     // SQLite runs in process: the single-row statements cost no round trips.
     const BATCH: [&'static str; 3] = ["", "", ""];
+    const LEASE: crate::lease::LeaseStatements = LEASE;
+    const NOW: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
     const MIGRATIONS: Migrations = MIGRATIONS;
     // Persistent for file databases; an in-memory database answers "memory" and stays so.
     const PREPARE: Option<&'static str> = Some("PRAGMA journal_mode = WAL");
@@ -111,12 +130,18 @@ impl Dialect for Sqlite {
     const WRITE_VERSION: &'static str = WRITE_VERSION;
 }
 
+crate::lease::lease_ops!(Sqlite);
+
 impl InboxStore for SqliteInbox {
     type Tx = Transaction<'static, Sqlite>;
     const KIND: StoreKind = StoreKind::Sqlite;
 
     async fn check(&self) -> Result<(), StoreError> {
         check(self).await
+    }
+
+    fn retention(&self) -> std::time::Duration {
+        self.config.retention_period()
     }
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
@@ -137,7 +162,7 @@ impl InboxStore for SqliteInbox {
             .bind(request.key)
             .bind(request.fingerprint.as_bytes().as_slice())
             .bind(i64::from(request.attempt))
-            .bind(self.config.retention_secs())
+            .bind(crate::config::secs(request.retention))
             .execute(&mut **tx)
             .await
             .map_err(read)?
@@ -201,6 +226,8 @@ impl InboxStore for SqliteInbox {
         }
         Ok(())
     }
+
+    crate::lease::lease_methods!();
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         commit(tx).await

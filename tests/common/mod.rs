@@ -112,4 +112,5 @@ where
 }
 
 pub mod broker;
+pub mod charges;
 pub mod proxy;

@@ -126,6 +126,15 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Keeps inbox rows for `retention` for every handler that sets none of its own with
+    /// `#[idempotent(retention = "...")]` (default: each store's retention, 7 days unless
+    /// configured). It must outlast every way a copy can arrive late: the queue's message TTL,
+    /// the retry delays, operators replaying dead letters.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.stores = std::mem::take(&mut self.stores).with_retention(retention);
+        self
+    }
+
     /// How transient failures are retried.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
@@ -194,9 +203,20 @@ impl RuntimeBuilder {
         if self.prefetch == Some(0) {
             return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
         }
+        if self
+            .stores
+            .retention()
+            .is_some_and(|r| r < Duration::from_secs(1))
+        {
+            return Err(RuntimeError::Setting(
+                "retention must be at least one second".into(),
+            ));
+        }
         let mut actors = Vec::with_capacity(handlers.len());
         for registration in handlers {
-            actors.push(self.actor(registration)?);
+            let actor = self.actor(registration)?;
+            self.check_windows(&actor, transport.as_ref())?;
+            actors.push(actor);
         }
         Ok(Runtime {
             transport,
@@ -206,6 +226,34 @@ impl RuntimeBuilder {
             shutdown_grace: self.shutdown_grace,
             stats: Arc::new(Stats::default()),
         })
+    }
+
+    /// Refuses windows that would let a copy run twice: a queue TTL longer than the handler's
+    /// retention (a late copy would find no marker), and an external handler's lease at least
+    /// as long as the retry window (a copy waiting for the lease would run out of attempts).
+    fn check_windows(&self, actor: &Actor, transport: &dyn Transport) -> Result<(), RuntimeError> {
+        let consumer = actor.registration.consumer();
+        let queue = &actor.spec.queue;
+        if let (Some(ttl), Some(retention)) = (
+            transport.message_ttl(queue),
+            actor.registration.retention(&self.stores),
+        ) && ttl > retention
+        {
+            return Err(RuntimeError::Setting(format!(
+                "queue `{queue}` declares a message TTL of {}s, longer than the {}s retention of                  `{consumer}`'s inbox rows: a message delivered late would find no marker and be                  processed again; raise the retention (#[idempotent(retention = \"...\")] or                  RuntimeBuilder::retention) or lower the TTL",
+                ttl.as_secs(),
+                retention.as_secs()
+            )));
+        }
+        if let crate::handler::Mode::External { lease } = actor.registration.mode() {
+            let window: Duration = self.retry.delays().iter().sum();
+            if lease >= window {
+                return Err(RuntimeError::Setting(format!(
+                    "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up                      after {window:?} of delays: a copy waiting for the lease would be                      dead-lettered; shorten the lease or lengthen the retry policy"
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// One handler's queue, workers, prefetch and batching.

@@ -1,0 +1,140 @@
+//! The pipeline of an external-mode handler ([`Mode::External`]): lease the key, run the
+//! handler outside any transaction, then settle the row as completed or failed.
+//!
+//! State machine of one key: *absent* → `in_progress` (lease held) → `completed` or `failed`.
+//! An `in_progress` row whose lease expired is taken over by the next copy (attempts + 1), which
+//! runs the handler again with the same key: the downstream service deduplicates on it.
+
+use crate::context::Context;
+use crate::envelope::Envelope;
+use crate::handler::{Handler, Mode};
+use crate::outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
+use crate::pipeline::{encode_result, existing, prepare, store_failure};
+use crate::store::{ClaimRequest, InboxStore, Lease, LeaseEnd, retention_of};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Processes one delivery with external-mode handler `H`.
+pub async fn process_external<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
+    process_external_in::<H>(store, envelope, retention_of::<H>(store, None)).await
+}
+
+/// [`process_external`], keeping the row for `retention`.
+pub(crate) async fn process_external_in<H: Handler>(
+    store: &H::Store,
+    envelope: &Envelope,
+    retention: Duration,
+) -> Outcome {
+    let Mode::External { lease } = H::MODE else {
+        return crate::pipeline::process_in::<H>(store, envelope, retention).await;
+    };
+    let (payload, key, fingerprint) = match prepare::<H>(envelope) {
+        Ok(prepared) => prepared,
+        Err(rejected) => return rejected,
+    };
+    let request = ClaimRequest {
+        consumer: H::CONSUMER,
+        key: &key,
+        fingerprint: &fingerprint,
+        attempt: envelope.attempt,
+        retention,
+    };
+    let owner = owner_token();
+    let correlation_id = envelope.correlation_id.as_deref();
+    match store.lease(&request, &owner, lease).await {
+        Err(e) => return store_failure(e, &key),
+        Ok(Lease::Acquired { attempts }) => {
+            if attempts > 1 {
+                tracing::warn!(consumer = H::CONSUMER, %key, correlation_id, attempts,
+                    "lease expired; taking over and calling again with the same key");
+            }
+        }
+        Ok(Lease::Completed {
+            fingerprint: stored,
+            output,
+        }) => return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, output),
+        Ok(Lease::Failed {
+            fingerprint: stored,
+            output,
+        }) => {
+            if stored != fingerprint {
+                return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, None);
+            }
+            let reason = output
+                .and_then(|o| o.decode::<String>().ok())
+                .unwrap_or_else(|| "no reason stored".to_owned());
+            return Outcome::Rejected(Rejection::new(
+                RejectReason::PreviouslyFailed,
+                format!("an earlier copy of this key failed permanently: {reason}"),
+                Some(key),
+            ));
+        }
+        Ok(Lease::Held {
+            fingerprint: stored,
+            remaining,
+        }) => {
+            if stored != fingerprint {
+                return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, None);
+            }
+            tracing::debug!(consumer = H::CONSUMER, %key, correlation_id, ?remaining,
+                "another consumer holds the lease; retrying later");
+            return Outcome::Retry(Transient {
+                message: format!(
+                    "another consumer is processing this key (its lease runs {} ms more)",
+                    remaining.as_millis()
+                ),
+                key: Some(key),
+            });
+        }
+    }
+
+    let ctx = Context::new(envelope, H::CONSUMER, &key);
+    let result = H::call_external(payload, &ctx).await;
+    let (end, output, outcome) = match encode_result::<H>(result, &key) {
+        Ok(output) => {
+            let outcome = Outcome::Processed {
+                key: key.clone(),
+                output: output.clone(),
+            };
+            (LeaseEnd::Completed, output, outcome)
+        }
+        Err(Outcome::Rejected(rejection)) => {
+            let output =
+                StoredOutput::encode(&rejection.message).unwrap_or_else(|_| StoredOutput::null());
+            (LeaseEnd::Failed, output, Outcome::Rejected(rejection))
+        }
+        Err(retry) => {
+            if let Err(e) = store.release(&request, &owner).await {
+                // The lease then runs out on its own; the retry waits for it.
+                tracing::warn!(consumer = H::CONSUMER, %key, error = %e, "releasing the lease failed");
+            }
+            return retry;
+        }
+    };
+    match store.settle(&request, &owner, end, &output).await {
+        Ok(true) => outcome,
+        Ok(false) => Outcome::Retry(Transient {
+            message: "the lease expired while the handler ran and another consumer took the key \
+                      over; a later copy finds its result"
+                .to_owned(),
+            key: Some(key),
+        }),
+        // The row stays in progress; once the lease runs out a retry calls again with the
+        // same key.
+        Err(e) => store_failure(e, &key),
+    }
+}
+
+/// A token naming one lease holder: process, time and a counter.
+fn owner_token() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_nanos();
+    format!(
+        "{}-{nanos:x}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}

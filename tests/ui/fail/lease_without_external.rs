@@ -1,0 +1,8 @@
+use idem::{HandlerError, idempotent};
+
+#[idempotent(store = Postgres, lease = "30s")]
+async fn handler(_tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, _m: serde_json::Value) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+fn main() {}
