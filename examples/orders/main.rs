@@ -32,7 +32,12 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Consume orders until interrupted (SIGINT or SIGTERM).
-    Consume,
+    Consume {
+        /// Serve Prometheus metrics at http://HOST:PORT/metrics (idem's message outcomes,
+        /// handler and claim durations, rows swept, sweeper lag).
+        #[arg(long, env = "ORDERS_METRICS_ADDR", value_name = "HOST:PORT")]
+        metrics_addr: Option<std::net::SocketAddr>,
+    },
     /// Publish a workload, consume it, and check the books (the default).
     Demo(demo::Options),
 }
@@ -96,17 +101,28 @@ async fn main() -> anyhow::Result<()> {
     );
     let db = Db::connect(&settings.database_url, settings.concurrency).await?;
     match cli.command {
-        Some(Command::Consume) => consume(settings, &db).await,
+        Some(Command::Consume { metrics_addr }) => consume(settings, &db, metrics_addr).await,
         Some(Command::Demo(options)) => demo::run(settings, &db, &options).await,
         None => demo::run(settings, &db, &demo::Options::default()).await,
     }
 }
 
-async fn consume(settings: &Settings, db: &Db) -> anyhow::Result<()> {
+async fn consume(
+    settings: &Settings,
+    db: &Db,
+    metrics_addr: Option<std::net::SocketAddr>,
+) -> anyhow::Result<()> {
     anyhow::ensure!(
         settings.transport != TransportKind::Memory,
         "`consume` needs RabbitMQ; the in-memory transport is for `demo`"
     );
+    if let Some(addr) = metrics_addr {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .with_context(|| format!("cannot serve metrics at --metrics-addr {addr}"))?;
+        tracing::info!(%addr, "serving Prometheus metrics at /metrics");
+    }
     let transport = RabbitTransport::new(RabbitConfig::new(&settings.amqp_url));
     let runtime = runtime(settings, db).transport(transport).build()?;
     tracing::info!(queue = settings.queue, "consuming orders");

@@ -17,8 +17,9 @@ use crate::handler::Handler;
 use crate::outcome::{Outcome, StoredOutput, Transient};
 use crate::pipeline::{encode_result, existing, failure, prepare};
 use crate::store::{Claim, ClaimRequest, InboxStore, retention_of};
+use crate::telemetry;
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 /// One distinct key of a batch (its payload is kept apart: payloads need not be `Sync`).
@@ -227,7 +228,10 @@ async fn run<H: Handler>(
     };
     let claimed = {
         let requests = requests(items, envelopes, H::CONSUMER, retention);
-        store.claim_batch(&mut tx, &requests).await
+        let claiming = Instant::now();
+        let claimed = store.claim_batch(&mut tx, &requests).await;
+        telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
+        claimed
     };
     let claims = match claimed {
         Ok(claims) if claims.len() == items.len() => claims,
@@ -286,7 +290,9 @@ async fn run<H: Handler>(
                     continue;
                 };
                 let ctx = Context::new(envelope, H::CONSUMER, &item.key);
+                let running = Instant::now();
                 let result = H::call(&mut tx, payload, &ctx).await;
+                telemetry::handler_duration(H::CONSUMER, running.elapsed());
                 match encode_result::<H>(result, &item.key) {
                     Ok(output) => {
                         outcomes[item.index] = Some(Outcome::Processed {

@@ -11,8 +11,9 @@ use crate::handler::{Handler, Mode};
 use crate::outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
 use crate::pipeline::{encode_result, existing, prepare, store_failure};
 use crate::store::{ClaimRequest, InboxStore, Lease, LeaseEnd, retention_of};
+use crate::telemetry;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Processes one delivery with external-mode handler `H`.
 pub async fn process_external<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
@@ -41,7 +42,10 @@ pub(crate) async fn process_external_in<H: Handler>(
     };
     let owner = owner_token();
     let correlation_id = envelope.correlation_id.as_deref();
-    match store.lease(&request, &owner, lease).await {
+    let claiming = Instant::now();
+    let leased = store.lease(&request, &owner, lease).await;
+    telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
+    match leased {
         Err(e) => return store_failure(e, &key),
         Ok(Lease::Acquired { attempts }) => {
             if attempts > 1 {
@@ -89,7 +93,9 @@ pub(crate) async fn process_external_in<H: Handler>(
     }
 
     let ctx = Context::new(envelope, H::CONSUMER, &key);
+    let running = Instant::now();
     let result = H::call_external(payload, &ctx).await;
+    telemetry::handler_duration(H::CONSUMER, running.elapsed());
     let (end, output, outcome) = match encode_result::<H>(result, &key) {
         Ok(output) => {
             let outcome = Outcome::Processed {

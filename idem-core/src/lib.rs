@@ -24,6 +24,7 @@ pub mod registry;
 pub mod retry;
 pub mod runtime;
 pub mod store;
+pub mod telemetry;
 pub mod transport;
 
 pub use batch::process_batch;
@@ -41,7 +42,10 @@ pub use pipeline::process;
 pub use registry::{DispatchError, Registration, RegistryError};
 pub use retry::{RetryPolicy, RetryPolicyError};
 pub use runtime::{Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats};
-pub use store::{Claim, ClaimRequest, InboxStore, Lease, LeaseEnd, StoreKind, Stores};
+pub use store::{
+    Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, Lease, LeaseEnd, StoreKind, Stores,
+    SweepReport,
+};
 pub use transport::{
     DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };

@@ -10,7 +10,8 @@ use crate::fingerprint::Fingerprint;
 use crate::handler::Handler;
 use crate::outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
 use crate::store::{Claim, ClaimRequest, InboxStore, retention_of};
-use std::time::Duration;
+use crate::telemetry;
+use std::time::{Duration, Instant};
 
 /// Processes one delivery with handler `H` in `store`'s transaction.
 ///
@@ -43,7 +44,10 @@ pub(crate) async fn process_in<H: Handler>(
         Ok(tx) => tx,
         Err(e) => return store_failure(e, &key),
     };
-    match store.claim(&mut tx, &request).await {
+    let claiming = Instant::now();
+    let claim = store.claim(&mut tx, &request).await;
+    telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
+    match claim {
         Ok(Claim::Claimed) => {}
         Ok(Claim::Existing {
             fingerprint: stored,
@@ -59,7 +63,9 @@ pub(crate) async fn process_in<H: Handler>(
     }
 
     let ctx = Context::new(envelope, H::CONSUMER, &key);
+    let running = Instant::now();
     let result = H::call(&mut tx, payload, &ctx).await;
+    telemetry::handler_duration(H::CONSUMER, running.elapsed());
     let output = match encode_result::<H>(result, &key) {
         Ok(output) => output,
         Err(failed) => {

@@ -128,6 +128,23 @@ impl LeaseEnd {
     }
 }
 
+/// What one sweep of an inbox did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Whether this sweeper held the inbox's sweeper lock; `false`: another sweeper (in this
+    /// or another process) was at work, and this one did nothing.
+    pub locked: bool,
+    /// Expired rows deleted.
+    pub deleted: u64,
+    /// Delete statements run (each at most one batch of rows).
+    pub batches: u32,
+    /// The longest of them: the longest any row lock was held.
+    pub longest_batch: Duration,
+    /// How far behind the sweeper is after this sweep: the age of the oldest expired row left
+    /// (zero when none is).
+    pub lag: Duration,
+}
+
 /// The lease operations of external mode, which a store without them refuses.
 fn no_external(operation: &'static str, kind: StoreKind) -> StoreError {
     StoreError::new(
@@ -270,6 +287,18 @@ pub trait InboxStore: Send + Sync + 'static {
         async { Err(no_external("release", Self::KIND)) }
     }
 
+    /// Deletes expired rows (of every consumer and status) in batches of at most `batch`,
+    /// oldest first, until none is left or `max_batches` ran, holding the inbox's sweeper lock
+    /// so that one sweeper works at a time across processes. The default sweeps nothing.
+    fn sweep(
+        &self,
+        batch: u32,
+        max_batches: u32,
+    ) -> impl Future<Output = Result<SweepReport, StoreError>> + Send {
+        let _ = (batch, max_batches);
+        async { Ok(SweepReport::default()) }
+    }
+
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 
@@ -282,7 +311,24 @@ pub trait InboxStore: Send + Sync + 'static {
 #[derive(Clone, Default)]
 pub struct Stores {
     stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
+    sweepers: HashMap<TypeId, Sweeper>,
     retention: Option<Duration>,
+}
+
+/// One store's [`InboxStore::sweep`], type-erased: `(batch, max_batches)`.
+pub type SweepFn = Arc<
+    dyn Fn(u32, u32) -> crate::registry::BoxFuture<'static, Result<SweepReport, StoreError>>
+        + Send
+        + Sync,
+>;
+
+/// A store's sweeper, as the runtime runs it.
+#[derive(Clone)]
+pub struct Sweeper {
+    /// The database.
+    pub kind: StoreKind,
+    /// Runs one sweep.
+    pub sweep: SweepFn,
 }
 
 impl Stores {
@@ -299,7 +345,25 @@ impl Stores {
 
     /// Adds `store`, replacing any store of the same type.
     pub fn insert<S: InboxStore>(&mut self, store: S) {
-        self.stores.insert(TypeId::of::<S>(), Arc::new(store));
+        let store = Arc::new(store);
+        let sweeping = store.clone();
+        let sweep: SweepFn = Arc::new(move |batch, max_batches| {
+            let store = sweeping.clone();
+            Box::pin(async move { store.sweep(batch, max_batches).await })
+        });
+        self.sweepers.insert(
+            TypeId::of::<S>(),
+            Sweeper {
+                kind: S::KIND,
+                sweep,
+            },
+        );
+        self.stores.insert(TypeId::of::<S>(), store);
+    }
+
+    /// The sweepers of the stores held, one per store.
+    pub fn sweepers(&self) -> impl Iterator<Item = &Sweeper> {
+        self.sweepers.values()
     }
 
     /// Keeps rows for `retention` for handlers that set none of their own (default: each

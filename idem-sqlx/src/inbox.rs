@@ -6,6 +6,7 @@ use idem_core::StoreError;
 use sqlx::{Database, Pool, Transaction};
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// A SQL dialect idem can keep an inbox in: the statement templates, with `{table}` standing for
@@ -23,6 +24,11 @@ pub trait Dialect: Database {
     const BATCH: [&'static str; 3];
     /// External mode's lease statements (see [`crate::lease`]).
     const LEASE: crate::lease::LeaseStatements;
+    /// The retention sweeper's statements (see [`crate::sweep`]).
+    const SWEEP: crate::sweep::SweepStatements;
+    /// Whether sweepers must also exclude each other inside this process (SQLite, whose
+    /// sweeper lock cannot span processes).
+    const LOCAL_SWEEP_LOCK: bool = false;
     /// The current time in the dialect's timestamp column type, for `{now}` in statements.
     const NOW: &'static str = "now()";
     /// The schema versions of the inbox table.
@@ -54,6 +60,9 @@ pub struct SqlInbox<DB: Dialect> {
     pub(crate) pool: Pool<DB>,
     pub(crate) config: InboxConfig,
     pub(crate) sql: Arc<Statements>,
+    /// Set while this process's sweeper of this inbox works, where
+    /// [`Dialect::LOCAL_SWEEP_LOCK`].
+    pub(crate) sweeping: Arc<AtomicBool>,
 }
 
 /// The statements of one inbox, with its table name filled in once.
@@ -68,6 +77,8 @@ pub(crate) struct Statements {
     pub(crate) batch: [Arc<str>; 3],
     /// External mode: insert, takeover, read, settle, release.
     pub(crate) lease: [Arc<str>; 5],
+    /// The sweeper: lock, unlock, delete a batch, lag.
+    pub(crate) sweep: [Arc<str>; 4],
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -87,8 +98,15 @@ impl<DB: Dialect> SqlInbox<DB> {
             batch: DB::BATCH.map(|template| statement(template, &config.table)),
             lease: DB::LEASE
                 .map(|template| statement(&template.replace("{now}", DB::NOW), &config.table)),
+            sweep: DB::SWEEP
+                .map(|template| statement(&template.replace("{now}", DB::NOW), &config.table)),
         });
-        Self { pool, config, sql }
+        Self {
+            pool,
+            config,
+            sql,
+            sweeping: Arc::default(),
+        }
     }
 
     /// The same inbox in table `name`.
@@ -198,6 +216,32 @@ impl<DB: Dialect> Clone for SqlInbox<DB> {
             pool: self.pool.clone(),
             config: self.config.clone(),
             sql: self.sql.clone(),
+            sweeping: self.sweeping.clone(),
+        }
+    }
+}
+
+impl<DB: Dialect> SqlInbox<DB> {
+    /// This process's sweeper lock where the dialect needs one; `None` when another sweeper
+    /// of this process holds it.
+    pub(crate) fn sweep_guard(&self) -> Option<SweepGuard<'_>> {
+        if !DB::LOCAL_SWEEP_LOCK {
+            return Some(SweepGuard(None));
+        }
+        self.sweeping
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| SweepGuard(Some(&self.sweeping)))
+    }
+}
+
+/// Holds this process's sweeper lock of one inbox until dropped.
+pub(crate) struct SweepGuard<'a>(Option<&'a AtomicBool>);
+
+impl Drop for SweepGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(flag) = self.0 {
+            flag.store(false, Ordering::Release);
         }
     }
 }

@@ -19,6 +19,7 @@ pub mod mysql;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+pub mod sweep;
 
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};
 pub use inbox::{Dialect, SqlInbox};

@@ -77,6 +77,15 @@ const LEASE: crate::lease::LeaseStatements = [
     WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
 ];
 
+/// The sweeper's statements; see [`crate::sweep`].
+const SWEEP: crate::sweep::SweepStatements = [
+    "SELECT CAST(COALESCE(GET_LOCK('idem.sweep.{table}', 0), 0) AS SIGNED)",
+    "DO RELEASE_LOCK('idem.sweep.{table}')",
+    "DELETE FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT ?",
+    r#"SELECT CAST(COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(expires_at), UTC_TIMESTAMP(6)) DIV 1000, 0) AS SIGNED)
+    FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6)"#,
+];
+
 /// Serializes concurrent migrations from several processes. `GET_LOCK` belongs to the session,
 /// so [`UNLOCK`] releases it before the connection goes back to the pool.
 const LOCK: &str = "SELECT GET_LOCK('idem.migrate', 300)";
@@ -101,6 +110,7 @@ impl Dialect for MySql {
     const UNCLAIM: &'static str = UNCLAIM;
     const BATCH: [&'static str; 3] = ["", "", ""];
     const LEASE: crate::lease::LeaseStatements = LEASE;
+    const SWEEP: crate::sweep::SweepStatements = SWEEP;
     const MIGRATIONS: Migrations = MIGRATIONS;
     const PROBE: &'static str = PROBE;
     const PREPARE: Option<&'static str> = None;
@@ -130,6 +140,7 @@ fn check_lengths(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
 }
 
 crate::lease::lease_ops!(MySql);
+crate::sweep::sweep_ops!(MySql);
 
 impl InboxStore for MySqlInbox {
     type Tx = Transaction<'static, MySql>;
@@ -260,6 +271,14 @@ impl InboxStore for MySqlInbox {
 
     async fn release(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<(), StoreError> {
         self.release_key(request, owner).await
+    }
+
+    async fn sweep(
+        &self,
+        batch: u32,
+        max_batches: u32,
+    ) -> Result<idem_core::SweepReport, StoreError> {
+        self.sweep_expired(batch, max_batches).await
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {

@@ -96,6 +96,17 @@ const LEASE: crate::lease::LeaseStatements = [
     WHERE consumer = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'"#,
 ];
 
+/// The sweeper's statements; see [`crate::sweep`].
+const SWEEP: crate::sweep::SweepStatements = [
+    "SELECT pg_try_advisory_lock(hashtext('idem.sweep.{table}'))::int::int8",
+    "SELECT pg_advisory_unlock(hashtext('idem.sweep.{table}'))",
+    r#"DELETE FROM "{table}" WHERE (consumer, key) IN (
+        SELECT consumer, key FROM "{table}" WHERE expires_at < now()
+        ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)"#,
+    r#"SELECT COALESCE((EXTRACT(EPOCH FROM now() - min(expires_at)) * 1000)::int8, 0)
+    FROM "{table}" WHERE expires_at < now()"#,
+];
+
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('idem.migrate'))::text";
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table text PRIMARY KEY, version integer NOT NULL, migrated_at timestamptz NOT NULL)";
@@ -114,6 +125,7 @@ impl Dialect for Postgres {
     const UNCLAIM: &'static str = UNCLAIM;
     const BATCH: [&'static str; 3] = [CLAIM_BATCH, EXISTING_BATCH, COMPLETE_BATCH];
     const LEASE: crate::lease::LeaseStatements = LEASE;
+    const SWEEP: crate::sweep::SweepStatements = SWEEP;
     const MIGRATIONS: Migrations = MIGRATIONS;
     const PREPARE: Option<&'static str> = None;
     const BEGIN: Option<&'static str> = None;
@@ -154,6 +166,7 @@ fn claim_from_row(row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
 }
 
 crate::lease::lease_ops!(Postgres);
+crate::sweep::sweep_ops!(Postgres);
 
 impl InboxStore for PgInbox {
     type Tx = Transaction<'static, Postgres>;
@@ -336,6 +349,14 @@ impl InboxStore for PgInbox {
     }
 
     crate::lease::lease_methods!();
+
+    async fn sweep(
+        &self,
+        batch: u32,
+        max_batches: u32,
+    ) -> Result<idem_core::SweepReport, StoreError> {
+        self.sweep_expired(batch, max_batches).await
+    }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         commit(tx).await

@@ -77,6 +77,16 @@ const LEASE: crate::lease::LeaseStatements = [
     WHERE consumer = ?1 AND key = ?2 AND owner = ?3 AND status = 'in_progress'"#,
 ];
 
+/// The sweeper's statements; see [`crate::sweep`]. The lock is this process's (see
+/// `LOCAL_SWEEP_LOCK`); across processes each batch queues on the database's write lock.
+const SWEEP: crate::sweep::SweepStatements = [
+    "SELECT 1",
+    "SELECT 1",
+    r#"DELETE FROM "{table}" WHERE (consumer, key) IN (
+        SELECT consumer, key FROM "{table}" WHERE expires_at < {now} ORDER BY expires_at LIMIT ?1)"#,
+    r#"SELECT COALESCE({now} - MIN(expires_at), 0) FROM "{table}" WHERE expires_at < {now}"#,
+];
+
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table TEXT PRIMARY KEY, version INTEGER NOT NULL, migrated_at INTEGER NOT NULL)";
 const READ_VERSION: &str = "SELECT version FROM idem_schema_version WHERE inbox_table = ?1";
@@ -118,6 +128,8 @@ impl Dialect for Sqlite {
     // SQLite runs in process: the single-row statements cost no round trips.
     const BATCH: [&'static str; 3] = ["", "", ""];
     const LEASE: crate::lease::LeaseStatements = LEASE;
+    const SWEEP: crate::sweep::SweepStatements = SWEEP;
+    const LOCAL_SWEEP_LOCK: bool = true;
     const NOW: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
     const MIGRATIONS: Migrations = MIGRATIONS;
     // Persistent for file databases; an in-memory database answers "memory" and stays so.
@@ -131,6 +143,7 @@ impl Dialect for Sqlite {
 }
 
 crate::lease::lease_ops!(Sqlite);
+crate::sweep::sweep_ops!(Sqlite);
 
 impl InboxStore for SqliteInbox {
     type Tx = Transaction<'static, Sqlite>;
@@ -228,6 +241,14 @@ impl InboxStore for SqliteInbox {
     }
 
     crate::lease::lease_methods!();
+
+    async fn sweep(
+        &self,
+        batch: u32,
+        max_batches: u32,
+    ) -> Result<idem_core::SweepReport, StoreError> {
+        self.sweep_expired(batch, max_batches).await
+    }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         commit(tx).await

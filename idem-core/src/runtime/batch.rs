@@ -3,7 +3,7 @@
 //! deliveries after the commit. While one batch executes, the next one fills the mailbox; while
 //! it commits, the next one begins and claims its keys (its handlers wait for the commit).
 
-use super::worker::{Shared, panicked, settle_outcome};
+use super::worker::{Shared, delivery_span, panicked, record_outcome, settle_outcome};
 use crate::batch::Stages;
 use crate::envelope::Envelope;
 use crate::outcome::{Outcome, Transient};
@@ -116,7 +116,11 @@ async fn handle(shared: Arc<Shared>, batch: Vec<Delivery>, stages: Stages) {
             Err(panic) => vec![panicked(&shared, panic); envelopes.len()],
         };
         for ((outcome, envelope), settle) in outcomes.iter().zip(&envelopes).zip(settles) {
-            settle_outcome(&shared, outcome, envelope, settle).await;
+            let span = delivery_span(shared.registration.consumer(), envelope);
+            record_outcome(&span, outcome);
+            settle_outcome(&shared, outcome, envelope, settle)
+                .instrument(span)
+                .await;
         }
     }
     .instrument(span)

@@ -2,6 +2,7 @@
 
 use super::batch::BatchSpec;
 use super::stats::Stats;
+use super::sweeper::SweepSettings;
 use super::{Actor, Runtime, RuntimeError};
 use crate::registry::{self, Registration};
 use crate::retry::RetryPolicy;
@@ -34,6 +35,7 @@ pub struct RuntimeBuilder {
     linger: Duration,
     retry: RetryPolicy,
     shutdown_grace: Duration,
+    sweep: Option<SweepSettings>,
 }
 
 impl Default for RuntimeBuilder {
@@ -51,6 +53,7 @@ impl Default for RuntimeBuilder {
             linger: DEFAULT_LINGER,
             retry: RetryPolicy::default(),
             shutdown_grace: Duration::from_secs(30),
+            sweep: Some(SweepSettings::default()),
         }
     }
 }
@@ -135,6 +138,25 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Sweeps expired inbox rows every `interval` (default 60 s), deleting at most `batch` rows
+    /// per statement (default 1000) so that no lock is held long. One sweeper works at a time
+    /// per inbox across all processes; the others skip their turn.
+    pub fn sweep(mut self, interval: Duration, batch: u32) -> Self {
+        self.sweep = Some(SweepSettings {
+            interval,
+            batch,
+            ..SweepSettings::default()
+        });
+        self
+    }
+
+    /// Runs no sweeper in this process (another process, or a scheduled job calling the
+    /// store's `sweep`, keeps the inbox from growing).
+    pub fn without_sweeper(mut self) -> Self {
+        self.sweep = None;
+        self
+    }
+
     /// How transient failures are retried.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
@@ -200,6 +222,13 @@ impl RuntimeBuilder {
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let handlers = self.select_handlers()?;
         let transport = self.transport.clone().ok_or(RuntimeError::NoTransport)?;
+        if let Some(sweep) = self.sweep
+            && (sweep.batch == 0 || sweep.interval.is_zero())
+        {
+            return Err(RuntimeError::Setting(
+                "the sweeper needs a batch of at least 1 row and a non-zero interval; use without_sweeper() to run none".into(),
+            ));
+        }
         if self.prefetch == Some(0) {
             return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
         }
@@ -225,6 +254,7 @@ impl RuntimeBuilder {
             retry: self.retry,
             shutdown_grace: self.shutdown_grace,
             stats: Arc::new(Stats::default()),
+            sweep: self.sweep,
         })
     }
 

@@ -5,6 +5,7 @@ mod batch;
 mod builder;
 mod decide;
 mod stats;
+mod sweeper;
 mod worker;
 
 pub use builder::RuntimeBuilder;
@@ -95,6 +96,7 @@ pub struct Runtime {
     retry: RetryPolicy,
     shutdown_grace: Duration,
     stats: Arc<Stats>,
+    sweep: Option<sweeper::SweepSettings>,
 }
 
 impl Runtime {
@@ -171,9 +173,20 @@ impl Runtime {
             );
         }
 
+        let mut sweepers = JoinSet::new();
+        if let Some(settings) = self.sweep {
+            for sweeper in self.stores.sweepers() {
+                sweepers.spawn(sweeper::run(sweeper.clone(), settings, stop.clone()));
+            }
+        }
+        crate::telemetry::describe();
+
         shutdown.await;
         tracing::info!("shutting down: no new deliveries; finishing those in flight");
         let _ = stop_tx.send(true);
+        // A sweep in progress is dropped: each batch is its own statement, and the lock's
+        // session goes back to the pool.
+        sweepers.abort_all();
         let drained = tokio::time::timeout(self.shutdown_grace, async {
             while consumers.join_next().await.is_some() {}
             while workers.join_next().await.is_some() {}

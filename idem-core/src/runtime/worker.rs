@@ -7,6 +7,7 @@ use crate::outcome::{Outcome, Transient};
 use crate::registry::Registration;
 use crate::retry::RetryPolicy;
 use crate::store::Stores;
+use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal};
 use futures_util::FutureExt;
 use std::panic::AssertUnwindSafe;
@@ -46,8 +47,20 @@ pub(crate) async fn run(
 /// returned, that is after the inbox transaction committed or rolled back.
 async fn handle(shared: &Shared, delivery: Delivery) {
     let Delivery { envelope, settle } = delivery;
-    let consumer = shared.registration.consumer();
-    let span = tracing::info_span!(
+    let span = delivery_span(shared.registration.consumer(), &envelope);
+    async {
+        let outcome = run_pipeline(shared, &envelope).await;
+        record_outcome(&tracing::Span::current(), &outcome);
+        settle_outcome(shared, &outcome, &envelope, settle).await;
+    }
+    .instrument(span)
+    .await;
+}
+
+/// The span of one delivery: consumer, message id, correlation id and attempt now; key and
+/// outcome once known ([`record_outcome`]).
+pub(crate) fn delivery_span(consumer: &str, envelope: &Envelope) -> tracing::Span {
+    tracing::info_span!(
         "delivery",
         consumer,
         message_id = envelope.message_id.as_deref(),
@@ -55,18 +68,15 @@ async fn handle(shared: &Shared, delivery: Delivery) {
         attempt = envelope.attempt,
         key = field::Empty,
         outcome = field::Empty,
-    );
-    async {
-        let outcome = run_pipeline(shared, &envelope).await;
-        let span = tracing::Span::current();
-        if let Some(key) = outcome.key() {
-            span.record("key", key);
-        }
-        span.record("outcome", outcome.label());
-        settle_outcome(shared, &outcome, &envelope, settle).await;
+    )
+}
+
+/// Records the key and outcome on a delivery's span.
+pub(crate) fn record_outcome(span: &tracing::Span, outcome: &Outcome) {
+    if let Some(key) = outcome.key() {
+        span.record("key", key);
     }
-    .instrument(span)
-    .await;
+    span.record("outcome", outcome.label());
 }
 
 /// Settles one delivery according to its outcome, counting it.
@@ -84,25 +94,36 @@ pub(crate) async fn settle_outcome(
     let consumer = shared.registration.consumer();
     let settled = match decide(outcome, envelope, consumer, &shared.retry) {
         Settlement::Ack => {
-            Stats::add(match outcome {
-                Outcome::Duplicate { .. } => &stats.duplicates,
-                _ => &stats.processed,
-            });
+            let (counter, label) = match outcome {
+                Outcome::Duplicate { .. } => (&stats.duplicates, "duplicate"),
+                _ => (&stats.processed, "processed"),
+            };
+            Stats::add(counter);
+            telemetry::message(consumer, label);
             settle.ack().await
         }
         Settlement::Retry(delay) => {
-            tracing::info!(?delay, key = outcome.key(), failure = %describe(outcome), "transient failure; retrying later");
+            tracing::info!(?delay, key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), failure = %describe(outcome), "transient failure; retrying later");
             Stats::add(&stats.retried);
+            telemetry::message(consumer, "retried");
             settle.retry(envelope, delay).await
         }
         Settlement::DeadLetter(reason) => {
-            tracing::warn!(key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
-            match outcome {
-                Outcome::Conflict { .. } => Stats::add(&stats.conflicts),
-                Outcome::Rejected(_) => Stats::add(&stats.rejected),
-                _ => {}
-            }
+            tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
+            let label = match outcome {
+                Outcome::Conflict { .. } => {
+                    Stats::add(&stats.conflicts);
+                    "conflict"
+                }
+                Outcome::Rejected(_) => {
+                    Stats::add(&stats.rejected);
+                    "rejected"
+                }
+                _ => "dead_lettered",
+            };
             Stats::add(&stats.dead_lettered);
+            telemetry::message(consumer, label);
+            telemetry::dead_letter(consumer, &reason.reason);
             settle.dead_letter(envelope, &reason).await
         }
     };

@@ -1,0 +1,335 @@
+//! What operators see: a Prometheus scrape of idem's metrics (every outcome, handler and claim
+//! durations, rows swept, sweeper lag), a span per delivery with consumer, key, message id,
+//! correlation id, attempt and outcome, and duplicate/conflict log lines carrying the key and
+//! the correlation id. One test: it installs the process's recorder and subscriber.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use common::wait_until;
+use idem::sql::SqliteInbox;
+use idem::{Envelope, HandlerError, MemoryTransport, RetryPolicy, Runtime, idempotent};
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(serde::Deserialize)]
+struct Order {
+    order_id: String,
+    fail: Option<String>,
+}
+
+static FAILED_ONCE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Writes nothing but its inbox row, kept one second; fails as the order asks.
+#[idempotent(store = Sqlite, queue = "obs-orders", consumer = "obs.orders", key = "order.order_id", retention = "1s")]
+async fn observed(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    order: Order,
+) -> Result<u32, HandlerError> {
+    match order.fail.as_deref() {
+        Some("always") => Err(HandlerError::transient("the ledger is down")),
+        Some("once") => {
+            let mut failed = FAILED_ONCE.lock().unwrap_or_else(|e| e.into_inner());
+            if failed.contains(&order.order_id) {
+                Ok(1)
+            } else {
+                failed.push(order.order_id.clone());
+                Err(HandlerError::transient("the ledger blinked"))
+            }
+        }
+        _ => Ok(1),
+    }
+}
+
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logs {
+    fn lines(&self) -> Vec<String> {
+        String::from_utf8_lossy(&self.0.lock().unwrap())
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+fn order(id: &str, fail: Option<&str>, correlation: &str) -> Envelope {
+    Envelope::new(serde_json::json!({"order_id": id, "fail": fail}).to_string())
+        .with_message_id(id)
+        .with_correlation_id(correlation)
+}
+
+/// The value of the scraped sample whose line starts with `series`.
+fn sample(scrape: &str, series: &str) -> Option<f64> {
+    scrape
+        .lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_spans_and_log_lines() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    tracing_subscriber::fmt()
+        .with_env_filter("idem_core=debug")
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .init();
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap();
+
+    let (pool, _dir) = common::sqlite(4).await;
+    let inbox = SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    let transport = MemoryTransport::new();
+    let runtime = Runtime::builder()
+        .transport(transport.clone())
+        .store(inbox)
+        .handlers(["obs.orders"])
+        .retry(
+            RetryPolicy::new(2, Duration::from_millis(20), 2, Duration::from_millis(50)).unwrap(),
+        )
+        .sweep(Duration::from_millis(100), 10)
+        .build()
+        .unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+
+    let q = "obs-orders";
+    transport.publish(q, order("o-1", None, "corr-1"));
+    wait_until("o-1", Duration::from_secs(10), || async {
+        stats.snapshot().processed == 1
+    })
+    .await;
+    transport.publish(q, order("o-1", None, "corr-dup")); // duplicate
+    transport.publish(q, order("o-1", Some("other"), "corr-conflict")); // conflict
+    transport.publish(
+        q,
+        Envelope::new("not json")
+            .with_message_id("bad")
+            .with_correlation_id("corr-bad"),
+    ); // rejected
+    transport.publish(q, order("o-2", Some("once"), "corr-2")); // retried, then processed
+    transport.publish(q, order("o-3", Some("always"), "corr-3")); // retried, then dead-lettered
+    wait_until(
+        "every delivery settled",
+        Duration::from_secs(20),
+        || async { stats.snapshot().settled() == 6 },
+    )
+    .await;
+    // Both processed rows expire after a second; the sweeper, every 100 ms, deletes them.
+    let rows = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM idem_inbox WHERE consumer = 'obs.orders'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(rows().await, 2);
+    wait_until(
+        "the sweeper to delete the expired rows",
+        Duration::from_secs(20),
+        || async { rows().await == 0 },
+    )
+    .await;
+    let scrape = prometheus.render();
+    wait_until(
+        "the sweep to be counted",
+        Duration::from_secs(5),
+        || async {
+            sample(
+                &prometheus.render(),
+                "idem_inbox_rows_swept_total{store=\"sqlite\"}",
+            )
+            .is_some_and(|n| n >= 2.0)
+        },
+    )
+    .await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+
+    let outcome = |o: &str| {
+        sample(
+            &scrape,
+            &format!("idem_messages_total{{consumer=\"obs.orders\",outcome=\"{o}\"}}"),
+        )
+    };
+    assert_eq!(outcome("processed"), Some(2.0), "{scrape}");
+    assert_eq!(outcome("duplicate"), Some(1.0));
+    assert_eq!(outcome("conflict"), Some(1.0));
+    assert_eq!(outcome("rejected"), Some(1.0));
+    assert_eq!(outcome("retried"), Some(2.0));
+    assert_eq!(outcome("dead_lettered"), Some(1.0));
+    for reason in ["conflict", "decode", "retries-exhausted"] {
+        let series =
+            format!("idem_dead_letters_total{{consumer=\"obs.orders\",reason=\"{reason}\"}}");
+        assert_eq!(sample(&scrape, &series), Some(1.0), "{series}");
+    }
+    // Handler runs: o-1, o-2 twice, o-3 twice; claims: every decodable delivery.
+    assert_eq!(
+        sample(
+            &scrape,
+            "idem_handler_duration_seconds_count{consumer=\"obs.orders\"}"
+        ),
+        Some(5.0),
+        "{scrape}"
+    );
+    assert_eq!(
+        sample(
+            &scrape,
+            "idem_claim_duration_seconds_count{consumer=\"obs.orders\"}"
+        ),
+        Some(7.0)
+    );
+    assert!(
+        scrape.contains("idem_sweeper_lag_seconds{store=\"sqlite\"}"),
+        "{scrape}"
+    );
+
+    let lines = logs.lines();
+    let find = |needle: &str| {
+        lines
+            .iter()
+            .find(|l| l.contains(needle))
+            .cloned()
+            .unwrap_or_default()
+    };
+    let duplicate = find("duplicate skipped");
+    assert!(
+        duplicate.contains("key=o-1") && duplicate.contains("correlation_id=\"corr-dup\""),
+        "{duplicate}"
+    );
+    let conflict = find("same key, different payload");
+    assert!(
+        conflict.contains("key=o-1") && conflict.contains("correlation_id=\"corr-conflict\""),
+        "{conflict}"
+    );
+    // The delivery span: every event inside it names the delivery.
+    let retried = lines
+        .iter()
+        .find(|l| l.contains("retrying later") && l.contains("corr-3"))
+        .cloned()
+        .unwrap_or_default();
+    for field in [
+        "delivery{consumer=\"obs.orders\"",
+        "message_id=\"o-3\"",
+        "correlation_id=\"corr-3\"",
+        "attempt=1",
+        "key=\"o-3\"",
+        "outcome=\"retry\"",
+    ] {
+        assert!(retried.contains(field), "{field} missing from {retried}");
+    }
+}
+
+/// `orders consume --metrics-addr`: the example consumer serves the scrape over HTTP.
+#[tokio::test]
+async fn orders_consume_serves_metrics_for_prometheus() {
+    let example = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/orders");
+    assert!(
+        example.exists(),
+        "{} is missing: `cargo test` builds it, or run `cargo build --example orders`",
+        example.display()
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let queue = common::unique("idem-test-obs");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    // Declared up front, so that nothing published before the consumer starts is dropped.
+    let spec = idem::QueueSpec {
+        queue: queue.clone(),
+        consumer: "orders".into(),
+        retry_delays: RetryPolicy::default().delays(),
+    };
+    let rabbit = idem::rabbitmq::RabbitConfig::new(common::broker::amqp_url());
+    idem::Transport::declare(&idem::rabbitmq::RabbitTransport::new(rabbit), &[spec])
+        .await
+        .unwrap();
+    let child = std::process::Command::new(&example)
+        .args(["consume", "--metrics-addr", &addr])
+        .env("DATABASE_URL", dir.path().join("orders.db"))
+        .env("ORDERS_QUEUE", &queue)
+        .env("AMQP_URL", common::broker::amqp_url())
+        .spawn()
+        .unwrap();
+    let _child = KillOnDrop(child);
+    let scrape = || async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let Ok(mut stream) = tokio::net::TcpStream::connect(&addr).await else {
+            return String::new();
+        };
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        if stream.write_all(request.as_bytes()).await.is_err() {
+            return String::new();
+        }
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response).await;
+        response
+    };
+    wait_until(
+        "the consumer to serve /metrics",
+        Duration::from_secs(60),
+        || async { scrape().await.starts_with("HTTP/1.1 200") },
+    )
+    .await;
+    let publisher = common::broker::publisher().await;
+    let body =
+        serde_json::json!({"order_id": queue, "customer": "c", "amount_cents": 5}).to_string();
+    common::broker::publish(&publisher, &queue, Some(&queue), body.as_bytes()).await;
+    common::broker::publish(&publisher, &queue, Some(&queue), body.as_bytes()).await;
+    let processed = "idem_messages_total{consumer=\"orders\",outcome=\"processed\"} 1";
+    let duplicate = "idem_messages_total{consumer=\"orders\",outcome=\"duplicate\"} 1";
+    wait_until(
+        "the scrape to count both copies",
+        Duration::from_secs(30),
+        || async {
+            let text = scrape().await;
+            text.contains(processed) && text.contains(duplicate)
+        },
+    )
+    .await;
+    let text = scrape().await;
+    assert!(
+        text.contains("# TYPE idem_handler_duration_seconds summary"),
+        "{text}"
+    );
+    common::broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
+
+/// Kills (SIGKILL) and reaps a child process when the test ends, passed or failed.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
