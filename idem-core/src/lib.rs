@@ -17,6 +17,7 @@ pub mod fault;
 pub mod fingerprint;
 pub mod handler;
 pub mod key;
+pub mod lease;
 pub mod memory;
 pub mod outcome;
 pub mod pipeline;
@@ -24,6 +25,7 @@ pub mod registry;
 pub mod retry;
 pub mod runtime;
 pub mod store;
+pub mod stores;
 pub mod telemetry;
 pub mod transport;
 

@@ -1,14 +1,16 @@
-//! The inbox store contract, and the set of stores a runtime holds.
+//! The inbox store contract: claims in the caller's transaction, leases (external mode) and
+//! sweeps.
 
 use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::outcome::StoredOutput;
-use std::any::{Any, TypeId};
-use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
+
+use crate::lease::no_external;
+pub use crate::lease::{Lease, LeaseEnd};
+pub use crate::stores::{Stores, SweepFn, Sweeper};
 
 /// The database behind an inbox store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -77,57 +79,6 @@ pub enum Claim {
     },
 }
 
-/// What an external-mode claim ([`InboxStore::lease`]) found for its key.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Lease {
-    /// The caller holds the lease: the row is new (`attempts` = 1) or an expired lease was
-    /// taken over (`attempts` counts every holder so far).
-    Acquired {
-        /// How many times a lease on this key was granted.
-        attempts: u32,
-    },
-    /// The key was processed; the stored result is replayed.
-    Completed {
-        /// The fingerprint stored with it.
-        fingerprint: Fingerprint,
-        /// The stored result (`None` for `null`).
-        output: Option<StoredOutput>,
-    },
-    /// The handler failed permanently for this key; it is not run again.
-    Failed {
-        /// The fingerprint stored with it.
-        fingerprint: Fingerprint,
-        /// The stored failure.
-        output: Option<StoredOutput>,
-    },
-    /// Another consumer holds a live lease.
-    Held {
-        /// The fingerprint stored with it.
-        fingerprint: Fingerprint,
-        /// How long the lease still runs.
-        remaining: Duration,
-    },
-}
-
-/// How an external-mode handler ended, as [`InboxStore::settle`] records it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseEnd {
-    /// The handler succeeded: `completed`, its result replayed to later copies.
-    Completed,
-    /// The handler failed permanently: `failed`, later copies are dead-lettered unrun.
-    Failed,
-}
-
-impl LeaseEnd {
-    /// The status column's value.
-    pub fn status(self) -> &'static str {
-        match self {
-            Self::Completed => "completed",
-            Self::Failed => "failed",
-        }
-    }
-}
-
 /// What one sweep of an inbox did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SweepReport {
@@ -143,15 +94,6 @@ pub struct SweepReport {
     /// How far behind the sweeper is after this sweep: the age of the oldest expired row left
     /// (zero when none is).
     pub lag: Duration,
-}
-
-/// The lease operations of external mode, which a store without them refuses.
-fn no_external(operation: &'static str, kind: StoreKind) -> StoreError {
-    StoreError::new(
-        operation,
-        crate::error::ErrorClass::Permanent,
-        format!("the {kind} store does not support mode = \"external\""),
-    )
 }
 
 /// An inbox: claims and completes dedup markers inside a transaction the caller also hands to
@@ -305,91 +247,4 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Rolls the transaction back. Failures are logged, not returned: a transaction that
     /// cannot be rolled back is not committed either.
     fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
-}
-
-/// The inbox stores available to handlers, one per store type.
-#[derive(Clone, Default)]
-pub struct Stores {
-    stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
-    sweepers: HashMap<TypeId, Sweeper>,
-    retention: Option<Duration>,
-}
-
-/// One store's [`InboxStore::sweep`], type-erased: `(batch, max_batches)`.
-pub type SweepFn = Arc<
-    dyn Fn(u32, u32) -> crate::registry::BoxFuture<'static, Result<SweepReport, StoreError>>
-        + Send
-        + Sync,
->;
-
-/// A store's sweeper, as the runtime runs it.
-#[derive(Clone)]
-pub struct Sweeper {
-    /// The database.
-    pub kind: StoreKind,
-    /// Runs one sweep.
-    pub sweep: SweepFn,
-}
-
-impl Stores {
-    /// No stores.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds `store`, replacing any store of the same type.
-    pub fn with<S: InboxStore>(mut self, store: S) -> Self {
-        self.insert(store);
-        self
-    }
-
-    /// Adds `store`, replacing any store of the same type.
-    pub fn insert<S: InboxStore>(&mut self, store: S) {
-        let store = Arc::new(store);
-        let sweeping = store.clone();
-        let sweep: SweepFn = Arc::new(move |batch, max_batches| {
-            let store = sweeping.clone();
-            Box::pin(async move { store.sweep(batch, max_batches).await })
-        });
-        self.sweepers.insert(
-            TypeId::of::<S>(),
-            Sweeper {
-                kind: S::KIND,
-                sweep,
-            },
-        );
-        self.stores.insert(TypeId::of::<S>(), store);
-    }
-
-    /// The sweepers of the stores held, one per store.
-    pub fn sweepers(&self) -> impl Iterator<Item = &Sweeper> {
-        self.sweepers.values()
-    }
-
-    /// Keeps rows for `retention` for handlers that set none of their own (default: each
-    /// store's own retention).
-    pub fn with_retention(mut self, retention: Duration) -> Self {
-        self.retention = Some(retention);
-        self
-    }
-
-    /// The retention set with [`Self::with_retention`].
-    pub fn retention(&self) -> Option<Duration> {
-        self.retention
-    }
-
-    /// The store of type `S`, if one was added.
-    pub fn get<S: InboxStore>(&self) -> Option<&S> {
-        self.stores
-            .get(&TypeId::of::<S>())
-            .and_then(|store| store.downcast_ref::<S>())
-    }
-}
-
-impl fmt::Debug for Stores {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Stores")
-            .field("count", &self.stores.len())
-            .finish()
-    }
 }

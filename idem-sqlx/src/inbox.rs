@@ -22,7 +22,7 @@ pub trait Dialect: Database {
     const UNCLAIM: &'static str;
     /// Batch statements of this dialect, if it has any beyond the single-row ones.
     const BATCH: [&'static str; 3];
-    /// External mode's lease statements (see [`crate::lease`]).
+    /// External mode's lease statements: insert, takeover, read, settle, release.
     const LEASE: crate::lease::LeaseStatements;
     /// The retention sweeper's statements (see [`crate::sweep`]).
     const SWEEP: crate::sweep::SweepStatements;

@@ -1,0 +1,96 @@
+//! The set of inbox stores a runtime holds, one per store type, with their sweepers.
+
+use crate::error::StoreError;
+use crate::store::{InboxStore, StoreKind, SweepReport};
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The inbox stores available to handlers, one per store type.
+#[derive(Clone, Default)]
+pub struct Stores {
+    stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
+    sweepers: HashMap<TypeId, Sweeper>,
+    retention: Option<Duration>,
+}
+
+/// One store's [`InboxStore::sweep`], type-erased: `(batch, max_batches)`.
+pub type SweepFn = Arc<
+    dyn Fn(u32, u32) -> crate::registry::BoxFuture<'static, Result<SweepReport, StoreError>>
+        + Send
+        + Sync,
+>;
+
+/// A store's sweeper, as the runtime runs it.
+#[derive(Clone)]
+pub struct Sweeper {
+    /// The database.
+    pub kind: StoreKind,
+    /// Runs one sweep.
+    pub sweep: SweepFn,
+}
+
+impl Stores {
+    /// No stores.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `store`, replacing any store of the same type.
+    pub fn with<S: InboxStore>(mut self, store: S) -> Self {
+        self.insert(store);
+        self
+    }
+
+    /// Adds `store`, replacing any store of the same type.
+    pub fn insert<S: InboxStore>(&mut self, store: S) {
+        let store = Arc::new(store);
+        let sweeping = store.clone();
+        let sweep: SweepFn = Arc::new(move |batch, max_batches| {
+            let store = sweeping.clone();
+            Box::pin(async move { store.sweep(batch, max_batches).await })
+        });
+        self.sweepers.insert(
+            TypeId::of::<S>(),
+            Sweeper {
+                kind: S::KIND,
+                sweep,
+            },
+        );
+        self.stores.insert(TypeId::of::<S>(), store);
+    }
+
+    /// The sweepers of the stores held, one per store.
+    pub fn sweepers(&self) -> impl Iterator<Item = &Sweeper> {
+        self.sweepers.values()
+    }
+
+    /// Keeps rows for `retention` for handlers that set none of their own (default: each
+    /// store's own retention).
+    pub fn with_retention(mut self, retention: Duration) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+
+    /// The retention set with [`Self::with_retention`].
+    pub fn retention(&self) -> Option<Duration> {
+        self.retention
+    }
+
+    /// The store of type `S`, if one was added.
+    pub fn get<S: InboxStore>(&self) -> Option<&S> {
+        self.stores
+            .get(&TypeId::of::<S>())
+            .and_then(|store| store.downcast_ref::<S>())
+    }
+}
+
+impl fmt::Debug for Stores {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stores")
+            .field("count", &self.stores.len())
+            .finish()
+    }
+}
