@@ -773,3 +773,58 @@ mod mysql_errors {
         assert_eq!(classify_sqlx(&error), ErrorClass::Transient);
     }
 }
+
+/// A table an idem of schema version 1 made (no lease columns), with a row in it, is upgraded
+/// in place by `migrate`, its row kept and claimable as a duplicate.
+#[tokio::test]
+async fn a_version_1_table_is_upgraded_in_place() {
+    use idem::{ClaimRequest, Fingerprint, InboxStore};
+    let (pool, _dir) = common::sqlite(1).await;
+    for statement in [
+        r#"CREATE TABLE "idem_inbox" (consumer TEXT NOT NULL, key TEXT NOT NULL, fingerprint BLOB NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('in_progress', 'completed', 'failed')), outcome TEXT,
+            attempts INTEGER NOT NULL, created_at INTEGER NOT NULL, completed_at INTEGER,
+            expires_at INTEGER NOT NULL, PRIMARY KEY (consumer, key)) WITHOUT ROWID"#,
+        r#"CREATE INDEX "idem_inbox_expires_at" ON "idem_inbox" (expires_at)"#,
+        "CREATE TABLE idem_schema_version (inbox_table TEXT PRIMARY KEY, version INTEGER NOT NULL, migrated_at INTEGER NOT NULL)",
+        "INSERT INTO idem_schema_version VALUES ('idem_inbox', 1, 0)",
+    ] {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    let fingerprint = Fingerprint::of(b"old");
+    sqlx::query(
+        "INSERT INTO idem_inbox VALUES ('c', 'k', ?1, 'completed', NULL, 1, 0, 0, 9999999999999)",
+    )
+    .bind(fingerprint.as_bytes().as_slice())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let inbox = idem::sql::SqliteInbox::new(pool.clone());
+    inbox.check().await.unwrap_err(); // the probe wants the lease columns
+    inbox.migrate().await.unwrap();
+    inbox.check().await.unwrap();
+    let version: i64 = sqlx::query_scalar(
+        "SELECT version FROM idem_schema_version WHERE inbox_table = 'idem_inbox'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(version, i64::from(idem::sql::SCHEMA_VERSION));
+    let request = ClaimRequest {
+        consumer: "c",
+        key: "k",
+        fingerprint: &fingerprint,
+        attempt: 1,
+        retention: std::time::Duration::from_secs(60),
+    };
+    let mut tx = inbox.begin().await.unwrap();
+    let claim = inbox.claim(&mut tx, &request).await.unwrap();
+    assert_eq!(
+        claim,
+        idem::Claim::Existing {
+            fingerprint,
+            output: None
+        }
+    );
+    inbox.rollback(tx).await;
+}

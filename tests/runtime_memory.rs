@@ -247,3 +247,84 @@ async fn an_inbox_never_migrated_stops_the_start_instead_of_dead_lettering_every
     );
     assert!(transport.dead_letters("mem-orders").is_empty());
 }
+
+/// Calls per key of the external handler below (its "downstream", counted in process).
+static CALLS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+#[idempotent(store = Sqlite, queue = "mem-notify", consumer = "mem.notify", mode = "external", lease = "1s")]
+async fn notify(order: Order, ctx: &idem::Context<'_>) -> Result<String, HandlerError> {
+    CALLS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(ctx.idempotency_key().to_owned());
+    if order.panic {
+        return Err(HandlerError::permanent("no such recipient"));
+    }
+    Ok(format!("sent {}", order.order_id))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
+    let (pool, _dir) = common::sqlite(4).await;
+    let inbox = SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    let transport = MemoryTransport::new();
+    let runtime = Runtime::builder()
+        .transport(transport.clone())
+        .store(inbox)
+        .handlers(["mem.notify"])
+        .retry(
+            RetryPolicy::new(6, Duration::from_millis(50), 2, Duration::from_millis(800)).unwrap(),
+        )
+        .batch(8)
+        .concurrency(2)
+        .build()
+        .unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    let mut published = 0;
+    for n in 0..40 {
+        let copies = n % 3 + 1;
+        transport.publish_copies("mem-notify", &message(&format!("n{n}"), false), copies);
+        published += copies as u64;
+    }
+    transport.publish_copies("mem-notify", &message("nobody", true), 2);
+    published += 2;
+    wait_until(
+        "every delivery settled",
+        Duration::from_secs(30),
+        || async { stats.snapshot().settled() == published },
+    )
+    .await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    let seen = stats.snapshot();
+    assert_eq!((seen.processed, seen.dead_lettered), (40, 2), "{seen:?}");
+    let calls = CALLS.lock().unwrap().clone();
+    for n in 0..40 {
+        let key = format!("n{n}");
+        assert_eq!(
+            calls.iter().filter(|k| **k == key).count(),
+            1,
+            "{key} called more than once"
+        );
+    }
+    assert_eq!(
+        calls.iter().filter(|k| *k == "nobody").count(),
+        1,
+        "a failed key ran again"
+    );
+    let reasons: Vec<_> = transport
+        .dead_letters("mem-notify")
+        .into_iter()
+        .map(|(_, d)| d.reason)
+        .collect();
+    assert!(
+        reasons.contains(&"handler".to_owned())
+            && reasons.contains(&"previously-failed".to_owned()),
+        "{reasons:?}"
+    );
+}

@@ -270,7 +270,7 @@ impl RuntimeBuilder {
         ) && ttl > retention
         {
             return Err(RuntimeError::Setting(format!(
-                "queue `{queue}` declares a message TTL of {}s, longer than the {}s retention of                  `{consumer}`'s inbox rows: a message delivered late would find no marker and be                  processed again; raise the retention (#[idempotent(retention = \"...\")] or                  RuntimeBuilder::retention) or lower the TTL",
+                "queue `{queue}` declares a message TTL of {}s, longer than the {}s retention of `{consumer}`'s inbox rows: a message delivered late would find no marker and be processed again; raise the retention (#[idempotent(retention = \"...\")] or RuntimeBuilder::retention) or lower the TTL",
                 ttl.as_secs(),
                 retention.as_secs()
             )));
@@ -279,7 +279,7 @@ impl RuntimeBuilder {
             let window: Duration = self.retry.delays().iter().sum();
             if lease >= window {
                 return Err(RuntimeError::Setting(format!(
-                    "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up                      after {window:?} of delays: a copy waiting for the lease would be                      dead-lettered; shorten the lease or lengthen the retry policy"
+                    "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up after {window:?} of delays: a copy waiting for the lease would be dead-lettered; shorten the lease or lengthen the retry policy"
                 )));
             }
         }
