@@ -55,6 +55,10 @@ struct Bench {
     /// Batches in flight in idem's batch mode.
     #[arg(long, default_value_t = 1)]
     batches_in_flight: usize,
+    /// Install a Prometheus recorder in idem's consumers, so that its metrics are recorded
+    /// (and their cost measured).
+    #[arg(long)]
+    metrics: bool,
     /// Which consumers to run, in this order within each run.
     #[arg(
         long,
@@ -171,6 +175,11 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
             handwritten::batched(&b.amqp_url, pool, queue, expect, b.batch, linger).await?
         }
         Variant::Idem | Variant::IdemBatch => {
+            if b.metrics {
+                metrics_exporter_prometheus::PrometheusBuilder::new()
+                    .install_recorder()
+                    .context("installing the metrics recorder")?;
+            }
             let mode = with_idem::Mode {
                 batch: if variant == Variant::IdemBatch {
                     b.batch

@@ -7,6 +7,7 @@
 
 use crate::context::Context;
 use crate::envelope::Envelope;
+use crate::fingerprint::Fingerprint;
 use crate::handler::{Handler, Mode};
 use crate::outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
 use crate::pipeline::{encode_result, existing, prepare, store_failure};
@@ -41,55 +42,11 @@ pub(crate) async fn process_external_in<H: Handler>(
         retention,
     };
     let owner = owner_token();
-    let correlation_id = envelope.correlation_id.as_deref();
     let claiming = Instant::now();
     let leased = store.lease(&request, &owner, lease).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
-    match leased {
-        Err(e) => return store_failure(e, &key),
-        Ok(Lease::Acquired { attempts }) => {
-            if attempts > 1 {
-                tracing::warn!(consumer = H::CONSUMER, %key, correlation_id, attempts,
-                    "lease expired; taking over and calling again with the same key");
-            }
-        }
-        Ok(Lease::Completed {
-            fingerprint: stored,
-            output,
-        }) => return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, output),
-        Ok(Lease::Failed {
-            fingerprint: stored,
-            output,
-        }) => {
-            if stored != fingerprint {
-                return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, None);
-            }
-            let reason = output
-                .and_then(|o| o.decode::<String>().ok())
-                .unwrap_or_else(|| "no reason stored".to_owned());
-            return Outcome::Rejected(Rejection::new(
-                RejectReason::PreviouslyFailed,
-                format!("an earlier copy of this key failed permanently: {reason}"),
-                Some(key),
-            ));
-        }
-        Ok(Lease::Held {
-            fingerprint: stored,
-            remaining,
-        }) => {
-            if stored != fingerprint {
-                return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, None);
-            }
-            tracing::debug!(consumer = H::CONSUMER, %key, correlation_id, ?remaining,
-                "another consumer holds the lease; retrying later");
-            return Outcome::Retry(Transient {
-                message: format!(
-                    "another consumer is processing this key (its lease runs {} ms more)",
-                    remaining.as_millis()
-                ),
-                key: Some(key),
-            });
-        }
+    if let Err(outcome) = may_run::<H>(leased, envelope, &key, &fingerprint) {
+        return outcome;
     }
 
     let ctx = Context::new(envelope, H::CONSUMER, &key);
@@ -129,6 +86,82 @@ pub(crate) async fn process_external_in<H: Handler>(
         // same key.
         Err(e) => store_failure(e, &key),
     }
+}
+
+/// Whether the lease lets this copy run the handler; otherwise the copy's outcome: a
+/// duplicate or conflict of a completed key, the dead letter of a failed one, a retry while
+/// another consumer holds the lease, a store failure.
+fn may_run<H: Handler>(
+    leased: Result<Lease, crate::error::StoreError>,
+    envelope: &Envelope,
+    key: &str,
+    fingerprint: &Fingerprint,
+) -> Result<(), Outcome> {
+    let correlation_id = envelope.correlation_id.as_deref();
+    let (stored, outcome) = match leased {
+        Err(e) => return Err(store_failure(e, key)),
+        Ok(Lease::Acquired { attempts }) => {
+            if attempts > 1 {
+                tracing::info!(consumer = H::CONSUMER, %key, correlation_id, attempts,
+                    "taking the key over from an earlier attempt (its lease expired or was released); calling again with the same key");
+            }
+            return Ok(());
+        }
+        Ok(Lease::Completed {
+            fingerprint: stored,
+            output,
+        }) => {
+            let key = key.to_owned();
+            return Err(existing(
+                H::CONSUMER,
+                envelope,
+                key,
+                fingerprint,
+                &stored,
+                output,
+            ));
+        }
+        Ok(Lease::Failed {
+            fingerprint: stored,
+            output,
+        }) => {
+            let reason = output
+                .and_then(|o| o.decode::<String>().ok())
+                .unwrap_or_else(|| "no reason stored".to_owned());
+            let rejection = Rejection::new(
+                RejectReason::PreviouslyFailed,
+                format!("an earlier copy of this key failed permanently: {reason}"),
+                Some(key.to_owned()),
+            );
+            (stored, Outcome::Rejected(rejection))
+        }
+        Ok(Lease::Held {
+            fingerprint: stored,
+            remaining,
+        }) => {
+            tracing::debug!(consumer = H::CONSUMER, %key, correlation_id, ?remaining,
+                "another consumer holds the lease; retrying later");
+            let retry = Outcome::Retry(Transient {
+                message: format!(
+                    "another consumer is processing this key (its lease runs {} ms more)",
+                    remaining.as_millis()
+                ),
+                key: Some(key.to_owned()),
+            });
+            (stored, retry)
+        }
+    };
+    if stored != *fingerprint {
+        return Err(existing(
+            H::CONSUMER,
+            envelope,
+            key.to_owned(),
+            fingerprint,
+            &stored,
+            None,
+        ));
+    }
+    Err(outcome)
 }
 
 /// A token naming one lease holder: process, time and a counter.
