@@ -105,10 +105,12 @@ macro_rules! sweep_suite {
                 while inbox.sweep(10_000, 1_000).await.unwrap().deleted > 0 {}
                 let live = rows_of_every_status(&inbox, &unique("live"), LONG).await;
                 let expired = rows_of_every_status(&inbox, &unique("old"), SHORT).await;
+                // All three expired: the oldest a second ago, the others (written milliseconds
+                // after it) since.
                 wait_until(
                     "the short rows to expire",
                     Duration::from_secs(10),
-                    || async { inbox.sweep(1, 0).await.unwrap().lag > Duration::ZERO },
+                    || async { inbox.sweep(1, 0).await.unwrap().lag >= SHORT },
                 )
                 .await;
 
