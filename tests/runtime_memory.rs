@@ -328,3 +328,42 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
         "{reasons:?}"
     );
 }
+
+#[tokio::test]
+async fn the_runtime_retention_applies_to_handlers_without_their_own() {
+    let (pool, _dir) = common::sqlite(2).await;
+    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    let transport = MemoryTransport::new();
+    let runtime = Runtime::builder()
+        .transport(transport.clone())
+        .store(inbox)
+        .handlers(["mem.orders"])
+        .retention(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    transport.publish("mem-orders", message("kept-an-hour", false));
+    wait_until("processed", Duration::from_secs(10), || async {
+        stats.snapshot().processed == 1
+    })
+    .await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    // SQLite timestamps are Unix milliseconds.
+    let kept: i64 = sqlx::query_scalar(
+        "SELECT expires_at - created_at FROM idem_inbox WHERE key = 'kept-an-hour'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kept, 3_600_000);
+}
