@@ -8,6 +8,7 @@ mod common;
 #[path = "common/runtime_fixture.rs"]
 mod runtime_fixture;
 
+use common::running::*;
 use common::{broker, wait_until};
 use idem::RetryPolicy;
 use idem::rabbitmq::QueueType;

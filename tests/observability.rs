@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::running::start;
 use common::wait_until;
 use idem::sql::SqliteInbox;
 use idem::{Envelope, HandlerError, MemoryTransport, RetryPolicy, Runtime, idempotent};
@@ -96,21 +97,18 @@ async fn metrics_spans_and_log_lines() {
     let inbox = SqliteInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
     let transport = MemoryTransport::new();
-    let runtime = Runtime::builder()
-        .transport(transport.clone())
-        .store(inbox)
-        .handlers(["obs.orders"])
-        .retry(
-            RetryPolicy::new(2, Duration::from_millis(20), 2, Duration::from_millis(50)).unwrap(),
-        )
-        .sweep(Duration::from_millis(100), 10)
-        .build()
-        .unwrap();
-    let stats = runtime.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(runtime.run_until(async {
-        let _ = stopped.await;
-    }));
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(inbox)
+            .handlers(["obs.orders"])
+            .retry(
+                RetryPolicy::new(2, Duration::from_millis(20), 2, Duration::from_millis(50))
+                    .unwrap(),
+            )
+            .sweep(Duration::from_millis(100), 10),
+    );
+    let stats = running.stats.clone();
 
     let q = "obs-orders";
     transport.publish(q, order("o-1", None, "corr-1"));
@@ -163,8 +161,7 @@ async fn metrics_spans_and_log_lines() {
         },
     )
     .await;
-    let _ = stop.send(());
-    running.await.unwrap().unwrap();
+    running.shut_down().await;
 
     let outcome = |o: &str| {
         sample(

@@ -9,6 +9,7 @@ mod common;
 mod runtime_fixture;
 
 use common::broker::{self, Got, amqp_url, publish};
+use common::running::*;
 use common::wait_until;
 use idem::rabbitmq::{QueueType, RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;

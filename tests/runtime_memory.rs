@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::running::start;
 use common::wait_until;
 use idem::sql::SqliteInbox;
 use idem::{
@@ -75,21 +76,18 @@ async fn panics_are_retried_and_concurrent_copies_take_effect_once() {
     let inbox = SqliteInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
     let transport = MemoryTransport::new();
-    let runtime = Runtime::builder()
-        .transport(transport.clone())
-        .store(inbox)
-        .handlers(["mem.orders"])
-        .retry(
-            RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100)).unwrap(),
-        )
-        .concurrency(4)
-        .build()
-        .unwrap();
-    let stats = runtime.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(runtime.run_until(async {
-        let _ = stopped.await;
-    }));
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(inbox)
+            .handlers(["mem.orders"])
+            .retry(
+                RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100))
+                    .unwrap(),
+            )
+            .concurrency(4),
+    );
+    let stats = running.stats.clone();
 
     transport.publish("mem-orders", message("boom", true));
     transport.publish_copies("mem-orders", &message("twin", false), 8);
@@ -100,8 +98,7 @@ async fn panics_are_retried_and_concurrent_copies_take_effect_once() {
         || async { stats.snapshot().settled() == 10 },
     )
     .await;
-    let _ = stop.send(());
-    running.await.unwrap().unwrap();
+    running.shut_down().await;
 
     let seen = stats.snapshot();
     assert_eq!(
@@ -180,21 +177,18 @@ async fn batch_mode_takes_effect_once_through_copies_and_a_panic() {
     let inbox = SqliteInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
     let transport = MemoryTransport::new();
-    let runtime = Runtime::builder()
-        .transport(transport.clone())
-        .store(inbox)
-        .handlers(["mem.orders"])
-        .retry(
-            RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100)).unwrap(),
-        )
-        .batch(16)
-        .build()
-        .unwrap();
-    let stats = runtime.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(runtime.run_until(async {
-        let _ = stopped.await;
-    }));
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(inbox)
+            .handlers(["mem.orders"])
+            .retry(
+                RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100))
+                    .unwrap(),
+            )
+            .batch(16),
+    );
+    let stats = running.stats.clone();
     // Copies land in the same batch and in different ones; the panic fails its whole batch
     // once, and every message in it is retried.
     let mut published = 0;
@@ -211,8 +205,7 @@ async fn batch_mode_takes_effect_once_through_copies_and_a_panic() {
         || async { stats.snapshot().processed == 101 },
     )
     .await;
-    let _ = stop.send(());
-    running.await.unwrap().unwrap();
+    running.shut_down().await;
     let seen = stats.snapshot();
     assert_eq!(seen.panics, 1, "{seen:?}");
     assert_eq!(seen.dead_lettered, 0, "{seen:?}");
@@ -269,22 +262,19 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
     let inbox = SqliteInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
     let transport = MemoryTransport::new();
-    let runtime = Runtime::builder()
-        .transport(transport.clone())
-        .store(inbox)
-        .handlers(["mem.notify"])
-        .retry(
-            RetryPolicy::new(6, Duration::from_millis(50), 2, Duration::from_millis(800)).unwrap(),
-        )
-        .batch(8)
-        .concurrency(2)
-        .build()
-        .unwrap();
-    let stats = runtime.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(runtime.run_until(async {
-        let _ = stopped.await;
-    }));
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(inbox)
+            .handlers(["mem.notify"])
+            .retry(
+                RetryPolicy::new(6, Duration::from_millis(50), 2, Duration::from_millis(800))
+                    .unwrap(),
+            )
+            .batch(8)
+            .concurrency(2),
+    );
+    let stats = running.stats.clone();
     let mut published = 0;
     for n in 0..40 {
         let copies = n % 3 + 1;
@@ -299,8 +289,7 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
         || async { stats.snapshot().settled() == published },
     )
     .await;
-    let _ = stop.send(());
-    running.await.unwrap().unwrap();
+    running.shut_down().await;
     let seen = stats.snapshot();
     assert_eq!((seen.processed, seen.dead_lettered), (40, 2), "{seen:?}");
     let calls = CALLS.lock().unwrap().clone();
@@ -339,25 +328,20 @@ async fn the_runtime_retention_applies_to_handlers_without_their_own() {
     let inbox = SqliteInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
     let transport = MemoryTransport::new();
-    let runtime = Runtime::builder()
-        .transport(transport.clone())
-        .store(inbox)
-        .handlers(["mem.orders"])
-        .retention(Duration::from_secs(3600))
-        .build()
-        .unwrap();
-    let stats = runtime.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(runtime.run_until(async {
-        let _ = stopped.await;
-    }));
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(inbox)
+            .handlers(["mem.orders"])
+            .retention(Duration::from_secs(3600)),
+    );
+    let stats = running.stats.clone();
     transport.publish("mem-orders", message("kept-an-hour", false));
     wait_until("processed", Duration::from_secs(10), || async {
         stats.snapshot().processed == 1
     })
     .await;
-    let _ = stop.send(());
-    running.await.unwrap().unwrap();
+    running.shut_down().await;
     // SQLite timestamps are Unix milliseconds.
     let kept: i64 = sqlx::query_scalar(
         "SELECT expires_at - created_at FROM idem_inbox WHERE key = 'kept-an-hour'",

@@ -60,14 +60,8 @@ impl Registration {
             queue: H::QUEUE,
             key: H::KEY,
             store: <H::Store as InboxStore>::KIND,
-            invoke: match H::MODE {
-                Mode::Transactional => invoke::<H>,
-                Mode::External { .. } => invoke_external::<H>,
-            },
-            invoke_batch: match H::MODE {
-                Mode::Transactional => invoke_batch::<H>,
-                Mode::External { .. } => invoke_batch_external::<H>,
-            },
+            invoke: invoke::<H>,
+            invoke_batch: invoke_batch::<H>,
             mode: H::MODE,
             retention: H::RETENTION,
             store_retention: store_retention::<H>,
@@ -190,10 +184,15 @@ fn invoke<'a, H: Handler>(
     Box::pin(async move {
         let store = store_of::<H>(stores)?;
         let retention = retention_of::<H>(store, stores.retention());
-        Ok(process_in::<H>(store, envelope, retention).await)
+        Ok(match H::MODE {
+            Mode::Transactional => process_in::<H>(store, envelope, retention).await,
+            Mode::External { .. } => process_external_in::<H>(store, envelope, retention).await,
+        })
     })
 }
 
+/// A batch in one transaction; an external handler shares no transaction, so its batch is its
+/// messages one after another, each leased and settled on its own, after the previous batch.
 fn invoke_batch<'a, H: Handler>(
     stores: &'a Stores,
     envelopes: &'a [Envelope],
@@ -202,31 +201,9 @@ fn invoke_batch<'a, H: Handler>(
     Box::pin(async move {
         let store = store_of::<H>(stores)?;
         let retention = retention_of::<H>(store, stores.retention());
-        Ok(process_batch_in::<H>(store, envelopes, stages, retention).await)
-    })
-}
-
-fn invoke_external<'a, H: Handler>(
-    stores: &'a Stores,
-    envelope: &'a Envelope,
-) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
-    Box::pin(async move {
-        let store = store_of::<H>(stores)?;
-        let retention = retention_of::<H>(store, stores.retention());
-        Ok(process_external_in::<H>(store, envelope, retention).await)
-    })
-}
-
-/// External handlers share no transaction: a batch is its messages one after another, each
-/// leased and settled on its own, after the previous batch.
-fn invoke_batch_external<'a, H: Handler>(
-    stores: &'a Stores,
-    envelopes: &'a [Envelope],
-    stages: Stages,
-) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
-    Box::pin(async move {
-        let store = store_of::<H>(stores)?;
-        let retention = retention_of::<H>(store, stores.retention());
+        if H::MODE == Mode::Transactional {
+            return Ok(process_batch_in::<H>(store, envelopes, stages, retention).await);
+        }
         if let Some(after) = stages.after {
             let _ = after.await;
         }

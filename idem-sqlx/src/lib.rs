@@ -132,6 +132,17 @@ pub(crate) fn pending(
         .collect())
 }
 
+/// The claim of a key whose row exists: its stored fingerprint and result.
+pub(crate) fn existing_claim(
+    fingerprint: &[u8],
+    outcome: Option<String>,
+) -> Result<idem_core::Claim, StoreError> {
+    Ok(idem_core::Claim::Existing {
+        fingerprint: stored_fingerprint(fingerprint)?,
+        output: outcome.map(idem_core::StoredOutput::from_json),
+    })
+}
+
 /// Decodes a stored fingerprint.
 pub(crate) fn stored_fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
     Fingerprint::from_slice(bytes).ok_or_else(|| {

@@ -11,7 +11,7 @@
 //! byte for byte (`utf8mb4_bin`): `A-1` and `a-1` are different messages. Timestamps are UTC.
 
 use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint};
-use crate::{Migrations, stored_fingerprint};
+use crate::{Migrations, existing_claim};
 use idem_core::{Claim, ClaimRequest, ErrorClass, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::{AssertSqlSafe, MySql, Row, Transaction};
 
@@ -196,11 +196,7 @@ impl InboxStore for MySqlInbox {
             ));
         };
         let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(fail)?;
-        let output: Option<String> = row.try_get("outcome").map_err(fail)?;
-        Ok(Claim::Existing {
-            fingerprint: stored_fingerprint(&fingerprint)?,
-            output: output.map(StoredOutput::from_json),
-        })
+        existing_claim(&fingerprint, row.try_get("outcome").map_err(fail)?)
     }
 
     async fn complete(

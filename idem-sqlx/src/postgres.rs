@@ -1,7 +1,7 @@
 //! The PostgreSQL inbox.
 
 use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint, savepoint};
-use crate::{Migrations, stored_fingerprint};
+use crate::{Migrations, existing_claim};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
 use std::collections::{HashMap, HashSet};
@@ -160,11 +160,7 @@ fn claim_from_row(row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
         return Ok(Claim::Claimed);
     }
     let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(read)?;
-    let output: Option<String> = row.try_get("outcome").map_err(read)?;
-    Ok(Claim::Existing {
-        fingerprint: stored_fingerprint(&fingerprint)?,
-        output: output.map(StoredOutput::from_json),
-    })
+    existing_claim(&fingerprint, row.try_get("outcome").map_err(read)?)
 }
 
 crate::lease::lease_ops!(Postgres);
@@ -282,11 +278,7 @@ impl InboxStore for PgInbox {
             for row in rows {
                 let key: String = row.try_get("key").map_err(fail)?;
                 let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(fail)?;
-                let output: Option<String> = row.try_get("outcome").map_err(fail)?;
-                let claim = Claim::Existing {
-                    fingerprint: stored_fingerprint(&fingerprint)?,
-                    output: output.map(StoredOutput::from_json),
-                };
+                let claim = existing_claim(&fingerprint, row.try_get("outcome").map_err(fail)?)?;
                 found.insert(key, claim);
             }
         }

@@ -6,7 +6,7 @@
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
 use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint, savepoint};
-use crate::{Migrations, stored_fingerprint};
+use crate::{Migrations, existing_claim};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
@@ -192,11 +192,7 @@ impl InboxStore for SqliteInbox {
             .await
             .map_err(read)?;
         let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(read)?;
-        let output: Option<String> = row.try_get("outcome").map_err(read)?;
-        Ok(Claim::Existing {
-            fingerprint: stored_fingerprint(&fingerprint)?,
-            output: output.map(StoredOutput::from_json),
-        })
+        existing_claim(&fingerprint, row.try_get("outcome").map_err(read)?)
     }
 
     async fn complete(

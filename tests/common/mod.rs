@@ -114,3 +114,4 @@ where
 pub mod broker;
 pub mod charges;
 pub mod proxy;
+pub mod running;

@@ -7,15 +7,12 @@ use crate::common::unique;
 use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
 use idem::{
-    Context, HandlerError, QueueSpec, RetryPolicy, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
-    Stats, Transport, idempotent,
+    Context, HandlerError, QueueSpec, RetryPolicy, Runtime, RuntimeBuilder, Transport, idempotent,
 };
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 pub const CONSUMER: &str = "rt.orders";
 
@@ -243,44 +240,6 @@ impl Fixture {
 
     pub async fn cleanup(self) {
         broker::delete_topology(&self.queue, &self.policy.delays()).await;
-    }
-}
-
-pub struct Running {
-    pub stop: oneshot::Sender<()>,
-    pub task: JoinHandle<Result<(), RuntimeError>>,
-    pub stats: Arc<Stats>,
-}
-
-pub fn start(builder: RuntimeBuilder) -> Running {
-    let runtime = builder.build().unwrap();
-    let stats = runtime.stats();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(runtime.run_until(async {
-        let _ = stopped.await;
-    }));
-    Running { stop, task, stats }
-}
-
-impl Running {
-    pub fn now(&self) -> Snapshot {
-        self.stats.snapshot()
-    }
-
-    pub async fn shut_down(self) -> Snapshot {
-        let _ = self.stop.send(());
-        finish(self.task).await;
-        self.stats.snapshot()
-    }
-}
-
-pub const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Waits for a runtime to stop; a shutdown that hangs fails the test instead of the CI run.
-pub async fn finish(task: JoinHandle<Result<(), RuntimeError>>) {
-    match tokio::time::timeout(DEADLINE, task).await {
-        Ok(result) => result.unwrap().unwrap(),
-        Err(_) => panic!("the runtime did not shut down within {DEADLINE:?}"),
     }
 }
 
