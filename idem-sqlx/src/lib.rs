@@ -10,6 +10,7 @@
 //! - [`SqliteInbox`]: SQLite, the embedded default (feature `sqlite`); see [`sqlite::pool`] for
 //!   a pool set up as idem needs (WAL, busy timeout).
 
+mod claim;
 pub mod config;
 pub mod inbox;
 mod lease;

@@ -10,10 +10,10 @@
 //! [`idem_core::classify_mysql_number`]): the message is retried, never lost. Keys compare
 //! byte for byte (`utf8mb4_bin`): `A-1` and `a-1` are different messages. Timestamps are UTC.
 
+use crate::Migrations;
 use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint};
-use crate::{Migrations, existing_claim};
 use idem_core::{Claim, ClaimRequest, ErrorClass, InboxStore, StoreError, StoreKind, StoredOutput};
-use sqlx::{AssertSqlSafe, MySql, Row, Transaction};
+use sqlx::{AssertSqlSafe, MySql, Transaction};
 
 /// The longest key (and consumer) the MySQL inbox holds, in characters: the primary key of two
 /// `utf8mb4` columns must fit InnoDB's 3072-byte index limit.
@@ -139,6 +139,7 @@ fn check_lengths(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
     Ok(())
 }
 
+crate::claim::insert_then_read!(MySql);
 crate::lease::lease_ops!(MySql);
 crate::sweep::sweep_ops!(MySql);
 
@@ -167,36 +168,7 @@ impl InboxStore for MySqlInbox {
         request: &ClaimRequest<'_>,
     ) -> Result<Claim, StoreError> {
         check_lengths(request)?;
-        let fail = |e| StoreError::sqlx("claim", e);
-        let inserted = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
-            .bind(request.consumer)
-            .bind(request.key)
-            .bind(request.fingerprint.as_bytes().as_slice())
-            .bind(i64::from(request.attempt))
-            .bind(crate::config::secs(request.retention))
-            .execute(&mut **tx)
-            .await
-            .map_err(fail)?
-            .rows_affected();
-        if inserted == 1 {
-            return Ok(Claim::Claimed);
-        }
-        let row = sqlx::query(AssertSqlSafe(self.sql.existing.clone()))
-            .bind(request.consumer)
-            .bind(request.key)
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(fail)?;
-        let Some(row) = row else {
-            // The row that blocked the insert was deleted since (the sweeper); a retry claims.
-            return Err(StoreError::new(
-                "claim",
-                ErrorClass::Transient,
-                "the key's row vanished between the insert and the read",
-            ));
-        };
-        let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(fail)?;
-        existing_claim(&fingerprint, row.try_get("outcome").map_err(fail)?)
+        self.claim_insert_then_read(tx, request).await
     }
 
     async fn complete(

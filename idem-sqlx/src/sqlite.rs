@@ -5,11 +5,11 @@
 //! `SQLITE_BUSY` and `SQLITE_LOCKED` are classified as transient, so a claim that waited too
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
+use crate::Migrations;
 use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint, savepoint};
-use crate::{Migrations, existing_claim};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool, Transaction};
+use sqlx::{AssertSqlSafe, Sqlite, SqlitePool, Transaction};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -142,6 +142,7 @@ impl Dialect for Sqlite {
     const WRITE_VERSION: &'static str = WRITE_VERSION;
 }
 
+crate::claim::insert_then_read!(Sqlite);
 crate::lease::lease_ops!(Sqlite);
 crate::sweep::sweep_ops!(Sqlite);
 
@@ -169,30 +170,7 @@ impl InboxStore for SqliteInbox {
         tx: &mut Self::Tx,
         request: &ClaimRequest<'_>,
     ) -> Result<Claim, StoreError> {
-        let read = |e| StoreError::sqlx("claim", e);
-        let inserted = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
-            .bind(request.consumer)
-            .bind(request.key)
-            .bind(request.fingerprint.as_bytes().as_slice())
-            .bind(i64::from(request.attempt))
-            .bind(crate::config::secs(request.retention))
-            .execute(&mut **tx)
-            .await
-            .map_err(read)?
-            .rows_affected();
-        if inserted == 1 {
-            return Ok(Claim::Claimed);
-        }
-        // The write lock is held since BEGIN IMMEDIATE: the row that blocked the insert is
-        // committed and visible.
-        let row = sqlx::query(AssertSqlSafe(self.sql.existing.clone()))
-            .bind(request.consumer)
-            .bind(request.key)
-            .fetch_one(&mut **tx)
-            .await
-            .map_err(read)?;
-        let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(read)?;
-        existing_claim(&fingerprint, row.try_get("outcome").map_err(read)?)
+        self.claim_insert_then_read(tx, request).await
     }
 
     async fn complete(
