@@ -53,6 +53,18 @@ async fn needs_postgres(
     Ok(())
 }
 
+/// A fresh SQLite database with the `effects` table and a migrated inbox.
+async fn orders_inbox(connections: u32) -> (sqlx::SqlitePool, tempfile::TempDir, SqliteInbox) {
+    let (pool, dir) = common::sqlite(connections).await;
+    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    (pool, dir, inbox)
+}
+
 async fn effects(pool: &sqlx::SqlitePool, key: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = $1")
         .bind(key)
@@ -68,13 +80,7 @@ fn message(id: &str, panic: bool) -> Envelope {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn panics_are_retried_and_concurrent_copies_take_effect_once() {
-    let (pool, _dir) = common::sqlite(4).await;
-    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let inbox = SqliteInbox::new(pool.clone());
-    inbox.migrate().await.unwrap();
+    let (pool, _dir, inbox) = orders_inbox(4).await;
     let transport = MemoryTransport::new();
     let running = start(
         Runtime::builder()
@@ -169,13 +175,7 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batch_mode_takes_effect_once_through_copies_and_a_panic() {
-    let (pool, _dir) = common::sqlite(4).await;
-    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let inbox = SqliteInbox::new(pool.clone());
-    inbox.migrate().await.unwrap();
+    let (pool, _dir, inbox) = orders_inbox(4).await;
     let transport = MemoryTransport::new();
     let running = start(
         Runtime::builder()
@@ -320,13 +320,7 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
 
 #[tokio::test]
 async fn the_runtime_retention_applies_to_handlers_without_their_own() {
-    let (pool, _dir) = common::sqlite(2).await;
-    sqlx::query("CREATE TABLE effects (key TEXT NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let inbox = SqliteInbox::new(pool.clone());
-    inbox.migrate().await.unwrap();
+    let (pool, _dir, inbox) = orders_inbox(2).await;
     let transport = MemoryTransport::new();
     let running = start(
         Runtime::builder()
