@@ -705,7 +705,9 @@ mod mysql_errors {
             .connect(&super::common::mysql_url())
             .await
             .unwrap();
-        let stores = Stores::new().with(idem::sql::MySqlInbox::new(impatient));
+        let inbox = idem::sql::MySqlInbox::new(impatient);
+        inbox.migrate().await.expect("migrate");
+        let stores = Stores::new().with(inbox);
         let (id, customer) = (unique("o"), unique("c"));
         let holder = lock_balance(&pool, &customer).await;
         let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": 7});
@@ -736,35 +738,17 @@ mod mysql_errors {
 
     #[tokio::test]
     async fn a_deadlock_is_transient() {
-        let (pool, _) = super::mysql_setup(3, None).await;
+        let (pool, _) = super::mysql_setup(2, None).await;
         let (a, b) = (unique("c"), unique("c"));
         let mut first = lock_balance(&pool, &a).await;
         let mut second = lock_balance(&pool, &b).await;
         let lock = "UPDATE idem_test_balances SET cents = cents + 1 WHERE customer = ?";
-        let first_id: u64 = sqlx::query_scalar("SELECT CONNECTION_ID()")
-            .fetch_one(&mut *first)
-            .await
-            .unwrap();
-        // Each waits for the row the other holds; InnoDB breaks the cycle by failing one.
-        let (one, two) = tokio::join!(sqlx::query(lock).bind(&b).execute(&mut *first), async {
-            super::common::wait_until(
-                "the first transaction to wait",
-                std::time::Duration::from_secs(20),
-                || async {
-                    sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM information_schema.INNODB_TRX
-                         WHERE trx_state = 'LOCK WAIT' AND trx_mysql_thread_id = ?",
-                    )
-                    .bind(first_id)
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap()
-                        == 1
-                },
-            )
-            .await;
-            sqlx::query(lock).bind(&a).execute(&mut *second).await
-        });
+        // Each already holds its own row and now asks for the other's: whichever statement
+        // arrives second closes a cycle, and InnoDB breaks it by failing one of them.
+        let (one, two) = tokio::join!(
+            sqlx::query(lock).bind(&b).execute(&mut *first),
+            sqlx::query(lock).bind(&a).execute(&mut *second),
+        );
         let error = match (one, two) {
             (Err(e), Ok(_)) | (Ok(_), Err(e)) => e,
             other => panic!("expected exactly one deadlock victim, got {other:?}"),
