@@ -2,7 +2,6 @@
 
 use crate::config::{ConfigError, InboxConfig, TableName};
 use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending};
-use idem_core::StoreError;
 use sqlx::{Database, Pool, Transaction};
 use std::fmt;
 use std::sync::Arc;
@@ -37,7 +36,7 @@ pub trait Dialect: Database {
     const PROBE: &'static str = PROBE;
     /// Runs before the migration transaction.
     const PREPARE: Option<&'static str>;
-    /// Starts the migration transaction (`None`: a plain `BEGIN`).
+    /// Starts inbox transactions, the migration's too (`None`: a plain `BEGIN`).
     const BEGIN: Option<&'static str>;
     /// Runs first inside the migration transaction.
     const LOCK: Option<&'static str>;
@@ -152,11 +151,7 @@ where
                 .await
                 .map_err(err(table))?;
         }
-        let mut tx = match DB::BEGIN {
-            Some(begin) => self.pool.begin_with(begin).await,
-            None => self.pool.begin().await,
-        }
-        .map_err(err(table))?;
+        let mut tx = begin_on(&self.pool).await.map_err(err(table))?;
         let migrated = Self::migrate_in(&mut tx, table).await;
         if let Some(unlock) = DB::UNLOCK {
             // Also after a failure: the lock would otherwise go back to the pool with the
@@ -261,70 +256,12 @@ pub(crate) fn statement(template: &str, table: &TableName) -> Arc<str> {
     template.replace("{table}", table.as_str()).into()
 }
 
-/// Fails unless the inbox table exists with the columns idem uses.
-pub(crate) async fn check<DB: Dialect>(inbox: &SqlInbox<DB>) -> Result<(), StoreError>
-where
-    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
-    <DB as Database>::Arguments: sqlx::IntoArguments<DB>,
-{
-    sqlx::query(sqlx::AssertSqlSafe(inbox.sql.probe.clone()))
-        .execute(&inbox.pool)
-        .await
-        .map(drop)
-        .map_err(|e| {
-            StoreError::new(
-                "check",
-                idem_core::ErrorClass::Permanent,
-                format!("inbox table `{}`: {e}", inbox.config.table_name()),
-            )
-        })
-}
-
-/// Commits an inbox transaction.
-pub(crate) async fn commit<DB: Database>(tx: Transaction<'static, DB>) -> Result<(), StoreError> {
-    tx.commit().await.map_err(|e| StoreError::sqlx("commit", e))
-}
-
-/// The savepoint each message of a batch runs under.
-const SAVEPOINT: &str = "SAVEPOINT idem_message";
-/// Ends one message's savepoint and starts the next one's, in one round trip.
-const NEXT_SAVEPOINT: &str = "RELEASE SAVEPOINT idem_message; SAVEPOINT idem_message";
-const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT idem_message";
-
-/// Starts the first message's savepoint of a batch, or moves on to the next message's.
-pub(crate) async fn savepoint<DB: Database>(
-    tx: &mut Transaction<'static, DB>,
-    first: bool,
-) -> Result<(), StoreError>
-where
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-{
-    let statement = if first { SAVEPOINT } else { NEXT_SAVEPOINT };
-    sqlx::raw_sql(statement)
-        .execute(&mut **tx)
-        .await
-        .map(drop)
-        .map_err(|e| StoreError::sqlx("savepoint", e))
-}
-
-/// Undoes the current message of a batch; the savepoint stays, for the next message.
-pub(crate) async fn rollback_to_savepoint<DB: Database>(
-    tx: &mut Transaction<'static, DB>,
-) -> Result<(), StoreError>
-where
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-{
-    sqlx::raw_sql(ROLLBACK_TO_SAVEPOINT)
-        .execute(&mut **tx)
-        .await
-        .map(drop)
-        .map_err(|e| StoreError::sqlx("rollback to savepoint", e))
-}
-
-/// Rolls an inbox transaction back, logging a failure: a transaction that cannot be rolled back
-/// is not committed either, and its connection is discarded.
-pub(crate) async fn rollback<DB: Database>(tx: Transaction<'static, DB>) {
-    if let Err(e) = tx.rollback().await {
-        tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
+/// Starts a transaction on `pool` the way the dialect's inbox transactions start.
+pub(crate) async fn begin_on<DB: Dialect>(
+    pool: &Pool<DB>,
+) -> Result<Transaction<'static, DB>, sqlx::Error> {
+    match DB::BEGIN {
+        Some(begin) => pool.begin_with(begin).await,
+        None => pool.begin().await,
     }
 }

@@ -10,10 +10,17 @@
 //! - [`SqliteInbox`]: SQLite, the embedded default (feature `sqlite`); see [`sqlite::pool`] for
 //!   a pool set up as idem needs (WAL, busy timeout).
 
+// Helpers shared by some dialects go unused when those dialects' features are off.
+#![cfg_attr(
+    not(all(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(unused)
+)]
+
 mod claim;
 pub mod config;
 pub mod inbox;
 mod lease;
+mod methods;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 #[cfg(feature = "postgres")]

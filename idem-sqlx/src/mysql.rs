@@ -11,7 +11,8 @@
 //! byte for byte (`utf8mb4_bin`): `A-1` and `a-1` are different messages. Timestamps are UTC.
 
 use crate::Migrations;
-use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint};
+use crate::inbox::{Dialect, SqlInbox};
+use crate::methods::unclaim_each;
 use idem_core::{Claim, ClaimRequest, ErrorClass, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::{AssertSqlSafe, MySql, Transaction};
 
@@ -147,20 +148,7 @@ impl InboxStore for MySqlInbox {
     type Tx = Transaction<'static, MySql>;
     const KIND: StoreKind = StoreKind::MySql;
 
-    async fn check(&self) -> Result<(), StoreError> {
-        check(self).await
-    }
-
-    fn retention(&self) -> std::time::Duration {
-        self.config.retention_period()
-    }
-
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool
-            .begin()
-            .await
-            .map_err(|e| StoreError::sqlx("begin", e))
-    }
+    crate::methods::shared_methods!();
 
     async fn claim(
         &self,
@@ -196,25 +184,13 @@ impl InboxStore for MySqlInbox {
             .map_err(|e| StoreError::sqlx("savepoint", e))
     }
 
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        rollback_to_savepoint(tx).await
-    }
-
     async fn unclaim(
         &self,
         tx: &mut Self::Tx,
         consumer: &str,
         keys: &[&str],
     ) -> Result<(), StoreError> {
-        for key in keys {
-            sqlx::query(AssertSqlSafe(self.sql.unclaim.clone()))
-                .bind(consumer)
-                .bind(*key)
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| StoreError::sqlx("unclaim", e))?;
-        }
-        Ok(())
+        unclaim_each(self, tx, consumer, keys).await
     }
 
     async fn lease(
@@ -239,21 +215,5 @@ impl InboxStore for MySqlInbox {
 
     async fn release(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<(), StoreError> {
         self.release_key(request, owner).await
-    }
-
-    async fn sweep(
-        &self,
-        batch: u32,
-        max_batches: u32,
-    ) -> Result<idem_core::SweepReport, StoreError> {
-        self.sweep_expired(batch, max_batches).await
-    }
-
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        commit(tx).await
-    }
-
-    async fn rollback(&self, tx: Self::Tx) {
-        rollback(tx).await
     }
 }

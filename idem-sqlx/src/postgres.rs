@@ -1,6 +1,7 @@
 //! The PostgreSQL inbox.
 
-use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint, savepoint};
+use crate::inbox::{Dialect, SqlInbox};
+use crate::methods::savepoint;
 use crate::{Migrations, existing_claim};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
@@ -170,20 +171,7 @@ impl InboxStore for PgInbox {
     type Tx = Transaction<'static, Postgres>;
     const KIND: StoreKind = StoreKind::Postgres;
 
-    async fn check(&self) -> Result<(), StoreError> {
-        check(self).await
-    }
-
-    fn retention(&self) -> std::time::Duration {
-        self.config.retention_period()
-    }
-
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool
-            .begin()
-            .await
-            .map_err(|e| StoreError::sqlx("begin", e))
-    }
+    crate::methods::shared_methods!();
 
     async fn claim(
         &self,
@@ -322,10 +310,6 @@ impl InboxStore for PgInbox {
         savepoint(tx, first).await
     }
 
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        rollback_to_savepoint(tx).await
-    }
-
     async fn unclaim(
         &self,
         tx: &mut Self::Tx,
@@ -343,20 +327,4 @@ impl InboxStore for PgInbox {
     }
 
     crate::lease::lease_methods!();
-
-    async fn sweep(
-        &self,
-        batch: u32,
-        max_batches: u32,
-    ) -> Result<idem_core::SweepReport, StoreError> {
-        self.sweep_expired(batch, max_batches).await
-    }
-
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        commit(tx).await
-    }
-
-    async fn rollback(&self, tx: Self::Tx) {
-        rollback(tx).await
-    }
 }

@@ -6,7 +6,8 @@
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
 use crate::Migrations;
-use crate::inbox::{Dialect, SqlInbox, check, commit, rollback, rollback_to_savepoint, savepoint};
+use crate::inbox::{Dialect, SqlInbox};
+use crate::methods::{savepoint, unclaim_each};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{AssertSqlSafe, Sqlite, SqlitePool, Transaction};
@@ -150,20 +151,7 @@ impl InboxStore for SqliteInbox {
     type Tx = Transaction<'static, Sqlite>;
     const KIND: StoreKind = StoreKind::Sqlite;
 
-    async fn check(&self) -> Result<(), StoreError> {
-        check(self).await
-    }
-
-    fn retention(&self) -> std::time::Duration {
-        self.config.retention_period()
-    }
-
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(|e| StoreError::sqlx("begin", e))
-    }
+    crate::methods::shared_methods!();
 
     async fn claim(
         &self,
@@ -193,42 +181,14 @@ impl InboxStore for SqliteInbox {
         savepoint(tx, first).await
     }
 
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
-        rollback_to_savepoint(tx).await
-    }
-
     async fn unclaim(
         &self,
         tx: &mut Self::Tx,
         consumer: &str,
         keys: &[&str],
     ) -> Result<(), StoreError> {
-        for key in keys {
-            sqlx::query(AssertSqlSafe(self.sql.unclaim.clone()))
-                .bind(consumer)
-                .bind(*key)
-                .execute(&mut **tx)
-                .await
-                .map_err(|e| StoreError::sqlx("unclaim", e))?;
-        }
-        Ok(())
+        unclaim_each(self, tx, consumer, keys).await
     }
 
     crate::lease::lease_methods!();
-
-    async fn sweep(
-        &self,
-        batch: u32,
-        max_batches: u32,
-    ) -> Result<idem_core::SweepReport, StoreError> {
-        self.sweep_expired(batch, max_batches).await
-    }
-
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
-        commit(tx).await
-    }
-
-    async fn rollback(&self, tx: Self::Tx) {
-        rollback(tx).await
-    }
 }
