@@ -812,3 +812,69 @@ async fn a_version_1_table_is_upgraded_in_place() {
     );
     inbox.rollback(tx).await;
 }
+
+/// A migration cancelled while it holds MySQL's migration lock (`GET_LOCK`, which belongs to
+/// the session) must not leave that lock with a pooled connection: the next migration, from
+/// another pool, goes through while the first pool lives on.
+#[tokio::test]
+async fn a_cancelled_mysql_migration_leaves_its_lock_free() {
+    let table = format!(
+        "idem_cancel_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros()
+    );
+    let (pool_a, pool_b) = (common::mysql(2).await, common::mysql(2).await);
+    idem::sql::migrate(&pool_b).await.unwrap(); // the version table exists
+    // Holds the version row the migration will write, uncommitted: the migration, holding the
+    // lock, waits on it.
+    let mut blocker = pool_b.begin().await.unwrap();
+    sqlx::query("INSERT INTO idem_schema_version VALUES (?, 0, UTC_TIMESTAMP(6))")
+        .bind(&table)
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let a = idem::sql::MySqlInbox::new(pool_a.clone())
+        .table(&table)
+        .unwrap();
+    let migrating = tokio::spawn(async move { a.migrate().await });
+    common::wait_until(
+        "the migration to wait while holding the lock",
+        std::time::Duration::from_secs(20),
+        || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM information_schema.PROCESSLIST
+                 WHERE id = IS_USED_LOCK('idem.migrate') AND info LIKE 'INSERT INTO idem_schema_version%'",
+            )
+            .fetch_one(&pool_b)
+            .await
+            .unwrap()
+                == 1
+        },
+    )
+    .await;
+    migrating.abort();
+    assert!(migrating.await.unwrap_err().is_cancelled());
+    blocker.rollback().await.unwrap();
+
+    let b = idem::sql::MySqlInbox::new(pool_b.clone())
+        .table(&table)
+        .unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(20), b.migrate())
+        .await
+        .expect("the cancelled migration's lock was never released")
+        .unwrap();
+    idem::InboxStore::check(&b).await.unwrap();
+    drop(pool_a);
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}`")))
+        .execute(&pool_b)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM idem_schema_version WHERE inbox_table = ?")
+        .bind(&table)
+        .execute(&pool_b)
+        .await
+        .unwrap();
+}

@@ -266,6 +266,50 @@ macro_rules! exclusive_suite {
                     done.batches
                 );
             }
+
+            /// A sweep whose future is dropped while it holds the lock (a runtime stopping
+            /// mid-sweep) must not leave the lock with a pooled connection: a sweeper on
+            /// another pool gets it while the first pool lives on.
+            #[tokio::test]
+            async fn a_cancelled_sweep_leaves_the_lock_free() {
+                const ROWS: i64 = 20_000;
+                let table = concat!("idem_sweep_cancel_", stringify!($module));
+                let (pool_a, pool_b) = ($pool, $pool);
+                let a = <$inbox>::new(pool_a.clone()).table(table).unwrap();
+                let b = <$inbox>::new(pool_b).table(table).unwrap();
+                a.migrate().await.unwrap();
+                super::$fill(&pool_a, table, ROWS).await;
+                let sweeping = tokio::spawn({
+                    let a = a.clone();
+                    async move { a.sweep(10, u32::MAX).await.unwrap() }
+                });
+                wait_until(
+                    "sweeper A to start deleting",
+                    Duration::from_secs(30),
+                    || async {
+                        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                            "SELECT count(*) FROM {table}"
+                        )))
+                        .fetch_one(&pool_a)
+                        .await
+                        .unwrap()
+                            < ROWS
+                    },
+                )
+                .await;
+                sweeping.abort();
+                assert!(
+                    sweeping.await.unwrap_err().is_cancelled(),
+                    "A finished before it was cancelled; fill more rows"
+                );
+                wait_until(
+                    "the cancelled sweeper's lock to be free",
+                    Duration::from_secs(10),
+                    || async { b.sweep(1, 0).await.unwrap().locked },
+                )
+                .await;
+                drop(pool_a);
+            }
         }
     };
 }

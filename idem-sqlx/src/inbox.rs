@@ -1,6 +1,7 @@
 //! The inbox store shared by every dialect: pool, configuration and prepared statement text.
 
 use crate::config::{ConfigError, InboxConfig, TableName};
+use crate::session::LockedSession;
 use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending};
 use sqlx::{Database, Pool, Transaction};
 use std::fmt;
@@ -151,18 +152,26 @@ where
                 .await
                 .map_err(err(table))?;
         }
-        let mut tx = begin_on(&self.pool).await.map_err(err(table))?;
-        let migrated = Self::migrate_in(&mut tx, table).await;
-        if let Some(unlock) = DB::UNLOCK {
-            // Also after a failure: the lock would otherwise go back to the pool with the
-            // connection.
-            sqlx::query(unlock)
-                .execute(&mut *tx)
+        let conn = self.pool.acquire().await.map_err(err(table))?;
+        let mut session = LockedSession::new(conn);
+        session.released = DB::UNLOCK.is_none();
+        let migrated = async {
+            let mut tx = begin_with::<DB>(&mut session.conn)
                 .await
                 .map_err(err(table))?;
+            Self::migrate_in(&mut tx, table).await?;
+            tx.commit().await.map_err(err(table))
         }
-        migrated?;
-        tx.commit().await.map_err(err(table))
+        .await;
+        if let Some(unlock) = DB::UNLOCK {
+            // After the commit, so the next migration reads the version this one wrote; also
+            // after a failure (its rollback runs first). Should the unlock fail, the session
+            // closes on drop, which releases the lock.
+            let unlocked = sqlx::query(unlock).execute(&mut *session.conn).await;
+            session.released = unlocked.is_ok();
+            unlocked.map_err(err(table))?;
+        }
+        migrated
     }
 
     async fn migrate_in(
@@ -263,5 +272,16 @@ pub(crate) async fn begin_on<DB: Dialect>(
     match DB::BEGIN {
         Some(begin) => pool.begin_with(begin).await,
         None => pool.begin().await,
+    }
+}
+
+/// Starts a transaction on `conn` the way the dialect's inbox transactions start.
+async fn begin_with<DB: Dialect>(
+    conn: &mut DB::Connection,
+) -> Result<Transaction<'_, DB>, sqlx::Error> {
+    use sqlx::Connection;
+    match DB::BEGIN {
+        Some(begin) => conn.begin_with(sqlx::SqlStr::from_static(begin)).await,
+        None => conn.begin().await,
     }
 }

@@ -25,6 +25,7 @@ mod methods;
 pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+mod session;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 pub mod sweep;

@@ -25,12 +25,15 @@ macro_rules! sweep_ops {
                     None => return Ok(report),
                 };
                 // The lock belongs to this connection's session: all the work runs on it.
-                let mut conn = self.pool.acquire().await.map_err(fail)?;
+                let conn = self.pool.acquire().await.map_err(fail)?;
+                let mut session = $crate::session::LockedSession::new(conn);
+                let conn = &mut *session.conn;
                 let taken: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(lock.clone()))
                     .fetch_one(&mut *conn)
                     .await
                     .map_err(fail)?;
                 if taken != 1 {
+                    session.released = true;
                     return Ok(report);
                 }
                 report.locked = true;
@@ -59,13 +62,13 @@ macro_rules! sweep_ops {
                     Ok::<_, idem_core::StoreError>(())
                 }
                 .await;
-                if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(unlock.clone()))
+                match sqlx::query(sqlx::AssertSqlSafe(unlock.clone()))
                     .execute(&mut *conn)
                     .await
                 {
-                    // Closing the session releases the lock.
-                    tracing::warn!(error = %e, "releasing the sweeper lock failed; closing its connection");
-                    conn.close_on_drop();
+                    Ok(_) => session.released = true,
+                    // The session closes on drop, which releases the lock.
+                    Err(e) => tracing::warn!(error = %e, "releasing the sweeper lock failed; closing its connection"),
                 }
                 swept.map(|()| report)
             }
