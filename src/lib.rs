@@ -49,7 +49,7 @@ pub use idem_core::{
     InboxStore, KeyError, KeySource, KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, MemoryTransport, Mode,
     Outcome, QueueSpec, Registration, RegistryError, RejectReason, Rejection, RetryPolicy,
     RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal,
-    StoreError, StoreKind, StoredOutput, Stores, Transient, Transport, TransportError,
+    StoreError, StoreKind, StoredOutput, Stores, SweepReport, Transient, Transport, TransportError,
     classify_sqlx, process,
 };
 pub use idem_macros::idempotent;

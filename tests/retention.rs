@@ -206,39 +206,53 @@ async fn mysql_fill_expired(pool: &sqlx::MySqlPool, table: &str, rows: i64) {
 }
 
 macro_rules! exclusive_suite {
-    ($module:ident, $inbox:ty, $pool:expr, $fill:ident) => {
+    ($module:ident, $db:ty, $inbox:ty, $pool:expr, $fill:ident) => {
         mod $module {
             use super::*;
 
-            /// Sweeper A works through 100 000 rows 100 at a time; sweeper B, on a pool of its
-            /// own (as another process would be), tries while A works and must do nothing.
-            #[tokio::test]
-            async fn two_sweepers_never_both_work() {
-                const ROWS: i64 = 100_000;
-                let table = concat!("idem_sweep_pair_", stringify!($module));
+            async fn count(pool: &sqlx::Pool<$db>, table: &str) -> i64 {
+                sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                    "SELECT count(*) FROM {table}"
+                )))
+                .fetch_one(pool)
+                .await
+                .unwrap()
+            }
+
+            /// Fills `table` with `rows` expired rows and starts sweeper A on it, `batch` rows
+            /// at a time; returns once A deleted its first rows, with sweeper B on a pool of its
+            /// own (as another process would be) and A's pool.
+            async fn a_sweeping(
+                table: &'static str,
+                rows: i64,
+                batch: u32,
+            ) -> (
+                tokio::task::JoinHandle<idem::SweepReport>,
+                $inbox,
+                sqlx::Pool<$db>,
+            ) {
                 let (pool_a, pool_b) = ($pool, $pool);
                 let a = <$inbox>::new(pool_a.clone()).table(table).unwrap();
                 let b = <$inbox>::new(pool_b).table(table).unwrap();
                 a.migrate().await.unwrap();
-                super::$fill(&pool_a, table, ROWS).await;
-                let count = || async {
-                    sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
-                        "SELECT count(*) FROM {table}"
-                    )))
-                    .fetch_one(&pool_a)
-                    .await
-                    .unwrap()
-                };
-                let sweeping = tokio::spawn({
-                    let a = a.clone();
-                    async move { a.sweep(100, u32::MAX).await.unwrap() }
-                });
+                super::$fill(&pool_a, table, rows).await;
+                let sweeping = tokio::spawn(async move { a.sweep(batch, u32::MAX).await.unwrap() });
                 wait_until(
                     "sweeper A to start deleting",
                     Duration::from_secs(30),
-                    || async { count().await < ROWS },
+                    || async { count(&pool_a, table).await < rows },
                 )
                 .await;
+                (sweeping, b, pool_a)
+            }
+
+            /// Sweeper A works through 100 000 rows 100 at a time; sweeper B tries while A
+            /// works and must do nothing.
+            #[tokio::test]
+            async fn two_sweepers_never_both_work() {
+                const ROWS: i64 = 100_000;
+                let table = concat!("idem_sweep_pair_", stringify!($module));
+                let (sweeping, b, pool_a) = a_sweeping(table, ROWS, 100).await;
                 let mut refused = 0;
                 while !sweeping.is_finished() {
                     let tried = b.sweep(100, u32::MAX).await.unwrap();
@@ -258,7 +272,7 @@ macro_rules! exclusive_suite {
                 let after = b.sweep(100, u32::MAX).await.unwrap();
                 assert!(after.locked, "the lock outlived A's sweep");
                 assert_eq!(done.deleted + after.deleted, ROWS as u64);
-                assert_eq!(count().await, 0);
+                assert_eq!(count(&pool_a, table).await, 0);
                 println!(
                     "{}: B refused {refused} times while A swept {} rows in {} batches",
                     stringify!($module),
@@ -268,35 +282,12 @@ macro_rules! exclusive_suite {
             }
 
             /// A sweep whose future is dropped while it holds the lock (a runtime stopping
-            /// mid-sweep) must not leave the lock with a pooled connection: a sweeper on
-            /// another pool gets it while the first pool lives on.
+            /// mid-sweep) must not leave the lock with a pooled connection: sweeper B gets it
+            /// while A's pool lives on.
             #[tokio::test]
             async fn a_cancelled_sweep_leaves_the_lock_free() {
-                const ROWS: i64 = 20_000;
                 let table = concat!("idem_sweep_cancel_", stringify!($module));
-                let (pool_a, pool_b) = ($pool, $pool);
-                let a = <$inbox>::new(pool_a.clone()).table(table).unwrap();
-                let b = <$inbox>::new(pool_b).table(table).unwrap();
-                a.migrate().await.unwrap();
-                super::$fill(&pool_a, table, ROWS).await;
-                let sweeping = tokio::spawn({
-                    let a = a.clone();
-                    async move { a.sweep(10, u32::MAX).await.unwrap() }
-                });
-                wait_until(
-                    "sweeper A to start deleting",
-                    Duration::from_secs(30),
-                    || async {
-                        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
-                            "SELECT count(*) FROM {table}"
-                        )))
-                        .fetch_one(&pool_a)
-                        .await
-                        .unwrap()
-                            < ROWS
-                    },
-                )
-                .await;
+                let (sweeping, b, pool_a) = a_sweeping(table, 20_000, 10).await;
                 sweeping.abort();
                 assert!(
                     sweeping.await.unwrap_err().is_cancelled(),
@@ -316,12 +307,14 @@ macro_rules! exclusive_suite {
 
 exclusive_suite!(
     postgres_pair,
+    sqlx::Postgres,
     idem::sql::PgInbox,
     common::postgres(2).await,
     pg_fill_expired
 );
 exclusive_suite!(
     mysql_pair,
+    sqlx::MySql,
     idem::sql::MySqlInbox,
     common::mysql(2).await,
     mysql_fill_expired
