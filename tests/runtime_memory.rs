@@ -65,6 +65,17 @@ async fn orders_inbox(connections: u32) -> (sqlx::SqlitePool, tempfile::TempDir,
     (pool, dir, inbox)
 }
 
+/// The `mem.orders` runtime on `transport` and `inbox`, retrying quickly (3 attempts from 20 ms).
+fn orders_runtime(transport: &MemoryTransport, inbox: SqliteInbox) -> idem::RuntimeBuilder {
+    Runtime::builder()
+        .transport(transport.clone())
+        .store(inbox)
+        .handlers(["mem.orders"])
+        .retry(
+            RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100)).unwrap(),
+        )
+}
+
 async fn effects(pool: &sqlx::SqlitePool, key: &str) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = $1")
         .bind(key)
@@ -82,17 +93,7 @@ fn message(id: &str, panic: bool) -> Envelope {
 async fn panics_are_retried_and_concurrent_copies_take_effect_once() {
     let (pool, _dir, inbox) = orders_inbox(4).await;
     let transport = MemoryTransport::new();
-    let running = start(
-        Runtime::builder()
-            .transport(transport.clone())
-            .store(inbox)
-            .handlers(["mem.orders"])
-            .retry(
-                RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100))
-                    .unwrap(),
-            )
-            .concurrency(4),
-    );
+    let running = start(orders_runtime(&transport, inbox).concurrency(4));
     let stats = running.stats.clone();
 
     transport.publish("mem-orders", message("boom", true));
@@ -177,17 +178,7 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
 async fn batch_mode_takes_effect_once_through_copies_and_a_panic() {
     let (pool, _dir, inbox) = orders_inbox(4).await;
     let transport = MemoryTransport::new();
-    let running = start(
-        Runtime::builder()
-            .transport(transport.clone())
-            .store(inbox)
-            .handlers(["mem.orders"])
-            .retry(
-                RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100))
-                    .unwrap(),
-            )
-            .batch(16),
-    );
+    let running = start(orders_runtime(&transport, inbox).batch(16));
     let stats = running.stats.clone();
     // Copies land in the same batch and in different ones; the panic fails its whole batch
     // once, and every message in it is retried.

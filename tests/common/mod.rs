@@ -15,20 +15,31 @@ pub fn postgres_url() -> String {
 /// Connects to PostgreSQL with `connections` connections, all opened up front, or fails
 /// saying how to start the server.
 pub async fn postgres(connections: u32) -> sqlx::PgPool {
-    let url = postgres_url();
-    sqlx::postgres::PgPoolOptions::new()
+    connect(
+        &postgres_url(),
+        connections,
+        "PostgreSQL",
+        "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, \
+         or point DATABASE_URL at one",
+    )
+    .await
+}
+
+/// Connects to `url` with `connections` connections, all opened up front, or fails naming the
+/// server and how to start it.
+async fn connect<DB: sqlx::Database>(
+    url: &str,
+    connections: u32,
+    server: &str,
+    hint: &str,
+) -> sqlx::Pool<DB> {
+    sqlx::pool::PoolOptions::<DB>::new()
         .max_connections(connections)
         .min_connections(connections)
         .acquire_timeout(Duration::from_secs(30))
-        .connect(&url)
+        .connect(url)
         .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "PostgreSQL is not reachable at {url}: {e}\n\
-                 start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, \
-                 or point DATABASE_URL at one"
-            )
-        })
+        .unwrap_or_else(|e| panic!("{server} is not reachable at {url}: {e}\n{hint}"))
 }
 
 /// The MariaDB/MySQL the tests use: `MYSQL_URL`, a `mysql://` `DATABASE_URL`, or the
@@ -47,20 +58,14 @@ pub fn mysql_url() -> String {
 /// Connects to MariaDB/MySQL with `connections` connections, all opened up front, or fails
 /// saying how to start the server.
 pub async fn mysql(connections: u32) -> sqlx::MySqlPool {
-    let url = mysql_url();
-    sqlx::mysql::MySqlPoolOptions::new()
-        .max_connections(connections)
-        .min_connections(connections)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "MariaDB is not reachable at {url}: {e}\n\
-                 start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`, \
-                 or point MYSQL_URL at one"
-            )
-        })
+    connect(
+        &mysql_url(),
+        connections,
+        "MariaDB",
+        "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`, \
+         or point MYSQL_URL at one",
+    )
+    .await
 }
 
 /// A SQLite database in a fresh temporary directory, opened as idem sets it up.
