@@ -22,7 +22,8 @@
 //! ```
 //!
 //! ## `#[idempotent(...)]`
-//! - `store = Postgres | Sqlite` (required): which inbox the handler's transaction belongs to.
+//! - `store = Postgres | MySql | Sqlite` (required): which inbox the handler's transaction
+//!   belongs to.
 //! - `key = "..."`: the dedup key. `"message_id"` (the default) is the AMQP `message_id`;
 //!   `"header:<name>"` an application header; `"cloudevents"` the CloudEvents `source` and `id`;
 //!   `"<payload>.<field>"` a field of the decoded payload, checked by the compiler.
@@ -45,14 +46,15 @@
 pub use idem_core::registry;
 pub use idem_core::{
     BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DeadLetter, Delivery, DispatchError,
-    Envelope, ErrorClass, Fingerprint, Handler, HandlerError, HandlerResult, HeaderValue, Headers,
-    InboxStore, KeyError, KeySource, KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, MemoryTransport, Mode,
-    Outcome, QueueSpec, Registration, RegistryError, RejectReason, Rejection, RetryPolicy,
-    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal,
-    StoreError, StoreKind, StoredOutput, Stores, SweepReport, Transient, Transport, TransportError,
-    classify_sqlx, process,
+    Envelope, ErasedHandler, ErrorClass, Fingerprint, Handler, HandlerError, HandlerResult,
+    HeaderValue, Headers, InboxStore, KeyError, KeySource, KeyValue, Lease, LeaseEnd, MAX_KEY_LEN,
+    MemoryTransport, Mode, Outcome, QueueSpec, Registration, RegistryError, RejectReason,
+    Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Settle,
+    Snapshot, Stats, StopSignal, StoreError, StoreKind, StoredOutput, Stores, SweepReport,
+    Transient, Transport, TransportError, process, process_batch,
 };
 pub use idem_macros::idempotent;
+pub use idem_sqlx::classify_sqlx;
 
 /// The RabbitMQ transport (feature `rabbitmq`).
 #[cfg(feature = "rabbitmq")]
@@ -72,20 +74,9 @@ pub mod __private {
         Context, DEFAULT_LEASE, Envelope, Handler, HandlerError, HandlerResult, InboxStore,
         KeyError, KeySource, Mode, Registration, field_key,
     };
-    pub use inventory;
-
     /// The store types `store = ...` names.
-    pub mod stores {
-        /// `store = Postgres`.
-        #[cfg(feature = "postgres")]
-        pub type Postgres = idem_sqlx::PgInbox;
-        /// `store = Sqlite`.
-        #[cfg(feature = "sqlite")]
-        pub type Sqlite = idem_sqlx::SqliteInbox;
-        /// `store = MySql` (MySQL or MariaDB).
-        #[cfg(feature = "mysql")]
-        pub type MySql = idem_sqlx::MySqlInbox;
-    }
+    pub use idem_sqlx::stores;
+    pub use inventory;
 }
 
 /// The README's code blocks, compiled by `cargo test` so the quick start stays true.

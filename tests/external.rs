@@ -118,7 +118,7 @@ macro_rules! external_suite {
             async fn run(stores: &Stores, body: &serde_json::Value) -> Outcome {
                 let registration = idem::registry::handlers()
                     .into_iter()
-                    .find(|r| r.consumer() == "ext.pay" && r.store() == idem::StoreKind::$store)
+                    .find(|r| r.consumer() == "ext.pay" && r.store() == <$inbox as idem::InboxStore>::KIND)
                     .unwrap();
                 registration.invoke(stores, &envelope(body)).await.unwrap()
             }

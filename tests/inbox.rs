@@ -661,7 +661,10 @@ fn registered_consumers_are_unique() {
     idem::registry::validate(&handlers).unwrap();
     let record = idem::registry::find("inbox::postgres::record").unwrap();
     assert_eq!(record.key(), idem::KeySource::Field("order.order_id"));
-    assert_eq!(record.store(), idem::StoreKind::Postgres);
+    assert_eq!(
+        record.store(),
+        <idem::sql::PgInbox as idem::InboxStore>::KIND
+    );
 }
 
 /// MariaDB's own transient failures, produced for real and fed through the classification.

@@ -1,10 +1,6 @@
 //! The contract between `#[idempotent]` and the pipeline.
 
-use crate::context::Context;
-use crate::envelope::Envelope;
-use crate::error::HandlerError;
-use crate::key::{KeyError, KeySource};
-use crate::outcome::{RejectReason, Rejection};
+use crate::model::{Context, Envelope, HandlerError, KeyError, KeySource, RejectReason, Rejection};
 use crate::store::InboxStore;
 use serde::Serialize;
 use serde::de::DeserializeOwned;

@@ -1,53 +1,57 @@
 //! The transport-neutral core of idem.
 //!
-//! A transport turns deliveries into [`Envelope`]s; the pipeline ([`process`]) decodes each
-//! one, reads its dedup key, claims the key in an [`InboxStore`] transaction, runs the
-//! [`Handler`] in that same transaction and commits; the resulting [`Outcome`] says whether
-//! to ack, retry or dead-letter. Handlers are found through the [`registry`].
+//! A transport turns deliveries into [`Envelope`]s; the pipeline decodes each one, reads its
+//! dedup key, claims the key in an [`InboxStore`] transaction, runs the [`Handler`] in that
+//! same transaction and commits; the resulting [`Outcome`] says whether to ack, retry or
+//! dead-letter. Handlers are found through the [`registry`].
 //!
-//! Nothing here knows RabbitMQ or a particular SQL dialect.
+//! The modules, in the order a delivery meets them:
+//!
+//! | module | holds |
+//! |---|---|
+//! | [`model`] | the envelope, dedup keys, fingerprints, outcomes, error classes, the handler's context |
+//! | [`transport`] | the [`Transport`] and [`Settle`] contract, and the in-memory transport |
+//! | [`handler`], [`registry`] | the [`Handler`] trait `#[idempotent]` implements, and the registrations |
+//! | [`pipeline`] | the entry point that picks a handler's mode, and one pipeline per mode |
+//! | [`store`] | the [`InboxStore`] contract the SQL stores implement, and the set of stores |
+//! | [`runtime`] | the actor runtime: mailboxes, workers, settlement, the sweeper |
+//! | [`telemetry`] | the delivery span and the metrics |
+//!
+//! Nothing here knows RabbitMQ or a particular SQL dialect: each store describes itself
+//! ([`StoreKind`]) and classifies its database's errors ([`InboxStore::classify`]). The one
+//! mention of sqlx is `From<sqlx::Error> for HandlerError` (feature `sqlx`), which the orphan
+//! rule keeps here; it wraps the error for the store to classify.
 
-pub mod batch;
-pub mod context;
-pub mod envelope;
-pub mod error;
-pub mod external;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
-pub mod fingerprint;
+pub mod future;
 pub mod handler;
-pub mod key;
-pub mod lease;
-pub mod memory;
-pub mod outcome;
+pub mod model;
 pub mod pipeline;
 pub mod registry;
-pub mod retry;
 pub mod runtime;
+#[cfg(feature = "sqlx")]
+mod sqlx_error;
 pub mod store;
-pub mod stores;
 pub mod telemetry;
 pub mod transport;
 
-pub use batch::process_batch;
-pub use context::Context;
-pub use envelope::{Envelope, HeaderValue, Headers};
-pub use error::{
-    BoxError, ErrorClass, HandlerError, StoreError, classify_mysql_number, classify_sqlx,
-};
-pub use fingerprint::Fingerprint;
+pub use future::BoxFuture;
 pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
-pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
-pub use memory::MemoryTransport;
-pub use outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
-pub use pipeline::process;
-pub use registry::{DispatchError, Registration, RegistryError};
-pub use retry::{RetryPolicy, RetryPolicyError};
-pub use runtime::{Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats};
+pub use model::{
+    BoxError, Context, Envelope, ErrorClass, Fingerprint, HandlerError, HeaderValue, Headers,
+    KeyError, KeySource, KeyValue, MAX_KEY_LEN, Outcome, RejectReason, Rejection, StoreError,
+    StoredOutput, Transient, field_key,
+};
+pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
+pub use registry::{Registration, RegistryError};
+pub use runtime::{
+    RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats,
+};
 pub use store::{
     Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, Lease, LeaseEnd, StoreKind, Stores,
     SweepReport,
 };
 pub use transport::{
-    DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
+    DeadLetter, Delivery, MemoryTransport, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };

@@ -1,4 +1,5 @@
-//! The metrics idem records, through the `metrics` facade: install any recorder (for example
+//! What idem reports: one `delivery` span per delivery ([`delivery_span`]), and metrics
+//! through the `metrics` facade: install any recorder (for example
 //! `metrics-exporter-prometheus`) to collect them; without one they cost next to nothing.
 //!
 //! | name | kind | labels |
@@ -10,7 +11,31 @@
 //! | `idem_inbox_rows_swept_total` | counter | `store` |
 //! | `idem_sweeper_lag_seconds` | gauge | `store`: age of the oldest expired row left after a sweep |
 
+use crate::model::{Envelope, Outcome};
 use std::time::Duration;
+use tracing::field;
+
+/// The span of one delivery: consumer, message id, correlation id and attempt now; key and
+/// outcome once known ([`record_outcome`]).
+pub fn delivery_span(consumer: &str, envelope: &Envelope) -> tracing::Span {
+    tracing::info_span!(
+        "delivery",
+        consumer,
+        message_id = envelope.message_id.as_deref(),
+        correlation_id = envelope.correlation_id.as_deref(),
+        attempt = envelope.attempt,
+        key = field::Empty,
+        outcome = field::Empty,
+    )
+}
+
+/// Records the key and outcome on a delivery's span.
+pub fn record_outcome(span: &tracing::Span, outcome: &Outcome) {
+    if let Some(key) = outcome.key() {
+        span.record("key", key);
+    }
+    span.record("outcome", outcome.label());
+}
 
 /// Deliveries settled, by consumer and outcome.
 pub const MESSAGES: &str = "idem_messages_total";

@@ -4,35 +4,45 @@ use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
 use syn::{Ident, LitStr};
 
-/// The databases a handler can write to, as named in `store = ...`.
+/// The databases a handler can write to, as `store = ...` and sqlx's database types name them.
+/// The one list to extend when idem-sqlx gains a dialect (its `stores` module holds the types).
+pub(crate) const STORES: [&str; 3] = ["Postgres", "MySql", "Sqlite"];
+
+/// A database named in `store = ...`, one of [`STORES`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Store {
-    Postgres,
-    Sqlite,
-    MySql,
-}
+pub(crate) struct Store(&'static str);
 
 impl Store {
-    pub(crate) const NAMES: &'static str = "`Postgres`, `MySql` or `Sqlite`";
+    /// The store named `name`, if it is one of [`STORES`].
+    pub(crate) fn named(name: &str) -> Option<Self> {
+        STORES
+            .iter()
+            .find(|known| **known == name)
+            .map(|known| Self(known))
+    }
 
-    fn parse(ident: &Ident) -> syn::Result<Self> {
-        match ident.to_string().as_str() {
-            "Postgres" => Ok(Self::Postgres),
-            "Sqlite" => Ok(Self::Sqlite),
-            "MySql" => Ok(Self::MySql),
-            other => Err(syn::Error::new(
-                ident.span(),
-                format!("unknown store `{other}`; expected {}", Self::NAMES),
-            )),
+    /// The list of stores for messages: "`Postgres`, `MySql` or `Sqlite`".
+    pub(crate) fn names() -> String {
+        let quoted: Vec<String> = STORES.iter().map(|name| format!("`{name}`")).collect();
+        match quoted.split_last() {
+            Some((last, [])) => last.clone(),
+            Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+            None => String::new(),
         }
     }
 
+    fn parse(ident: &Ident) -> syn::Result<Self> {
+        let name = ident.to_string();
+        Self::named(&name).ok_or_else(|| {
+            syn::Error::new(
+                ident.span(),
+                format!("unknown store `{name}`; expected {}", Self::names()),
+            )
+        })
+    }
+
     pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Postgres => "Postgres",
-            Self::Sqlite => "Sqlite",
-            Self::MySql => "MySql",
-        }
+        self.0
     }
 }
 
@@ -190,7 +200,7 @@ impl Args {
                 Span::call_site(),
                 format!(
                     "missing `store = ...`: which database holds the inbox, {}",
-                    Store::NAMES
+                    Store::names()
                 ),
             ));
         }
@@ -238,7 +248,7 @@ mod tests {
             consumer = "billing"
         ))
         .unwrap();
-        assert_eq!(args.store.0, Store::Postgres);
+        assert_eq!(Some(args.store.0), Store::named("Postgres"));
         assert_eq!(args.key.unwrap().value(), "order.id");
         assert_eq!(args.queue.unwrap().value(), "orders");
         assert_eq!(args.consumer.unwrap().value(), "billing");

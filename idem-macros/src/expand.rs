@@ -178,7 +178,7 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
                 #call_external
             }
 
-            #krate::inventory::submit! { #krate::Registration::of::<__IdemHandler>() }
+            #krate::inventory::submit! { #krate::Registration::new(&__IdemHandler) }
         };
     }
 }

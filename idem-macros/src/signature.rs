@@ -194,8 +194,7 @@ fn check_tx(ty: &Type, store: Option<Store>, errors: &mut Errors) {
     let Some(db_name) = db.path.segments.last().map(|s| s.ident.to_string()) else {
         return;
     };
-    let known = ["Postgres", "Sqlite", "MySql"];
-    if known.contains(&db_name.as_str()) && db_name != store.name() {
+    if Store::named(&db_name).is_some() && db_name != store.name() {
         errors.push(
             db.span(),
             format!("this transaction is on `{db_name}`, but the handler says `store = {}`; make them match", store.name()),
@@ -252,24 +251,24 @@ mod tests {
     fn accepts_handlers() {
         check_str(
             "async fn h(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, o: O) -> Result<(), E> {}",
-            Store::Postgres,
+            Store::named("Postgres").unwrap(),
         )
         .unwrap();
         check_str(
             "async fn h(tx: &mut Tx, o: O, ctx: &idem::Context<'_>) -> anyhow::Result<u8> {}",
-            Store::Sqlite,
+            Store::named("Sqlite").unwrap(),
         )
         .unwrap();
         check_str(
             "async fn h(tx: &mut Tx, o: O) -> MyResult<u8> {}",
-            Store::Sqlite,
+            Store::named("Sqlite").unwrap(),
         )
         .unwrap();
     }
 
     #[test]
     fn rejects_bad_signatures() {
-        let err = |src: &str| check_str(src, Store::Postgres).unwrap_err();
+        let err = |src: &str| check_str(src, Store::named("Postgres").unwrap()).unwrap_err();
         assert!(err("fn h(tx: &mut T, o: O) -> Result<(), E> {}").contains("must be `async fn`"));
         assert!(
             err("async fn h<T>(tx: &mut T, o: O) -> Result<(), E> {}")
@@ -294,7 +293,7 @@ mod tests {
     fn external_handlers_take_no_transaction() {
         let check_external = |src: &str| {
             let f: syn::ItemFn = syn::parse_str(src).unwrap();
-            check(&f.sig, Some(Store::Postgres), Mode::External)
+            check(&f.sig, Store::named("Postgres"), Mode::External)
                 .map(|s| (s.tx_ty.is_none(), s.has_ctx))
                 .map_err(|e| e.to_string())
         };

@@ -1,18 +1,33 @@
-//! Consuming one queue, reconnecting with backoff: this is where a delivery enters idem.
+//! Consuming one queue, reconnecting with backoff: this is where a delivery **enters** idem. Each
+//! delivery becomes an [`idem_core::Envelope`] with its settlement handle ([`RabbitSettle`]) and
+//! waits in its handler's mailbox.
 
-use crate::acks;
 use crate::config::RabbitConfig;
+use crate::connections::Connections;
 use crate::envelope::envelope;
-use crate::settle::RabbitSettle;
-use crate::transport::Connections;
+use crate::settle::{self, Acks, RabbitSettle};
 use futures_util::StreamExt;
 use idem_core::{Delivery, QueueSpec, StopSignal};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
 use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Connection};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
+
+/// Why consuming on a connection stopped working.
+#[derive(Debug, thiserror::Error)]
+enum Lost {
+    /// The connection or channel failed.
+    #[error(transparent)]
+    Broker(#[from] lapin::Error),
+    /// The broker cancelled the consumer (its queue was deleted, for example) or closed the
+    /// channel.
+    #[error("the consumer was cancelled or its channel closed")]
+    Cancelled,
+}
 
 /// Why a session ended.
 enum Ended {
@@ -22,131 +37,136 @@ enum Ended {
     MailboxClosed,
 }
 
-/// Consumes `spec.queue` until `stop` is raised, reconnecting after any connection or channel
-/// failure. Deliveries in flight on a lost channel cannot be acked any more; the broker
-/// redelivers them, and the inbox recognises those that committed.
-pub(crate) async fn run(
-    config: RabbitConfig,
-    connections: Connections,
-    spec: QueueSpec,
-    prefetch: u16,
-    mailbox: mpsc::Sender<Delivery>,
-    mut stop: StopSignal,
-) {
-    let mut backoff = config.reconnect_min;
-    while !*stop.borrow() {
-        match session(
-            &config,
-            &connections,
-            &spec,
-            prefetch,
-            &mailbox,
-            &mut stop,
-            &mut backoff,
-        )
-        .await
-        {
-            Ok(Ended::Stopped | Ended::MailboxClosed) => return,
-            Err(e) => {
-                tracing::warn!(queue = spec.queue, error = %e, retry_in = ?backoff, "RabbitMQ consumer lost; reconnecting");
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    _ = stop.changed() => return,
+/// The consumer of one handler's queue.
+pub(crate) struct Consumer {
+    pub(crate) config: RabbitConfig,
+    pub(crate) connections: Connections,
+    pub(crate) spec: QueueSpec,
+    pub(crate) prefetch: u16,
+    pub(crate) mailbox: mpsc::Sender<Delivery>,
+    pub(crate) stop: StopSignal,
+}
+
+impl Consumer {
+    /// Consumes until `stop` is raised, reconnecting after any connection or channel failure.
+    /// Deliveries in flight on a lost channel cannot be acked any more; the broker redelivers
+    /// them, and the inbox recognises those that committed.
+    pub(crate) async fn run(mut self) {
+        let mut backoff = self.config.reconnect_min;
+        while !*self.stop.borrow() {
+            match self.session(&mut backoff).await {
+                Ok(Ended::Stopped | Ended::MailboxClosed) => return,
+                Err(e) => {
+                    tracing::warn!(queue = self.spec.queue, error = %e, retry_in = ?backoff, "RabbitMQ consumer lost; reconnecting");
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        _ = self.stop.changed() => return,
+                    }
+                    backoff = (backoff * 2).min(self.config.reconnect_max);
                 }
-                backoff = (backoff * 2).min(config.reconnect_max);
             }
         }
     }
-}
 
-async fn session(
-    config: &RabbitConfig,
-    connections: &Connections,
-    spec: &QueueSpec,
-    prefetch: u16,
-    mailbox: &mpsc::Sender<Delivery>,
-    stop: &mut StopSignal,
-    backoff: &mut Duration,
-) -> Result<Ended, String> {
-    let fail = |e: lapin::Error| e.to_string();
-    let connection = connections.open(config, &spec.queue).await.map_err(fail)?;
-    let result = consume(
-        &connection,
-        connections,
-        spec,
-        prefetch,
-        mailbox,
-        stop,
-        backoff,
-        config,
-    )
-    .await;
-    if result.is_err() {
-        // Whatever failed, start the next attempt on a fresh connection.
-        let _ = connection
-            .close(200, ShortString::from("reconnecting"))
-            .await;
+    /// One connection's life: open it, consume on it, close it if consuming failed. The backoff
+    /// starts over once consuming has begun.
+    async fn session(&mut self, backoff: &mut Duration) -> Result<Ended, Lost> {
+        let connection = self
+            .connections
+            .open(&self.config, &self.spec.queue)
+            .await?;
+        let consuming = async {
+            let (channel, consumer, tag) = self.subscribe(&connection).await?;
+            *backoff = self.config.reconnect_min;
+            self.consume(channel, consumer, &tag).await
+        };
+        let result = consuming.await;
+        if result.is_err() {
+            // Whatever failed, start the next attempt on a fresh connection.
+            let _ = connection
+                .close(200, ShortString::from("reconnecting"))
+                .await;
+        }
+        result
     }
-    result
-}
 
-#[allow(clippy::too_many_arguments)]
-async fn consume(
-    connection: &lapin::Connection,
-    connections: &Connections,
-    spec: &QueueSpec,
-    prefetch: u16,
-    mailbox: &mpsc::Sender<Delivery>,
-    stop: &mut StopSignal,
-    backoff: &mut Duration,
-    config: &RabbitConfig,
-) -> Result<Ended, String> {
-    let fail = |e: lapin::Error| e.to_string();
-    let channel = connection.create_channel().await.map_err(fail)?;
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await
-        .map_err(fail)?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(fail)?;
-    let tag = format!("{}:{}", spec.consumer, std::process::id());
-    let mut consumer = channel
-        .basic_consume(
-            ShortString::from(spec.queue.as_str()),
-            ShortString::from(tag.as_str()),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(fail)?;
-    tracing::info!(queue = spec.queue, prefetch, "consuming");
-    // Shared by every delivery's settlement: no per-delivery copy of the name.
-    let queue: std::sync::Arc<str> = spec.queue.as_str().into();
-    // Every settlement of this channel goes through one task, in tag order; shutdown waits
-    // for it to send what it holds before the connection closes.
-    // Deliveries share the channel (one handle, not a clone of its many parts per delivery).
-    let channel = std::sync::Arc::new(channel);
-    let (acks, settler) = acks::spawn(channel.clone(), queue.clone(), usize::from(prefetch / 4));
-    connections.track(settler);
-    *backoff = config.reconnect_min;
-    loop {
-        let next = tokio::select! {
-            next = consumer.next() => next,
-            _ = stop.changed() => {
-                let cancel = channel.basic_cancel(ShortString::from(tag.as_str()), BasicCancelOptions::default());
-                if tokio::time::timeout(Duration::from_secs(5), cancel).await.is_err() {
-                    tracing::warn!(queue = spec.queue, "the broker did not confirm the consumer's cancel in time");
+    /// Opens the channel (prefetch, publisher confirms for retry copies and reasons) and starts
+    /// consuming the queue.
+    async fn subscribe(
+        &self,
+        connection: &Connection,
+    ) -> Result<(Channel, lapin::Consumer, String), lapin::Error> {
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(self.prefetch, BasicQosOptions::default())
+            .await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let tag = format!("{}:{}", self.spec.consumer, std::process::id());
+        let consumer = channel
+            .basic_consume(
+                ShortString::from(self.spec.queue.as_str()),
+                ShortString::from(tag.as_str()),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        tracing::info!(
+            queue = self.spec.queue,
+            prefetch = self.prefetch,
+            "consuming"
+        );
+        Ok((channel, consumer, tag))
+    }
+
+    /// Hands every delivery to the mailbox until shutdown, the mailbox closing, or a failure.
+    async fn consume(
+        &mut self,
+        channel: Channel,
+        mut consumer: lapin::Consumer,
+        tag: &str,
+    ) -> Result<Ended, Lost> {
+        // Shared by every delivery's settlement: no per-delivery copy of the name.
+        let queue: Arc<str> = self.spec.queue.as_str().into();
+        // Every settlement of this channel goes through one task, in tag order; shutdown waits
+        // for it to send what it holds before the connection closes. Deliveries share the
+        // channel (one handle, not a clone of its many parts per delivery).
+        let channel = Arc::new(channel);
+        let lag = usize::from(self.prefetch / 4);
+        let (acks, settler) = settle::spawn(channel.clone(), queue.clone(), lag);
+        self.connections.track(settler);
+        loop {
+            let next = tokio::select! {
+                next = consumer.next() => next,
+                _ = self.stop.changed() => {
+                    let cancel = channel.basic_cancel(ShortString::from(tag), BasicCancelOptions::default());
+                    if tokio::time::timeout(Duration::from_secs(5), cancel).await.is_err() {
+                        tracing::warn!(queue = self.spec.queue, "the broker did not confirm the consumer's cancel in time");
+                    }
+                    return Ok(Ended::Stopped);
                 }
-                return Ok(Ended::Stopped);
+            };
+            let delivery = match next {
+                Some(delivery) => delivery?,
+                None => return Err(Lost::Cancelled),
+            };
+            let delivery = self.enter(delivery, &acks, &channel, &queue);
+            // Waits while the mailbox is full: no more deliveries in memory than prefetch allows.
+            if self.mailbox.send(delivery).await.is_err() {
+                return Ok(Ended::MailboxClosed);
             }
-        };
-        let delivery = match next {
-            Some(Ok(delivery)) => delivery,
-            Some(Err(e)) => return Err(e.to_string()),
-            None => return Err("the consumer was cancelled or its channel closed".to_owned()),
-        };
+        }
+    }
+
+    /// One broker delivery as the runtime takes it: the envelope, and the handle that settles it.
+    fn enter(
+        &self,
+        delivery: lapin::message::Delivery,
+        acks: &Acks,
+        channel: &Arc<Channel>,
+        queue: &Arc<str>,
+    ) -> Delivery {
         let lapin::message::Delivery {
             delivery_tag,
             redelivered,
@@ -163,9 +183,6 @@ async fn consume(
             queue: queue.clone(),
             done: false,
         });
-        // Waits while the mailbox is full: no more deliveries in memory than prefetch allows.
-        if mailbox.send(Delivery { envelope, settle }).await.is_err() {
-            return Ok(Ended::MailboxClosed);
-        }
+        Delivery { envelope, settle }
     }
 }

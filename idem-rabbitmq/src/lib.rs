@@ -12,14 +12,16 @@
 //! Consumers reconnect with backoff when the connection or channel is lost; what was in flight
 //! is redelivered by the broker and recognised by the inbox as a duplicate where it committed.
 
-mod acks;
 mod config;
+mod connections;
 mod consume;
 mod envelope;
 mod publisher;
+mod republish;
 mod settle;
 mod topology;
 mod transport;
+mod watermark;
 
 pub use config::{Binding, QueueType, RabbitConfig};
 pub use publisher::{PublishError, Publisher};

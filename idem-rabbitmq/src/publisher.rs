@@ -1,7 +1,7 @@
 //! Publishing with publisher confirms: a message counts as sent only once the broker has it.
 
 use crate::config::RabbitConfig;
-use crate::transport::Connections;
+use crate::connections::Connections;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel};

@@ -1,16 +1,28 @@
-//! Settling a RabbitMQ delivery: this is where the ack is decided, always after the pipeline
-//! returned (after the commit); [`crate::acks`] sends it, coalesced with its neighbours.
+//! Settling a channel's deliveries: this is where the ack is **sent**. Each delivery carries a
+//! [`RabbitSettle`] (the runtime decides which settlement, in `idem-core/src/runtime/settle.rs`,
+//! always after the commit); every settlement of one channel then goes through one task, in
+//! order: rejects and requeues at once, acks coalesced into `basic.ack(multiple = true)` up to
+//! the contiguous-commit watermark.
+//!
+//! Deliveries of one channel carry tags 1, 2, 3, … and are settled in any order (several
+//! workers, several batches). An ack with `multiple = true` settles every outstanding tag up
+//! to the one named, so it may only name a tag when every tag below it is settled too: the
+//! [`Watermark`] tracks the lowest unsettled tag and acks only the contiguous settled prefix.
+//! A delivery that is still in a transaction is never covered by an ack.
+//!
+//! A slow delivery holds the watermark back; the committed deliveries after it would keep the
+//! broker's prefetch window full and starve the workers. So when more than `lag` committed
+//! deliveries wait above the watermark, they are acked one by one (`multiple = false`), which
+//! is always safe.
 
-use crate::acks::{Acks, Op};
-use crate::envelope::{ATTEMPT_HEADER, text, with_headers};
-use crate::topology::{reasons_queue, retry_queue};
-use idem_core::registry::BoxFuture;
-use idem_core::{DeadLetter, Envelope, Settle, TransportError};
-use lapin::options::BasicPublishOptions;
-use lapin::types::{AMQPValue, ShortString};
+use crate::watermark::Watermark;
+use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::{BasicProperties, Channel};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 /// One delivery's settlement handle: its tag and its channel's settlement task, its channel
 /// (for the retry and reason publishes, confirmed) and its properties (kept on republished
@@ -36,37 +48,6 @@ impl RabbitSettle {
             ))
         }
     }
-
-    /// Publishes on the delivery's channel (in confirm mode) and waits for the broker's ack.
-    async fn publish_confirmed(
-        &self,
-        routing_key: &str,
-        body: &[u8],
-        properties: BasicProperties,
-    ) -> Result<(), TransportError> {
-        let confirm = self
-            .channel
-            .basic_publish(
-                ShortString::from(""),
-                ShortString::from(routing_key),
-                BasicPublishOptions::default(),
-                body,
-                properties,
-            )
-            .await
-            .map_err(|e| TransportError::Settle(format!("publish to {routing_key} failed: {e}")))?
-            .await
-            .map_err(|e| {
-                TransportError::Settle(format!("publish to {routing_key} unconfirmed: {e}"))
-            })?;
-        if confirm.is_ack() {
-            Ok(())
-        } else {
-            Err(TransportError::Settle(format!(
-                "the broker refused the publish to {routing_key}"
-            )))
-        }
-    }
 }
 
 impl Settle for RabbitSettle {
@@ -83,16 +64,7 @@ impl Settle for RabbitSettle {
         delay: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
-            let next = i64::from(envelope.attempt.saturating_add(1));
-            let properties = with_headers(
-                &self.properties,
-                &[(ATTEMPT_HEADER, AMQPValue::LongLongInt(next))],
-            );
-            let target = retry_queue(&self.queue, delay);
-            if let Err(e) = self
-                .publish_confirmed(&target, &envelope.body, properties)
-                .await
-            {
+            if let Err(e) = self.publish_retry(envelope, delay).await {
                 // Not acked either: the broker redelivers the original.
                 let _ = self.settle(Op::Requeue);
                 return Err(e);
@@ -110,33 +82,7 @@ impl Settle for RabbitSettle {
         reason: &'a DeadLetter,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
-            let mut headers = vec![
-                ("x-idem-reason", text(&reason.reason)),
-                ("x-idem-detail", text(&reason.detail)),
-                ("x-idem-consumer", text(&reason.consumer)),
-                (
-                    "x-idem-attempts",
-                    AMQPValue::LongLongInt(i64::from(reason.attempts)),
-                ),
-                ("x-idem-queue", text(&self.queue)),
-            ];
-            if let Some(key) = &reason.key {
-                headers.push(("x-idem-key", text(key)));
-            }
-            let mut record =
-                BasicProperties::default().with_content_type(ShortString::from("text/plain"));
-            if let Some(id) = &envelope.message_id {
-                record = record.with_message_id(ShortString::from(id.as_str()));
-            }
-            if let Some(id) = &envelope.correlation_id {
-                record = record.with_correlation_id(ShortString::from(id.as_str()));
-            }
-            let record = with_headers(&record, &headers);
-            let line = format!("{}: {}", reason.reason, reason.detail);
-            if let Err(e) = self
-                .publish_confirmed(&reasons_queue(&self.queue), line.as_bytes(), record)
-                .await
-            {
+            if let Err(e) = self.publish_reason(envelope, reason).await {
                 tracing::warn!(error = %e, "could not record the dead-letter reason; dead-lettering anyway");
             }
             #[cfg(feature = "fault-injection")]
@@ -156,5 +102,94 @@ impl Drop for RabbitSettle {
         if !self.done {
             self.acks.send(self.tag, Op::Requeue);
         }
+    }
+}
+
+/// What to do with one delivery tag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// Processed (committed) or a duplicate: ack, coalesced.
+    Ack,
+    /// Dead-letter: `basic.reject` without requeue (the broker moves it to the DLQ).
+    Reject,
+    /// Give back: `basic.nack` with requeue.
+    Requeue,
+}
+
+/// Sends settlements to the channel's settlement task.
+#[derive(Debug, Clone)]
+pub(crate) struct Acks(mpsc::UnboundedSender<(u64, Op)>);
+
+impl Acks {
+    /// Queues `op` for `tag`; `false` when the channel's task has ended (the channel is gone,
+    /// and the broker redelivers the message).
+    pub(crate) fn send(&self, tag: u64, op: Op) -> bool {
+        self.0.send((tag, op)).is_ok()
+    }
+}
+
+/// Starts the settlement task of `channel`; at most `lag` committed deliveries wait for the
+/// watermark before they are acked one by one. It ends, after sending what it was given, when
+/// every [`Acks`] handle is dropped or the channel fails.
+pub(crate) fn spawn(channel: Arc<Channel>, queue: Arc<str>, lag: usize) -> (Acks, JoinHandle<()>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    (Acks(tx), tokio::spawn(run(channel, queue, lag, rx)))
+}
+
+async fn run(
+    channel: Arc<Channel>,
+    queue: Arc<str>,
+    lag: usize,
+    mut rx: mpsc::UnboundedReceiver<(u64, Op)>,
+) {
+    let mut watermark = Watermark::default();
+    let mut ready = Vec::new();
+    while rx.recv_many(&mut ready, 1024).await > 0 {
+        for (tag, op) in ready.drain(..) {
+            let sent = match op {
+                Op::Ack => Ok(()),
+                Op::Reject => {
+                    channel
+                        .basic_reject(tag, BasicRejectOptions { requeue: false })
+                        .await
+                }
+                Op::Requeue => {
+                    let requeue = BasicNackOptions {
+                        requeue: true,
+                        multiple: false,
+                    };
+                    channel.basic_nack(tag, requeue).await
+                }
+            };
+            if let Err(e) = sent {
+                tracing::warn!(queue = %queue, tag, error = %e, "settlement not sent; the broker redelivers");
+                return;
+            }
+            watermark.settle(tag, op == Op::Ack);
+        }
+        if let Some(up_to) = watermark.advance()
+            && let Err(e) = channel
+                .basic_ack(up_to, BasicAckOptions { multiple: true })
+                .await
+        {
+            tracing::warn!(queue = %queue, up_to, error = %e, "ack not sent; the broker redelivers");
+            return;
+        }
+        for tag in watermark.overflow(lag) {
+            if let Err(e) = channel
+                .basic_ack(tag, BasicAckOptions { multiple: false })
+                .await
+            {
+                tracing::warn!(queue = %queue, tag, error = %e, "ack not sent; the broker redelivers");
+                return;
+            }
+        }
+    }
+    // Every delivery of the channel is settled: close it now, while its connection is open,
+    // rather than leave it to close itself when dropped during the connection's shutdown.
+    if channel.status().connected() {
+        let _ = channel
+            .close(200, lapin::types::ShortString::from("settled"))
+            .await;
     }
 }

@@ -1,69 +1,18 @@
 //! [`RabbitTransport`]: the [`Transport`] the runtime uses with RabbitMQ.
 
 use crate::config::RabbitConfig;
-use crate::{consume, topology};
-use idem_core::registry::BoxFuture;
-use idem_core::{Delivery, QueueSpec, StopSignal, Transport, TransportError};
-use lapin::types::{LongString, ShortString};
-use lapin::{Connection, ConnectionProperties};
-use std::sync::{Arc, Mutex};
+use crate::connections::Connections;
+use crate::consume::Consumer;
+use crate::topology;
+use idem_core::{BoxFuture, Delivery, QueueSpec, StopSignal, Transport, TransportError};
+use lapin::types::ShortString;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
 
 /// RabbitMQ through lapin: one connection per consumed queue, reopened with backoff.
 #[derive(Debug, Clone)]
 pub struct RabbitTransport {
     config: RabbitConfig,
     connections: Connections,
-}
-
-/// The connections opened so far, closed together at shutdown, and the channels' settlement
-/// tasks, which shutdown lets finish first.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Connections {
-    open: Arc<Mutex<Vec<Arc<Connection>>>>,
-    settlers: Arc<Mutex<Vec<JoinHandle<()>>>>,
-}
-
-impl Connections {
-    /// Opens a connection named after `purpose` and keeps it for [`Connections::close_all`].
-    pub(crate) async fn open(
-        &self,
-        config: &RabbitConfig,
-        purpose: &str,
-    ) -> Result<Arc<Connection>, lapin::Error> {
-        let name = format!("{}:{purpose}", config.name);
-        let properties = ConnectionProperties::default()
-            .with_connection_name(LongString::from(name.into_bytes()));
-        let connection = Arc::new(Connection::connect(&config.url, properties).await?);
-        let mut all = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        all.retain(|c| c.status().connected());
-        all.push(connection.clone());
-        Ok(connection)
-    }
-
-    /// Keeps a channel's settlement task, so that closing waits for its last acks.
-    pub(crate) fn track(&self, settler: JoinHandle<()>) {
-        let mut all = self.settlers.lock().unwrap_or_else(|e| e.into_inner());
-        all.retain(|task| !task.is_finished());
-        all.push(settler);
-    }
-
-    async fn close_all(&self) {
-        let settlers: Vec<JoinHandle<()>> =
-            std::mem::take(&mut *self.settlers.lock().unwrap_or_else(|e| e.into_inner()));
-        for settler in settlers {
-            // Ends once every delivery of its channel is settled or dropped.
-            let _ = settler.await;
-        }
-        let all: Vec<Arc<Connection>> =
-            std::mem::take(&mut *self.open.lock().unwrap_or_else(|e| e.into_inner()));
-        for connection in all {
-            let _ = connection
-                .close(200, ShortString::from("idem shutting down"))
-                .await;
-        }
-    }
 }
 
 impl RabbitTransport {
@@ -111,14 +60,15 @@ impl Transport for RabbitTransport {
         mailbox: mpsc::Sender<Delivery>,
         stop: StopSignal,
     ) -> BoxFuture<'static, ()> {
-        Box::pin(consume::run(
-            self.config.clone(),
-            self.connections.clone(),
-            queue,
+        let consumer = Consumer {
+            config: self.config.clone(),
+            connections: self.connections.clone(),
+            spec: queue,
             prefetch,
             mailbox,
             stop,
-        ))
+        };
+        Box::pin(consumer.run())
     }
 
     fn close(&self) -> BoxFuture<'_, ()> {

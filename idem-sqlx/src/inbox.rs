@@ -1,84 +1,31 @@
-//! The inbox store shared by every dialect: pool, configuration and prepared statement text.
+//! [`SqlInbox`]: the inbox store of every dialect, one generic implementation of
+//! [`InboxStore`] over `DB: Dialect`.
 
-use crate::config::{ConfigError, InboxConfig, TableName};
-use crate::session::LockedSession;
-use crate::{MigrateError, Migrations, SCHEMA_VERSION, pending};
-use sqlx::{Database, Pool, Transaction};
+use crate::claim;
+use crate::config::{ConfigError, InboxConfig};
+use crate::dialect::Dialect;
+use crate::error::{classify_error, store_error};
+use crate::migrate::{self, MigrateError};
+use crate::statements::Prepared;
+use idem_core::{
+    Claim, ClaimRequest, ErrorClass, InboxStore, Lease, LeaseEnd, StoreError, StoreKind,
+    StoredOutput, SweepReport,
+};
+use sqlx::{Pool, Transaction};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-/// A SQL dialect idem can keep an inbox in: the statement templates, with `{table}` standing for
-/// the inbox table.
-pub trait Dialect: Database {
-    /// Inserts the marker, doing nothing if the key exists.
-    const CLAIM: &'static str;
-    /// Reads the fingerprint and stored result of a key.
-    const EXISTING: &'static str;
-    /// Stores the handler's result on a claimed row.
-    const COMPLETE: &'static str;
-    /// Removes a marker claimed in the current transaction (a failed message of a batch).
-    const UNCLAIM: &'static str;
-    /// Batch statements of this dialect, if it has any beyond the single-row ones.
-    const BATCH: [&'static str; 3];
-    /// External mode's lease statements: insert, takeover, read, settle, release.
-    const LEASE: crate::lease::LeaseStatements;
-    /// The retention sweeper's statements (see [`crate::sweep`]).
-    const SWEEP: crate::sweep::SweepStatements;
-    /// Whether sweepers must also exclude each other inside this process (SQLite, whose
-    /// sweeper lock cannot span processes).
-    const LOCAL_SWEEP_LOCK: bool = false;
-    /// The current time in the dialect's timestamp column type, for `{now}` in statements.
-    const NOW: &'static str = "now()";
-    /// The schema versions of the inbox table.
-    const MIGRATIONS: Migrations;
-    /// Reads nothing, but fails unless the inbox table has the columns idem uses.
-    const PROBE: &'static str = PROBE;
-    /// Runs before the migration transaction.
-    const PREPARE: Option<&'static str>;
-    /// Starts inbox transactions, the migration's too (`None`: a plain `BEGIN`).
-    const BEGIN: Option<&'static str>;
-    /// Runs first inside the migration transaction.
-    const LOCK: Option<&'static str>;
-    /// Releases a session-level [`Dialect::LOCK`], last on the migration's connection.
-    const UNLOCK: Option<&'static str> = None;
-    /// Creates the schema version table.
-    const VERSION_TABLE: &'static str;
-    /// Reads a table's version (`$1`/`?1`: the table).
-    const READ_VERSION: &'static str;
-    /// Records a table's version (the table, the version).
-    const WRITE_VERSION: &'static str;
-}
-
-/// Reads nothing, but fails unless the inbox table exists with the columns idem uses.
-const PROBE: &str = r#"SELECT consumer, key, fingerprint, status, outcome, attempts, created_at, completed_at,
-    expires_at, owner, locked_until FROM "{table}" WHERE 1 = 0"#;
-
-/// An inbox in a database of dialect `DB`; see [`crate::PgInbox`] and [`crate::SqliteInbox`].
+/// An inbox in a database of dialect `DB`; see [`crate::PgInbox`], [`crate::MySqlInbox`] and
+/// [`crate::SqliteInbox`].
 pub struct SqlInbox<DB: Dialect> {
     pub(crate) pool: Pool<DB>,
     pub(crate) config: InboxConfig,
-    pub(crate) sql: Arc<Statements>,
+    pub(crate) sql: Arc<Prepared>,
     /// Set while this process's sweeper of this inbox works, where
     /// [`Dialect::LOCAL_SWEEP_LOCK`].
-    pub(crate) sweeping: Arc<AtomicBool>,
-}
-
-/// The statements of one inbox, with its table name filled in once.
-#[derive(Debug)]
-pub(crate) struct Statements {
-    pub(crate) claim: Arc<str>,
-    pub(crate) existing: Arc<str>,
-    pub(crate) complete: Arc<str>,
-    pub(crate) unclaim: Arc<str>,
-    pub(crate) probe: Arc<str>,
-    /// Dialect-specific batch statements (PostgreSQL: claim, existing, complete).
-    pub(crate) batch: [Arc<str>; 3],
-    /// External mode: insert, takeover, read, settle, release.
-    pub(crate) lease: [Arc<str>; 5],
-    /// The sweeper: lock, unlock, delete a batch, lag.
-    pub(crate) sweep: [Arc<str>; 4],
+    sweeping: Arc<AtomicBool>,
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -89,18 +36,7 @@ impl<DB: Dialect> SqlInbox<DB> {
 
     /// An inbox with `config`.
     pub fn with_config(pool: Pool<DB>, config: InboxConfig) -> Self {
-        let sql = Arc::new(Statements {
-            claim: statement(DB::CLAIM, &config.table),
-            existing: statement(DB::EXISTING, &config.table),
-            complete: statement(DB::COMPLETE, &config.table),
-            unclaim: statement(DB::UNCLAIM, &config.table),
-            probe: statement(DB::PROBE, &config.table),
-            batch: DB::BATCH.map(|template| statement(template, &config.table)),
-            lease: DB::LEASE
-                .map(|template| statement(&template.replace("{now}", DB::NOW), &config.table)),
-            sweep: DB::SWEEP
-                .map(|template| statement(&template.replace("{now}", DB::NOW), &config.table)),
-        });
+        let sql = Arc::new(DB::STATEMENTS.fill(&config.table, DB::NOW));
         Self {
             pool,
             config,
@@ -130,87 +66,165 @@ impl<DB: Dialect> SqlInbox<DB> {
     pub fn pool(&self) -> &Pool<DB> {
         &self.pool
     }
-}
 
-impl<DB: Dialect> SqlInbox<DB>
-where
-    for<'c> &'c Pool<DB>: sqlx::Executor<'c, Database = DB>,
-    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
-    DB::Arguments: sqlx::IntoArguments<DB>,
-    String: for<'q> sqlx::Encode<'q, DB> + sqlx::Type<DB>,
-    i32: for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB> + sqlx::Type<DB>,
-    usize: sqlx::ColumnIndex<DB::Row>,
-{
     /// Creates or upgrades the inbox table, in one transaction that concurrent migrations
     /// (from other processes too) wait for. Run it on every start.
     pub async fn migrate(&self) -> Result<(), MigrateError> {
-        let table = &self.config.table;
-        let err = MigrateError::database;
-        if let Some(prepare) = DB::PREPARE {
-            sqlx::query(prepare)
-                .execute(&self.pool)
-                .await
-                .map_err(err(table))?;
-        }
-        let conn = self.pool.acquire().await.map_err(err(table))?;
-        let mut session = LockedSession::new(conn);
-        session.released = DB::UNLOCK.is_none();
-        let migrated = async {
-            let mut tx = begin_with::<DB>(&mut session.conn)
-                .await
-                .map_err(err(table))?;
-            Self::migrate_in(&mut tx, table).await?;
-            tx.commit().await.map_err(err(table))
-        }
-        .await;
-        if let Some(unlock) = DB::UNLOCK {
-            // After the commit, so the next migration reads the version this one wrote; also
-            // after a failure (its rollback runs first). Should the unlock fail, the session
-            // closes on drop, which releases the lock.
-            let unlocked = sqlx::query(unlock).execute(&mut *session.conn).await;
-            session.released = unlocked.is_ok();
-            unlocked.map_err(err(table))?;
-        }
-        migrated
+        migrate::run::<DB>(&self.pool, &self.config.table).await
     }
 
-    async fn migrate_in(
-        tx: &mut Transaction<'_, DB>,
-        table: &TableName,
-    ) -> Result<(), MigrateError> {
-        use sqlx::Row;
-        let err = MigrateError::database;
-        for statement in DB::LOCK.into_iter().chain([DB::VERSION_TABLE]) {
-            sqlx::query(statement)
-                .execute(&mut **tx)
-                .await
-                .map_err(err(table))?;
-        }
-        let current = match sqlx::query(DB::READ_VERSION)
-            .bind(table.as_str().to_owned())
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(err(table))?
-        {
-            Some(row) => row.try_get::<i32, usize>(0).map_err(err(table))?,
-            None => 0,
+    /// Starts an inbox transaction the way the dialect's start.
+    pub(crate) async fn begin_tx(&self) -> Result<Transaction<'static, DB>, StoreError> {
+        let begun = match DB::BEGIN {
+            Some(begin) => self.pool.begin_with(begin).await,
+            None => self.pool.begin().await,
         };
-        if current == SCHEMA_VERSION {
-            return Ok(());
+        begun.map_err(|e| store_error("begin", e))
+    }
+
+    /// This process's sweeper lock where the dialect needs one; `None` when another sweeper
+    /// of this process holds it.
+    pub(crate) fn sweep_guard(&self) -> Option<SweepGuard<'_>> {
+        if !DB::LOCAL_SWEEP_LOCK {
+            return Some(SweepGuard(None));
         }
-        for statement in pending(DB::MIGRATIONS, table, current)? {
-            sqlx::query(statement)
-                .execute(&mut **tx)
-                .await
-                .map_err(err(table))?;
-        }
-        sqlx::query(DB::WRITE_VERSION)
-            .bind(table.as_str().to_owned())
-            .bind(SCHEMA_VERSION)
-            .execute(&mut **tx)
+        self.sweeping
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| SweepGuard(Some(&self.sweeping)))
+    }
+}
+
+impl<DB: Dialect> InboxStore for SqlInbox<DB> {
+    type Tx = Transaction<'static, DB>;
+    const KIND: StoreKind = DB::KIND;
+
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+        classify_error(error)
+    }
+
+    async fn check(&self) -> Result<(), StoreError> {
+        let probed = async {
+            let mut conn = self.pool.acquire().await?;
+            DB::execute(&mut *conn, &self.sql.probe, &[]).await
+        };
+        probed.await.map(drop).map_err(|e| {
+            StoreError::new(
+                "check",
+                ErrorClass::Permanent,
+                format!("inbox table `{}`: {e}", self.config.table_name()),
+            )
+        })
+    }
+
+    fn retention(&self) -> Duration {
+        self.config.retention_period()
+    }
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.begin_tx().await
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Claim, StoreError> {
+        DB::check_request(request)?;
+        DB::claim(&self.sql, &mut **tx, request).await
+    }
+
+    async fn complete(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+        output: &StoredOutput,
+    ) -> Result<(), StoreError> {
+        claim::complete::<DB>(&self.sql, &mut **tx, request, output).await
+    }
+
+    async fn claim_batch(
+        &self,
+        tx: &mut Self::Tx,
+        requests: &[ClaimRequest<'_>],
+    ) -> Result<Vec<Claim>, StoreError> {
+        requests.iter().try_for_each(DB::check_request)?;
+        DB::claim_batch(&self.sql, &mut **tx, requests).await
+    }
+
+    async fn complete_batch(
+        &self,
+        tx: &mut Self::Tx,
+        completed: &[(ClaimRequest<'_>, &StoredOutput)],
+    ) -> Result<(), StoreError> {
+        DB::complete_batch(&self.sql, &mut **tx, completed).await
+    }
+
+    async fn savepoint(&self, tx: &mut Self::Tx, first: bool) -> Result<(), StoreError> {
+        let savepoint = &self.sql.savepoint;
+        let statement = if first {
+            savepoint.first
+        } else {
+            savepoint.next
+        };
+        DB::execute_raw(&mut **tx, statement)
             .await
-            .map_err(err(table))?;
-        Ok(())
+            .map_err(|e| store_error("savepoint", e))
+    }
+
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+        DB::execute_raw(&mut **tx, self.sql.savepoint.rollback)
+            .await
+            .map_err(|e| store_error("rollback to savepoint", e))
+    }
+
+    async fn unclaim(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        DB::unclaim(&self.sql, &mut **tx, consumer, keys).await
+    }
+
+    async fn lease(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<Lease, StoreError> {
+        DB::check_request(request)?;
+        self.lease_key(request, owner, lease).await
+    }
+
+    async fn settle(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+        end: LeaseEnd,
+        output: &StoredOutput,
+    ) -> Result<bool, StoreError> {
+        self.settle_key(request, owner, end, output).await
+    }
+
+    async fn release(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<(), StoreError> {
+        self.release_key(request, owner).await
+    }
+
+    async fn sweep(&self, batch: u32, max_batches: u32) -> Result<SweepReport, StoreError> {
+        self.sweep_expired(batch, max_batches).await
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(|e| store_error("commit", e))
+    }
+
+    /// Rolls back, logging a failure: a transaction that cannot be rolled back is not
+    /// committed either, and its connection is discarded.
+    async fn rollback(&self, tx: Self::Tx) {
+        if let Err(e) = tx.rollback().await {
+            tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
+        }
     }
 }
 
@@ -225,17 +239,12 @@ impl<DB: Dialect> Clone for SqlInbox<DB> {
     }
 }
 
-impl<DB: Dialect> SqlInbox<DB> {
-    /// This process's sweeper lock where the dialect needs one; `None` when another sweeper
-    /// of this process holds it.
-    pub(crate) fn sweep_guard(&self) -> Option<SweepGuard<'_>> {
-        if !DB::LOCAL_SWEEP_LOCK {
-            return Some(SweepGuard(None));
-        }
-        self.sweeping
-            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
-            .ok()
-            .map(|_| SweepGuard(Some(&self.sweeping)))
+impl<DB: Dialect> fmt::Debug for SqlInbox<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlInbox")
+            .field("database", &DB::KIND.name())
+            .field("config", &self.config)
+            .finish()
     }
 }
 
@@ -247,41 +256,5 @@ impl Drop for SweepGuard<'_> {
         if let Some(flag) = self.0 {
             flag.store(false, Ordering::Release);
         }
-    }
-}
-
-impl<DB: Dialect> fmt::Debug for SqlInbox<DB> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SqlInbox")
-            .field("database", &DB::NAME)
-            .field("config", &self.config)
-            .finish()
-    }
-}
-
-/// Fills the table name into a statement template. The name is a validated identifier (see
-/// [`TableName`]), so the resulting text is safe to hand to `sqlx::AssertSqlSafe`.
-pub(crate) fn statement(template: &str, table: &TableName) -> Arc<str> {
-    template.replace("{table}", table.as_str()).into()
-}
-
-/// Starts a transaction on `pool` the way the dialect's inbox transactions start.
-pub(crate) async fn begin_on<DB: Dialect>(
-    pool: &Pool<DB>,
-) -> Result<Transaction<'static, DB>, sqlx::Error> {
-    match DB::BEGIN {
-        Some(begin) => pool.begin_with(begin).await,
-        None => pool.begin().await,
-    }
-}
-
-/// Starts a transaction on `conn` the way the dialect's inbox transactions start.
-async fn begin_with<DB: Dialect>(
-    conn: &mut DB::Connection,
-) -> Result<Transaction<'_, DB>, sqlx::Error> {
-    use sqlx::Connection;
-    match DB::BEGIN {
-        Some(begin) => conn.begin_with(sqlx::SqlStr::from_static(begin)).await,
-        None => conn.begin().await,
     }
 }

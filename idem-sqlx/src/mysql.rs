@@ -7,20 +7,24 @@
 //! refused before the insert instead of being truncated into someone else's key.
 //!
 //! Deadlocks (1213) and lock wait timeouts (1205) are transient (see
-//! [`idem_core::classify_mysql_number`]): the message is retried, never lost. Keys compare
-//! byte for byte (`utf8mb4_bin`): `A-1` and `a-1` are different messages. Timestamps are UTC.
+//! [`crate::classify_mysql_number`]): the message is retried, never lost. Keys compare byte
+//! for byte (`utf8mb4_bin`): `A-1` and `a-1` are different messages. Timestamps are UTC.
 
-use crate::Migrations;
-use crate::inbox::{Dialect, SqlInbox};
-use crate::methods::unclaim_each;
-use idem_core::{Claim, ClaimRequest, ErrorClass, InboxStore, StoreError, StoreKind, StoredOutput};
-use sqlx::{AssertSqlSafe, MySql, Transaction};
+use crate::dialect::Dialect;
+use crate::exec::RowsAffected;
+use crate::inbox::SqlInbox;
+use crate::statements::{
+    LeaseStatements, MigrationStatements, SavepointStatements, Statements, SweepStatements,
+};
+use idem_core::{ClaimRequest, ErrorClass, StoreError, StoreKind};
+use sqlx::MySql;
+use sqlx::mysql::MySqlQueryResult;
 
 /// The longest key (and consumer) the MySQL inbox holds, in characters: the primary key of two
 /// `utf8mb4` columns must fit InnoDB's 3072-byte index limit.
 pub const MAX_KEY_CHARS: usize = 191;
 
-const MIGRATIONS: Migrations = &[
+const MIGRATIONS: &[(i32, &[&str])] = &[
     (
         1,
         &[r#"CREATE TABLE IF NOT EXISTS `{table}` (
@@ -58,34 +62,34 @@ const COMPLETE: &str = r#"UPDATE `{table}` SET outcome = ? WHERE consumer = ? AN
 
 const UNCLAIM: &str = r#"DELETE FROM `{table}` WHERE consumer = ? AND `key` = ?"#;
 
-/// External mode's statements; see [`crate::lease`] for their bind order.
-const LEASE: crate::lease::LeaseStatements = [
-    r#"INSERT IGNORE INTO `{table}`
+/// External mode's statements; see [`LeaseStatements`] for their bind order.
+const LEASE: LeaseStatements = LeaseStatements {
+    insert: r#"INSERT IGNORE INTO `{table}`
         (consumer, `key`, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
     VALUES (?, ?, ?, 'in_progress', 1, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? SECOND, ?,
             UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND)"#,
-    r#"UPDATE `{table}` SET owner = ?,
+    takeover: r#"UPDATE `{table}` SET owner = ?,
         locked_until = UTC_TIMESTAMP(6) + INTERVAL (? * 1000) MICROSECOND, attempts = attempts + 1
     WHERE consumer = ? AND `key` = ? AND status = 'in_progress'
         AND locked_until < UTC_TIMESTAMP(6) AND fingerprint = ?"#,
-    r#"SELECT status, attempts, fingerprint, outcome,
+    read: r#"SELECT status, attempts, fingerprint, outcome,
         CAST(COALESCE(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), locked_until) DIV 1000, 0) AS SIGNED)
             AS remaining_ms
     FROM `{table}` WHERE consumer = ? AND `key` = ? LOCK IN SHARE MODE"#,
-    r#"UPDATE `{table}` SET status = ?, outcome = ?, completed_at = UTC_TIMESTAMP(6), locked_until = NULL
+    settle: r#"UPDATE `{table}` SET status = ?, outcome = ?, completed_at = UTC_TIMESTAMP(6), locked_until = NULL
     WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
-    r#"UPDATE `{table}` SET locked_until = UTC_TIMESTAMP(6)
+    release: r#"UPDATE `{table}` SET locked_until = UTC_TIMESTAMP(6)
     WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
-];
+};
 
-/// The sweeper's statements; see [`crate::sweep`].
-const SWEEP: crate::sweep::SweepStatements = [
-    "SELECT CAST(COALESCE(GET_LOCK('idem.sweep.{table}', 0), 0) AS SIGNED)",
-    "DO RELEASE_LOCK('idem.sweep.{table}')",
-    "DELETE FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT ?",
-    r#"SELECT CAST(COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(expires_at), UTC_TIMESTAMP(6)) DIV 1000, 0) AS SIGNED)
+/// The sweeper's statements; see [`SweepStatements`].
+const SWEEP: SweepStatements = SweepStatements {
+    lock: "SELECT CAST(COALESCE(GET_LOCK('idem.sweep.{table}', 0), 0) AS SIGNED)",
+    unlock: "DO RELEASE_LOCK('idem.sweep.{table}')",
+    delete: "DELETE FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT ?",
+    lag: r#"SELECT CAST(COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(expires_at), UTC_TIMESTAMP(6)) DIV 1000, 0) AS SIGNED)
     FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6)"#,
-];
+};
 
 /// Serializes concurrent migrations from several processes. `GET_LOCK` belongs to the session,
 /// so [`UNLOCK`] releases it before the connection goes back to the pool.
@@ -104,23 +108,44 @@ const WRITE_VERSION: &str = "INSERT INTO idem_schema_version (inbox_table, versi
 /// idempotent for that reason.
 pub type MySqlInbox = SqlInbox<MySql>;
 
+impl RowsAffected for MySqlQueryResult {
+    fn rows_affected(&self) -> u64 {
+        MySqlQueryResult::rows_affected(self)
+    }
+}
+
 impl Dialect for MySql {
-    const CLAIM: &'static str = CLAIM;
-    const EXISTING: &'static str = EXISTING;
-    const COMPLETE: &'static str = COMPLETE;
-    const UNCLAIM: &'static str = UNCLAIM;
-    const BATCH: [&'static str; 3] = ["", "", ""];
-    const LEASE: crate::lease::LeaseStatements = LEASE;
-    const SWEEP: crate::sweep::SweepStatements = SWEEP;
-    const MIGRATIONS: Migrations = MIGRATIONS;
-    const PROBE: &'static str = PROBE;
-    const PREPARE: Option<&'static str> = None;
-    const BEGIN: Option<&'static str> = None;
-    const LOCK: Option<&'static str> = Some(LOCK);
-    const UNLOCK: Option<&'static str> = Some(UNLOCK);
-    const VERSION_TABLE: &'static str = VERSION_TABLE;
-    const READ_VERSION: &'static str = READ_VERSION;
-    const WRITE_VERSION: &'static str = WRITE_VERSION;
+    const KIND: StoreKind = StoreKind::new("MySql", "mysql", "idem::sql::MySqlInbox");
+    const STATEMENTS: Statements = Statements {
+        claim: CLAIM,
+        existing: EXISTING,
+        complete: COMPLETE,
+        unclaim: UNCLAIM,
+        probe: PROBE,
+        // A savepoint with the name of an existing one replaces it.
+        savepoint: SavepointStatements {
+            first: "SAVEPOINT idem_message",
+            next: "SAVEPOINT idem_message",
+            rollback: "ROLLBACK TO SAVEPOINT idem_message",
+        },
+        lease: LEASE,
+        sweep: SWEEP,
+        batch: None,
+    };
+    const MIGRATION: MigrationStatements = MigrationStatements {
+        steps: MIGRATIONS,
+        prepare: None,
+        lock: Some(LOCK),
+        unlock: Some(UNLOCK),
+        version_table: VERSION_TABLE,
+        read_version: READ_VERSION,
+        write_version: WRITE_VERSION,
+    };
+
+    /// Refuses keys the columns cannot hold (`INSERT IGNORE` would truncate them).
+    fn check_request(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
+        check_lengths(request)
+    }
 }
 
 /// Refuses keys the columns cannot hold (`INSERT IGNORE` would truncate them).
@@ -138,82 +163,4 @@ fn check_lengths(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
         }
     }
     Ok(())
-}
-
-crate::claim::insert_then_read!(MySql);
-crate::lease::lease_ops!(MySql);
-crate::sweep::sweep_ops!(MySql);
-
-impl InboxStore for MySqlInbox {
-    type Tx = Transaction<'static, MySql>;
-    const KIND: StoreKind = StoreKind::MySql;
-
-    crate::methods::shared_methods!();
-
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        request: &ClaimRequest<'_>,
-    ) -> Result<Claim, StoreError> {
-        check_lengths(request)?;
-        self.claim_insert_then_read(tx, request).await
-    }
-
-    async fn complete(
-        &self,
-        tx: &mut Self::Tx,
-        request: &ClaimRequest<'_>,
-        output: &StoredOutput,
-    ) -> Result<(), StoreError> {
-        sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-            .bind(output.as_json())
-            .bind(request.consumer)
-            .bind(request.key)
-            .execute(&mut **tx)
-            .await
-            .map(drop)
-            .map_err(|e| StoreError::sqlx("complete", e))
-    }
-
-    async fn savepoint(&self, tx: &mut Self::Tx, _first: bool) -> Result<(), StoreError> {
-        // A savepoint with the name of an existing one replaces it.
-        sqlx::raw_sql("SAVEPOINT idem_message")
-            .execute(&mut **tx)
-            .await
-            .map(drop)
-            .map_err(|e| StoreError::sqlx("savepoint", e))
-    }
-
-    async fn unclaim(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        keys: &[&str],
-    ) -> Result<(), StoreError> {
-        unclaim_each(self, tx, consumer, keys).await
-    }
-
-    async fn lease(
-        &self,
-        request: &ClaimRequest<'_>,
-        owner: &str,
-        lease: std::time::Duration,
-    ) -> Result<idem_core::Lease, StoreError> {
-        check_lengths(request)?;
-        self.lease_key(request, owner, lease).await
-    }
-
-    async fn settle(
-        &self,
-        request: &ClaimRequest<'_>,
-        owner: &str,
-        end: idem_core::LeaseEnd,
-        output: &StoredOutput,
-    ) -> Result<bool, StoreError> {
-        self.settle_key(request, owner, end, output).await
-    }
-
-    async fn release(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<(), StoreError> {
-        self.release_key(request, owner).await
-    }
 }

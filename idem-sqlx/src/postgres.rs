@@ -1,13 +1,20 @@
-//! The PostgreSQL inbox.
+//! The PostgreSQL inbox: a claim in one round trip (the insert returns the existing row), and
+//! a batch's claims, results and removals with array parameters.
 
-use crate::inbox::{Dialect, SqlInbox};
-use crate::methods::savepoint;
-use crate::{Migrations, existing_claim};
-use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
-use sqlx::{AssertSqlSafe, Postgres, Row, Transaction};
+use crate::dialect::Dialect;
+use crate::error::{existing_claim, store_error};
+use crate::exec::RowsAffected;
+use crate::inbox::SqlInbox;
+use crate::statements::{
+    BatchStatements, LeaseStatements, MigrationStatements, PROBE, Prepared, SAVEPOINTS, Statements,
+    SweepStatements,
+};
+use idem_core::{Claim, ClaimRequest, ErrorClass, StoreError, StoreKind, StoredOutput};
+use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
+use sqlx::{AssertSqlSafe, Postgres, Row};
 use std::collections::{HashMap, HashSet};
 
-const MIGRATIONS: Migrations = &[
+const MIGRATIONS: &[(i32, &[&str])] = &[
     (
         1,
         &[
@@ -56,7 +63,7 @@ WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"#;
 
 const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = $2"#;
 
-const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $3 WHERE consumer = $1 AND key = $2"#;
+const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 AND key = $3"#;
 
 /// Claims a batch's keys in one statement, in key order (two batches sharing keys lock them in
 /// the same order); returns the keys it inserted. The others exist, committed, and
@@ -78,37 +85,37 @@ WHERE t.consumer = $1 AND t.key = u.key"#;
 
 const UNCLAIM: &str = r#"DELETE FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
 
-/// External mode's statements; see [`crate::lease`] for their bind order.
-const LEASE: crate::lease::LeaseStatements = [
-    r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
+/// External mode's statements; see [`LeaseStatements`] for their bind order.
+const LEASE: LeaseStatements = LeaseStatements {
+    insert: r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
     VALUES ($1, $2, $3, 'in_progress', 1, now(), now() + $4 * interval '1 second', $5,
             now() + $6 * interval '1 millisecond')
     ON CONFLICT (consumer, key) DO NOTHING"#,
-    r#"UPDATE "{table}" SET owner = $1, locked_until = now() + $2 * interval '1 millisecond',
+    takeover: r#"UPDATE "{table}" SET owner = $1, locked_until = now() + $2 * interval '1 millisecond',
         attempts = attempts + 1
     WHERE consumer = $3 AND key = $4 AND status = 'in_progress' AND locked_until < now()
         AND fingerprint = $5"#,
-    r#"SELECT status, attempts, fingerprint, outcome,
+    read: r#"SELECT status, attempts, fingerprint, outcome,
         COALESCE((EXTRACT(EPOCH FROM (locked_until - now())) * 1000)::int8, 0) AS remaining_ms
     FROM "{table}" WHERE consumer = $1 AND key = $2"#,
-    r#"UPDATE "{table}" SET status = $1, outcome = $2, completed_at = now(), locked_until = NULL
+    settle: r#"UPDATE "{table}" SET status = $1, outcome = $2, completed_at = now(), locked_until = NULL
     WHERE consumer = $3 AND key = $4 AND owner = $5 AND status = 'in_progress'"#,
-    r#"UPDATE "{table}" SET locked_until = now()
+    release: r#"UPDATE "{table}" SET locked_until = now()
     WHERE consumer = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'"#,
-];
+};
 
-/// The sweeper's statements; see [`crate::sweep`].
-const SWEEP: crate::sweep::SweepStatements = [
-    "SELECT pg_try_advisory_lock(hashtext('idem.sweep.{table}'))::int::int8",
-    "SELECT pg_advisory_unlock(hashtext('idem.sweep.{table}'))",
+/// The sweeper's statements; see [`SweepStatements`].
+const SWEEP: SweepStatements = SweepStatements {
+    lock: "SELECT pg_try_advisory_lock(hashtext('idem.sweep.{table}'))::int::int8",
+    unlock: "SELECT pg_advisory_unlock(hashtext('idem.sweep.{table}'))",
     // By physical row address: the rows are locked by the subquery, so their addresses hold,
     // and the outer delete is a TID scan whatever the table's statistics say.
-    r#"DELETE FROM "{table}" WHERE ctid = ANY(ARRAY(
+    delete: r#"DELETE FROM "{table}" WHERE ctid = ANY(ARRAY(
         SELECT ctid FROM "{table}" WHERE expires_at < now()
         ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"#,
-    r#"SELECT COALESCE((EXTRACT(EPOCH FROM now() - min(expires_at)) * 1000)::int8, 0)
+    lag: r#"SELECT COALESCE((EXTRACT(EPOCH FROM now() - min(expires_at)) * 1000)::int8, 0)
     FROM "{table}" WHERE expires_at < now()"#,
-];
+};
 
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('idem.migrate'))::text";
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
@@ -121,111 +128,89 @@ const WRITE_VERSION: &str = "INSERT INTO idem_schema_version (inbox_table, versi
 /// at once.
 pub type PgInbox = SqlInbox<Postgres>;
 
+impl RowsAffected for PgQueryResult {
+    fn rows_affected(&self) -> u64 {
+        PgQueryResult::rows_affected(self)
+    }
+}
+
 impl Dialect for Postgres {
-    const CLAIM: &'static str = CLAIM;
-    const EXISTING: &'static str = EXISTING;
-    const COMPLETE: &'static str = COMPLETE;
-    const UNCLAIM: &'static str = UNCLAIM;
-    const BATCH: [&'static str; 3] = [CLAIM_BATCH, EXISTING_BATCH, COMPLETE_BATCH];
-    const LEASE: crate::lease::LeaseStatements = LEASE;
-    const SWEEP: crate::sweep::SweepStatements = SWEEP;
-    const MIGRATIONS: Migrations = MIGRATIONS;
-    const PREPARE: Option<&'static str> = None;
-    const BEGIN: Option<&'static str> = None;
-    // Serializes concurrent migrations from several processes.
-    const LOCK: Option<&'static str> = Some(LOCK);
-    const VERSION_TABLE: &'static str = VERSION_TABLE;
-    const READ_VERSION: &'static str = READ_VERSION;
-    const WRITE_VERSION: &'static str = WRITE_VERSION;
-}
+    const KIND: StoreKind = StoreKind::new("Postgres", "postgres", "idem::sql::PgInbox");
+    const STATEMENTS: Statements = Statements {
+        claim: CLAIM,
+        existing: EXISTING,
+        complete: COMPLETE,
+        unclaim: UNCLAIM,
+        probe: PROBE,
+        savepoint: SAVEPOINTS,
+        lease: LEASE,
+        sweep: SWEEP,
+        batch: Some(BatchStatements {
+            claim: CLAIM_BATCH,
+            existing: EXISTING_BATCH,
+            complete: COMPLETE_BATCH,
+        }),
+    };
+    const MIGRATION: MigrationStatements = MigrationStatements {
+        steps: MIGRATIONS,
+        prepare: None,
+        // Serializes concurrent migrations from several processes.
+        lock: Some(LOCK),
+        unlock: None,
+        version_table: VERSION_TABLE,
+        read_version: READ_VERSION,
+        write_version: WRITE_VERSION,
+    };
 
-impl PgInbox {
-    async fn existing(
-        &self,
-        tx: &mut Transaction<'static, Postgres>,
-        request: &ClaimRequest<'_>,
-    ) -> Result<Option<Claim>, StoreError> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.existing.clone()))
-            .bind(request.consumer)
-            .bind(request.key)
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(|e| StoreError::sqlx("claim", e))?;
-        row.map(|row| claim_from_row(&row)).transpose()
-    }
-}
-
-fn claim_from_row(row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
-    let read = |e| StoreError::sqlx("claim", e);
-    if row.try_get::<bool, _>("claimed").map_err(read)? {
-        return Ok(Claim::Claimed);
-    }
-    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(read)?;
-    existing_claim(&fingerprint, row.try_get("outcome").map_err(read)?)
-}
-
-crate::lease::lease_ops!(Postgres);
-crate::sweep::sweep_ops!(Postgres);
-
-impl InboxStore for PgInbox {
-    type Tx = Transaction<'static, Postgres>;
-    const KIND: StoreKind = StoreKind::Postgres;
-
-    crate::methods::shared_methods!();
-
+    /// Claims in one round trip; a row inserted by a transaction that committed while this one
+    /// waited is read in a fresh snapshot.
     async fn claim(
-        &self,
-        tx: &mut Self::Tx,
+        sql: &Prepared,
+        conn: &mut PgConnection,
         request: &ClaimRequest<'_>,
     ) -> Result<Claim, StoreError> {
-        let row = sqlx::query(AssertSqlSafe(self.sql.claim.clone()))
+        let fail = |e| store_error("claim", e);
+        let row = sqlx::query(AssertSqlSafe(sql.claim.clone()))
             .bind(request.consumer)
             .bind(request.key)
             .bind(request.fingerprint.as_bytes().as_slice())
             .bind(i32::try_from(request.attempt).unwrap_or(i32::MAX))
             .bind(crate::config::secs(request.retention))
-            .fetch_optional(&mut **tx)
+            .fetch_optional(&mut *conn)
             .await
-            .map_err(|e| StoreError::sqlx("claim", e))?;
-        match row {
-            Some(row) => claim_from_row(&row),
-            None => self.existing(tx, request).await?.ok_or_else(|| {
-                // Only possible when the transaction's snapshot predates the winner's commit
-                // (REPEATABLE READ or SERIALIZABLE as the default isolation); a retry sees it.
-                StoreError::new(
-                    "claim",
-                    idem_core::ErrorClass::Transient,
-                    "the key is taken by a transaction this snapshot cannot see yet",
-                )
-            }),
-        }
+            .map_err(fail)?;
+        let row = match row {
+            Some(row) => row,
+            None => sqlx::query(AssertSqlSafe(sql.existing.clone()))
+                .bind(request.consumer)
+                .bind(request.key)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(fail)?
+                .ok_or_else(|| {
+                    // Only possible when the transaction's snapshot predates the winner's commit
+                    // (REPEATABLE READ or SERIALIZABLE as the default isolation); a retry sees it.
+                    StoreError::new(
+                        "claim",
+                        ErrorClass::Transient,
+                        "the key is taken by a transaction this snapshot cannot see yet",
+                    )
+                })?,
+        };
+        claim_from_row(&row)
     }
 
-    async fn complete(
-        &self,
-        tx: &mut Self::Tx,
-        request: &ClaimRequest<'_>,
-        output: &StoredOutput,
-    ) -> Result<(), StoreError> {
-        sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-            .bind(request.consumer)
-            .bind(request.key)
-            .bind(output.as_json())
-            .execute(&mut **tx)
-            .await
-            .map(drop)
-            .map_err(|e| StoreError::sqlx("complete", e))
-    }
-
+    /// Claims a batch's keys with one insert, then reads the keys that existed with one select.
     async fn claim_batch(
-        &self,
-        tx: &mut Self::Tx,
+        sql: &Prepared,
+        conn: &mut PgConnection,
         requests: &[ClaimRequest<'_>],
     ) -> Result<Vec<Claim>, StoreError> {
         let Some(first) = requests.first() else {
             return Ok(Vec::new());
         };
-        let fail = |e| StoreError::sqlx("claim", e);
+        let batch = batch_statements(sql)?;
+        let fail = |e| store_error("claim", e);
         let keys: Vec<&str> = requests.iter().map(|r| r.key).collect();
         let fingerprints: Vec<&[u8]> = requests
             .iter()
@@ -235,14 +220,13 @@ impl InboxStore for PgInbox {
             .iter()
             .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
             .collect();
-        let [claim, existing, _] = &self.sql.batch;
-        let inserted: Vec<String> = sqlx::query_scalar(AssertSqlSafe(claim.clone()))
+        let inserted: Vec<String> = sqlx::query_scalar(AssertSqlSafe(batch.claim.clone()))
             .bind(first.consumer)
             .bind(&keys)
             .bind(&fingerprints)
             .bind(&attempts)
             .bind(crate::config::secs(first.retention))
-            .fetch_all(&mut **tx)
+            .fetch_all(&mut *conn)
             .await
             .map_err(fail)?;
         let inserted: HashSet<&str> = inserted.iter().map(String::as_str).collect();
@@ -253,14 +237,14 @@ impl InboxStore for PgInbox {
             .collect();
         let mut found = HashMap::with_capacity(taken.len());
         if !taken.is_empty() {
-            // Planned for these keys each time (one statement per batch): a cached generic
-            // plan made while the table was small may scan the whole key range of the
-            // consumer, and without ANALYZE it is never replaced.
-            let rows = sqlx::query(AssertSqlSafe(existing.clone()))
+            // Planned for these keys each time (one statement per batch): a cached generic plan
+            // made while the table was small may scan the whole key range of the consumer, and
+            // without ANALYZE it is never replaced.
+            let rows = sqlx::query(AssertSqlSafe(batch.existing.clone()))
                 .persistent(false)
                 .bind(first.consumer)
                 .bind(&taken)
-                .fetch_all(&mut **tx)
+                .fetch_all(&mut *conn)
                 .await
                 .map_err(fail)?;
             for row in rows {
@@ -278,7 +262,7 @@ impl InboxStore for PgInbox {
                 found.remove(*key).ok_or_else(|| {
                     StoreError::new(
                         "claim",
-                        idem_core::ErrorClass::Transient,
+                        ErrorClass::Transient,
                         "a key is taken by a transaction this snapshot cannot see yet",
                     )
                 })
@@ -286,45 +270,61 @@ impl InboxStore for PgInbox {
             .collect()
     }
 
+    /// Stores a batch's results with one update.
     async fn complete_batch(
-        &self,
-        tx: &mut Self::Tx,
+        sql: &Prepared,
+        conn: &mut PgConnection,
         completed: &[(ClaimRequest<'_>, &StoredOutput)],
     ) -> Result<(), StoreError> {
         let Some((first, _)) = completed.first() else {
             return Ok(());
         };
+        let batch = batch_statements(sql)?;
         let keys: Vec<&str> = completed.iter().map(|(r, _)| r.key).collect();
         let outputs: Vec<&str> = completed.iter().map(|(_, o)| o.as_json()).collect();
-        sqlx::query(AssertSqlSafe(self.sql.batch[2].clone()))
+        sqlx::query(AssertSqlSafe(batch.complete.clone()))
             .bind(first.consumer)
             .bind(&keys)
             .bind(&outputs)
-            .execute(&mut **tx)
+            .execute(conn)
             .await
             .map(drop)
-            .map_err(|e| StoreError::sqlx("complete", e))
-    }
-
-    async fn savepoint(&self, tx: &mut Self::Tx, first: bool) -> Result<(), StoreError> {
-        savepoint(tx, first).await
+            .map_err(|e| store_error("complete", e))
     }
 
     async fn unclaim(
-        &self,
-        tx: &mut Self::Tx,
+        sql: &Prepared,
+        conn: &mut PgConnection,
         consumer: &str,
         keys: &[&str],
     ) -> Result<(), StoreError> {
-        sqlx::query(AssertSqlSafe(self.sql.unclaim.clone()))
+        sqlx::query(AssertSqlSafe(sql.unclaim.clone()))
             .persistent(false)
             .bind(consumer)
             .bind(keys)
-            .execute(&mut **tx)
+            .execute(conn)
             .await
             .map(drop)
-            .map_err(|e| StoreError::sqlx("unclaim", e))
+            .map_err(|e| store_error("unclaim", e))
     }
+}
 
-    crate::lease::lease_methods!();
+fn claim_from_row(row: &PgRow) -> Result<Claim, StoreError> {
+    let read = |e| store_error("claim", e);
+    if row.try_get::<bool, _>("claimed").map_err(read)? {
+        return Ok(Claim::Claimed);
+    }
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(read)?;
+    existing_claim(&fingerprint, row.try_get("outcome").map_err(read)?)
+}
+
+/// The batch statements; every PostgreSQL inbox has them.
+fn batch_statements(sql: &Prepared) -> Result<&BatchStatements<std::sync::Arc<str>>, StoreError> {
+    sql.batch.as_ref().ok_or_else(|| {
+        StoreError::new(
+            "claim",
+            ErrorClass::Permanent,
+            "the PostgreSQL inbox was built without its batch statements",
+        )
+    })
 }

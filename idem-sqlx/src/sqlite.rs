@@ -5,12 +5,15 @@
 //! `SQLITE_BUSY` and `SQLITE_LOCKED` are classified as transient, so a claim that waited too
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
-use crate::Migrations;
-use crate::inbox::{Dialect, SqlInbox};
-use crate::methods::{savepoint, unclaim_each};
-use idem_core::{Claim, ClaimRequest, InboxStore, StoreError, StoreKind, StoredOutput};
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{AssertSqlSafe, Sqlite, SqlitePool, Transaction};
+use crate::dialect::Dialect;
+use crate::exec::RowsAffected;
+use crate::inbox::SqlInbox;
+use crate::statements::{
+    LeaseStatements, MigrationStatements, PROBE, SAVEPOINTS, Statements, SweepStatements,
+};
+use idem_core::StoreKind;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteQueryResult};
+use sqlx::{Sqlite, SqlitePool};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -18,7 +21,7 @@ use std::time::Duration;
 /// reported as a transient failure.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
 
-const MIGRATIONS: Migrations = &[
+const MIGRATIONS: &[(i32, &[&str])] = &[
     (
         1,
         &[
@@ -57,36 +60,36 @@ ON CONFLICT (consumer, key) DO NOTHING"#;
 const EXISTING: &str =
     r#"SELECT fingerprint, outcome FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
 
-const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = ?3 WHERE consumer = ?1 AND key = ?2"#;
+const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = ?1 WHERE consumer = ?2 AND key = ?3"#;
 
 const UNCLAIM: &str = r#"DELETE FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
 
-/// External mode's statements; see [`crate::lease`] for their bind order. `{now}` is the time in
-/// Unix milliseconds.
-const LEASE: crate::lease::LeaseStatements = [
-    r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
+/// External mode's statements; see [`LeaseStatements`] for their bind order. `{now}` is the time
+/// in Unix milliseconds.
+const LEASE: LeaseStatements = LeaseStatements {
+    insert: r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, expires_at, owner, locked_until)
     VALUES (?1, ?2, ?3, 'in_progress', 1, {now}, {now} + ?4 * 1000, ?5, {now} + ?6)
     ON CONFLICT (consumer, key) DO NOTHING"#,
-    r#"UPDATE "{table}" SET owner = ?1, locked_until = {now} + ?2, attempts = attempts + 1
+    takeover: r#"UPDATE "{table}" SET owner = ?1, locked_until = {now} + ?2, attempts = attempts + 1
     WHERE consumer = ?3 AND key = ?4 AND status = 'in_progress' AND locked_until < {now}
         AND fingerprint = ?5"#,
-    r#"SELECT status, attempts, fingerprint, outcome, COALESCE(locked_until - {now}, 0) AS remaining_ms
+    read: r#"SELECT status, attempts, fingerprint, outcome, COALESCE(locked_until - {now}, 0) AS remaining_ms
     FROM "{table}" WHERE consumer = ?1 AND key = ?2"#,
-    r#"UPDATE "{table}" SET status = ?1, outcome = ?2, completed_at = {now}, locked_until = NULL
+    settle: r#"UPDATE "{table}" SET status = ?1, outcome = ?2, completed_at = {now}, locked_until = NULL
     WHERE consumer = ?3 AND key = ?4 AND owner = ?5 AND status = 'in_progress'"#,
-    r#"UPDATE "{table}" SET locked_until = {now} - 1
+    release: r#"UPDATE "{table}" SET locked_until = {now} - 1
     WHERE consumer = ?1 AND key = ?2 AND owner = ?3 AND status = 'in_progress'"#,
-];
+};
 
-/// The sweeper's statements; see [`crate::sweep`]. The lock is this process's (see
+/// The sweeper's statements; see [`SweepStatements`]. The lock is this process's (see
 /// `LOCAL_SWEEP_LOCK`); across processes each batch queues on the database's write lock.
-const SWEEP: crate::sweep::SweepStatements = [
-    "SELECT 1",
-    "SELECT 1",
-    r#"DELETE FROM "{table}" WHERE (consumer, key) IN (
+const SWEEP: SweepStatements = SweepStatements {
+    lock: "SELECT 1",
+    unlock: "SELECT 1",
+    delete: r#"DELETE FROM "{table}" WHERE (consumer, key) IN (
         SELECT consumer, key FROM "{table}" WHERE expires_at < {now} ORDER BY expires_at LIMIT ?1)"#,
-    r#"SELECT COALESCE({now} - MIN(expires_at), 0) FROM "{table}" WHERE expires_at < {now}"#,
-];
+    lag: r#"SELECT COALESCE({now} - MIN(expires_at), 0) FROM "{table}" WHERE expires_at < {now}"#,
+};
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table TEXT PRIMARY KEY, version INTEGER NOT NULL, migrated_at INTEGER NOT NULL)";
@@ -121,74 +124,38 @@ pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
 /// The SQLite inbox. `migrate()` also switches the database to WAL mode.
 pub type SqliteInbox = SqlInbox<Sqlite>;
 
-impl Dialect for Sqlite {
-    const CLAIM: &'static str = CLAIM;
-    const EXISTING: &'static str = EXISTING;
-    const COMPLETE: &'static str = COMPLETE;
-    const UNCLAIM: &'static str = UNCLAIM;
-    // SQLite runs in process: the single-row statements cost no round trips.
-    const BATCH: [&'static str; 3] = ["", "", ""];
-    const LEASE: crate::lease::LeaseStatements = LEASE;
-    const SWEEP: crate::sweep::SweepStatements = SWEEP;
-    const LOCAL_SWEEP_LOCK: bool = true;
-    const NOW: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
-    const MIGRATIONS: Migrations = MIGRATIONS;
-    // Persistent for file databases; an in-memory database answers "memory" and stays so.
-    const PREPARE: Option<&'static str> = Some("PRAGMA journal_mode = WAL");
-    // Takes the write lock up front, so concurrent migrations queue.
-    const BEGIN: Option<&'static str> = Some("BEGIN IMMEDIATE");
-    const LOCK: Option<&'static str> = None;
-    const VERSION_TABLE: &'static str = VERSION_TABLE;
-    const READ_VERSION: &'static str = READ_VERSION;
-    const WRITE_VERSION: &'static str = WRITE_VERSION;
+impl RowsAffected for SqliteQueryResult {
+    fn rows_affected(&self) -> u64 {
+        SqliteQueryResult::rows_affected(self)
+    }
 }
 
-crate::claim::insert_then_read!(Sqlite);
-crate::lease::lease_ops!(Sqlite);
-crate::sweep::sweep_ops!(Sqlite);
-
-impl InboxStore for SqliteInbox {
-    type Tx = Transaction<'static, Sqlite>;
-    const KIND: StoreKind = StoreKind::Sqlite;
-
-    crate::methods::shared_methods!();
-
-    async fn claim(
-        &self,
-        tx: &mut Self::Tx,
-        request: &ClaimRequest<'_>,
-    ) -> Result<Claim, StoreError> {
-        self.claim_insert_then_read(tx, request).await
-    }
-
-    async fn complete(
-        &self,
-        tx: &mut Self::Tx,
-        request: &ClaimRequest<'_>,
-        output: &StoredOutput,
-    ) -> Result<(), StoreError> {
-        sqlx::query(AssertSqlSafe(self.sql.complete.clone()))
-            .bind(request.consumer)
-            .bind(request.key)
-            .bind(output.as_json())
-            .execute(&mut **tx)
-            .await
-            .map(drop)
-            .map_err(|e| StoreError::sqlx("complete", e))
-    }
-
-    async fn savepoint(&self, tx: &mut Self::Tx, first: bool) -> Result<(), StoreError> {
-        savepoint(tx, first).await
-    }
-
-    async fn unclaim(
-        &self,
-        tx: &mut Self::Tx,
-        consumer: &str,
-        keys: &[&str],
-    ) -> Result<(), StoreError> {
-        unclaim_each(self, tx, consumer, keys).await
-    }
-
-    crate::lease::lease_methods!();
+impl Dialect for Sqlite {
+    const KIND: StoreKind = StoreKind::new("Sqlite", "sqlite", "idem::sql::SqliteInbox");
+    // SQLite runs in process: the single-row statements of a batch cost no round trips.
+    const STATEMENTS: Statements = Statements {
+        claim: CLAIM,
+        existing: EXISTING,
+        complete: COMPLETE,
+        unclaim: UNCLAIM,
+        probe: PROBE,
+        savepoint: SAVEPOINTS,
+        lease: LEASE,
+        sweep: SWEEP,
+        batch: None,
+    };
+    const MIGRATION: MigrationStatements = MigrationStatements {
+        steps: MIGRATIONS,
+        // Persistent for file databases; an in-memory database answers "memory" and stays so.
+        prepare: Some("PRAGMA journal_mode = WAL"),
+        lock: None,
+        unlock: None,
+        version_table: VERSION_TABLE,
+        read_version: READ_VERSION,
+        write_version: WRITE_VERSION,
+    };
+    const NOW: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+    // Takes the write lock up front, so concurrent claims and migrations queue.
+    const BEGIN: Option<&'static str> = Some("BEGIN IMMEDIATE");
+    const LOCAL_SWEEP_LOCK: bool = true;
 }

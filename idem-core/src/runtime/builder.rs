@@ -1,12 +1,14 @@
 //! [`RuntimeBuilder`]: the configuration of a [`Runtime`], checked when it is built.
 
-use super::batch::BatchSpec;
+use super::actor::{Actor, BatchSpec};
+use super::error::RuntimeError;
+use super::retry::RetryPolicy;
+use super::run::Runtime;
 use super::stats::Stats;
 use super::sweeper::SweepSettings;
-use super::{Actor, Runtime, RuntimeError};
+use crate::handler::Mode;
 use crate::registry::{self, Registration};
-use crate::retry::RetryPolicy;
-use crate::store::{InboxStore, StoreKind, Stores};
+use crate::store::{InboxStore, Stores};
 use crate::transport::{QueueSpec, Transport};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,6 +22,14 @@ const DEFAULT_BATCHES_IN_FLIGHT: usize = 1;
 const DEFAULT_PREFETCH: u16 = 32;
 /// How long a batch waits for more deliveries after its first, unless configured.
 const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+
+impl Runtime {
+    /// A builder with the defaults: every registered handler, concurrency 8, prefetch 32,
+    /// [`RetryPolicy::default`], 30 s shutdown grace.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+}
 
 /// Builds a [`Runtime`].
 pub struct RuntimeBuilder {
@@ -198,16 +208,9 @@ impl RuntimeBuilder {
                 .filter(|r| r.store_available(&self.stores))
                 .collect();
             if runnable.is_empty() {
-                let store = first.store();
-                let hint = match store {
-                    StoreKind::Postgres => "idem::sql::PgInbox",
-                    StoreKind::Sqlite => "idem::sql::SqliteInbox",
-                    StoreKind::MySql => "idem::sql::MySqlInbox",
-                };
                 return Err(RuntimeError::MissingStore {
                     consumer: first.consumer(),
-                    store,
-                    hint,
+                    store: first.store(),
                 });
             }
             selected.extend(runnable);
@@ -275,7 +278,7 @@ impl RuntimeBuilder {
                 retention.as_secs()
             )));
         }
-        if let crate::handler::Mode::External { lease } = actor.registration.mode() {
+        if let Mode::External { lease } = actor.registration.mode() {
             let window: Duration = self.retry.delays().iter().sum();
             if lease >= window {
                 return Err(RuntimeError::Setting(format!(

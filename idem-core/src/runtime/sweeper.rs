@@ -28,11 +28,7 @@ impl Default for SweepSettings {
 
 /// Sweeps with `sweeper` every `settings.interval` (the first time at once) until `stop`.
 pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: StopSignal) {
-    let store = match sweeper.kind {
-        crate::store::StoreKind::Postgres => "postgres",
-        crate::store::StoreKind::Sqlite => "sqlite",
-        crate::store::StoreKind::MySql => "mysql",
-    };
+    let store = sweeper.kind.label();
     loop {
         let sweep = (sweeper.sweep)(settings.batch, settings.max_batches);
         let report = tokio::select! {

@@ -1,35 +1,53 @@
 //! The inbox store contract: claims in the caller's transaction, leases (external mode) and
 //! sweeps.
 
-use crate::error::StoreError;
-use crate::fingerprint::Fingerprint;
-use crate::outcome::StoredOutput;
+use super::lease::{Lease, LeaseEnd};
+use crate::model::{ErrorClass, Fingerprint, StoreError, StoredOutput};
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
-use crate::lease::no_external;
-pub use crate::lease::{Lease, LeaseEnd};
-pub use crate::stores::{Stores, SweepFn, Sweeper};
-
-/// The database behind an inbox store.
+/// What a store says about itself: its database's name, as `#[idempotent(store = ...)]`, error
+/// messages and metric labels show it, and how a user adds one to a runtime. Core keeps no list
+/// of databases; each store type carries its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum StoreKind {
-    /// PostgreSQL.
-    Postgres,
-    /// SQLite, the embedded default.
-    Sqlite,
-    /// MySQL or MariaDB.
-    MySql,
+pub struct StoreKind {
+    name: &'static str,
+    label: &'static str,
+    constructor: &'static str,
+}
+
+impl StoreKind {
+    /// A store kind: `name` as `store = ...` spells it (`"Postgres"`), `label` for metrics
+    /// (`"postgres"`), and the type path a start-up error tells the user to construct
+    /// (`"idem::sql::PgInbox"`).
+    pub const fn new(name: &'static str, label: &'static str, constructor: &'static str) -> Self {
+        Self {
+            name,
+            label,
+            constructor,
+        }
+    }
+
+    /// The name, as `store = ...` spells it.
+    pub const fn name(self) -> &'static str {
+        self.name
+    }
+
+    /// The metric label.
+    pub const fn label(self) -> &'static str {
+        self.label
+    }
+
+    /// The type a user constructs to provide this store (`idem::sql::PgInbox`).
+    pub const fn constructor(self) -> &'static str {
+        self.constructor
+    }
 }
 
 impl fmt::Display for StoreKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Postgres => "Postgres",
-            Self::Sqlite => "Sqlite",
-            Self::MySql => "MySql",
-        })
+        f.write_str(self.name)
     }
 }
 
@@ -52,17 +70,6 @@ pub struct ClaimRequest<'a> {
 /// 7 days. It must outlast the broker's redelivery window (including operators resubmitting
 /// from a dead-letter queue), or a late redelivery finds no marker and is processed again.
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-
-/// The retention of handler `H`'s rows: its own `retention = ...`, else the runtime's, else
-/// its store's.
-pub(crate) fn retention_of<H: crate::handler::Handler>(
-    store: &H::Store,
-    runtime: Option<Duration>,
-) -> Duration {
-    H::RETENTION
-        .or(runtime)
-        .unwrap_or_else(|| store.retention())
-}
 
 /// What a claim found.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,6 +114,14 @@ pub trait InboxStore: Send + Sync + 'static {
     type Tx: Send;
     /// Which database this is.
     const KIND: StoreKind;
+
+    /// Classifies an error a handler got from this store's database ([`crate::HandlerError::Database`]),
+    /// knowing the database's error codes. The default calls every such error transient: a
+    /// retry costs little, a lost message a lot.
+    fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+        let _ = error;
+        ErrorClass::Transient
+    }
 
     /// Checks that the inbox is usable (its table exists with the expected columns); the
     /// runtime calls this before it consumes anything.
@@ -247,4 +262,13 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Rolls the transaction back. Failures are logged, not returned: a transaction that
     /// cannot be rolled back is not committed either.
     fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+}
+
+/// The lease operations of external mode, which a store without them refuses.
+fn no_external(operation: &'static str, kind: StoreKind) -> StoreError {
+    StoreError::new(
+        operation,
+        ErrorClass::Permanent,
+        format!("the {kind} store does not support mode = \"external\""),
+    )
 }

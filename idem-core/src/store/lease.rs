@@ -1,12 +1,9 @@
 //! External mode's per-key states, as the store reports and records them.
 
-use crate::error::StoreError;
-use crate::fingerprint::Fingerprint;
-use crate::outcome::StoredOutput;
-use crate::store::StoreKind;
+use crate::model::{Fingerprint, StoredOutput};
 use std::time::Duration;
 
-/// What an external-mode claim ([`crate::store::InboxStore::lease`]) found for its key.
+/// What an external-mode claim ([`crate::InboxStore::lease`]) found for its key.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Lease {
     /// The caller holds the lease: the row is new (`attempts` = 1) or an expired lease was
@@ -38,7 +35,7 @@ pub enum Lease {
     },
 }
 
-/// How an external-mode handler ended, as [`crate::store::InboxStore::settle`] records it.
+/// How an external-mode handler ended, as [`crate::InboxStore::settle`] records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseEnd {
     /// The handler succeeded: `completed`, its result replayed to later copies.
@@ -55,13 +52,4 @@ impl LeaseEnd {
             Self::Failed => "failed",
         }
     }
-}
-
-/// The lease operations of external mode, which a store without them refuses.
-pub(crate) fn no_external(operation: &'static str, kind: StoreKind) -> StoreError {
-    StoreError::new(
-        operation,
-        crate::error::ErrorClass::Permanent,
-        format!("the {kind} store does not support mode = \"external\""),
-    )
 }

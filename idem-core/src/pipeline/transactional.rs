@@ -1,48 +1,38 @@
-//! The inbox pipeline for one delivery: decode, key, claim, run, complete, commit.
+//! The per-message pipeline of a transactional handler: decode, key, claim, run, complete,
+//! commit.
 //!
-//! This is where the inbox transaction is opened and where the marker is written (through the
-//! [`InboxStore`]); the ack decision is made by whoever reads the returned [`Outcome`].
+//! This is where the inbox transaction is **opened** and where the store **writes the inbox
+//! row** (its claim); the ack decision is made by whoever reads the returned [`Outcome`]
+//! (`runtime/settle.rs`).
 
-use crate::context::Context;
-use crate::envelope::Envelope;
-use crate::error::{ErrorClass, HandlerError, StoreError};
-use crate::fingerprint::Fingerprint;
+use super::steps::{encode_result, existing, prepare, store_failure};
 use crate::handler::Handler;
-use crate::outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
-use crate::store::{Claim, ClaimRequest, InboxStore, retention_of};
+use crate::model::{Context, Envelope, Outcome};
+use crate::store::{Claim, InboxStore};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 
-/// Processes one delivery with handler `H` in `store`'s transaction.
+/// Processes one delivery with handler `H` in `store`'s transaction, keeping its row for
+/// `retention`.
 ///
 /// The marker row and the handler's writes commit together or not at all. Nothing is
 /// committed unless the outcome is [`Outcome::Processed`]; every other outcome leaves the
 /// database as it was.
-pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
-    process_in::<H>(store, envelope, retention_of::<H>(store, None)).await
-}
-
-/// [`process`], keeping the row for `retention`.
-pub(crate) async fn process_in<H: Handler>(
+pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
     retention: Duration,
 ) -> Outcome {
-    let (payload, key, fingerprint) = match prepare::<H>(envelope) {
+    let (payload, keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
-    let request = ClaimRequest {
-        consumer: H::CONSUMER,
-        key: &key,
-        fingerprint: &fingerprint,
-        attempt: envelope.attempt,
-        retention,
-    };
+    let request = keyed.request(H::CONSUMER, envelope, retention);
+    let key = &keyed.key;
 
     let mut tx = match store.begin().await {
         Ok(tx) => tx,
-        Err(e) => return store_failure(e, &key),
+        Err(e) => return store_failure(e, key),
     };
     let claiming = Instant::now();
     let claim = store.claim(&mut tx, &request).await;
@@ -54,19 +44,27 @@ pub(crate) async fn process_in<H: Handler>(
             output,
         }) => {
             store.rollback(tx).await;
-            return existing(H::CONSUMER, envelope, key, &fingerprint, &stored, output);
+            let fingerprint = &keyed.fingerprint;
+            return existing(
+                H::CONSUMER,
+                envelope,
+                key.clone(),
+                fingerprint,
+                &stored,
+                output,
+            );
         }
         Err(e) => {
             store.rollback(tx).await;
-            return store_failure(e, &key);
+            return store_failure(e, key);
         }
     }
 
-    let ctx = Context::new(envelope, H::CONSUMER, &key);
+    let ctx = Context::new(envelope, H::CONSUMER, key);
     let running = Instant::now();
     let result = H::call(&mut tx, payload, &ctx).await;
     telemetry::handler_duration(H::CONSUMER, running.elapsed());
-    let output = match encode_result::<H>(result, &key) {
+    let output = match encode_result::<H>(store, result, key) {
         Ok(output) => output,
         Err(failed) => {
             store.rollback(tx).await;
@@ -77,102 +75,18 @@ pub(crate) async fn process_in<H: Handler>(
         && let Err(e) = store.complete(&mut tx, &request, &output).await
     {
         store.rollback(tx).await;
-        return store_failure(e, &key);
+        return store_failure(e, key);
     }
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
     match store.commit(tx).await {
-        Ok(()) => Outcome::Processed { key, output },
+        Ok(()) => Outcome::Processed {
+            key: key.clone(),
+            output,
+        },
         // The commit may or may not have happened; a retry finds out (it is a duplicate if it
         // did). Retrying is safe either way, acking is not.
-        Err(e) => store_failure(e, &key),
-    }
-}
-
-/// Decodes the payload, reads its key and fingerprints the body; a failure is the rejection.
-pub(crate) fn prepare<H: Handler>(
-    envelope: &Envelope,
-) -> Result<(H::Payload, String, Fingerprint), Outcome> {
-    let payload = H::decode(envelope).map_err(Outcome::Rejected)?;
-    let key = H::key(envelope, &payload).map_err(|e| {
-        Outcome::Rejected(Rejection::new(
-            RejectReason::MissingKey,
-            e.to_string(),
-            None,
-        ))
-    })?;
-    Ok((payload, key, Fingerprint::of(&envelope.body)))
-}
-
-/// The outcome of a message whose key was committed before: a duplicate when the payload is
-/// the same, a conflict when it is not.
-pub(crate) fn existing(
-    consumer: &str,
-    envelope: &Envelope,
-    key: String,
-    fingerprint: &Fingerprint,
-    stored: &Fingerprint,
-    output: Option<StoredOutput>,
-) -> Outcome {
-    let correlation_id = envelope.correlation_id.as_deref();
-    if stored == fingerprint {
-        tracing::debug!(consumer, %key, correlation_id, "duplicate skipped");
-        Outcome::Duplicate {
-            key,
-            output: output.unwrap_or_else(StoredOutput::null),
-        }
-    } else {
-        tracing::warn!(consumer, %key, correlation_id, %stored, received = %fingerprint, "same key, different payload");
-        Outcome::Conflict { key }
-    }
-}
-
-/// The handler's result as the output to store, or the outcome of its failure.
-pub(crate) fn encode_result<H: Handler>(
-    result: Result<H::Output, HandlerError>,
-    key: &str,
-) -> Result<StoredOutput, Outcome> {
-    match result.map(|value| StoredOutput::encode(&value)) {
-        Ok(Ok(output)) => Ok(output),
-        Ok(Err(e)) => Err(Outcome::Rejected(Rejection::new(
-            RejectReason::Output,
-            format!("the handler's result could not be serialized: {e}"),
-            Some(key.to_owned()),
-        ))),
-        Err(e) => Err(handler_failure(e, key.to_owned())),
-    }
-}
-
-fn handler_failure(error: HandlerError, key: String) -> Outcome {
-    match error.class() {
-        ErrorClass::Transient => Outcome::Retry(Transient {
-            message: error.to_string(),
-            key: Some(key),
-        }),
-        ErrorClass::Permanent => Outcome::Rejected(Rejection::new(
-            RejectReason::Handler,
-            error.to_string(),
-            Some(key),
-        )),
-    }
-}
-
-pub(crate) fn store_failure(error: StoreError, key: &str) -> Outcome {
-    failure(error.class(), error.to_string(), key)
-}
-
-/// The outcome of a store failure of `class`, described by `message`.
-pub(crate) fn failure(class: ErrorClass, message: String, key: &str) -> Outcome {
-    match class {
-        ErrorClass::Transient => Outcome::Retry(Transient {
-            message,
-            key: Some(key.to_owned()),
-        }),
-        ErrorClass::Permanent => Outcome::Rejected(Rejection::new(
-            RejectReason::Store,
-            message,
-            Some(key.to_owned()),
-        )),
+        Err(e) => store_failure(e, key),
     }
 }
 
@@ -181,7 +95,11 @@ mod tests {
     //! The pipeline's decisions, against an in-memory store. The real stores are tested
     //! against PostgreSQL and SQLite in the workspace's `tests/`.
     use super::*;
-    use crate::key::{KeyError, KeySource, field_key};
+    use crate::model::Fingerprint;
+    use crate::model::{
+        HandlerError, KeyError, KeySource, RejectReason, StoreError, StoredOutput, field_key,
+    };
+    use crate::store::{ClaimRequest, StoreKind};
     use std::collections::HashMap;
     use std::sync::Mutex;
 
@@ -202,7 +120,7 @@ mod tests {
 
     impl InboxStore for MemStore {
         type Tx = MemTx;
-        const KIND: crate::store::StoreKind = crate::store::StoreKind::Sqlite;
+        const KIND: StoreKind = StoreKind::new("Memory", "memory", "MemStore");
 
         async fn check(&self) -> Result<(), StoreError> {
             Ok(())
@@ -297,7 +215,7 @@ mod tests {
     }
 
     async fn run(store: &MemStore, body: &str) -> Outcome {
-        process::<OrderHandler>(store, &Envelope::new(body)).await
+        process::<OrderHandler>(store, &Envelope::new(body), Duration::from_secs(60)).await
     }
 
     #[tokio::test]

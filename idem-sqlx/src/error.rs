@@ -1,124 +1,18 @@
-//! Error classification: transient failures are retried, permanent ones dead-lettered.
+//! Classifying sqlx errors: transient ones are retried, permanent ones dead-lettered. This is
+//! the one place that reads SQLSTATEs, SQLite result codes and MySQL error numbers; the
+//! stores classify their handlers' database errors with it ([`idem_core::InboxStore::classify`]).
 
-use std::fmt;
-
-/// A boxed error that can cross threads.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
-
-/// Whether retrying the same message can succeed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorClass {
-    /// The message may succeed later: database unavailable, deadlock, serialization failure,
-    /// pool timeout. The runtime retries it.
-    Transient,
-    /// The message will never succeed as it is: bad payload, constraint violation, a
-    /// handler's own refusal. The runtime dead-letters it.
-    Permanent,
-}
-
-impl fmt::Display for ErrorClass {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Transient => "transient",
-            Self::Permanent => "permanent",
-        })
-    }
-}
-
-/// The error a handler returns: it says whether the message should be retried.
-///
-/// `?` on a [`sqlx::Error`] classifies it by SQLSTATE (PostgreSQL, MySQL) or result code
-/// (SQLite); see [`classify_sqlx`]. Anything else is wrapped with
-/// [`HandlerError::transient`] or [`HandlerError::permanent`].
-#[derive(Debug, thiserror::Error)]
-pub enum HandlerError {
-    /// Retry the message later.
-    #[error("transient failure: {0}")]
-    Transient(#[source] BoxError),
-    /// Do not retry: dead-letter the message with this reason.
-    #[error("permanent failure: {0}")]
-    Permanent(#[source] BoxError),
-}
-
-impl HandlerError {
-    /// A failure that a later attempt may not meet.
-    pub fn transient(error: impl Into<BoxError>) -> Self {
-        Self::Transient(error.into())
-    }
-
-    /// A failure that every attempt would meet.
-    pub fn permanent(error: impl Into<BoxError>) -> Self {
-        Self::Permanent(error.into())
-    }
-
-    /// Whether this failure is worth a retry.
-    pub fn class(&self) -> ErrorClass {
-        match self {
-            Self::Transient(_) => ErrorClass::Transient,
-            Self::Permanent(_) => ErrorClass::Permanent,
-        }
-    }
-}
-
-impl From<sqlx::Error> for HandlerError {
-    fn from(error: sqlx::Error) -> Self {
-        match classify_sqlx(&error) {
-            ErrorClass::Transient => Self::Transient(error.into()),
-            ErrorClass::Permanent => Self::Permanent(error.into()),
-        }
-    }
-}
-
-impl From<serde_json::Error> for HandlerError {
-    fn from(error: serde_json::Error) -> Self {
-        Self::Permanent(error.into())
-    }
-}
-
-/// A failure of the inbox store itself (begin, claim, complete, commit).
-#[derive(Debug, thiserror::Error)]
-#[error("inbox {operation} failed ({class}): {source}")]
-pub struct StoreError {
-    operation: &'static str,
-    class: ErrorClass,
-    #[source]
-    source: BoxError,
-}
-
-impl StoreError {
-    /// A store failure during `operation` (`"begin"`, `"claim"`, …).
-    pub fn new(operation: &'static str, class: ErrorClass, source: impl Into<BoxError>) -> Self {
-        Self {
-            operation,
-            class,
-            source: source.into(),
-        }
-    }
-
-    /// A sqlx failure during `operation`, classified by [`classify_sqlx`].
-    pub fn sqlx(operation: &'static str, error: sqlx::Error) -> Self {
-        Self::new(operation, classify_sqlx(&error), error)
-    }
-
-    /// Whether retrying can help.
-    pub fn class(&self) -> ErrorClass {
-        self.class
-    }
-
-    /// The operation that failed.
-    pub fn operation(&self) -> &'static str {
-        self.operation
-    }
-}
+use idem_core::{Claim, ErrorClass, Fingerprint, StoreError, StoredOutput};
 
 /// Classifies a sqlx error.
 ///
 /// Transient: I/O, TLS and protocol failures, pool timeouts and closure, and database errors
 /// whose SQLSTATE says the connection, the server's resources, a lock or serialization
-/// failed (classes `08`, `53`, `57`, `58`; `40001`, `40P01`, `40003`, `55P03`, `55006`), or,
-/// on SQLite, `SQLITE_BUSY` and `SQLITE_LOCKED` with their extended codes. Error kinds sqlx may
-/// add later are treated as transient: a retry costs little, a lost message a lot.
-/// Everything else (constraint violations, bad SQL, decoding) is permanent.
+/// failed (classes `08`, `53`, `57`, `58`; `40001`, `40P01`, `40003`, `55P03`, `55006`), on
+/// SQLite `SQLITE_BUSY` and `SQLITE_LOCKED` with their extended codes, and on MySQL the error
+/// numbers of [`classify_mysql_number`]. Error kinds sqlx may add later are treated as
+/// transient: a retry costs little, a lost message a lot. Everything else (constraint
+/// violations, bad SQL, decoding) is permanent.
 pub fn classify_sqlx(error: &sqlx::Error) -> ErrorClass {
     use sqlx::Error as E;
     match error {
@@ -156,6 +50,14 @@ pub fn classify_sqlx(error: &sqlx::Error) -> ErrorClass {
     }
 }
 
+/// Classifies an error a handler returned: a `sqlx::Error` by [`classify_sqlx`], anything
+/// else as transient.
+pub fn classify_error(error: &(dyn std::error::Error + 'static)) -> ErrorClass {
+    error
+        .downcast_ref::<sqlx::Error>()
+        .map_or(ErrorClass::Transient, classify_sqlx)
+}
+
 /// Classifies a database error code: a five-character SQLSTATE (PostgreSQL, MySQL), or an
 /// SQLite (extended) result code, which is never five characters long.
 pub fn classify_database_code(code: &str) -> ErrorClass {
@@ -180,9 +82,37 @@ pub fn classify_mysql_number(number: u16) -> Option<ErrorClass> {
     matches!(number, 1205 | 1213 | 1317 | 1927).then_some(ErrorClass::Transient)
 }
 
+/// A sqlx failure of the store during `operation`, classified.
+pub(crate) fn store_error(operation: &'static str, error: sqlx::Error) -> StoreError {
+    StoreError::new(operation, classify_sqlx(&error), error)
+}
+
+/// The claim of a key whose row exists: its stored fingerprint and result.
+pub(crate) fn existing_claim(
+    fingerprint: &[u8],
+    outcome: Option<String>,
+) -> Result<Claim, StoreError> {
+    Ok(Claim::Existing {
+        fingerprint: stored_fingerprint(fingerprint)?,
+        output: outcome.map(StoredOutput::from_json),
+    })
+}
+
+/// Decodes a stored fingerprint.
+pub(crate) fn stored_fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError> {
+    Fingerprint::from_slice(bytes).ok_or_else(|| {
+        StoreError::new(
+            "claim",
+            ErrorClass::Permanent,
+            format!("stored fingerprint has {} bytes, expected 32", bytes.len()),
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use idem_core::HandlerError;
 
     #[test]
     fn mysql_numbers() {
@@ -226,8 +156,10 @@ mod tests {
         );
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
         assert_eq!(
-            HandlerError::from(sqlx::Error::Io(io)).class(),
-            ErrorClass::Transient
+            HandlerError::from(sqlx::Error::Io(io))
+                .classify(classify_error)
+                .class(),
+            Some(ErrorClass::Transient)
         );
     }
 }

@@ -1,7 +1,8 @@
 //! The set of inbox stores a runtime holds, one per store type, with their sweepers.
 
-use crate::error::StoreError;
-use crate::store::{InboxStore, StoreKind, SweepReport};
+use super::inbox::{InboxStore, StoreKind, SweepReport};
+use crate::future::BoxFuture;
+use crate::model::StoreError;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
@@ -17,11 +18,8 @@ pub struct Stores {
 }
 
 /// One store's [`InboxStore::sweep`], type-erased: `(batch, max_batches)`.
-pub type SweepFn = Arc<
-    dyn Fn(u32, u32) -> crate::registry::BoxFuture<'static, Result<SweepReport, StoreError>>
-        + Send
-        + Sync,
->;
+pub type SweepFn =
+    Arc<dyn Fn(u32, u32) -> BoxFuture<'static, Result<SweepReport, StoreError>> + Send + Sync>;
 
 /// A store's sweeper, as the runtime runs it.
 #[derive(Clone)]

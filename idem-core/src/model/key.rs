@@ -1,6 +1,6 @@
 //! Dedup keys: where a handler's key comes from, and how it is read.
 
-use crate::envelope::Envelope;
+use super::envelope::Envelope;
 use std::borrow::Cow;
 use std::fmt;
 

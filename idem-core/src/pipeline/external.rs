@@ -1,59 +1,48 @@
-//! The pipeline of an external-mode handler ([`Mode::External`]): lease the key, run the
+//! The pipeline of an external-mode handler ([`crate::Mode::External`]): lease the key, run the
 //! handler outside any transaction, then settle the row as completed or failed.
 //!
 //! State machine of one key: *absent* → `in_progress` (lease held) → `completed` or `failed`.
 //! An `in_progress` row whose lease expired is taken over by the next copy (attempts + 1), which
 //! runs the handler again with the same key: the downstream service deduplicates on it.
 
-use crate::context::Context;
-use crate::envelope::Envelope;
-use crate::fingerprint::Fingerprint;
-use crate::handler::{Handler, Mode};
-use crate::outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
-use crate::pipeline::{encode_result, existing, prepare, store_failure};
-use crate::store::{ClaimRequest, InboxStore, Lease, LeaseEnd, retention_of};
+use super::steps::{encode_result, existing, prepare, store_failure};
+use crate::handler::Handler;
+use crate::model::{
+    Context, Envelope, Fingerprint, Outcome, RejectReason, Rejection, StoreError, StoredOutput,
+    Transient,
+};
+use crate::store::{InboxStore, Lease, LeaseEnd};
 use crate::telemetry;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Processes one delivery with external-mode handler `H`.
-pub async fn process_external<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
-    process_external_in::<H>(store, envelope, retention_of::<H>(store, None)).await
-}
-
-/// [`process_external`], keeping the row for `retention`.
-pub(crate) async fn process_external_in<H: Handler>(
+/// Processes one delivery with external-mode handler `H`, holding each lease for `lease` and
+/// keeping the row for `retention`.
+pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
+    lease: Duration,
     retention: Duration,
 ) -> Outcome {
-    let Mode::External { lease } = H::MODE else {
-        return crate::pipeline::process_in::<H>(store, envelope, retention).await;
-    };
-    let (payload, key, fingerprint) = match prepare::<H>(envelope) {
+    let (payload, keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
-    let request = ClaimRequest {
-        consumer: H::CONSUMER,
-        key: &key,
-        fingerprint: &fingerprint,
-        attempt: envelope.attempt,
-        retention,
-    };
+    let request = keyed.request(H::CONSUMER, envelope, retention);
+    let (key, fingerprint) = (&keyed.key, &keyed.fingerprint);
     let owner = owner_token();
     let claiming = Instant::now();
     let leased = store.lease(&request, &owner, lease).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
-    if let Err(outcome) = may_run::<H>(leased, envelope, &key, &fingerprint) {
+    if let Err(outcome) = may_run::<H>(leased, envelope, key, fingerprint) {
         return outcome;
     }
 
-    let ctx = Context::new(envelope, H::CONSUMER, &key);
+    let ctx = Context::new(envelope, H::CONSUMER, key);
     let running = Instant::now();
     let result = H::call_external(payload, &ctx).await;
     telemetry::handler_duration(H::CONSUMER, running.elapsed());
-    let (end, output, outcome) = match encode_result::<H>(result, &key) {
+    let (end, output, outcome) = match encode_result::<H>(store, result, key) {
         Ok(output) => {
             let outcome = Outcome::Processed {
                 key: key.clone(),
@@ -80,11 +69,11 @@ pub(crate) async fn process_external_in<H: Handler>(
             message: "the lease expired while the handler ran and another consumer took the key \
                       over; a later copy finds its result"
                 .to_owned(),
-            key: Some(key),
+            key: Some(key.clone()),
         }),
         // The row stays in progress; once the lease runs out a retry calls again with the
         // same key.
-        Err(e) => store_failure(e, &key),
+        Err(e) => store_failure(e, key),
     }
 }
 
@@ -92,7 +81,7 @@ pub(crate) async fn process_external_in<H: Handler>(
 /// duplicate or conflict of a completed key, the dead letter of a failed one, a retry while
 /// another consumer holds the lease, a store failure.
 fn may_run<H: Handler>(
-    leased: Result<Lease, crate::error::StoreError>,
+    leased: Result<Lease, StoreError>,
     envelope: &Envelope,
     key: &str,
     fingerprint: &Fingerprint,

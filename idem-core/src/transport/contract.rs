@@ -1,11 +1,11 @@
 //! The contract between the runtime and a message transport (RabbitMQ, the in-memory one).
 //!
-//! A transport turns broker deliveries into [`Delivery`] values in a handler's mailbox; the
-//! runtime settles each one exactly once through its [`Settle`]: ack, retry later, dead-letter
-//! or release. This is where a delivery enters and where the ack is sent.
+//! A transport turns broker deliveries into [`Delivery`] values in a handler's mailbox (that
+//! is where a delivery enters); the runtime decides each one's settlement (`runtime/settle.rs`)
+//! and sends it exactly once through its [`Settle`]: ack, retry later, dead-letter or release.
 
-use crate::envelope::Envelope;
-use crate::registry::BoxFuture;
+use crate::future::BoxFuture;
+use crate::model::Envelope;
 use std::fmt;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};

@@ -1,30 +1,19 @@
-//! Batch mode: executors take batches from the mailbox (up to `size` deliveries, or what
-//! arrived within `linger` of the first), run each in one transaction and settle its
-//! deliveries after the commit. While one batch executes, the next one fills the mailbox; while
-//! it commits, the next one begins and claims its keys (its handlers wait for the commit).
+//! A handler's batch workers: take a batch from the mailbox (up to `size` deliveries, or what
+//! arrived within `linger` of the first), run it in one transaction and settle its deliveries
+//! after the commit. While one batch executes, the next one fills the mailbox; while it
+//! commits, the next one begins and claims its keys (its handlers wait for the commit).
 
-use super::worker::{Shared, delivery_span, panicked, record_outcome, settle_outcome};
-use crate::batch::Stages;
-use crate::envelope::Envelope;
-use crate::outcome::{Outcome, Transient};
+use super::actor::{BatchSpec, Shared};
+use super::settle;
+use crate::model::Envelope;
+use crate::pipeline::Stages;
+use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal};
-use futures_util::FutureExt;
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout_at};
 use tracing::Instrument;
-
-/// How a handler's deliveries are grouped into transactions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct BatchSpec {
-    /// At most this many deliveries per transaction.
-    pub(crate) size: usize,
-    /// How long a batch waits for more deliveries after its first.
-    pub(crate) linger: Duration,
-}
 
 /// Takes the next batch from the mailbox: what is there up to `size`, then whatever arrives
 /// within `linger` of the first delivery. Empty when the mailbox is closed and empty.
@@ -48,7 +37,7 @@ async fn gather(mailbox: &mut mpsc::Receiver<Delivery>, spec: BatchSpec) -> Vec<
 /// broker keeps delivering the next one into the mailbox (prefetch is at least twice the batch
 /// size), so it is ready the moment this one is settled. After `stop` is raised, batches are
 /// released to the broker instead of processed.
-pub(crate) async fn execute(
+pub(crate) async fn run(
     shared: Arc<Shared>,
     mailbox: Arc<Mutex<mpsc::Receiver<Delivery>>>,
     stop: StopSignal,
@@ -63,9 +52,7 @@ pub(crate) async fn execute(
         }
         if *stop.borrow() {
             for delivery in batch {
-                if let Err(e) = delivery.settle.release().await {
-                    tracing::debug!(error = %e, "release failed; the broker redelivers on close");
-                }
+                settle::release(delivery).await;
             }
             continue;
         }
@@ -91,34 +78,24 @@ async fn handle(shared: Arc<Shared>, batch: Vec<Delivery>, stages: Stages) {
         .into_iter()
         .map(|delivery| (delivery.envelope, delivery.settle))
         .unzip();
+    let handler = shared.handler;
     let span = tracing::info_span!(
         "batch",
-        consumer = shared.registration.consumer(),
+        consumer = handler.consumer(),
         size = envelopes.len()
     );
     async {
-        let invoked = AssertUnwindSafe(shared.registration.invoke_batch_staged(
-            &shared.stores,
-            &envelopes,
-            stages,
-        ))
-        .catch_unwind()
-        .await;
-        let outcomes = match invoked {
-            Ok(Ok(outcomes)) => outcomes,
-            Ok(Err(dispatch)) => {
-                let failed = Outcome::Retry(Transient {
-                    message: dispatch.to_string(),
-                    key: None,
-                });
-                vec![failed; envelopes.len()]
-            }
-            Err(panic) => vec![panicked(&shared, panic); envelopes.len()],
+        let outcomes = match handler
+            .process_batch(&shared.stores, &envelopes, stages)
+            .await
+        {
+            Ok(outcomes) => outcomes,
+            Err(failed) => vec![settle::undispatched(&shared, failed); envelopes.len()],
         };
         for ((outcome, envelope), settle) in outcomes.iter().zip(&envelopes).zip(settles) {
-            let span = delivery_span(shared.registration.consumer(), envelope);
-            record_outcome(&span, outcome);
-            settle_outcome(&shared, outcome, envelope, settle)
+            let span = telemetry::delivery_span(handler.consumer(), envelope);
+            telemetry::record_outcome(&span, outcome);
+            settle::settle(&shared, outcome, envelope, settle)
                 .instrument(span)
                 .await;
         }

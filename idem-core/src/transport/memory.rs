@@ -2,11 +2,11 @@
 //! nothing installed: unsettled deliveries come back, duplicates and concurrent copies can be
 //! injected, retries wait their delay, dead letters are kept for inspection.
 
-use crate::envelope::Envelope;
-use crate::registry::BoxFuture;
-use crate::transport::{
+use super::contract::{
     DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };
+use crate::future::BoxFuture;
+use crate::model::Envelope;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

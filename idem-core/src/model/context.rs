@@ -1,6 +1,6 @@
 //! What a handler may know about the delivery it is processing.
 
-use crate::envelope::{Envelope, HeaderValue};
+use super::envelope::{Envelope, HeaderValue};
 
 /// The delivery a handler is processing, passed as an optional last parameter
 /// (`ctx: &idem::Context<'_>`).

@@ -1,0 +1,145 @@
+//! Error classification: transient failures are retried, permanent ones dead-lettered.
+//!
+//! Nothing here knows a database's error codes. A handler's database error (`?` on a
+//! `sqlx::Error`, see the `sqlx` feature) stays unclassified until the pipeline asks the
+//! handler's inbox store, which knows its database ([`crate::store::InboxStore::classify`]).
+
+use std::fmt;
+
+/// A boxed error that can cross threads.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Whether retrying the same message can succeed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorClass {
+    /// The message may succeed later: database unavailable, deadlock, serialization failure,
+    /// pool timeout. The runtime retries it.
+    Transient,
+    /// The message will never succeed as it is: bad payload, constraint violation, a
+    /// handler's own refusal. The runtime dead-letters it.
+    Permanent,
+}
+
+impl fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Transient => "transient",
+            Self::Permanent => "permanent",
+        })
+    }
+}
+
+/// The error a handler returns: it says whether the message should be retried.
+///
+/// `?` on a `sqlx::Error` gives [`HandlerError::Database`], which the handler's inbox store
+/// classifies by SQLSTATE, error number or result code (`idem::sql::classify_sqlx`). Anything
+/// else is wrapped with [`HandlerError::transient`] or [`HandlerError::permanent`].
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// Retry the message later.
+    #[error("transient failure: {0}")]
+    Transient(#[source] BoxError),
+    /// Do not retry: dead-letter the message with this reason.
+    #[error("permanent failure: {0}")]
+    Permanent(#[source] BoxError),
+    /// A database error, classified by the handler's inbox store, which knows the database's
+    /// error codes.
+    #[error("database failure: {0}")]
+    Database(#[source] BoxError),
+}
+
+impl HandlerError {
+    /// A failure that a later attempt may not meet.
+    pub fn transient(error: impl Into<BoxError>) -> Self {
+        Self::Transient(error.into())
+    }
+
+    /// A failure that every attempt would meet.
+    pub fn permanent(error: impl Into<BoxError>) -> Self {
+        Self::Permanent(error.into())
+    }
+
+    /// A database error for the handler's store to classify.
+    pub fn database(error: impl Into<BoxError>) -> Self {
+        Self::Database(error.into())
+    }
+
+    /// Whether this failure is worth a retry; `None` for a [`HandlerError::Database`] error,
+    /// which only the store can tell (see [`HandlerError::classify`]).
+    pub fn class(&self) -> Option<ErrorClass> {
+        match self {
+            Self::Transient(_) => Some(ErrorClass::Transient),
+            Self::Permanent(_) => Some(ErrorClass::Permanent),
+            Self::Database(_) => None,
+        }
+    }
+
+    /// This failure as transient or permanent: a database error gets the class `classify`
+    /// gives it; the others keep theirs.
+    pub fn classify(
+        self,
+        classify: impl FnOnce(&(dyn std::error::Error + 'static)) -> ErrorClass,
+    ) -> Self {
+        match self {
+            Self::Database(error) => match classify(error.as_ref()) {
+                ErrorClass::Transient => Self::Transient(error),
+                ErrorClass::Permanent => Self::Permanent(error),
+            },
+            classified => classified,
+        }
+    }
+}
+
+impl From<serde_json::Error> for HandlerError {
+    fn from(error: serde_json::Error) -> Self {
+        Self::Permanent(error.into())
+    }
+}
+
+/// A failure of the inbox store itself (begin, claim, complete, commit).
+#[derive(Debug, thiserror::Error)]
+#[error("inbox {operation} failed ({class}): {source}")]
+pub struct StoreError {
+    operation: &'static str,
+    class: ErrorClass,
+    #[source]
+    source: BoxError,
+}
+
+impl StoreError {
+    /// A store failure during `operation` (`"begin"`, `"claim"`, …).
+    pub fn new(operation: &'static str, class: ErrorClass, source: impl Into<BoxError>) -> Self {
+        Self {
+            operation,
+            class,
+            source: source.into(),
+        }
+    }
+
+    /// Whether retrying can help.
+    pub fn class(&self) -> ErrorClass {
+        self.class
+    }
+
+    /// The operation that failed.
+    pub fn operation(&self) -> &'static str {
+        self.operation
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn database_errors_take_the_class_the_store_gives() {
+        let io = || std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let error = HandlerError::database(io());
+        assert_eq!(error.class(), None);
+        let classified = error.classify(|_| ErrorClass::Transient);
+        assert_eq!(classified.class(), Some(ErrorClass::Transient));
+        assert_eq!(classified.to_string(), "transient failure: reset");
+        let kept = HandlerError::permanent(io()).classify(|_| ErrorClass::Transient);
+        assert_eq!(kept.class(), Some(ErrorClass::Permanent));
+    }
+}

@@ -1,0 +1,17 @@
+//! The message model: what a delivery is ([`Envelope`]), how it is identified ([`KeySource`],
+//! [`Fingerprint`]), what became of it ([`Outcome`]), how failures are classified
+//! ([`HandlerError`], [`StoreError`]) and what a handler may know about it ([`Context`]).
+
+pub mod context;
+pub mod envelope;
+pub mod error;
+pub mod fingerprint;
+pub mod key;
+pub mod outcome;
+
+pub use context::Context;
+pub use envelope::{Envelope, HeaderValue, Headers};
+pub use error::{BoxError, ErrorClass, HandlerError, StoreError};
+pub use fingerprint::Fingerprint;
+pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
+pub use outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};

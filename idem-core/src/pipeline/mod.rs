@@ -1,0 +1,236 @@
+//! The inbox pipelines, and their one entry point: [`ErasedHandler`], which every registered
+//! handler is, picks the handler's mode once and runs its pipeline:
+//!
+//! | mode | one delivery | a batch |
+//! |---|---|---|
+//! | transactional | [`transactional`]: one transaction, claim, handler, commit | [`batch`]: one transaction for the batch |
+//! | external | [`external`]: lease, handler, settle | each delivery on its own, after the previous batch |
+//!
+//! [`steps`] holds what every mode shares (decode, key and fingerprint; duplicate or conflict;
+//! turning failures into outcomes); [`stages`] how consecutive batches overlap.
+
+mod batch;
+mod external;
+pub mod stages;
+mod steps;
+mod transactional;
+
+pub use stages::Stages;
+
+use crate::future::BoxFuture;
+use crate::handler::{Handler, Mode};
+use crate::model::KeySource;
+use crate::model::{Envelope, Outcome, StoreError};
+use crate::store::{InboxStore, StoreKind, Stores};
+use futures_util::FutureExt;
+use std::any::Any;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+/// Processes one delivery with handler `H` in `store`, in `H`'s mode, keeping its row for the
+/// handler's retention (else the store's).
+///
+/// In transactional mode the marker row and the handler's writes commit together or not at
+/// all: nothing is committed unless the outcome is [`Outcome::Processed`].
+pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
+    run::<H>(store, envelope, steps::retention_of::<H>(store, None)).await
+}
+
+/// Processes `envelopes` with handler `H` in `store` (transactional mode: one transaction),
+/// returning one outcome per envelope, in order.
+///
+/// A key that occurs twice in the batch is processed once; its later copies are duplicates (or
+/// conflicts) of the first once that has committed, and are retried if it did not.
+pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope]) -> Vec<Outcome> {
+    let retention = steps::retention_of::<H>(store, None);
+    run_batch::<H>(store, envelopes, Stages::default(), retention).await
+}
+
+/// The one place the mode is picked, for one delivery.
+async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, retention: Duration) -> Outcome {
+    match H::MODE {
+        Mode::Transactional => transactional::process::<H>(store, envelope, retention).await,
+        Mode::External { lease } => external::process::<H>(store, envelope, lease, retention).await,
+    }
+}
+
+/// The one place the mode is picked, for a batch. An external handler shares no transaction,
+/// so its batch is its messages one after another, each leased and settled on its own, after
+/// the previous batch.
+async fn run_batch<H: Handler>(
+    store: &H::Store,
+    envelopes: &[Envelope],
+    mut stages: Stages,
+    retention: Duration,
+) -> Vec<Outcome> {
+    let Mode::External { lease } = H::MODE else {
+        return batch::process::<H>(store, envelopes, stages, retention).await;
+    };
+    stages.wait_for_previous().await;
+    let mut outcomes = Vec::with_capacity(envelopes.len());
+    for envelope in envelopes {
+        outcomes.push(external::process::<H>(store, envelope, lease, retention).await);
+    }
+    stages.fire_committing();
+    stages.fire_committed();
+    outcomes
+}
+
+/// A handler with its types erased: what the registry holds and the runtime calls. Every
+/// [`Handler`] is one.
+pub trait ErasedHandler: Send + Sync + 'static {
+    /// The function's name.
+    fn name(&self) -> &'static str;
+    /// The consumer identity scoping its keys.
+    fn consumer(&self) -> &'static str;
+    /// The queue it consumes, when set.
+    fn queue(&self) -> Option<&'static str>;
+    /// Where its dedup key comes from.
+    fn key(&self) -> KeySource;
+    /// The database its inbox is in.
+    fn store(&self) -> StoreKind;
+    /// Transactional or external.
+    fn mode(&self) -> Mode;
+    /// Its own retention, if it sets one.
+    fn retention(&self) -> Option<Duration>;
+    /// The retention of its store in `stores` (`None`: the store is missing).
+    fn store_retention(&self, stores: &Stores) -> Option<Duration>;
+    /// Whether `stores` holds its store.
+    fn store_available(&self, stores: &Stores) -> bool;
+    /// Checks that its store is present and usable.
+    fn check_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Processes one delivery with its store from `stores`. A panic in the handler is caught
+    /// and reported as [`DispatchError::Panicked`]; its transaction is rolled back.
+    fn process<'a>(
+        &'a self,
+        stores: &'a Stores,
+        envelope: &'a Envelope,
+    ) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
+    /// Processes a batch with its store from `stores`, overlapping with the neighbouring
+    /// batches through `stages`; one outcome per envelope, in order.
+    fn process_batch<'a>(
+        &'a self,
+        stores: &'a Stores,
+        envelopes: &'a [Envelope],
+        stages: Stages,
+    ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>>;
+}
+
+impl<H: Handler> ErasedHandler for H {
+    fn name(&self) -> &'static str {
+        H::NAME
+    }
+
+    fn consumer(&self) -> &'static str {
+        H::CONSUMER
+    }
+
+    fn queue(&self) -> Option<&'static str> {
+        H::QUEUE
+    }
+
+    fn key(&self) -> KeySource {
+        H::KEY
+    }
+
+    fn store(&self) -> StoreKind {
+        <H::Store as InboxStore>::KIND
+    }
+
+    fn mode(&self) -> Mode {
+        H::MODE
+    }
+
+    fn retention(&self) -> Option<Duration> {
+        H::RETENTION
+    }
+
+    fn store_retention(&self, stores: &Stores) -> Option<Duration> {
+        stores.get::<H::Store>().map(InboxStore::retention)
+    }
+
+    fn store_available(&self, stores: &Stores) -> bool {
+        stores.get::<H::Store>().is_some()
+    }
+
+    fn check_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            match stores.get::<H::Store>() {
+                Some(store) => store.check().await,
+                None => Err(StoreError::new(
+                    "check",
+                    crate::model::ErrorClass::Permanent,
+                    format!("no {} store was provided", <H::Store as InboxStore>::KIND),
+                )),
+            }
+        })
+    }
+
+    fn process<'a>(
+        &'a self,
+        stores: &'a Stores,
+        envelope: &'a Envelope,
+    ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
+        Box::pin(async move {
+            let store = store_of::<H>(stores)?;
+            let retention = steps::retention_of::<H>(store, stores.retention());
+            unwound(run::<H>(store, envelope, retention)).await
+        })
+    }
+
+    fn process_batch<'a>(
+        &'a self,
+        stores: &'a Stores,
+        envelopes: &'a [Envelope],
+        stages: Stages,
+    ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
+        Box::pin(async move {
+            let store = store_of::<H>(stores)?;
+            let retention = steps::retention_of::<H>(store, stores.retention());
+            unwound(run_batch::<H>(store, envelopes, stages, retention)).await
+        })
+    }
+}
+
+/// Runs `pipeline`, catching a handler's panic: the panic unwinds through the pipeline, which
+/// drops (and so rolls back) its transaction, and is reported instead of propagated.
+async fn unwound<T>(pipeline: impl Future<Output = T>) -> Result<T, DispatchError> {
+    AssertUnwindSafe(pipeline)
+        .catch_unwind()
+        .await
+        .map_err(|panic| DispatchError::Panicked(panic_message(panic.as_ref())))
+}
+
+/// The text a panic carried.
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string panic".to_owned())
+}
+
+/// The store handler `H` writes to, from `stores`.
+fn store_of<H: Handler>(stores: &Stores) -> Result<&H::Store, DispatchError> {
+    stores.get::<H::Store>().ok_or(DispatchError::MissingStore {
+        consumer: H::CONSUMER,
+        store: <H::Store as InboxStore>::KIND,
+    })
+}
+
+/// A handler could not be run, or did not return.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DispatchError {
+    /// The handler panicked; nothing it did was committed.
+    #[error("handler panicked: {0}")]
+    Panicked(String),
+    /// The handler's store was not provided.
+    #[error("handler `{consumer}` writes to a {store} inbox, but no {store} store was provided")]
+    MissingStore {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// The store it needs.
+        store: StoreKind,
+    },
+}

@@ -1,0 +1,39 @@
+//! One handler's actor: its configuration (queue, workers, prefetch, batching), and what its
+//! workers share while they run.
+
+use super::retry::RetryPolicy;
+use super::stats::Stats;
+use crate::pipeline::ErasedHandler;
+use crate::registry::Registration;
+use crate::store::Stores;
+use crate::transport::QueueSpec;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One handler as the runtime runs it: fed by the transport's consumer through a bounded
+/// mailbox, processed by `workers` workers.
+pub(crate) struct Actor {
+    pub(crate) registration: &'static Registration,
+    pub(crate) spec: QueueSpec,
+    /// Deliveries (batch mode: batches) processed at once.
+    pub(crate) workers: usize,
+    pub(crate) prefetch: u16,
+    pub(crate) batch: Option<BatchSpec>,
+}
+
+/// How a handler's deliveries are grouped into transactions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BatchSpec {
+    /// At most this many deliveries per transaction.
+    pub(crate) size: usize,
+    /// How long a batch waits for more deliveries after its first.
+    pub(crate) linger: Duration,
+}
+
+/// What every worker of one handler shares.
+pub(crate) struct Shared {
+    pub(crate) handler: &'static dyn ErasedHandler,
+    pub(crate) stores: Arc<Stores>,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) stats: Arc<Stats>,
+}

@@ -1,0 +1,59 @@
+//! [`RuntimeError`]: a wrong configuration, or a start that failed.
+
+use crate::model::StoreError;
+use crate::registry::RegistryError;
+use crate::store::StoreKind;
+use crate::transport::TransportError;
+
+/// A wrong runtime configuration or a failed start.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// No transport was configured.
+    #[error(
+        "no transport: call .transport(...) on the runtime builder, with idem::rabbitmq::RabbitTransport::new(RabbitConfig::new(url)) or idem::MemoryTransport::new()"
+    )]
+    NoTransport,
+    /// No handler is registered or selected.
+    #[error("no handlers: annotate an async fn with #[idempotent(queue = \"...\", ...)]")]
+    NoHandlers,
+    /// A handler has no queue to consume.
+    #[error("handler `{consumer}` has no queue: add queue = \"...\" to its #[idempotent]")]
+    NoQueue {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+    },
+    /// A handler's store is missing.
+    #[error(
+        "handler `{consumer}` writes to {store}, but the runtime has no {store} store: add one with .store({constructor}::new(pool))",
+        constructor = .store.constructor()
+    )]
+    MissingStore {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// The store it needs.
+        store: StoreKind,
+    },
+    /// A chosen handler is not registered.
+    #[error("no registered handler has consumer = \"{0}\"")]
+    UnknownHandler(String),
+    /// Two handlers share a consumer.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// A handler's inbox is not usable (for example, its table was never migrated).
+    #[error(
+        "the inbox of handler `{consumer}` is not usable: {error}; run the store's migrate() (or idem::sql::migrate(&pool)) before starting"
+    )]
+    Store {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// What the store said.
+        #[source]
+        error: StoreError,
+    },
+    /// A numeric setting is out of range.
+    #[error("invalid setting: {0}")]
+    Setting(String),
+    /// The transport refused the topology or could not connect.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}

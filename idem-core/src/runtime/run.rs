@@ -1,0 +1,139 @@
+//! [`Runtime::run_until`]: the actors are started (a consumer feeding each handler's mailbox,
+//! its workers draining it), the sweepers run, and on the shutdown signal everything stops in
+//! order.
+
+use super::actor::{Actor, Shared};
+use super::error::RuntimeError;
+use super::retry::RetryPolicy;
+use super::stats::Stats;
+use super::sweeper::{self, SweepSettings};
+use super::{batch_worker, worker};
+use crate::store::Stores;
+use crate::transport::{QueueSpec, Transport};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{Mutex, mpsc, watch};
+use tokio::task::JoinSet;
+
+/// How long closing the transport may take at shutdown.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A configured runtime ([`Runtime::builder`] makes one); [`Runtime::run_until`] runs it.
+pub struct Runtime {
+    pub(crate) transport: Arc<dyn Transport>,
+    pub(crate) stores: Arc<Stores>,
+    pub(crate) actors: Vec<Actor>,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) shutdown_grace: Duration,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) sweep: Option<SweepSettings>,
+}
+
+impl Runtime {
+    /// The runtime's counters, readable while it runs.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// Declares the topology, consumes until `shutdown` completes, then shuts down gracefully:
+    /// consumers stop, deliveries not yet started are released, in-flight ones may finish
+    /// within the grace period, and the transport is closed (anything unsettled goes back to
+    /// the broker, unacked).
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
+        for actor in &self.actors {
+            let consumer = actor.registration.consumer();
+            actor
+                .registration
+                .check_store(&self.stores)
+                .await
+                .map_err(|error| RuntimeError::Store { consumer, error })?;
+        }
+        let specs: Vec<QueueSpec> = self.actors.iter().map(|a| a.spec.clone()).collect();
+        self.transport.declare(&specs).await?;
+
+        let (stop_tx, stop) = watch::channel(false);
+        let mut consumers = JoinSet::new();
+        let mut workers = JoinSet::new();
+        for actor in &self.actors {
+            let (mailbox_tx, mailbox) = mpsc::channel(usize::from(actor.prefetch));
+            consumers.spawn(self.transport.consume(
+                actor.spec.clone(),
+                actor.prefetch,
+                mailbox_tx,
+                stop.clone(),
+            ));
+            let shared = Arc::new(Shared {
+                handler: actor.registration.handler(),
+                stores: self.stores.clone(),
+                retry: self.retry.clone(),
+                stats: self.stats.clone(),
+            });
+            match actor.batch {
+                None => {
+                    let mailbox = Arc::new(Mutex::new(mailbox));
+                    for _ in 0..actor.workers {
+                        workers.spawn(worker::run(shared.clone(), mailbox.clone(), stop.clone()));
+                    }
+                }
+                Some(spec) => {
+                    let mailbox = Arc::new(Mutex::new(mailbox));
+                    for _ in 0..actor.workers {
+                        workers.spawn(batch_worker::run(
+                            shared.clone(),
+                            mailbox.clone(),
+                            stop.clone(),
+                            spec,
+                        ));
+                    }
+                }
+            }
+            tracing::info!(
+                consumer = actor.spec.consumer,
+                queue = actor.spec.queue,
+                workers = actor.workers,
+                prefetch = actor.prefetch,
+                batch = actor.batch.map(|b| b.size),
+                "handler started"
+            );
+        }
+
+        let mut sweepers = JoinSet::new();
+        if let Some(settings) = self.sweep {
+            for sweeper in self.stores.sweepers() {
+                sweepers.spawn(sweeper::run(sweeper.clone(), settings, stop.clone()));
+            }
+        }
+        crate::telemetry::describe();
+
+        shutdown.await;
+        tracing::info!("shutting down: no new deliveries; finishing those in flight");
+        let _ = stop_tx.send(true);
+        // A sweep in progress is dropped: each batch is its own statement, and a session that
+        // holds the sweeper lock is closed rather than returned to the pool.
+        sweepers.abort_all();
+        let drained = tokio::time::timeout(self.shutdown_grace, async {
+            while consumers.join_next().await.is_some() {}
+            while workers.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!(grace = ?self.shutdown_grace, "in-flight deliveries did not finish in time; abandoning them uncommitted");
+            consumers.abort_all();
+            workers.abort_all();
+            while workers.join_next().await.is_some() {}
+        }
+        // Closing returns whatever is still unsettled to the broker; a broker that does not
+        // answer must not keep the process from exiting (the broker requeues on disconnect).
+        if tokio::time::timeout(CLOSE_TIMEOUT, self.transport.close())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the transport did not close in time; leaving it to the broker to notice"
+            );
+        }
+        tracing::info!("runtime stopped");
+        Ok(())
+    }
+}

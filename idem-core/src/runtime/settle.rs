@@ -1,0 +1,192 @@
+//! Where the ack is decided: an [`Outcome`] becomes exactly one settlement (ack, retry later,
+//! dead letter), counted and sent through the delivery's [`Settle`], always after the pipeline
+//! returned (after the commit).
+
+use super::actor::Shared;
+use super::retry::RetryPolicy;
+use super::stats::Stats;
+use crate::model::{Envelope, Outcome, Transient};
+use crate::pipeline::DispatchError;
+use crate::telemetry;
+use crate::transport::{DeadLetter, Delivery, Settle};
+use std::time::Duration;
+
+/// What to do with a delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Settlement {
+    /// Processed or duplicate: ack.
+    Ack,
+    /// Transient failure with attempts left: deliver again after the delay.
+    Retry(Duration),
+    /// Rejected, conflicting, or out of attempts: dead-letter with the reason.
+    DeadLetter(DeadLetter),
+}
+
+/// The settlement for `outcome` of `envelope`'s delivery.
+pub(crate) fn decide(
+    outcome: &Outcome,
+    envelope: &Envelope,
+    consumer: &str,
+    policy: &RetryPolicy,
+) -> Settlement {
+    let dead_letter = |reason: &str, detail: String| {
+        Settlement::DeadLetter(DeadLetter {
+            reason: reason.to_owned(),
+            detail,
+            consumer: consumer.to_owned(),
+            key: outcome.key().map(str::to_owned),
+            attempts: envelope.attempt,
+        })
+    };
+    match outcome {
+        Outcome::Processed { .. } | Outcome::Duplicate { .. } => Settlement::Ack,
+        Outcome::Conflict { key } => dead_letter(
+            "conflict",
+            format!("key {key:?} was processed before with a different payload"),
+        ),
+        Outcome::Rejected(rejection) => {
+            dead_letter(rejection.reason.code(), rejection.message.clone())
+        }
+        Outcome::Retry(failure) => match policy.delay_after(envelope.attempt) {
+            Some(delay) => Settlement::Retry(delay),
+            None => dead_letter(
+                "retries-exhausted",
+                format!(
+                    "failed {} times; last: {}",
+                    envelope.attempt, failure.message
+                ),
+            ),
+        },
+    }
+}
+
+/// Settles one delivery according to its outcome, counting it.
+pub(crate) async fn settle(
+    shared: &Shared,
+    outcome: &Outcome,
+    envelope: &Envelope,
+    settle: Box<dyn Settle>,
+) {
+    #[cfg(feature = "fault-injection")]
+    if matches!(outcome, Outcome::Processed { .. }) {
+        crate::fault::maybe_crash(crate::fault::Point::AfterCommit);
+    }
+    let stats = &shared.stats;
+    let consumer = shared.handler.consumer();
+    let settled = match decide(outcome, envelope, consumer, &shared.retry) {
+        Settlement::Ack => {
+            let (counter, label) = match outcome {
+                Outcome::Duplicate { .. } => (&stats.duplicates, "duplicate"),
+                _ => (&stats.processed, "processed"),
+            };
+            Stats::add(counter);
+            telemetry::message(consumer, label);
+            settle.ack().await
+        }
+        Settlement::Retry(delay) => {
+            tracing::info!(?delay, key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), failure = %describe(outcome), "transient failure; retrying later");
+            Stats::add(&stats.retried);
+            telemetry::message(consumer, "retried");
+            settle.retry(envelope, delay).await
+        }
+        Settlement::DeadLetter(reason) => {
+            tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
+            let label = match outcome {
+                Outcome::Conflict { .. } => {
+                    Stats::add(&stats.conflicts);
+                    "conflict"
+                }
+                Outcome::Rejected(_) => {
+                    Stats::add(&stats.rejected);
+                    "rejected"
+                }
+                _ => "dead_lettered",
+            };
+            Stats::add(&stats.dead_lettered);
+            telemetry::message(consumer, label);
+            telemetry::dead_letter(consumer, &reason.reason);
+            settle.dead_letter(envelope, &reason).await
+        }
+    };
+    if let Err(e) = settled {
+        Stats::add(&stats.settle_failures);
+        tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will recognise what committed");
+    }
+}
+
+/// The outcome of a delivery the pipeline could not process: a handler's panic (counted) or a
+/// missing store is a transient failure, so the message is retried and the worker lives on.
+pub(crate) fn undispatched(shared: &Shared, error: DispatchError) -> Outcome {
+    if let DispatchError::Panicked(message) = &error {
+        Stats::add(&shared.stats.panics);
+        tracing::error!(panic = %message, "handler panicked; the message will be retried");
+    }
+    Outcome::Retry(Transient {
+        message: error.to_string(),
+        key: None,
+    })
+}
+
+/// Gives a delivery back unprocessed (shutdown).
+pub(crate) async fn release(delivery: Delivery) {
+    if let Err(e) = delivery.settle.release().await {
+        tracing::debug!(error = %e, "release failed; the broker redelivers on close");
+    }
+}
+
+fn describe(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Retry(t) => t.message.clone(),
+        other => other.label().to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{RejectReason, Rejection, StoredOutput, Transient};
+
+    #[test]
+    fn every_outcome_has_one_settlement() {
+        let policy = RetryPolicy::default();
+        let env = Envelope::new("{}").with_message_id("m");
+        let decide =
+            |o: &Outcome, attempt| decide(o, &env.clone().with_attempt(attempt), "c", &policy);
+        let processed = Outcome::Processed {
+            key: "k".into(),
+            output: StoredOutput::null(),
+        };
+        assert_eq!(decide(&processed, 1), Settlement::Ack);
+        let duplicate = Outcome::Duplicate {
+            key: "k".into(),
+            output: StoredOutput::null(),
+        };
+        assert_eq!(decide(&duplicate, 3), Settlement::Ack);
+        let retry = Outcome::Retry(Transient {
+            message: "db down".into(),
+            key: Some("k".into()),
+        });
+        assert_eq!(decide(&retry, 1), Settlement::Retry(Duration::from_secs(1)));
+        assert_eq!(decide(&retry, 2), Settlement::Retry(Duration::from_secs(4)));
+        let Settlement::DeadLetter(dl) = decide(&retry, 5) else {
+            panic!("the fifth failure is the last")
+        };
+        assert_eq!(
+            (dl.reason.as_str(), dl.attempts, dl.key.as_deref()),
+            ("retries-exhausted", 5, Some("k"))
+        );
+        assert!(dl.detail.contains("db down"));
+        let rejected = Outcome::Rejected(Rejection::new(RejectReason::Decode, "not JSON", None));
+        let Settlement::DeadLetter(dl) = decide(&rejected, 1) else {
+            panic!()
+        };
+        assert_eq!(
+            (dl.reason.as_str(), dl.detail.as_str(), dl.consumer.as_str()),
+            ("decode", "not JSON", "c")
+        );
+        let Settlement::DeadLetter(dl) = decide(&Outcome::Conflict { key: "k".into() }, 1) else {
+            panic!()
+        };
+        assert_eq!(dl.reason, "conflict");
+    }
+}

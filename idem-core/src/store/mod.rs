@@ -1,0 +1,10 @@
+//! The inbox store contract ([`InboxStore`]), external mode's per-key states ([`Lease`]) and
+//! the set of stores a runtime holds ([`Stores`]). The SQL stores are in idem-sqlx.
+
+pub mod inbox;
+pub mod lease;
+pub mod set;
+
+pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
+pub use lease::{Lease, LeaseEnd};
+pub use set::{Stores, SweepFn, Sweeper};

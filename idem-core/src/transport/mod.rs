@@ -1,0 +1,11 @@
+//! Transports: the contract between the runtime and a message broker ([`Transport`],
+//! [`Settle`]), and an in-memory transport for tests and demos ([`MemoryTransport`]). The
+//! RabbitMQ transport is in idem-rabbitmq.
+
+pub mod contract;
+pub mod memory;
+
+pub use contract::{
+    DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
+};
+pub use memory::MemoryTransport;

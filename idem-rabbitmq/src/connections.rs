@@ -1,0 +1,58 @@
+//! The connections a transport (or publisher) opened, closed together at shutdown, and the
+//! channels' settlement tasks, which shutdown lets finish first.
+
+use crate::config::RabbitConfig;
+use lapin::types::{LongString, ShortString};
+use lapin::{Connection, ConnectionProperties};
+use std::sync::{Arc, Mutex};
+use tokio::task::JoinHandle;
+
+/// The connections opened so far, closed together at shutdown, and the channels' settlement
+/// tasks, which shutdown lets finish first.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Connections {
+    open: Arc<Mutex<Vec<Arc<Connection>>>>,
+    settlers: Arc<Mutex<Vec<JoinHandle<()>>>>,
+}
+
+impl Connections {
+    /// Opens a connection named after `purpose` and keeps it for [`Connections::close_all`].
+    pub(crate) async fn open(
+        &self,
+        config: &RabbitConfig,
+        purpose: &str,
+    ) -> Result<Arc<Connection>, lapin::Error> {
+        let name = format!("{}:{purpose}", config.name);
+        let properties = ConnectionProperties::default()
+            .with_connection_name(LongString::from(name.into_bytes()));
+        let connection = Arc::new(Connection::connect(&config.url, properties).await?);
+        let mut all = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|c| c.status().connected());
+        all.push(connection.clone());
+        Ok(connection)
+    }
+
+    /// Keeps a channel's settlement task, so that closing waits for its last acks.
+    pub(crate) fn track(&self, settler: JoinHandle<()>) {
+        let mut all = self.settlers.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|task| !task.is_finished());
+        all.push(settler);
+    }
+
+    /// Waits for every settlement task, then closes every connection.
+    pub(crate) async fn close_all(&self) {
+        let settlers: Vec<JoinHandle<()>> =
+            std::mem::take(&mut *self.settlers.lock().unwrap_or_else(|e| e.into_inner()));
+        for settler in settlers {
+            // Ends once every delivery of its channel is settled or dropped.
+            let _ = settler.await;
+        }
+        let all: Vec<Arc<Connection>> =
+            std::mem::take(&mut *self.open.lock().unwrap_or_else(|e| e.into_inner()));
+        for connection in all {
+            let _ = connection
+                .close(200, ShortString::from("idem shutting down"))
+                .await;
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! The statements of a dialect, by name: templates with `{table}` standing for the inbox table
+//! and `{now}` for the dialect's current time, filled in once per inbox ([`Statements::fill`]).
+//! Each field documents its bind parameters, in order.
+
+use crate::config::TableName;
+use std::sync::Arc;
+
+/// The statements of one inbox, filled in.
+pub type Prepared = Statements<Arc<str>>;
+
+/// What a transactional claim and its bookkeeping run.
+#[derive(Debug, Clone)]
+pub struct Statements<S = &'static str> {
+    /// Inserts the marker, doing nothing if the key exists (consumer, key, fingerprint,
+    /// attempt, retention in seconds).
+    pub claim: S,
+    /// Reads a key's `fingerprint` and `outcome` (consumer, key); sees the latest committed row.
+    pub existing: S,
+    /// Stores the handler's result on a claimed row (outcome, consumer, key).
+    pub complete: S,
+    /// Removes a marker claimed in the current transaction (consumer, key).
+    pub unclaim: S,
+    /// Reads nothing, but fails unless the inbox table has the columns idem uses.
+    pub probe: S,
+    /// The savepoints of a batch's messages.
+    pub savepoint: SavepointStatements,
+    /// External mode.
+    pub lease: LeaseStatements<S>,
+    /// The retention sweeper.
+    pub sweep: SweepStatements<S>,
+    /// Set-based batch statements, for a dialect with array parameters (PostgreSQL).
+    pub batch: Option<BatchStatements<S>>,
+}
+
+/// The savepoint each message of a batch runs under. No parameters; may hold several
+/// statements.
+#[derive(Debug, Clone, Copy)]
+pub struct SavepointStatements {
+    /// Starts the first message's savepoint.
+    pub first: &'static str,
+    /// Ends one message's savepoint and starts the next one's, in one round trip.
+    pub next: &'static str,
+    /// Undoes the current message; the savepoint stays, for the next message.
+    pub rollback: &'static str,
+}
+
+/// The probe of dialects that quote identifiers with double quotes.
+pub const PROBE: &str = r#"SELECT consumer, key, fingerprint, status, outcome, attempts, created_at, completed_at,
+    expires_at, owner, locked_until FROM "{table}" WHERE 1 = 0"#;
+
+/// The savepoints of dialects that release one before starting the next.
+pub const SAVEPOINTS: SavepointStatements = SavepointStatements {
+    first: "SAVEPOINT idem_message",
+    next: "RELEASE SAVEPOINT idem_message; SAVEPOINT idem_message",
+    rollback: "ROLLBACK TO SAVEPOINT idem_message",
+};
+
+/// External mode: a claim inserts the row `in_progress` with a lease, or takes an expired lease
+/// over, or reads what holds the key, in one short transaction of its own; the handler's end
+/// then settles the row.
+#[derive(Debug, Clone)]
+pub struct LeaseStatements<S = &'static str> {
+    /// (consumer, key, fingerprint, retention in seconds, owner, lease in milliseconds).
+    pub insert: S,
+    /// Takes an expired lease with the same fingerprint over (owner, lease in milliseconds,
+    /// consumer, key, fingerprint).
+    pub takeover: S,
+    /// Reads `status`, `attempts`, `fingerprint`, `outcome`, `remaining_ms` (consumer, key).
+    pub read: S,
+    /// Ends the owner's lease as completed or failed (status, outcome, consumer, key, owner).
+    pub settle: S,
+    /// Gives the owner's lease up (consumer, key, owner).
+    pub release: S,
+}
+
+/// The retention sweeper: deletes expired rows in bounded batches through the index on
+/// `expires_at`, under a lock that lets one sweeper work at a time across processes.
+#[derive(Debug, Clone)]
+pub struct SweepStatements<S = &'static str> {
+    /// Tries to take the sweeper lock: one integer, 1 when taken.
+    pub lock: S,
+    /// Releases it.
+    pub unlock: S,
+    /// Deletes one batch of expired rows, oldest first (the batch size).
+    pub delete: S,
+    /// One integer: milliseconds since the oldest expired row left expired (0 when none is).
+    pub lag: S,
+}
+
+/// A batch's claims with array parameters.
+#[derive(Debug, Clone)]
+pub struct BatchStatements<S = &'static str> {
+    /// Inserts the keys that are new; returns them (consumer, keys, fingerprints, attempts,
+    /// retention in seconds).
+    pub claim: S,
+    /// Reads `key`, `fingerprint`, `outcome` of the keys that existed (consumer, keys).
+    pub existing: S,
+    /// Stores the results (consumer, keys, outcomes).
+    pub complete: S,
+}
+
+/// The schema of the inbox table and the statements that keep its version.
+#[derive(Debug, Clone, Copy)]
+pub struct MigrationStatements {
+    /// The schema versions: `(version, statements)`, with `{table}` for the inbox table.
+    pub steps: &'static [(i32, &'static [&'static str])],
+    /// Runs before the migration transaction.
+    pub prepare: Option<&'static str>,
+    /// Runs first inside the migration transaction, serializing concurrent migrations.
+    pub lock: Option<&'static str>,
+    /// Releases a session-level `lock`, last on the migration's connection.
+    pub unlock: Option<&'static str>,
+    /// Creates the schema version table.
+    pub version_table: &'static str,
+    /// Reads a table's `version` (the table).
+    pub read_version: &'static str,
+    /// Records a table's version (the table, the version).
+    pub write_version: &'static str,
+}
+
+impl Statements {
+    /// These statements for the inbox in `table`, with `now` as the current time.
+    pub fn fill(&self, table: &TableName, now: &str) -> Prepared {
+        let fill = |template: &str| fill(template, table, now);
+        Statements {
+            claim: fill(self.claim),
+            existing: fill(self.existing),
+            complete: fill(self.complete),
+            unclaim: fill(self.unclaim),
+            probe: fill(self.probe),
+            savepoint: self.savepoint,
+            lease: LeaseStatements {
+                insert: fill(self.lease.insert),
+                takeover: fill(self.lease.takeover),
+                read: fill(self.lease.read),
+                settle: fill(self.lease.settle),
+                release: fill(self.lease.release),
+            },
+            sweep: SweepStatements {
+                lock: fill(self.sweep.lock),
+                unlock: fill(self.sweep.unlock),
+                delete: fill(self.sweep.delete),
+                lag: fill(self.sweep.lag),
+            },
+            batch: self.batch.as_ref().map(|batch| BatchStatements {
+                claim: fill(batch.claim),
+                existing: fill(batch.existing),
+                complete: fill(batch.complete),
+            }),
+        }
+    }
+}
+
+/// Fills the table name and the current time into a template. The name is a validated
+/// identifier (see [`TableName`]), so the text is safe to hand to `sqlx::AssertSqlSafe`.
+pub(crate) fn fill(template: &str, table: &TableName, now: &str) -> Arc<str> {
+    template
+        .replace("{now}", now)
+        .replace("{table}", table.as_str())
+        .into()
+}
