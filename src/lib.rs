@@ -31,13 +31,18 @@
 //!   process it once. Defaults to the function's module path and name: **set it explicitly in
 //!   production**, or moving the function to another module starts a fresh key space.
 //! - `queue = "..."`: the queue the runtime consumes for this handler.
+//! - `mode = "external"`: for work that cannot join a transaction (a payment API); the function
+//!   takes `(payload, ctx)`, the key is leased `in_progress`, then settled. Default
+//!   `"transactional"`.
+//! - `lease = "30s"` (external mode) and `retention = "7d"` (how long its inbox rows are kept).
 //!
 //! The function must be `async fn name(tx: &mut sqlx::Transaction<'_, DB>, payload: T,
 //! [ctx: &idem::Context<'_>]) -> Result<R, E>` with `T: DeserializeOwned`,
 //! `R: Serialize + DeserializeOwned` and `E: Into<HandlerError>`. It stays callable as written.
 //!
 //! Every annotated function is registered; [`registry::handlers`] lists them and
-//! [`Registration::invoke`] processes one delivery with the inbox stores in [`Stores`].
+//! [`Registration::invoke`] processes one delivery with the inbox stores in [`Stores`];
+//! [`Runtime::builder`] consumes their queues.
 //!
 //! ## Features
 //! `postgres`, `mysql` and `sqlite` (all on by default) enable the inbox stores

@@ -27,8 +27,10 @@ pub enum Mode {
     },
 }
 
-/// An idempotent message handler. `#[idempotent]` implements this for each annotated function;
-/// implement it by hand only to build a handler the attribute cannot express.
+/// An idempotent message handler. `#[idempotent]` implements this for each annotated function
+/// (on a unit struct) and registers it; implement it by hand only to build a handler the
+/// attribute cannot express, and register it with
+/// `inventory::submit!(idem::Registration::new(&MyHandler))`.
 pub trait Handler: Send + Sync + 'static {
     /// The inbox store whose transaction the handler writes in.
     type Store: InboxStore;

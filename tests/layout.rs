@@ -1,0 +1,244 @@
+//! The shape of the code, as the README describes it: no two modules of a crate refer to each
+//! other, idem-core names no database, and the files of the README's delivery path exist.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+const CRATES: [&str; 4] = ["idem-core", "idem-sqlx", "idem-rabbitmq", "idem-macros"];
+
+/// Every module file of a crate's `src/`, by module path (`["pipeline", "batch"]`).
+fn modules(src: &Path) -> BTreeMap<Vec<String>, PathBuf> {
+    let mut found = BTreeMap::new();
+    let mut dirs = vec![src.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let relative = path.strip_prefix(src).unwrap().with_extension("");
+            let mut module: Vec<String> = relative
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect();
+            if matches!(
+                module.last().map(String::as_str),
+                Some("mod" | "lib" | "main")
+            ) {
+                module.pop();
+            }
+            found.insert(module, path);
+        }
+    }
+    found
+}
+
+/// The code of a file without its comments.
+fn code(path: &Path) -> String {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|line| line.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every path of `code` with at least two segments (`crate::a::B`, `super::x`, `child::f`,
+/// `std::time`), grouped imports expanded.
+fn paths(code: &str) -> BTreeSet<Vec<String>> {
+    let chars: Vec<char> = code.chars().collect();
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    let ident_at = |i: usize| -> usize {
+        let mut end = i;
+        while end < chars.len() && word(chars[end]) {
+            end += 1;
+        }
+        end
+    };
+    let mut found = BTreeSet::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let starts_path = word(chars[i])
+            && !chars[i].is_ascii_digit()
+            && (i == 0 || !(word(chars[i - 1]) || chars[i - 1] == ':'));
+        if !starts_path {
+            i += 1;
+            continue;
+        }
+        let mut segments = Vec::new();
+        loop {
+            let end = ident_at(i);
+            segments.push(chars[i..end].iter().collect::<String>());
+            i = end;
+            if chars.get(i) != Some(&':') || chars.get(i + 1) != Some(&':') {
+                break;
+            }
+            i += 2;
+            if chars.get(i) == Some(&'{') {
+                let close = (i..chars.len())
+                    .find(|&j| chars[j] == '}')
+                    .unwrap_or(chars.len());
+                let group: String = chars[i + 1..close].iter().collect();
+                for item in group.split(',') {
+                    let item = item.split(" as ").next().unwrap_or("").trim();
+                    let mut path = segments.clone();
+                    path.extend(
+                        item.split("::")
+                            .filter(|s| !s.is_empty())
+                            .map(str::to_owned),
+                    );
+                    found.insert(path);
+                }
+                i = close;
+                break;
+            }
+            if !chars.get(i).is_some_and(|&c| word(c)) {
+                break;
+            }
+        }
+        if segments.len() > 1 {
+            found.insert(segments);
+        }
+    }
+    found
+}
+
+/// The module a path in module `from` refers to: the longest prefix of it that is a module
+/// other than `from` (a relative path counts only through a child module of `from`).
+fn target(
+    from: &[String],
+    path: &[String],
+    modules: &BTreeMap<Vec<String>, PathBuf>,
+) -> Option<Vec<String>> {
+    let parent = from[..from.len().saturating_sub(1)].to_vec();
+    let (mut base, mut rest, absolute) = match path[0].as_str() {
+        "crate" => (Vec::new(), &path[1..], true),
+        "self" => (from.to_vec(), &path[1..], true),
+        "super" => (parent, &path[1..], true),
+        _ => (from.to_vec(), path, false),
+    };
+    while rest.first().is_some_and(|s| s == "super") {
+        base.pop();
+        rest = &rest[1..];
+    }
+    let mut best = (absolute && modules.contains_key(&base)).then(|| base.clone());
+    for segment in rest {
+        base.push(segment.clone());
+        if modules.contains_key(&base) {
+            best = Some(base.clone());
+        } else {
+            break;
+        }
+    }
+    best.filter(|t| !t.is_empty() && t != from)
+}
+
+#[test]
+fn no_two_modules_refer_to_each_other() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut cycles = Vec::new();
+    for krate in CRATES {
+        let modules = modules(&root.join(krate).join("src"));
+        let mut edges: BTreeMap<&Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+        for (module, file) in &modules {
+            for path in paths(&code(file)) {
+                if let Some(target) = target(module, &path, &modules) {
+                    edges.entry(module).or_default().insert(target);
+                }
+            }
+        }
+        for (a, targets) in &edges {
+            for b in targets {
+                if *a < b && edges.get(b).is_some_and(|back| back.contains(*a)) {
+                    cycles.push(format!(
+                        "{} <-> {}",
+                        modules[*a].display(),
+                        modules[b].display()
+                    ));
+                }
+            }
+        }
+        assert!(modules.len() > 3, "{krate}: no modules found");
+    }
+    assert!(
+        cycles.is_empty(),
+        "modules that refer to each other:\n{}",
+        cycles.join("\n")
+    );
+}
+
+#[test]
+fn the_cycle_check_sees_a_cycle() {
+    let module = |path: &[&str]| path.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let modules: BTreeMap<Vec<String>, PathBuf> = [
+        module(&[]),
+        module(&["a"]),
+        module(&["a", "c"]),
+        module(&["b"]),
+    ]
+    .into_iter()
+    .map(|m| (m, PathBuf::new()))
+    .collect();
+    let refers = |from: &[&str], code: &str| -> BTreeSet<Vec<String>> {
+        paths(code)
+            .iter()
+            .filter_map(|p| target(&module(from), p, &modules))
+            .collect()
+    };
+    assert_eq!(
+        refers(
+            &["a", "c"],
+            "use crate::b::{Thing, other::Deep};\nfn f() { super::super::b::g() }"
+        ),
+        BTreeSet::from([module(&["b"])])
+    );
+    assert_eq!(
+        refers(&["a", "c"], "use super::X;"),
+        BTreeSet::from([module(&["a"])])
+    );
+    assert_eq!(
+        refers(&["a"], "use c::Y; use std::fmt;"),
+        BTreeSet::from([module(&["a", "c"])])
+    );
+}
+
+#[test]
+fn idem_core_names_no_database() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("idem-core/src");
+    for file in modules(&root).values() {
+        let code = code(file);
+        let code = code.split("#[cfg(test)]").next().unwrap_or("");
+        for name in [
+            "Postgres", "Sqlite", "SQLite", "MySql", "MySQL", "MariaDB", "SQLSTATE",
+        ] {
+            assert!(!code.contains(name), "{} names {name}", file.display());
+        }
+    }
+}
+
+#[test]
+fn the_readme_delivery_path_is_six_files_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let section = readme
+        .split("One delivery, from the broker to its ack, passes through six files:")
+        .nth(1)
+        .expect("the README's delivery path");
+    let rows: Vec<&str> = section
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .filter(|l| l.starts_with("| ") && l.chars().nth(2).is_some_and(|c| c.is_ascii_digit()))
+        .collect();
+    assert_eq!(rows.len(), 6, "{rows:#?}");
+    for row in rows {
+        let file = row.split('`').nth(1).unwrap();
+        assert!(root.join(file).is_file(), "{file} does not exist");
+    }
+}
