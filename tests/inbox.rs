@@ -20,6 +20,8 @@ struct Sql {
     count_effects: &'static str,
     count_inbox: &'static str,
     count_custom: &'static str,
+    /// Inserts a balance row that exists already: a primary key violation.
+    insert_balance: &'static str,
 }
 
 const PORTABLE_SQL: Sql = Sql {
@@ -30,6 +32,7 @@ const PORTABLE_SQL: Sql = Sql {
     count_effects: "SELECT count(*) FROM idem_test_effects WHERE consumer = $1 AND key = $2",
     count_inbox: "SELECT count(*) FROM idem_inbox WHERE consumer = $1 AND key = $2",
     count_custom: "SELECT count(*) FROM idem_inbox_custom WHERE key = $1",
+    insert_balance: "INSERT INTO idem_test_balances (customer, cents) VALUES ($1, 0)",
 };
 
 const MYSQL_SQL: Sql = Sql {
@@ -40,6 +43,7 @@ const MYSQL_SQL: Sql = Sql {
     count_effects: "SELECT count(*) FROM idem_test_effects WHERE consumer = ? AND `key` = ?",
     count_inbox: "SELECT count(*) FROM idem_inbox WHERE consumer = ? AND `key` = ?",
     count_custom: "SELECT count(*) FROM idem_inbox_custom WHERE `key` = ?",
+    insert_balance: "INSERT INTO idem_test_balances (customer, cents) VALUES (?, 0)",
 };
 
 async fn mysql_setup(
@@ -159,6 +163,8 @@ macro_rules! inbox_suite {
             enum Step {
                 FailTransient,
                 FailPermanent,
+                /// Insert the customer's balance row again: the database refuses it.
+                ViolateConstraint,
                 AwaitLockWaiters(i64),
                 /// Wait for that many waiters, then fail permanently.
                 AwaitLockWaitersThenFail(i64),
@@ -212,6 +218,9 @@ macro_rules! inbox_suite {
                     None => {}
                     Some(Step::FailTransient) => return Err(HandlerError::transient("scripted transient failure")),
                     Some(Step::FailPermanent) => return Err(HandlerError::permanent("scripted permanent failure")),
+                    Some(Step::ViolateConstraint) => {
+                        sqlx::query(super::$sql.insert_balance).bind(&order.customer).execute(&mut **tx).await?;
+                    }
                     Some(Step::AwaitLockWaiters(n)) => await_lock_waiters(tx, n).await,
                     Some(Step::AwaitLockWaitersThenFail(n)) => {
                         await_lock_waiters(tx, n).await;
@@ -353,6 +362,22 @@ macro_rules! inbox_suite {
                 assert_eq!(labels, HashMap::from([("processed", 1), ("duplicate", COPIES - 1)]));
                 assert_eq!(effects(&f.pool, "record", &id).await, 1);
                 assert_eq!(balance(&f.pool, &customer).await, Some(100));
+            }
+
+            /// `?` on the database's own refusal: the store classifies it (a key violation is
+            /// permanent), and nothing the handler wrote is kept.
+            #[tokio::test]
+            async fn a_constraint_violation_in_the_handler_is_classified_by_the_store() {
+                let f = fixture(2).await;
+                let (id, customer) = (unique("o"), unique("c"));
+                script(&id, vec![Step::ViolateConstraint]);
+                let failed = run(&f, "record", &order(&id, &customer, 40)).await;
+                let Outcome::Rejected(r) = &failed else { panic!("{failed:?}") };
+                assert_eq!(r.reason, RejectReason::Handler);
+                assert!(r.message.starts_with("permanent failure"), "{r}");
+                assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
+                assert_eq!(effects(&f.pool, "record", &id).await, 0);
+                assert_eq!(balance(&f.pool, &customer).await, None);
             }
 
             #[tokio::test]
