@@ -4,11 +4,12 @@
 
 use crate::handler::Handler;
 use crate::model::{
-    Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, RejectReason, Rejection, StoreError,
-    StoredOutput, Transient,
+    Context, Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, RejectReason, Rejection,
+    StoreError, StoredOutput, Transient,
 };
 use crate::store::{ClaimRequest, InboxStore};
-use std::time::Duration;
+use crate::telemetry;
+use std::time::{Duration, Instant};
 
 /// What identifies a delivery to the inbox: its dedup key and its body's fingerprint.
 #[derive(Debug, Clone)]
@@ -47,6 +48,20 @@ pub(crate) fn prepare<H: Handler>(envelope: &Envelope) -> Result<(H::Payload, Ke
     })?;
     let fingerprint = Fingerprint::of(&envelope.body);
     Ok((payload, Keyed { key, fingerprint }))
+}
+
+/// Runs handler `H` on `payload` in the inbox transaction `tx`, timed.
+pub(crate) async fn call<H: Handler>(
+    tx: &mut <H::Store as InboxStore>::Tx,
+    payload: H::Payload,
+    envelope: &Envelope,
+    key: &str,
+) -> Result<H::Output, HandlerError> {
+    let ctx = Context::new(envelope, H::CONSUMER, key);
+    let running = Instant::now();
+    let result = H::call(tx, payload, &ctx).await;
+    telemetry::handler_duration(H::CONSUMER, running.elapsed());
+    result
 }
 
 /// The outcome of a message whose key was committed before: a duplicate when the payload is

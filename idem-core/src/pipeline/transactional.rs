@@ -5,9 +5,9 @@
 //! row** (its claim); the ack decision is made by whoever reads the returned [`Outcome`]
 //! (`runtime/settle.rs`).
 
-use super::steps::{encode_result, existing, prepare, store_failure};
+use super::steps::{call, encode_result, existing, prepare, store_failure};
 use crate::handler::Handler;
-use crate::model::{Context, Envelope, Outcome};
+use crate::model::{Envelope, Outcome};
 use crate::store::{Claim, InboxStore};
 use crate::telemetry;
 use std::time::{Duration, Instant};
@@ -60,10 +60,7 @@ pub(crate) async fn process<H: Handler>(
         }
     }
 
-    let ctx = Context::new(envelope, H::CONSUMER, key);
-    let running = Instant::now();
-    let result = H::call(&mut tx, payload, &ctx).await;
-    telemetry::handler_duration(H::CONSUMER, running.elapsed());
+    let result = call::<H>(&mut tx, payload, envelope, key).await;
     let output = match encode_result::<H>(store, result, key) {
         Ok(output) => output,
         Err(failed) => {
@@ -95,7 +92,7 @@ mod tests {
     //! The pipeline's decisions, against an in-memory store. The real stores are tested
     //! against PostgreSQL and SQLite in the workspace's `tests/`.
     use super::*;
-    use crate::model::Fingerprint;
+    use crate::model::{Context, Fingerprint};
     use crate::model::{
         HandlerError, KeyError, KeySource, RejectReason, StoreError, StoredOutput, field_key,
     };

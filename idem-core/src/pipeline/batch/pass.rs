@@ -8,9 +8,9 @@
 
 use super::gather::Item;
 use crate::handler::Handler;
-use crate::model::{Context, Envelope, ErrorClass, Outcome, StoreError, StoredOutput};
+use crate::model::{Envelope, ErrorClass, Outcome, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{encode_result, existing, failure};
+use crate::pipeline::steps::{call, encode_result, existing, failure};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::{Duration, Instant};
@@ -178,10 +178,7 @@ impl<H: Handler> Run<'_, '_, H> {
                     let Some(payload) = payloads[k].take() else {
                         continue;
                     };
-                    let ctx = Context::new(envelope, H::CONSUMER, key);
-                    let running = Instant::now();
-                    let result = H::call(tx, payload, &ctx).await;
-                    telemetry::handler_duration(H::CONSUMER, running.elapsed());
+                    let result = call::<H>(tx, payload, envelope, key).await;
                     match encode_result::<H>(store, result, key) {
                         Ok(output) => {
                             let key = key.clone();
