@@ -53,6 +53,40 @@ async fn needs_postgres(
     Ok(())
 }
 
+/// Two functions that claim one consumer identity: `build()` must refuse to run both.
+#[idempotent(store = Sqlite, queue = "mem-dup-a", consumer = "mem.dup")]
+async fn dup_first(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    _m: serde_json::Value,
+) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[idempotent(store = Sqlite, queue = "mem-dup-b", consumer = "mem.dup")]
+async fn dup_second(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    _m: serde_json::Value,
+) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+/// Two handlers on one queue: `build()` must refuse to run both.
+#[idempotent(store = Sqlite, queue = "mem-shared", consumer = "mem.shared.a")]
+async fn shared_a(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    _m: serde_json::Value,
+) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[idempotent(store = Sqlite, queue = "mem-shared", consumer = "mem.shared.b")]
+async fn shared_b(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    _m: serde_json::Value,
+) -> Result<(), HandlerError> {
+    Ok(())
+}
+
 /// A fresh SQLite database with the `effects` table and a migrated inbox.
 async fn orders_inbox(connections: u32) -> (sqlx::SqlitePool, tempfile::TempDir, SqliteInbox) {
     let (pool, dir) = common::sqlite(connections).await;
@@ -172,6 +206,42 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
             && batch.contains("set .prefetch(200)"),
         "{batch}"
     );
+}
+
+/// `build()` refuses handlers that would suppress or starve each other, naming both functions.
+#[tokio::test]
+async fn handlers_sharing_a_consumer_or_a_queue_are_refused_at_build() {
+    let (pool, _dir) = common::sqlite(1).await;
+    let build = |consumers: &[&str], queue: Option<(&str, &str)>| {
+        let mut builder = Runtime::builder()
+            .transport(MemoryTransport::new())
+            .store(SqliteInbox::new(pool.clone()))
+            .handlers(consumers.iter().copied());
+        if let Some((consumer, queue)) = queue {
+            builder = builder.handler_queue(consumer, queue);
+        }
+        builder.build().err().map(|e| e.to_string())
+    };
+    let consumer = build(&["mem.dup"], None).expect("a shared consumer is refused");
+    assert!(
+        consumer.contains("`dup_first` and `dup_second` both use consumer = \"mem.dup\" on Sqlite"),
+        "{consumer}"
+    );
+    let queue = build(&["mem.shared.a", "mem.shared.b"], None).expect("a shared queue is refused");
+    assert!(
+        queue.contains("`shared_a` and `shared_b` both consume queue \"mem-shared\""),
+        "{queue}"
+    );
+    let moved = build(
+        &["mem.orders", "mem.shared.a"],
+        Some(("mem.shared.a", "mem-orders")),
+    )
+    .expect("a queue shared through handler_queue is refused");
+    assert!(
+        moved.contains("`record` and `shared_a` both consume queue \"mem-orders\""),
+        "{moved}"
+    );
+    assert_eq!(build(&["mem.orders", "mem.shared.a"], None), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -224,6 +224,7 @@ impl RuntimeBuilder {
     /// Checks the configuration.
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let handlers = self.select_handlers()?;
+        registry::validate(&handlers)?;
         let transport = self.transport.clone().ok_or(RuntimeError::NoTransport)?;
         if let Some(sweep) = self.sweep
             && (sweep.batch == 0 || sweep.interval.is_zero())
@@ -245,9 +246,17 @@ impl RuntimeBuilder {
             ));
         }
         let mut actors = Vec::with_capacity(handlers.len());
+        let mut queues = HashMap::new();
         for registration in handlers {
             let actor = self.actor(registration)?;
             self.check_windows(&actor, transport.as_ref())?;
+            if let Some(first) = queues.insert(actor.spec.queue.clone(), registration.name()) {
+                return Err(RuntimeError::SharedQueue {
+                    queue: actor.spec.queue,
+                    first,
+                    second: registration.name(),
+                });
+            }
             actors.push(actor);
         }
         Ok(Runtime {

@@ -39,6 +39,18 @@ pub enum RuntimeError {
     /// Two handlers share a consumer.
     #[error(transparent)]
     Registry(#[from] RegistryError),
+    /// Two handlers consume one queue: each would get only some of its messages.
+    #[error(
+        "handlers `{first}` and `{second}` both consume queue \"{queue}\": each would get only some of its messages; give each its own queue (bind both queues to one exchange for publish/subscribe)"
+    )]
+    SharedQueue {
+        /// The queue.
+        queue: String,
+        /// One handler's function.
+        first: &'static str,
+        /// The other's.
+        second: &'static str,
+    },
     /// A handler's inbox is not usable (for example, its table was never migrated).
     #[error(
         "the inbox of handler `{consumer}` is not usable: {error}; run the store's migrate() (or idem::sql::migrate(&pool)) before starting"
