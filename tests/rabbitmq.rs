@@ -264,6 +264,51 @@ async fn a_broker_connection_closed_under_load_loses_and_doubles_nothing() {
     f.cleanup().await;
 }
 
+/// An operator (or a lost node) deletes the queue and everything idem declared beside it under
+/// a running consumer: the broker cancels the consumer, which reconnects and declares the
+/// topology again; later orders are processed and dead letters still reach the DLQ.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_queue_deleted_under_the_consumer_is_declared_again() {
+    let f = fixture("redeclare", fast_retries(), QueueType::Classic, None).await;
+    f.publish_order(0, 5).await;
+    let running = start(f.runtime());
+    wait_until("the first order applied", DEADLINE, || async {
+        f.effects().await.len() == 1
+    })
+    .await;
+    broker::delete_topology(&f.queue, &f.policy.delays()).await;
+    let dlq = idem::rabbitmq::dlq(&f.queue);
+    let retry = idem::rabbitmq::retry_queue(&f.queue, f.policy.delays()[0]);
+    wait_until(
+        "the topology declared again",
+        Duration::from_secs(15),
+        || async {
+            broker::exists(&f.queue).await
+                && broker::exists(&dlq).await
+                && broker::exists(&retry).await
+        },
+    )
+    .await;
+    for n in 1..20 {
+        f.publish_order(n, 5).await;
+    }
+    publish(&f.publisher, &f.queue, Some("not-json"), b"{not json").await;
+    wait_until("every order applied", DEADLINE, || async {
+        f.effects().await.len() == 20
+    })
+    .await;
+    wait_until("the malformed message dead-lettered", DEADLINE, || async {
+        running.now().dead_lettered == 1
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(20, |_| 5).await;
+    let dead = broker::drain(&dlq).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].message_id().as_deref(), Some("not-json"));
+    f.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_outage_is_retried_without_losing_messages() {
     let policy =

@@ -6,8 +6,9 @@ use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::envelope;
 use crate::settle::{self, Acks, RabbitSettle};
+use crate::topology;
 use futures_util::StreamExt;
-use idem_core::{Delivery, QueueSpec, StopSignal};
+use idem_core::{Delivery, QueueSpec, StopSignal, TransportError};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -27,6 +28,9 @@ enum Lost {
     /// channel.
     #[error("the consumer was cancelled or its channel closed")]
     Cancelled,
+    /// The queue's topology could not be declared.
+    #[error(transparent)]
+    Topology(#[from] TransportError),
 }
 
 /// Why a session ended.
@@ -68,14 +72,17 @@ impl Consumer {
         }
     }
 
-    /// One connection's life: open it, consume on it, close it if consuming failed. The backoff
-    /// starts over once consuming has begun.
+    /// One connection's life: open it, declare the queue's topology again (an operator or a
+    /// lost node may have deleted the queue, its retry and dead-letter queues or its bindings
+    /// since), consume on it, close it if consuming failed. The backoff starts over once
+    /// consuming has begun.
     async fn session(&mut self, backoff: &mut Duration) -> Result<Ended, Lost> {
         let connection = self
             .connections
             .open(&self.config, &self.spec.queue)
             .await?;
         let consuming = async {
+            topology::declare(&connection, &self.config, &self.spec).await?;
             let (channel, consumer, tag) = self.subscribe(&connection).await?;
             *backoff = self.config.reconnect_min;
             self.consume(channel, consumer, &tag).await

@@ -200,6 +200,23 @@ pub async fn count(queue: &str) -> usize {
     declared.map_or(0, |q| q.message_count() as usize)
 }
 
+/// Whether `queue` exists (a passive declare).
+pub async fn exists(queue: &str) -> bool {
+    use idem::rabbitmq::lapin::options::QueueDeclareOptions;
+    use idem::rabbitmq::lapin::types::FieldTable;
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let declared = channel
+        .queue_declare(ShortString::from(queue), passive, FieldTable::default())
+        .await;
+    let _ = connection.close(200, ShortString::from("done")).await;
+    declared.is_ok()
+}
+
 /// How many deliveries of `queue` are unacknowledged, from the broker (`rabbitmqctl`).
 pub fn unacked(queue: &str) -> usize {
     let listed = std::process::Command::new("rabbitmqctl")
