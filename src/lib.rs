@@ -48,7 +48,6 @@
 //! `postgres`, `mysql` and `sqlite` (all on by default) enable the inbox stores
 //! [`sql::PgInbox`], [`sql::MySqlInbox`] (MySQL and MariaDB) and [`sql::SqliteInbox`].
 
-pub use idem_core::registry;
 pub use idem_core::{
     BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DeadLetter, Delivery, DispatchError,
     Envelope, ErasedHandler, ErrorClass, Fingerprint, Handler, HandlerError, HandlerResult,
@@ -58,6 +57,7 @@ pub use idem_core::{
     Snapshot, Stats, StopSignal, StoreError, StoreKind, StoredOutput, Stores, SweepReport,
     Transient, Transport, TransportError, process, process_batch,
 };
+pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;
 pub use idem_sqlx::classify_sqlx;
 

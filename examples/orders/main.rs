@@ -17,6 +17,7 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use idem::rabbitmq::{Publisher, RabbitConfig, RabbitTransport};
 use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
+use idem::telemetry::redact_url;
 use idem::{MemoryTransport, Runtime, RuntimeBuilder};
 
 /// The orders example of idem.
@@ -222,7 +223,12 @@ impl Db {
                 .max_connections(u32::try_from(concurrency + 2).unwrap_or(u32::MAX))
                 .connect(url)
                 .await
-                .with_context(|| format!("cannot connect to PostgreSQL at DATABASE_URL ({url})"))?;
+                .with_context(|| {
+                    format!(
+                        "cannot connect to PostgreSQL at DATABASE_URL ({})",
+                        redact_url(url)
+                    )
+                })?;
             let mut tx = pool.begin().await?;
             sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.orders.schema'))::text")
                 .execute(&mut *tx)
@@ -240,7 +246,10 @@ impl Db {
                 .connect(&url)
                 .await
                 .with_context(|| {
-                    format!("cannot connect to MySQL/MariaDB at DATABASE_URL ({url})")
+                    format!(
+                        "cannot connect to MySQL/MariaDB at DATABASE_URL ({})",
+                        redact_url(&url)
+                    )
                 })?;
             // MySQL runs DDL outside transactions; IF NOT EXISTS makes concurrent starts safe.
             for statement in handlers::MYSQL_SCHEMA {
@@ -259,7 +268,8 @@ impl Db {
             Ok(Self::Sqlite(pool))
         } else {
             anyhow::bail!(
-                "DATABASE_URL must be a sqlite: URL, a file path, a postgres:// or a mysql:// URL, got {url}"
+                "DATABASE_URL must be a sqlite: URL, a file path, a postgres:// or a mysql:// URL, got {}",
+                redact_url(url)
             )
         }
     }

@@ -31,8 +31,8 @@ pub struct Binding {
     pub(crate) routing_key: String,
 }
 
-/// Settings of a [`crate::RabbitTransport`].
-#[derive(Debug, Clone)]
+/// Settings of a [`crate::RabbitTransport`]. Its `Debug` shows the URL without its password.
+#[derive(Clone)]
 pub struct RabbitConfig {
     pub(crate) url: String,
     pub(crate) queue_type: QueueType,
@@ -114,14 +114,22 @@ impl RabbitConfig {
 
     /// The broker URL with any password hidden, for logs and errors.
     pub(crate) fn redacted_url(&self) -> String {
-        match (self.url.find("://"), self.url.rfind('@')) {
-            (Some(scheme), Some(at)) if at > scheme => {
-                let userinfo = &self.url[scheme + 3..at];
-                let user = userinfo.split(':').next().unwrap_or_default();
-                format!("{}{}:***{}", &self.url[..scheme + 3], user, &self.url[at..])
-            }
-            _ => self.url.clone(),
-        }
+        idem_core::telemetry::redact_url(&self.url)
+    }
+}
+
+impl std::fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("url", &self.redacted_url())
+            .field("queue_type", &self.queue_type)
+            .field("delivery_limit", &self.delivery_limit)
+            .field("name", &self.name)
+            .field("reconnect_min", &self.reconnect_min)
+            .field("reconnect_max", &self.reconnect_max)
+            .field("bindings", &self.bindings)
+            .field("message_ttl", &self.message_ttl)
+            .finish()
     }
 }
 
@@ -131,6 +139,14 @@ mod tests {
 
     #[test]
     fn passwords_stay_out_of_logs() {
+        let config = RabbitConfig::new("amqp://guest:s3cret@h:5672/%2f");
+        for shown in [
+            format!("{config:?}"),
+            format!("{:?}", crate::RabbitTransport::new(config.clone())),
+        ] {
+            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(shown.contains("amqp://guest:***@h:5672/%2f"), "{shown}");
+        }
         assert_eq!(
             RabbitConfig::new("amqp://guest:secret@h:5672/%2f").redacted_url(),
             "amqp://guest:***@h:5672/%2f"

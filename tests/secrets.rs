@@ -1,0 +1,139 @@
+//! No password reaches the output: the orders example, run with a password in both `AMQP_URL`
+//! and `DATABASE_URL`, at debug level, and again with a wrong password and an unreachable
+//! database, never prints either password.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The orders example `cargo test` builds beside the tests.
+fn example() -> PathBuf {
+    let example = std::env::current_exe()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/orders");
+    assert!(
+        example.exists(),
+        "{} is missing: `cargo test` builds it, or run `cargo build --example orders`",
+        example.display()
+    );
+    example
+}
+
+fn rabbitmqctl(args: &[&str]) -> bool {
+    Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("rabbitmqctl")
+        .status
+        .success()
+}
+
+/// `url` with `user:password@` as its user part.
+fn with_credentials(url: &str, user: &str, password: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    format!("{scheme}://{user}:{password}@{host}")
+}
+
+/// Runs the example's demo with these URLs; its whole output.
+fn demo(amqp_url: &str, database_url: &str, queue: &str) -> (Output, String) {
+    let output = Command::new(example())
+        .args([
+            "--transport",
+            "rabbitmq",
+            "demo",
+            "--orders",
+            "40",
+            "--timeout-secs",
+            "60",
+        ])
+        .env("AMQP_URL", amqp_url)
+        .env("DATABASE_URL", database_url)
+        .env("ORDERS_QUEUE", queue)
+        .env("RUST_LOG", "debug")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output, text)
+}
+
+#[tokio::test]
+async fn the_orders_example_never_prints_a_password() {
+    let user = common::unique("idem-secret").replace('-', "_");
+    let amqp_password = common::unique("amqp-pw");
+    let database_password = common::unique("db-pw");
+    assert!(
+        rabbitmqctl(&["add_user", &user, &amqp_password])
+            && rabbitmqctl(&["set_permissions", "-p", "/", &user, ".*", ".*", ".*"]),
+        "cannot create the RabbitMQ user {user}"
+    );
+    let amqp_url = format!(
+        "{}/%2f",
+        with_credentials("amqp://127.0.0.1:5672", &user, &amqp_password)
+    );
+    // PostgreSQL here trusts local connections: the password is sent and ignored, which is
+    // enough to see whether it is printed.
+    let postgres = common::postgres_url();
+    let user_part = postgres
+        .split_once("://")
+        .and_then(|(_, rest)| rest.split_once('@'))
+        .map_or("postgres", |(user, _)| {
+            user.split(':').next().unwrap_or(user)
+        });
+    let database_url = with_credentials(&postgres, user_part, &database_password);
+    let queue = common::unique("idem-test-secrets");
+
+    // The three runs at once: the unreachable database takes the pool's 30 s to give up.
+    let wrong_amqp_url = amqp_url.replace(&amqp_password, "wrong-amqp-pw");
+    let unreachable = with_credentials("postgres://127.0.0.1:1/test", "app", &database_password);
+    let unsupported = with_credentials("oracle://127.0.0.1/test", "app", &database_password);
+    let ((ran, text), (refused, refused_text), (failed, failed_text), (odd, odd_text)) =
+        std::thread::scope(|s| {
+            let ran = s.spawn(|| demo(&amqp_url, &database_url, &queue));
+            let refused = s.spawn(|| demo(&wrong_amqp_url, &database_url, &queue));
+            let failed = s.spawn(|| demo(&amqp_url, &unreachable, &queue));
+            let odd = s.spawn(|| demo(&amqp_url, &unsupported, &queue));
+            (
+                ran.join().unwrap(),
+                refused.join().unwrap(),
+                failed.join().unwrap(),
+                odd.join().unwrap(),
+            )
+        });
+    assert!(ran.status.success(), "the demo failed:\n{text}");
+    assert!(text.contains("balances             exact"), "{text}");
+    assert!(!refused.status.success(), "a wrong password was accepted");
+    assert!(
+        !failed.status.success(),
+        "an unreachable database was reached"
+    );
+    assert!(failed_text.contains("app:***@127.0.0.1:1"), "{failed_text}");
+    assert!(!odd.status.success(), "an oracle:// URL was accepted");
+    assert!(odd_text.contains("oracle://app:***@"), "{odd_text}");
+
+    rabbitmqctl(&["delete_user", &user]);
+    common::broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
+    for text in [&text, &refused_text, &failed_text, &odd_text] {
+        for secret in [
+            &amqp_password,
+            &database_password,
+            &"wrong-amqp-pw".to_owned(),
+        ] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "the output shows {secret}:\n{text}"
+            );
+        }
+    }
+}
