@@ -309,6 +309,123 @@ async fn a_queue_deleted_under_the_consumer_is_declared_again() {
     f.cleanup().await;
 }
 
+/// Messages RabbitMQ accepts but lapin cannot parse (a `message_id`, and a header name, that are
+/// not UTF-8, sent as raw frames) between good ones: each is dead-lettered once with its reason
+/// recorded, and the orders behind them are processed within seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves_on() {
+    use common::raw_amqp::{RawProperties, RawPublisher};
+    let f = fixture("unparsable", fast_retries(), QueueType::Classic, None).await;
+    let address = broker::amqp_address();
+    let mut raw = RawPublisher::connect(&address, "guest", "guest");
+    let order = |n: usize| {
+        serde_json::json!({"order_id": f.key(n), "customer": f.customer(n), "amount_cents": 7})
+            .to_string()
+    };
+    let good = |n: usize| RawProperties {
+        message_id: Some(f.key(n).into_bytes()),
+        headers: None,
+    };
+    for n in 0..10 {
+        raw.publish(&f.queue, &good(n), order(n).as_bytes());
+    }
+    let bad_id = vec![0xff, 0xfe, b'b', b'a', b'd'];
+    let bad = RawProperties {
+        message_id: Some(bad_id.clone()),
+        headers: None,
+    };
+    raw.publish(&f.queue, &bad, order(1000).as_bytes());
+    for n in 10..20 {
+        raw.publish(&f.queue, &good(n), order(n).as_bytes());
+    }
+    // A header table whose one name is not UTF-8: `\xff\xfek` = longstr "v".
+    let odd_header = RawProperties {
+        message_id: Some(b"odd-header".to_vec()),
+        headers: Some(vec![3, 0xff, 0xfe, b'k', b'S', 0, 0, 0, 1, b'v']),
+    };
+    raw.publish(&f.queue, &odd_header, order(1001).as_bytes());
+    for n in 20..30 {
+        raw.publish(&f.queue, &good(n), order(n).as_bytes());
+    }
+    drop(raw);
+    let running = start(f.runtime());
+    wait_until(
+        "every good order applied",
+        Duration::from_secs(30),
+        || async { f.effects().await.len() == 30 },
+    )
+    .await;
+    let dlq = idem::rabbitmq::dlq(&f.queue);
+    wait_until("the unparsable messages in the DLQ", DEADLINE, || async {
+        broker::count(&dlq).await == 2
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(30, |_| 7).await;
+    assert_eq!(broker::count(&dlq).await, 2, "each dead-lettered once");
+    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
+    assert_eq!(reasons.len(), 2, "{reasons:?}");
+    for reason in &reasons {
+        assert_eq!(
+            reason.header("x-idem-reason").as_deref(),
+            Some("unparsable")
+        );
+    }
+    let mut ids: Vec<Option<String>> = reasons
+        .iter()
+        .map(|r| r.header("x-idem-message-id-bytes"))
+        .collect();
+    ids.sort();
+    let mut expected = vec![
+        Some(String::from_utf8_lossy(&bad_id).into_owned()),
+        Some("odd-header".to_owned()),
+    ];
+    expected.sort();
+    assert_eq!(ids, expected);
+    f.cleanup().await;
+}
+
+/// A body over `RabbitConfig::max_body` is dead-lettered as `too-large` before it is decoded;
+/// the messages around it are processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_body_over_the_limit_is_dead_lettered() {
+    let f = fixture("too-large", fast_retries(), QueueType::Classic, None).await;
+    f.publish_order(0, 4).await;
+    let huge = format!(
+        r#"{{"order_id": "{}", "customer": "c", "amount_cents": 1, "pad": "{}"}}"#,
+        f.key(99),
+        "x".repeat(2 << 20)
+    );
+    publish(&f.publisher, &f.queue, Some(&f.key(99)), huge.as_bytes()).await;
+    f.publish_order(1, 4).await;
+    let transport = RabbitTransport::new(f.rabbit.clone().max_body(1 << 20));
+    let running = start(f.runtime().transport(transport));
+    let dlq = idem::rabbitmq::dlq(&f.queue);
+    wait_until("the huge message dead-lettered", DEADLINE, || async {
+        broker::count(&dlq).await == 1
+    })
+    .await;
+    wait_until("the orders around it applied", DEADLINE, || async {
+        f.effects().await.len() == 2
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(2, |_| 4).await;
+    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    assert_eq!(
+        reasons[0].header("x-idem-reason").as_deref(),
+        Some("too-large")
+    );
+    assert_eq!(reasons[0].message_id().as_deref(), Some(f.key(99).as_str()));
+    assert_eq!(
+        broker::drain(&dlq).await[0].body.len(),
+        huge.len(),
+        "kept whole"
+    );
+    f.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_outage_is_retried_without_losing_messages() {
     let policy =

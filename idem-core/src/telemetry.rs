@@ -103,8 +103,10 @@ pub(crate) fn message(consumer: &'static str, outcome: &'static str) {
     metrics::counter!(MESSAGES, "consumer" => consumer, "outcome" => outcome).increment(1);
 }
 
-pub(crate) fn dead_letter(consumer: &'static str, reason: &str) {
-    metrics::counter!(DEAD_LETTERS, "consumer" => consumer, "reason" => reason.to_owned())
+/// Counts a dead letter of `consumer` for `reason`; transports call it for the deliveries they
+/// dead-letter themselves (a delivery the AMQP client cannot parse).
+pub fn dead_letter(consumer: &str, reason: &str) {
+    metrics::counter!(DEAD_LETTERS, "consumer" => consumer.to_owned(), "reason" => reason.to_owned())
         .increment(1);
 }
 

@@ -42,7 +42,11 @@ pub struct RabbitConfig {
     pub(crate) reconnect_max: Duration,
     pub(crate) bindings: Vec<Binding>,
     pub(crate) message_ttl: Option<Duration>,
+    pub(crate) max_body: usize,
 }
+
+/// The largest body handed to a handler unless configured: 16 MiB.
+pub const DEFAULT_MAX_BODY: usize = 16 << 20;
 
 impl RabbitConfig {
     /// Settings for the broker at `url` (`amqp://` or `amqps://`).
@@ -56,7 +60,15 @@ impl RabbitConfig {
             reconnect_max: Duration::from_secs(10),
             bindings: Vec::new(),
             message_ttl: None,
+            max_body: DEFAULT_MAX_BODY,
         }
+    }
+
+    /// The largest body handed to a handler (default [`DEFAULT_MAX_BODY`], 16 MiB): a larger
+    /// one is dead-lettered with reason `too-large` before it is decoded.
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
+        self
     }
 
     /// Declares the handler queues with a message TTL (`x-message-ttl`): a message waiting
@@ -129,6 +141,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("reconnect_max", &self.reconnect_max)
             .field("bindings", &self.bindings)
             .field("message_ttl", &self.message_ttl)
+            .field("max_body", &self.max_body)
             .finish()
     }
 }

@@ -5,10 +5,11 @@
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::envelope;
+use crate::quarantine;
 use crate::settle::{self, Acks, RabbitSettle};
 use crate::topology;
 use futures_util::StreamExt;
-use idem_core::{Delivery, QueueSpec, StopSignal, TransportError};
+use idem_core::{DeadLetter, Delivery, QueueSpec, StopSignal, TransportError};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -24,6 +25,9 @@ enum Lost {
     /// The connection or channel failed.
     #[error(transparent)]
     Broker(#[from] lapin::Error),
+    /// A delivery's frames do not parse (lapin drops the connection on them).
+    #[error("a delivery cannot be parsed: {0}")]
+    Unparsable(lapin::Error),
     /// The broker cancelled the consumer (its queue was deleted, for example) or closed the
     /// channel.
     #[error("the consumer was cancelled or its channel closed")]
@@ -60,6 +64,10 @@ impl Consumer {
         while !*self.stop.borrow() {
             match self.session(&mut backoff).await {
                 Ok(Ended::Stopped | Ended::MailboxClosed) => return,
+                Err(Lost::Unparsable(e)) if self.quarantine(&e).await => {
+                    // The delivery lapin choked on is out of the queue: reconnect at once.
+                    backoff = self.config.reconnect_min;
+                }
                 Err(e) => {
                     tracing::warn!(queue = self.spec.queue, error = %e, retry_in = ?backoff, "RabbitMQ consumer lost; reconnecting");
                     tokio::select! {
@@ -68,6 +76,36 @@ impl Consumer {
                     }
                     backoff = (backoff * 2).min(self.config.reconnect_max);
                 }
+            }
+        }
+    }
+
+    /// Takes out of the queue the deliveries lapin cannot parse (see [`crate::quarantine`]);
+    /// whether it took any.
+    async fn quarantine(&self, cause: &lapin::Error) -> bool {
+        tracing::warn!(queue = self.spec.queue, error = %cause, "a delivery the AMQP client cannot parse broke the connection; reading the queue's head with idem's own reader");
+        // The delivery is among those lapin held; after the connection loss they are back at
+        // the head of the queue.
+        let window = self.prefetch.saturating_mul(2).max(64);
+        match quarantine::run(&self.config, &self.connections, &self.spec, window).await {
+            Ok(0) => {
+                tracing::warn!(
+                    queue = self.spec.queue,
+                    "idem's own reader found no delivery to take out"
+                );
+                false
+            }
+            Ok(taken) => {
+                tracing::warn!(
+                    queue = self.spec.queue,
+                    taken,
+                    "deliveries the AMQP client cannot parse dead-lettered"
+                );
+                true
+            }
+            Err(e) => {
+                tracing::error!(queue = self.spec.queue, error = %e, "could not take the unparsable delivery out of the queue");
+                false
             }
         }
     }
@@ -155,14 +193,43 @@ impl Consumer {
                 }
             };
             let delivery = match next {
+                Some(Err(e)) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => {
+                    return Err(Lost::Unparsable(e));
+                }
                 Some(delivery) => delivery?,
                 None => return Err(Lost::Cancelled),
             };
             let delivery = self.enter(delivery, &acks, &channel, &queue);
+            if delivery.envelope.body.len() > self.config.max_body {
+                self.refuse_too_large(delivery).await;
+                continue;
+            }
             // Waits while the mailbox is full: no more deliveries in memory than prefetch allows.
             if self.mailbox.send(delivery).await.is_err() {
                 return Ok(Ended::MailboxClosed);
             }
+        }
+    }
+
+    /// Dead-letters a delivery whose body is over the configured limit, without handing it to
+    /// the runtime (its reason is recorded, then the broker moves it to the DLQ, once).
+    async fn refuse_too_large(&self, delivery: Delivery) {
+        let Delivery { envelope, settle } = delivery;
+        let reason = DeadLetter {
+            reason: "too-large".to_owned(),
+            detail: format!(
+                "the body is {} bytes, over the {} allowed (RabbitConfig::max_body)",
+                envelope.body.len(),
+                self.config.max_body
+            ),
+            consumer: self.spec.consumer.clone(),
+            key: None,
+            attempts: envelope.attempt,
+        };
+        tracing::warn!(queue = self.spec.queue, message_id = envelope.message_id.as_deref(), detail = %reason.detail, "dead-lettering");
+        idem_core::telemetry::dead_letter(&self.spec.consumer, &reason.reason);
+        if let Err(e) = settle.dead_letter(&envelope, &reason).await {
+            tracing::warn!(error = %e, "dead-lettering failed; the broker redelivers");
         }
     }
 

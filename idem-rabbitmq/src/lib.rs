@@ -17,13 +17,15 @@ mod connections;
 mod consume;
 mod envelope;
 mod publisher;
+mod quarantine;
 mod republish;
 mod settle;
 mod topology;
 mod transport;
 mod watermark;
+mod wire;
 
-pub use config::{Binding, QueueType, RabbitConfig};
+pub use config::{Binding, DEFAULT_MAX_BODY, QueueType, RabbitConfig};
 pub use publisher::{PublishError, Publisher};
 pub use topology::{dlq, reasons_queue, retry_queue};
 pub use transport::RabbitTransport;

@@ -74,6 +74,14 @@ async fn connect() -> Connection {
         .expect("connect to RabbitMQ")
 }
 
+/// `host:port` of the broker at `AMQP_URL`.
+pub fn amqp_address() -> String {
+    let url = amqp_url();
+    let rest = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
+    let host = rest.rsplit_once('@').map_or(rest, |(_, host)| host);
+    host.split('/').next().unwrap_or(host).to_owned()
+}
+
 /// Takes every message now in `queue`.
 pub async fn drain(queue: &str) -> Vec<Got> {
     let connection = connect().await;

@@ -119,4 +119,5 @@ where
 pub mod broker;
 pub mod charges;
 pub mod proxy;
+pub mod raw_amqp;
 pub mod running;

@@ -1,0 +1,248 @@
+//! Taking out of a queue the deliveries lapin cannot parse.
+//!
+//! RabbitMQ accepts properties that lapin's parser refuses (a `message_id` or a routing key that
+//! is not UTF-8, a header field of a type it does not know). lapin then drops its connection on
+//! every delivery of such a message, and the queue behind it would never move again. So when a
+//! consumer's connection fails to parse, idem reads the head of the queue with its own reader
+//! ([`crate::wire`]), judges every frame with lapin's parser, rejects (without requeue) each
+//! delivery it refuses, so that the broker dead-letters it into `<queue>.dlq` once, after
+//! recording why in `<queue>.dlq.reasons`, and closes: every other delivery it held goes back to
+//! the queue, untouched but flagged redelivered.
+
+use crate::config::RabbitConfig;
+use crate::connections::Connections;
+use crate::republish::{Record, publish_reason};
+use crate::wire::{BODY, HEADER, METHOD, RawConnection, long, short};
+use idem_core::{DeadLetter, QueueSpec, TransportError};
+use lapin::options::ConfirmSelectOptions;
+use lapin::types::{AMQPValue, LongString, ShortString};
+use std::time::Duration;
+use tokio::time::{Instant, timeout};
+
+/// How long the reader waits for the next frame before it decides it has seen the head.
+const IDLE: Duration = Duration::from_millis(500);
+/// The longest a quarantine pass reads.
+const PASS: Duration = Duration::from_secs(10);
+
+/// A quarantine pass failed; the consumer retries after its backoff.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum QuarantineError {
+    /// The reader's connection failed.
+    #[error("idem's own AMQP reader failed: {0}")]
+    Wire(#[from] std::io::Error),
+    /// The reason could not be recorded, so the delivery was left in the queue.
+    #[error(transparent)]
+    Record(#[from] TransportError),
+}
+
+/// One delivery as the reader assembles it.
+#[derive(Default)]
+struct Delivery {
+    tag: u64,
+    /// Why lapin's parser refuses one of its frames, if it does.
+    unparsable: Option<String>,
+    message_id: Option<Vec<u8>>,
+    body_size: u64,
+    body_read: u64,
+    header_seen: bool,
+}
+
+/// Reads up to `window` deliveries at the head of `spec.queue` and takes out those lapin cannot
+/// parse; returns how many it took out.
+pub(crate) async fn run(
+    config: &RabbitConfig,
+    connections: &Connections,
+    spec: &QueueSpec,
+    window: u16,
+) -> Result<usize, QuarantineError> {
+    let mut raw = RawConnection::open(&config.url).await?;
+    let mut qos = 0u32.to_be_bytes().to_vec();
+    qos.extend_from_slice(&window.to_be_bytes());
+    qos.push(0);
+    raw.method(1, 60, 10, &qos).await?;
+    raw.expect(60, 11).await?;
+    let mut consume = 0u16.to_be_bytes().to_vec();
+    short(&mut consume, spec.queue.as_bytes());
+    short(
+        &mut consume,
+        format!("{}:quarantine", spec.consumer).as_bytes(),
+    );
+    consume.push(0);
+    long(&mut consume, b"");
+    raw.method(1, 60, 20, &consume).await?;
+    raw.expect(60, 21).await?;
+
+    let mut unparsable = Vec::new();
+    let mut current = Delivery::default();
+    let mut seen = 0u32;
+    let deadline = Instant::now() + PASS;
+    while seen < u32::from(window) && Instant::now() < deadline {
+        let Ok(frame) = timeout(IDLE, raw.read()).await else {
+            break;
+        };
+        let frame = frame?;
+        let refused = parse_error(&frame.bytes());
+        match frame.kind {
+            METHOD if frame.method() == Some((60, 60)) => {
+                current = Delivery {
+                    tag: delivery_tag(&frame.payload[4..]).unwrap_or(0),
+                    unparsable: refused,
+                    ..Delivery::default()
+                };
+            }
+            HEADER => {
+                current.header_seen = true;
+                current.body_size = frame
+                    .payload
+                    .get(4..12)
+                    .and_then(|size| size.try_into().ok())
+                    .map_or(0, u64::from_be_bytes);
+                current.message_id = message_id(&frame.payload);
+                current.unparsable = current.unparsable.take().or(refused);
+            }
+            BODY => current.body_read += frame.payload.len() as u64,
+            _ => continue,
+        }
+        if current.header_seen && current.body_read >= current.body_size {
+            seen += 1;
+            let done = std::mem::take(&mut current);
+            if done.unparsable.is_some() && done.tag != 0 {
+                unparsable.push(done);
+            }
+        }
+    }
+    let taken = unparsable.len();
+    if taken > 0 {
+        record(config, connections, spec, &unparsable).await?;
+        for delivery in &unparsable {
+            let mut reject = delivery.tag.to_be_bytes().to_vec();
+            reject.push(0); // requeue = false: the broker dead-letters it
+            raw.method(1, 60, 90, &reject).await?;
+        }
+    }
+    // Waits until the broker has processed the rejects; the rest goes back to the queue.
+    raw.close().await?;
+    Ok(taken)
+}
+
+/// Records why each of `deliveries` is dead-lettered, before any of them is rejected.
+async fn record(
+    config: &RabbitConfig,
+    connections: &Connections,
+    spec: &QueueSpec,
+    deliveries: &[Delivery],
+) -> Result<(), TransportError> {
+    let failed = |e: lapin::Error| TransportError::Settle(format!("recording a reason: {e}"));
+    let connection = connections
+        .open(config, "quarantine")
+        .await
+        .map_err(failed)?;
+    let channel = connection.create_channel().await.map_err(failed)?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(failed)?;
+    let recorded = async {
+        for delivery in deliveries {
+            let detail = format!(
+                "the AMQP client cannot parse this delivery's frames ({}); taken out of the queue by idem's own reader",
+                delivery.unparsable.as_deref().unwrap_or("unknown")
+            );
+            tracing::warn!(queue = spec.queue, consumer = spec.consumer, %detail, "dead-lettering a delivery lapin cannot parse");
+            idem_core::telemetry::dead_letter(spec.consumer.as_str(), "unparsable");
+            let id = delivery.message_id.as_deref().map(String::from_utf8_lossy);
+            let mut extra = Vec::new();
+            if let Some(raw) = &delivery.message_id {
+                let bytes = AMQPValue::LongString(LongString::from(raw.clone()));
+                extra.push(("x-idem-message-id-bytes", bytes));
+            }
+            let record = Record {
+                message_id: id.as_deref(),
+                correlation_id: None,
+                extra,
+            };
+            let reason = DeadLetter {
+                reason: "unparsable".to_owned(),
+                detail,
+                consumer: spec.consumer.clone(),
+                key: None,
+                attempts: 1,
+            };
+            publish_reason(&channel, &spec.queue, &record, &reason).await?;
+        }
+        Ok(())
+    }
+    .await;
+    let _ = connection
+        .close(200, ShortString::from("reasons recorded"))
+        .await;
+    recorded
+}
+
+/// Why lapin's parser refuses `frame`, if it does.
+fn parse_error(frame: &[u8]) -> Option<String> {
+    amq_protocol::frame::parse_frame(frame)
+        .err()
+        .map(|e| format!("{e:?}"))
+}
+
+/// The delivery tag of a `basic.deliver`'s arguments: after the consumer tag.
+fn delivery_tag(args: &[u8]) -> Option<u64> {
+    let tag_len = usize::from(*args.first()?);
+    let tag = args.get(1 + tag_len..9 + tag_len)?;
+    tag.try_into().ok().map(u64::from_be_bytes)
+}
+
+/// The raw `message-id` of a content header's payload (class, weight, size, flags, then the
+/// properties present, in flag order), whatever its bytes.
+fn message_id(payload: &[u8]) -> Option<Vec<u8>> {
+    let flags = u16::from_be_bytes(payload.get(12..14)?.try_into().ok()?);
+    let mut at = 14;
+    let short_at = |at: &mut usize| -> Option<Vec<u8>> {
+        let len = usize::from(*payload.get(*at)?);
+        let value = payload.get(*at + 1..*at + 1 + len)?.to_vec();
+        *at += 1 + len;
+        Some(value)
+    };
+    // Bits 15 (content-type) to 7 (message-id): short strings, a table, two octets.
+    for bit in (7..=15).rev() {
+        if flags & (1 << bit) == 0 {
+            continue;
+        }
+        match bit {
+            13 => {
+                let len = u32::from_be_bytes(payload.get(at..at + 4)?.try_into().ok()?);
+                at += 4 + usize::try_from(len).ok()?;
+            }
+            12 | 11 => at += 1,
+            7 => return short_at(&mut at),
+            _ => {
+                short_at(&mut at)?;
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_message_id_of_a_content_header() {
+        let mut header = 60u16.to_be_bytes().to_vec();
+        header.extend_from_slice(&0u16.to_be_bytes());
+        header.extend_from_slice(&2u64.to_be_bytes());
+        let flags: u16 = (1 << 15) | (1 << 13) | (1 << 12) | (1 << 7);
+        header.extend_from_slice(&flags.to_be_bytes());
+        short(&mut header, b"application/json");
+        long(&mut header, &[1, b'x', b'S', 0, 0, 0, 1, b'y']);
+        header.push(2);
+        short(&mut header, &[0xff, 0xfe, b'x']);
+        assert_eq!(message_id(&header), Some(vec![0xff, 0xfe, b'x']));
+        let mut tag = Vec::new();
+        short(&mut tag, b"ctag");
+        tag.extend_from_slice(&42u64.to_be_bytes());
+        assert_eq!(delivery_tag(&tag), Some(42));
+    }
+}
