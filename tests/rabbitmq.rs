@@ -426,6 +426,31 @@ async fn a_body_over_the_limit_is_dead_lettered() {
     f.cleanup().await;
 }
 
+/// A publish that no queue takes is an error, never a silent drop: confirmed or in bulk.
+#[tokio::test]
+async fn an_unroutable_publish_is_an_error() {
+    use idem::rabbitmq::PublishError;
+    let publisher = broker::publisher().await;
+    let nowhere = common::unique("idem-test-nowhere");
+    let err = publisher
+        .publish_json(&nowhere, "m-1", b"{}")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, PublishError::Unroutable { routing_key, .. } if *routing_key == nowhere),
+        "{err}"
+    );
+    publisher
+        .publish_unconfirmed(&nowhere, b"{}", Default::default())
+        .await
+        .unwrap();
+    let bulk = publisher.wait_for_confirms().await;
+    assert!(
+        matches!(bulk, Err(PublishError::Unroutable { .. })),
+        "{bulk:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_outage_is_retried_without_losing_messages() {
     let policy =

@@ -2,9 +2,16 @@
 
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
+use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{BasicProperties, Channel};
+
+/// Every publish asks the broker to return a message no queue takes.
+const MANDATORY: BasicPublishOptions = BasicPublishOptions {
+    mandatory: true,
+    immediate: false,
+};
 
 /// A publish the broker did not confirm.
 #[derive(Debug, thiserror::Error)]
@@ -12,9 +19,20 @@ pub enum PublishError {
     /// Connecting or publishing failed.
     #[error("publish failed: {0}")]
     Broker(#[from] lapin::Error),
-    /// The broker refused the message (nack, or unroutable).
+    /// The broker refused the message (nack).
     #[error("the broker refused the message")]
     Refused,
+    /// No queue is bound for the message: the broker returned it (every publish is
+    /// `mandatory`), so it was not silently dropped.
+    #[error(
+        "the broker could not route the message to `{exchange}` with routing key `{routing_key}`: no queue is bound"
+    )]
+    Unroutable {
+        /// The exchange (`""`: the default exchange).
+        exchange: String,
+        /// The routing key (on the default exchange, the queue name).
+        routing_key: String,
+    },
 }
 
 /// Publishes messages and waits for the broker's confirm of each.
@@ -40,7 +58,8 @@ impl Publisher {
     }
 
     /// Publishes `body` to `exchange` with `routing_key` (the queue name on the default exchange
-    /// `""`), persistent, and waits for the confirm.
+    /// `""`), persistent and mandatory, and waits for the confirm: a message no queue takes is
+    /// [`PublishError::Unroutable`].
     pub async fn publish(
         &self,
         exchange: &str,
@@ -53,16 +72,19 @@ impl Publisher {
             .basic_publish(
                 ShortString::from(exchange),
                 ShortString::from(routing_key),
-                BasicPublishOptions::default(),
+                MANDATORY,
                 body,
                 properties.with_delivery_mode(2),
             )
             .await?
             .await?;
-        if confirm.is_ack() {
-            Ok(())
-        } else {
-            Err(PublishError::Refused)
+        match confirm {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
+                exchange: exchange.to_owned(),
+                routing_key: routing_key.to_owned(),
+            }),
+            Confirmation::Nack(_) | Confirmation::NotRequested => Err(PublishError::Refused),
         }
     }
 
@@ -91,7 +113,7 @@ impl Publisher {
             .basic_publish(
                 ShortString::from(""),
                 ShortString::from(queue),
-                BasicPublishOptions::default(),
+                MANDATORY,
                 body,
                 properties.with_delivery_mode(2),
             )
@@ -99,13 +121,16 @@ impl Publisher {
         Ok(())
     }
 
-    /// Waits until every message published so far is confirmed; fails if any was refused.
+    /// Waits until every message published so far is confirmed; fails if any was refused or
+    /// could not be routed.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {
         let returned = self.channel.wait_for_confirms().await?;
-        if returned.is_empty() {
-            Ok(())
-        } else {
-            Err(PublishError::Refused)
+        match returned.first() {
+            None => Ok(()),
+            Some(message) => Err(PublishError::Unroutable {
+                exchange: message.delivery.exchange.to_string(),
+                routing_key: message.delivery.routing_key.to_string(),
+            }),
         }
     }
 }

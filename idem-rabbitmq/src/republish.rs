@@ -5,6 +5,7 @@ use crate::envelope::{ATTEMPT_HEADER, text, with_headers};
 use crate::settle::RabbitSettle;
 use crate::topology::{reasons_queue, retry_queue};
 use idem_core::{DeadLetter, Envelope, TransportError};
+use lapin::Confirmation;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, ShortString};
 use lapin::{BasicProperties, Channel};
@@ -86,8 +87,8 @@ pub(crate) async fn publish_reason(
     publish_confirmed(channel, &reasons_queue(queue), line.as_bytes(), properties).await
 }
 
-/// Publishes through the default exchange on `channel` (in confirm mode) and waits for the
-/// broker's ack.
+/// Publishes through the default exchange on `channel` (in confirm mode, mandatory) and waits
+/// for the broker's ack; a message no queue takes (its queue was deleted) is an error.
 pub(crate) async fn publish_confirmed(
     channel: &Channel,
     routing_key: &str,
@@ -98,7 +99,10 @@ pub(crate) async fn publish_confirmed(
         .basic_publish(
             ShortString::from(""),
             ShortString::from(routing_key),
-            BasicPublishOptions::default(),
+            BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            },
             body,
             properties,
         )
@@ -108,11 +112,13 @@ pub(crate) async fn publish_confirmed(
         .map_err(|e| {
             TransportError::Settle(format!("publish to {routing_key} unconfirmed: {e}"))
         })?;
-    if confirm.is_ack() {
-        Ok(())
-    } else {
-        Err(TransportError::Settle(format!(
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(TransportError::Settle(format!(
+            "no queue {routing_key} to publish to"
+        ))),
+        Confirmation::Nack(_) | Confirmation::NotRequested => Err(TransportError::Settle(format!(
             "the broker refused the publish to {routing_key}"
-        )))
+        ))),
     }
 }
