@@ -240,18 +240,7 @@ async fn metrics_spans_and_log_lines() {
 /// `orders consume --metrics-addr`: the example consumer serves the scrape over HTTP.
 #[tokio::test]
 async fn orders_consume_serves_metrics_for_prometheus() {
-    let example = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/orders");
-    assert!(
-        example.exists(),
-        "{} is missing: `cargo test` builds it, or run `cargo build --example orders`",
-        example.display()
-    );
+    let example = common::orders_example();
     let dir = tempfile::tempdir().unwrap();
     let queue = common::unique("idem-test-obs");
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -6,25 +6,7 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
-
-/// The orders example `cargo test` builds beside the tests.
-fn example() -> PathBuf {
-    let example = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples/orders");
-    assert!(
-        example.exists(),
-        "{} is missing: `cargo test` builds it, or run `cargo build --example orders`",
-        example.display()
-    );
-    example
-}
 
 fn rabbitmqctl(args: &[&str]) -> bool {
     Command::new("rabbitmqctl")
@@ -44,7 +26,7 @@ fn with_credentials(url: &str, user: &str, password: &str) -> String {
 
 /// Runs the example's demo with these URLs; its whole output.
 fn demo(amqp_url: &str, database_url: &str, queue: &str) -> (Output, String) {
-    let output = Command::new(example())
+    let output = Command::new(common::orders_example())
         .args([
             "--transport",
             "rabbitmq",

@@ -87,6 +87,22 @@ pub async fn sqlite_at(path: &std::path::Path, connections: u32) -> sqlx::Sqlite
         .expect("open sqlite")
 }
 
+/// The orders example `cargo test` builds beside the tests.
+pub fn orders_example() -> std::path::PathBuf {
+    let example = std::env::current_exe()
+        .expect("the test binary")
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("target/<profile>")
+        .join("examples/orders");
+    assert!(
+        example.exists(),
+        "{} is missing: `cargo test` builds it, or run `cargo build --example orders`",
+        example.display()
+    );
+    example
+}
+
 /// A name no other test or run uses.
 pub fn unique(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
