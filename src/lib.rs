@@ -49,13 +49,13 @@
 //! [`sql::PgInbox`], [`sql::MySqlInbox`] (MySQL and MariaDB) and [`sql::SqliteInbox`].
 
 pub use idem_core::{
-    BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DeadLetter, Delivery, DispatchError,
-    Envelope, ErasedHandler, ErrorClass, Fingerprint, Handler, HandlerError, HandlerResult,
-    HeaderValue, Headers, InboxStore, KeyError, KeySource, KeyValue, Lease, LeaseEnd, MAX_KEY_LEN,
-    MemoryTransport, Mode, Outcome, QueueSpec, Registration, RegistryError, RejectReason,
-    Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Settle,
-    Snapshot, Stats, StopSignal, StoreError, StoreKind, StoredOutput, Stores, SweepReport,
-    Transient, Transport, TransportError, process, process_batch,
+    BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DEFAULT_POISON_LIMIT, DeadLetter,
+    Delivery, DispatchError, Envelope, ErasedHandler, ErrorClass, Fingerprint, Handler,
+    HandlerError, HandlerResult, HeaderValue, Headers, InboxStore, KeyError, KeySource, KeyValue,
+    Lease, LeaseEnd, MAX_KEY_LEN, MemoryTransport, Mode, Outcome, QueueSpec, Registration,
+    RegistryError, RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder,
+    RuntimeError, Settle, Snapshot, Stats, StopSignal, StoreError, StoreKind, StoredOutput, Stores,
+    SweepReport, Transient, Transport, TransportError, process, process_batch,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;

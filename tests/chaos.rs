@@ -19,7 +19,6 @@ use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::{QueueSpec, RetryPolicy, Transport};
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -30,40 +29,16 @@ fn setting(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// Builds the orders example with fault injection into its own target directory (so the
-/// regular build of the example stays without it) and returns the binary.
-fn build_orders_with_faults() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let target = root.join("target").join("chaos");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
-    let mut build = Command::new(cargo);
-    build
-        .current_dir(&root)
-        .args([
-            "build",
-            "--example",
-            "orders",
-            "--features",
-            "fault-injection",
-            "--target-dir",
-        ])
-        .arg(&target);
-    if !cfg!(debug_assertions) {
-        build.arg("--release");
+/// The consumer processes; whatever happens to the test, none outlives it.
+struct Children(Vec<Child>);
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
-    let status = build.status().expect("run cargo");
-    assert!(
-        status.success(),
-        "building the orders example with fault-injection failed"
-    );
-    target
-        .join(if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        })
-        .join("examples")
-        .join("orders")
 }
 
 /// A tiny xorshift generator: chaos that is different every run but needs no dependency.
@@ -83,7 +58,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let orders = setting("IDEM_CHAOS_ORDERS", 2000);
     let processes = setting("IDEM_CHAOS_PROCESSES", 3);
     let malformed = 10;
-    let binary = build_orders_with_faults();
+    let binary = common::faulty_orders::build();
 
     let queue = common::unique("idem-chaos");
     let database_url = common::postgres_url();
@@ -147,6 +122,9 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
             .env("DATABASE_URL", &database_url)
             .env("ORDERS_QUEUE", &queue)
             .env("ORDERS_CONCURRENCY", "4")
+            // Random kills can catch one order in five deaths in a row, which is what the
+            // poison limit is for (tests/poison.rs); here every order must be stored.
+            .env("ORDERS_POISON_LIMIT", "100")
             .env(
                 "IDEM_FAULT",
                 "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3",
@@ -157,7 +135,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
             .spawn()
             .expect("start orders consume")
     };
-    let mut children: Vec<Child> = (0..processes).map(|_| spawn()).collect();
+    let mut children = Children((0..processes).map(|_| spawn()).collect());
     let (mut kills, mut faults) = (0, 0);
     let started = Instant::now();
     let stored = |pool: sqlx::PgPool, prefix: String| async move {
@@ -170,7 +148,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let dead = || async { broker::count(&idem::rabbitmq::dlq(&queue)).await };
     loop {
         // Keep every slot running: count the faults (self-aborts), restart the dead.
-        for child in &mut children {
+        for child in &mut children.0 {
             if let Ok(Some(status)) = child.try_wait() {
                 if status.signal() == Some(6) {
                     faults += 1;
@@ -186,18 +164,18 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
             "chaos run did not converge"
         );
         tokio::time::sleep(Duration::from_millis(200 + rng.below(600))).await;
-        let victim = rng.below(children.len() as u64) as usize;
-        children[victim].kill().unwrap(); // SIGKILL
-        children[victim].wait().unwrap();
+        let victim = rng.below(children.0.len() as u64) as usize;
+        children.0[victim].kill().unwrap(); // SIGKILL
+        children.0[victim].wait().unwrap();
         kills += 1;
-        children[victim] = spawn();
+        children.0[victim] = spawn();
     }
-    for child in &mut children {
+    for child in &mut children.0 {
         let _ = Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
             .status();
     }
-    for child in &mut children {
+    for child in &mut children.0 {
         let _ = child.wait();
     }
 

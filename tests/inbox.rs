@@ -364,6 +364,36 @@ macro_rules! inbox_suite {
                 assert_eq!(balance(&f.pool, &customer).await, Some(100));
             }
 
+            /// Redeliveries (the consumer died on the message each time) are counted in the store,
+            /// each in a transaction of its own; at the poison limit the message is refused as
+            /// `poison` and nothing runs. A fresh delivery of the key (a replay) still runs.
+            #[tokio::test]
+            async fn a_redelivery_at_the_poison_limit_is_refused_as_poison() {
+                let f = fixture(2).await;
+                let stores = Stores::new()
+                    .with(<$inbox>::new(f.pool.clone()))
+                    .with_poison_limit(Some(3));
+                let record = idem::registry::find(&consumer("record")).expect("registered handler");
+                let (id, customer) = (unique("o"), unique("c"));
+                let mut redelivered = order(&id, &customer, 9);
+                redelivered.redelivered = true;
+                // Two redeliveries that end without a commit (as a crash would leave them).
+                script(&id, vec![Step::FailTransient, Step::FailTransient]);
+                for _ in 0..2 {
+                    let outcome = record.invoke(&stores, &redelivered).await.unwrap();
+                    assert_eq!(outcome.label(), "retry", "{outcome:?}");
+                }
+                let third = record.invoke(&stores, &redelivered).await.unwrap();
+                let Outcome::Rejected(r) = &third else { panic!("{third:?}") };
+                assert_eq!((r.reason, r.key.as_deref()), (RejectReason::Poison, Some(id.as_str())));
+                assert!(r.message.contains("delivered 3 times"), "{r}");
+                assert_eq!(effects(&f.pool, "record", &id).await, 0);
+                assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
+                let replayed = record.invoke(&stores, &order(&id, &customer, 9)).await.unwrap();
+                assert_eq!(replayed.label(), "processed", "{replayed:?}");
+                assert_eq!(balance(&f.pool, &customer).await, Some(9));
+            }
+
             /// `?` on the database's own refusal: the store classifies it (a key violation is
             /// permanent), and nothing the handler wrote is kept.
             #[tokio::test]

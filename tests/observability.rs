@@ -266,7 +266,7 @@ async fn orders_consume_serves_metrics_for_prometheus() {
         .env("AMQP_URL", common::broker::amqp_url())
         .spawn()
         .unwrap();
-    let _child = KillOnDrop(child);
+    let _child = common::KillOnDrop(child);
     let scrape = || async {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let Ok(mut stream) = tokio::net::TcpStream::connect(&addr).await else {
@@ -308,14 +308,4 @@ async fn orders_consume_serves_metrics_for_prometheus() {
         "{text}"
     );
     common::broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
-}
-
-/// Kills (SIGKILL) and reaps a child process when the test ends, passed or failed.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

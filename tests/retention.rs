@@ -97,6 +97,42 @@ macro_rules! sweep_suite {
                 n == 1
             }
 
+            /// The poison limit's delivery counts expire with the inbox rows and go with them.
+            #[tokio::test]
+            async fn expired_delivery_counts_go_and_live_ones_stay() {
+                let table = concat!("idem_sweep_counts_", stringify!($module));
+                let (inbox, _pool) = inbox(table).await;
+                let fingerprint = Fingerprint::of(b"counted");
+                let (old, live) = (unique("old"), unique("live"));
+                let count = |key, retention| {
+                    let request = request(key, &fingerprint, retention);
+                    let inbox = &inbox;
+                    async move { inbox.count_delivery(&request).await.unwrap() }
+                };
+                assert_eq!(count(&old, SHORT).await, 1);
+                assert_eq!(count(&old, SHORT).await, 2);
+                assert_eq!(count(&live, LONG).await, 1);
+                let counted = Instant::now();
+                let swept = std::sync::atomic::AtomicU64::new(0);
+                // A sweep once the short count has expired removes it.
+                wait_until(
+                    "the short count to expire and be swept",
+                    Duration::from_secs(10),
+                    || async {
+                        if counted.elapsed() <= SHORT + Duration::from_millis(100) {
+                            return false;
+                        }
+                        let report = inbox.sweep(1_000, 10).await.unwrap();
+                        let total = swept
+                            .fetch_add(report.counts_deleted, std::sync::atomic::Ordering::Relaxed);
+                        total + report.counts_deleted >= 1
+                    },
+                )
+                .await;
+                assert_eq!(count(&old, SHORT).await, 1, "the expired count was swept");
+                assert_eq!(count(&live, LONG).await, 2, "the live count stayed");
+            }
+
             #[tokio::test]
             async fn expired_rows_go_in_bounded_batches_and_live_rows_stay() {
                 let table = concat!("idem_sweep_", stringify!($module));

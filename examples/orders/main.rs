@@ -72,6 +72,10 @@ struct Settings {
     /// Batch mode: up to this many orders per transaction (0: one transaction per order).
     #[arg(long, env = "ORDERS_BATCH", default_value_t = 0, global = true)]
     batch: usize,
+    /// Deliveries without a settlement (the consumer died on the message, or lost its
+    /// connection) before a message is dead-lettered as `poison`.
+    #[arg(long, env = "ORDERS_POISON_LIMIT", default_value_t = idem::DEFAULT_POISON_LIMIT, global = true)]
+    poison_limit: u32,
     /// Where messages come from: RabbitMQ, or the in-memory transport (demo only).
     #[arg(long, value_enum, env = "ORDERS_TRANSPORT", default_value_t = TransportKind::Auto, global = true)]
     transport: TransportKind,
@@ -135,7 +139,8 @@ async fn consume(
 fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
     let builder = Runtime::builder()
         .handlers(["orders"])
-        .handler_queue("orders", &settings.queue);
+        .handler_queue("orders", &settings.queue)
+        .poison_limit(settings.poison_limit);
     // Batch mode keeps its defaults: one batch in flight, prefetch twice the batch.
     let builder = match settings.batch {
         0 => builder

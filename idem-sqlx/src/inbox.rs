@@ -211,6 +211,11 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.release_key(request, owner).await
     }
 
+    async fn count_delivery(&self, request: &ClaimRequest<'_>) -> Result<u32, StoreError> {
+        DB::check_request(request)?;
+        self.count_delivery_of(request).await
+    }
+
     async fn sweep(&self, batch: u32, max_batches: u32) -> Result<SweepReport, StoreError> {
         self.sweep_expired(batch, max_batches).await
     }

@@ -24,6 +24,7 @@
 
 mod claim;
 pub mod config;
+mod deliveries;
 pub mod dialect;
 mod error;
 pub mod exec;

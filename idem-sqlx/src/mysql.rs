@@ -14,7 +14,8 @@ use crate::dialect::Dialect;
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    LeaseStatements, MigrationStatements, SavepointStatements, Statements, SweepStatements,
+    DeliveryStatements, LeaseStatements, MigrationStatements, SavepointStatements, Statements,
+    SweepStatements,
 };
 use idem_core::{ClaimRequest, ErrorClass, StoreError, StoreKind};
 use sqlx::MySql;
@@ -45,10 +46,22 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     ),
     // Version 2 added the lease columns, which version 1 of this dialect already has.
     (2, &[]),
+    (
+        3,
+        &[r#"CREATE TABLE IF NOT EXISTS `{table}_deliveries` (
+            consumer   VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            `key`      VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            deliveries BIGINT       NOT NULL,
+            expires_at DATETIME(6)  NOT NULL,
+            PRIMARY KEY (consumer, `key`),
+            KEY expires_at (expires_at)
+        ) ENGINE = InnoDB"#],
+    ),
 ];
 
-const PROBE: &str = r#"SELECT consumer, `key`, fingerprint, status, outcome, attempts, created_at, completed_at,
-    expires_at, owner, locked_until FROM `{table}` WHERE 1 = 0"#;
+const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
+    i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at
+    FROM `{table}` i, `{table}_deliveries` d WHERE 1 = 0"#;
 
 const CLAIM: &str = r#"INSERT IGNORE INTO `{table}`
     (consumer, `key`, fingerprint, status, attempts, created_at, completed_at, expires_at)
@@ -89,6 +102,17 @@ const SWEEP: SweepStatements = SweepStatements {
     delete: "DELETE FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT ?",
     lag: r#"SELECT CAST(COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(expires_at), UTC_TIMESTAMP(6)) DIV 1000, 0) AS SIGNED)
     FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6)"#,
+    delete_deliveries: "DELETE FROM `{table}_deliveries` WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT ?",
+};
+
+/// The poison limit's statements; see [`DeliveryStatements`].
+const DELIVERIES: DeliveryStatements = DeliveryStatements {
+    count: r#"INSERT INTO `{table}_deliveries` (consumer, `key`, deliveries, expires_at)
+    VALUES (?, ?, 1, UTC_TIMESTAMP(6) + INTERVAL ? SECOND)
+    ON DUPLICATE KEY UPDATE deliveries = deliveries + 1, expires_at = VALUES(expires_at)"#,
+    read: Some(
+        "SELECT CAST(deliveries AS SIGNED) FROM `{table}_deliveries` WHERE consumer = ? AND `key` = ?",
+    ),
 };
 
 /// Serializes concurrent migrations from several processes. `GET_LOCK` belongs to the session,
@@ -130,6 +154,7 @@ impl Dialect for MySql {
         },
         lease: LEASE,
         sweep: SWEEP,
+        deliveries: DELIVERIES,
         batch: None,
     };
     const MIGRATION: MigrationStatements = MigrationStatements {

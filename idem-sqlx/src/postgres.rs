@@ -6,8 +6,8 @@ use crate::error::{existing_claim, store_error};
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    BatchStatements, LeaseStatements, MigrationStatements, PROBE, Prepared, SAVEPOINTS, Statements,
-    SweepStatements,
+    BatchStatements, DeliveryStatements, LeaseStatements, MigrationStatements, PROBE, Prepared,
+    SAVEPOINTS, Statements, SweepStatements,
 };
 use idem_core::{Claim, ClaimRequest, ErrorClass, StoreError, StoreKind, StoredOutput};
 use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
@@ -38,6 +38,19 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         &[
             r#"ALTER TABLE "{table}" ADD COLUMN IF NOT EXISTS owner text,
         ADD COLUMN IF NOT EXISTS locked_until timestamptz"#,
+        ],
+    ),
+    (
+        3,
+        &[
+            r#"CREATE TABLE IF NOT EXISTS "{table}_deliveries" (
+            consumer   text        NOT NULL,
+            key        text        NOT NULL,
+            deliveries bigint      NOT NULL,
+            expires_at timestamptz NOT NULL,
+            PRIMARY KEY (consumer, key)
+        )"#,
+            r#"CREATE INDEX IF NOT EXISTS "{table}_deliveries_exp" ON "{table}_deliveries" (expires_at)"#,
         ],
     ),
 ];
@@ -115,6 +128,19 @@ const SWEEP: SweepStatements = SweepStatements {
         ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"#,
     lag: r#"SELECT COALESCE((EXTRACT(EPOCH FROM now() - min(expires_at)) * 1000)::int8, 0)
     FROM "{table}" WHERE expires_at < now()"#,
+    delete_deliveries: r#"DELETE FROM "{table}_deliveries" WHERE ctid = ANY(ARRAY(
+        SELECT ctid FROM "{table}_deliveries" WHERE expires_at < now()
+        ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"#,
+};
+
+/// The poison limit's statements; see [`DeliveryStatements`].
+const DELIVERIES: DeliveryStatements = DeliveryStatements {
+    count: r#"INSERT INTO "{table}_deliveries" AS d (consumer, key, deliveries, expires_at)
+    VALUES ($1, $2, 1, now() + $3 * interval '1 second')
+    ON CONFLICT (consumer, key) DO UPDATE SET deliveries = d.deliveries + 1,
+        expires_at = excluded.expires_at
+    RETURNING deliveries"#,
+    read: None,
 };
 
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('idem.migrate'))::text";
@@ -145,6 +171,7 @@ impl Dialect for Postgres {
         savepoint: SAVEPOINTS,
         lease: LEASE,
         sweep: SWEEP,
+        deliveries: DELIVERIES,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,
             existing: EXISTING_BATCH,

@@ -9,7 +9,8 @@ use crate::dialect::Dialect;
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    LeaseStatements, MigrationStatements, PROBE, SAVEPOINTS, Statements, SweepStatements,
+    DeliveryStatements, LeaseStatements, MigrationStatements, PROBE, SAVEPOINTS, Statements,
+    SweepStatements,
 };
 use idem_core::StoreKind;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteQueryResult};
@@ -45,6 +46,19 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         &[
             r#"ALTER TABLE "{table}" ADD COLUMN owner TEXT"#,
             r#"ALTER TABLE "{table}" ADD COLUMN locked_until INTEGER"#,
+        ],
+    ),
+    (
+        3,
+        &[
+            r#"CREATE TABLE IF NOT EXISTS "{table}_deliveries" (
+            consumer   TEXT    NOT NULL,
+            key        TEXT    NOT NULL,
+            deliveries INTEGER NOT NULL,
+            expires_at INTEGER NOT NULL,
+            PRIMARY KEY (consumer, key)
+        ) WITHOUT ROWID"#,
+            r#"CREATE INDEX IF NOT EXISTS "{table}_deliveries_exp" ON "{table}_deliveries" (expires_at)"#,
         ],
     ),
 ];
@@ -89,6 +103,19 @@ const SWEEP: SweepStatements = SweepStatements {
     delete: r#"DELETE FROM "{table}" WHERE (consumer, key) IN (
         SELECT consumer, key FROM "{table}" WHERE expires_at < {now} ORDER BY expires_at LIMIT ?1)"#,
     lag: r#"SELECT COALESCE({now} - MIN(expires_at), 0) FROM "{table}" WHERE expires_at < {now}"#,
+    delete_deliveries: r#"DELETE FROM "{table}_deliveries" WHERE (consumer, key) IN (
+        SELECT consumer, key FROM "{table}_deliveries" WHERE expires_at < {now}
+        ORDER BY expires_at LIMIT ?1)"#,
+};
+
+/// The poison limit's statements; see [`DeliveryStatements`].
+const DELIVERIES: DeliveryStatements = DeliveryStatements {
+    count: r#"INSERT INTO "{table}_deliveries" (consumer, key, deliveries, expires_at)
+    VALUES (?1, ?2, 1, {now} + ?3 * 1000)
+    ON CONFLICT (consumer, key) DO UPDATE SET deliveries = deliveries + 1,
+        expires_at = excluded.expires_at
+    RETURNING deliveries"#,
+    read: None,
 };
 
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
@@ -142,6 +169,7 @@ impl Dialect for Sqlite {
         savepoint: SAVEPOINTS,
         lease: LEASE,
         sweep: SWEEP,
+        deliveries: DELIVERIES,
         batch: None,
     };
     const MIGRATION: MigrationStatements = MigrationStatements {

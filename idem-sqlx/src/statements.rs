@@ -28,6 +28,8 @@ pub struct Statements<S = &'static str> {
     pub lease: LeaseStatements<S>,
     /// The retention sweeper.
     pub sweep: SweepStatements<S>,
+    /// The poison limit's count of deliveries without a settlement.
+    pub deliveries: DeliveryStatements<S>,
     /// Set-based batch statements, for a dialect with array parameters (PostgreSQL).
     pub batch: Option<BatchStatements<S>>,
 }
@@ -45,8 +47,9 @@ pub struct SavepointStatements {
 }
 
 /// The probe of dialects that quote identifiers with double quotes.
-pub const PROBE: &str = r#"SELECT consumer, key, fingerprint, status, outcome, attempts, created_at, completed_at,
-    expires_at, owner, locked_until FROM "{table}" WHERE 1 = 0"#;
+pub const PROBE: &str = r#"SELECT i.consumer, i.key, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
+    i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at
+    FROM "{table}" i, "{table}_deliveries" d WHERE 1 = 0"#;
 
 /// The savepoints of dialects that release one before starting the next.
 pub const SAVEPOINTS: SavepointStatements = SavepointStatements {
@@ -85,6 +88,20 @@ pub struct SweepStatements<S = &'static str> {
     pub delete: S,
     /// One integer: milliseconds since the oldest expired row left expired (0 when none is).
     pub lag: S,
+    /// Deletes one batch of expired delivery counts (the batch size).
+    pub delete_deliveries: S,
+}
+
+/// The poison limit: per (consumer, key), how many deliveries came after a delivery without a
+/// settlement, in the table `{table}_deliveries`, expiring with the inbox rows.
+#[derive(Debug, Clone)]
+pub struct DeliveryStatements<S = &'static str> {
+    /// Adds one to the count, creating it at 1 (consumer, key, retention in seconds); where
+    /// `read` is `None`, returns the count in its first column.
+    pub count: S,
+    /// Reads the count in its first column (consumer, key), for a dialect whose `count`
+    /// returns nothing.
+    pub read: Option<S>,
 }
 
 /// A batch's claims with array parameters.
@@ -141,6 +158,11 @@ impl Statements {
                 unlock: fill(self.sweep.unlock),
                 delete: fill(self.sweep.delete),
                 lag: fill(self.sweep.lag),
+                delete_deliveries: fill(self.sweep.delete_deliveries),
+            },
+            deliveries: DeliveryStatements {
+                count: fill(self.deliveries.count),
+                read: self.deliveries.read.map(fill),
             },
             batch: self.batch.as_ref().map(|batch| BatchStatements {
                 claim: fill(batch.claim),

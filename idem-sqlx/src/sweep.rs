@@ -47,6 +47,19 @@ impl<DB: Dialect> SqlInbox<DB> {
                     break;
                 }
             }
+            // The poison limit's delivery counts, in batches of their own.
+            for _ in 0..max_batches {
+                let started = Instant::now();
+                let delete = &sql.delete_deliveries;
+                let deleted = DB::execute(conn, delete, &[Param::Int(i64::from(batch))])
+                    .await
+                    .map_err(fail)?;
+                report.counts_deleted += deleted;
+                report.longest_batch = report.longest_batch.max(started.elapsed());
+                if deleted < u64::from(batch) {
+                    break;
+                }
+            }
             let lag_ms = DB::fetch_int(conn, &sql.lag, &[]).await.map_err(fail)?;
             report.lag = Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0));
             Ok::<_, StoreError>(())

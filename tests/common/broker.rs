@@ -68,6 +68,13 @@ impl Got {
     }
 }
 
+/// Closes a helper's connection, giving the broker a few seconds to confirm: a close that is
+/// never confirmed must not hang the test (the broker drops the connection on its side).
+async fn close(connection: Connection) {
+    let closing = connection.close(200, ShortString::from("done"));
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), closing).await;
+}
+
 async fn connect() -> Connection {
     Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
@@ -103,7 +110,7 @@ pub async fn drain(queue: &str) -> Vec<Got> {
             body: delivery.data,
         });
     }
-    let _ = connection.close(200, ShortString::from("done")).await;
+    close(connection).await;
     got
 }
 
@@ -135,7 +142,7 @@ pub async fn give_back(queue: &str, deadline: Duration) -> bool {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let _ = connection.close(200, ShortString::from("done")).await;
+    close(connection).await;
     given
 }
 
@@ -161,7 +168,7 @@ pub async fn delete_topology(queue: &str, delays: &[Duration]) {
             )
             .await;
     }
-    let _ = connection.close(200, ShortString::from("done")).await;
+    close(connection).await;
 }
 
 /// Closes, from the broker's side (`rabbitmqctl close_connection`), every connection whose
@@ -204,7 +211,7 @@ pub async fn count(queue: &str) -> usize {
             FieldTable::default(),
         )
         .await;
-    let _ = connection.close(200, ShortString::from("done")).await;
+    close(connection).await;
     declared.map_or(0, |q| q.message_count() as usize)
 }
 
@@ -221,7 +228,7 @@ pub async fn exists(queue: &str) -> bool {
     let declared = channel
         .queue_declare(ShortString::from(queue), passive, FieldTable::default())
         .await;
-    let _ = connection.close(200, ShortString::from("done")).await;
+    close(connection).await;
     declared.is_ok()
 }
 

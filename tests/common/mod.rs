@@ -103,6 +103,16 @@ pub fn orders_example() -> std::path::PathBuf {
     example
 }
 
+/// Kills (SIGKILL) and reaps a child process when the test ends, passed or failed.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A name no other test or run uses.
 pub fn unique(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -134,6 +144,7 @@ where
 
 pub mod broker;
 pub mod charges;
+pub mod faulty_orders;
 pub mod proxy;
 pub mod raw_amqp;
 pub mod running;

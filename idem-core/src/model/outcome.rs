@@ -151,11 +151,14 @@ pub enum RejectReason {
     Store,
     /// External mode: an earlier copy of this key failed permanently, so it is not run again.
     PreviouslyFailed,
+    /// The message was delivered the poison limit's number of times without a settlement: its
+    /// consumers died on it (or lost their connection) each time.
+    Poison,
 }
 
 impl RejectReason {
     /// The stable code: `decode`, `missing-key`, `handler`, `output`, `store`,
-    /// `previously-failed`.
+    /// `previously-failed`, `poison`.
     pub fn code(self) -> &'static str {
         match self {
             Self::Decode => "decode",
@@ -164,6 +167,7 @@ impl RejectReason {
             Self::Output => "output",
             Self::Store => "store",
             Self::PreviouslyFailed => "previously-failed",
+            Self::Poison => "poison",
         }
     }
 }

@@ -5,7 +5,7 @@
 //! An `in_progress` row whose lease expired is taken over by the next copy (attempts + 1), which
 //! runs the handler again with the same key: the downstream service deduplicates on it.
 
-use super::steps::{encode_result, existing, prepare, store_failure};
+use super::steps::{Limits, encode_result, existing, poisoned, prepare, store_failure};
 use crate::handler::Handler;
 use crate::model::{
     Context, Envelope, Fingerprint, Outcome, RejectReason, Rejection, StoreError, StoredOutput,
@@ -16,19 +16,22 @@ use crate::telemetry;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Processes one delivery with external-mode handler `H`, holding each lease for `lease` and
-/// keeping the row for `retention`.
+/// Processes one delivery with external-mode handler `H`, holding each lease for `lease`,
+/// within `limits`.
 pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
     lease: Duration,
-    retention: Duration,
+    limits: Limits,
 ) -> Outcome {
     let (payload, keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
-    let request = keyed.request(H::CONSUMER, envelope, retention);
+    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
+    if let Some(refused) = poisoned::<H>(store, envelope, &request, limits.poison).await {
+        return refused;
+    }
     let (key, fingerprint) = (&keyed.key, &keyed.fingerprint);
     let owner = owner_token();
     let claiming = Instant::now();

@@ -17,6 +17,8 @@ mod transactional;
 
 pub use stages::Stages;
 
+use steps::Limits;
+
 use crate::future::BoxFuture;
 use crate::handler::{Handler, Mode};
 use crate::model::KeySource;
@@ -29,12 +31,12 @@ use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 /// Processes one delivery with handler `H` in `store`, in `H`'s mode, keeping its row for the
-/// handler's retention (else the store's).
+/// handler's retention (else the store's), with no poison limit.
 ///
 /// In transactional mode the marker row and the handler's writes commit together or not at
 /// all: nothing is committed unless the outcome is [`Outcome::Processed`].
 pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
-    run::<H>(store, envelope, steps::retention_of::<H>(store, None)).await
+    run::<H>(store, envelope, Limits::of::<H>(store, None, None)).await
 }
 
 /// Processes `envelopes` with handler `H` in `store` (transactional mode: one transaction),
@@ -43,15 +45,15 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
 /// A key that occurs twice in the batch is processed once; its later copies are duplicates (or
 /// conflicts) of the first once that has committed, and are retried if it did not.
 pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope]) -> Vec<Outcome> {
-    let retention = steps::retention_of::<H>(store, None);
-    run_batch::<H>(store, envelopes, Stages::default(), retention).await
+    let limits = Limits::of::<H>(store, None, None);
+    run_batch::<H>(store, envelopes, Stages::default(), limits).await
 }
 
 /// The one place the mode is picked, for one delivery.
-async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, retention: Duration) -> Outcome {
+async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, limits: Limits) -> Outcome {
     match H::MODE {
-        Mode::Transactional => transactional::process::<H>(store, envelope, retention).await,
-        Mode::External { lease } => external::process::<H>(store, envelope, lease, retention).await,
+        Mode::Transactional => transactional::process::<H>(store, envelope, limits).await,
+        Mode::External { lease } => external::process::<H>(store, envelope, lease, limits).await,
     }
 }
 
@@ -62,15 +64,15 @@ async fn run_batch<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
-    retention: Duration,
+    limits: Limits,
 ) -> Vec<Outcome> {
     let Mode::External { lease } = H::MODE else {
-        return batch::process::<H>(store, envelopes, stages, retention).await;
+        return batch::process::<H>(store, envelopes, stages, limits).await;
     };
     stages.wait_for_previous().await;
     let mut outcomes = Vec::with_capacity(envelopes.len());
     for envelope in envelopes {
-        outcomes.push(external::process::<H>(store, envelope, lease, retention).await);
+        outcomes.push(external::process::<H>(store, envelope, lease, limits).await);
     }
     stages.fire_committing();
     stages.fire_committed();
@@ -174,8 +176,8 @@ impl<H: Handler> ErasedHandler for H {
     ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
-            let retention = steps::retention_of::<H>(store, stores.retention());
-            unwound(run::<H>(store, envelope, retention)).await
+            let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit());
+            unwound(run::<H>(store, envelope, limits)).await
         })
     }
 
@@ -187,8 +189,8 @@ impl<H: Handler> ErasedHandler for H {
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
-            let retention = steps::retention_of::<H>(store, stores.retention());
-            unwound(run_batch::<H>(store, envelopes, stages, retention)).await
+            let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit());
+            unwound(run_batch::<H>(store, envelopes, stages, limits)).await
         })
     }
 }

@@ -141,10 +141,57 @@ pub(crate) fn failure(class: ErrorClass, message: String, key: &str) -> Outcome 
     }
 }
 
-/// The retention of handler `H`'s rows: its own `retention = ...`, else the runtime's, else
-/// its store's.
-pub(crate) fn retention_of<H: Handler>(store: &H::Store, runtime: Option<Duration>) -> Duration {
-    H::RETENTION
-        .or(runtime)
-        .unwrap_or_else(|| store.retention())
+/// What bounds one handler's rows and deliveries.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    /// How long its rows are kept.
+    pub(crate) retention: Duration,
+    /// After how many deliveries without a settlement a message is refused as poison.
+    pub(crate) poison: Option<u32>,
+}
+
+impl Limits {
+    /// The limits of handler `H`: its own `retention = ...`, else the runtime's, else its
+    /// store's; the runtime's poison limit.
+    pub(crate) fn of<H: Handler>(
+        store: &H::Store,
+        runtime_retention: Option<Duration>,
+        poison: Option<u32>,
+    ) -> Self {
+        let retention = H::RETENTION
+            .or(runtime_retention)
+            .unwrap_or_else(|| store.retention());
+        Self { retention, poison }
+    }
+}
+
+/// The outcome of a redelivered message that reached the poison limit: this delivery is
+/// counted in the store first (only redeliveries pay for it). `None`: the message may run.
+pub(crate) async fn poisoned<H: Handler>(
+    store: &H::Store,
+    envelope: &Envelope,
+    request: &ClaimRequest<'_>,
+    limit: Option<u32>,
+) -> Option<Outcome> {
+    let limit = limit.filter(|_| envelope.redelivered)?;
+    match store.count_delivery(request).await {
+        Err(e) => Some(store_failure(e, request.key)),
+        Ok(unsettled) if unsettled >= limit => {
+            tracing::warn!(
+                consumer = H::CONSUMER,
+                key = request.key,
+                unsettled,
+                limit,
+                "a message its consumers died on; refusing it as poison"
+            );
+            Some(Outcome::Rejected(Rejection::new(
+                RejectReason::Poison,
+                format!(
+                    "delivered {unsettled} times after a delivery without a settlement: its consumers died or lost their connection each time (poison limit {limit})"
+                ),
+                Some(request.key.to_owned()),
+            )))
+        }
+        Ok(_) => None,
+    }
 }

@@ -5,15 +5,14 @@
 //! row** (its claim); the ack decision is made by whoever reads the returned [`Outcome`]
 //! (`runtime/settle.rs`).
 
-use super::steps::{call, encode_result, existing, prepare, store_failure};
+use super::steps::{Limits, call, encode_result, existing, poisoned, prepare, store_failure};
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::store::{Claim, InboxStore};
 use crate::telemetry;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// Processes one delivery with handler `H` in `store`'s transaction, keeping its row for
-/// `retention`.
+/// Processes one delivery with handler `H` in `store`'s transaction, within `limits`.
 ///
 /// The marker row and the handler's writes commit together or not at all. Nothing is
 /// committed unless the outcome is [`Outcome::Processed`]; every other outcome leaves the
@@ -21,14 +20,17 @@ use std::time::{Duration, Instant};
 pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
-    retention: Duration,
+    limits: Limits,
 ) -> Outcome {
     let (payload, keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
-    let request = keyed.request(H::CONSUMER, envelope, retention);
+    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
     let key = &keyed.key;
+    if let Some(refused) = poisoned::<H>(store, envelope, &request, limits.poison).await {
+        return refused;
+    }
 
     let mut tx = match store.begin().await {
         Ok(tx) => tx,
@@ -212,7 +214,11 @@ mod tests {
     }
 
     async fn run(store: &MemStore, body: &str) -> Outcome {
-        process::<OrderHandler>(store, &Envelope::new(body), Duration::from_secs(60)).await
+        let limits = Limits {
+            retention: std::time::Duration::from_secs(60),
+            poison: None,
+        };
+        process::<OrderHandler>(store, &Envelope::new(body), limits).await
     }
 
     #[tokio::test]

@@ -22,6 +22,8 @@ const DEFAULT_BATCHES_IN_FLIGHT: usize = 1;
 const DEFAULT_PREFETCH: u16 = 32;
 /// How long a batch waits for more deliveries after its first, unless configured.
 const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+/// Deliveries without a settlement before a message is refused as poison, unless configured.
+pub const DEFAULT_POISON_LIMIT: u32 = 5;
 
 impl Runtime {
     /// A builder with the defaults: every registered handler, concurrency 8, prefetch 32,
@@ -52,7 +54,7 @@ impl Default for RuntimeBuilder {
     fn default() -> Self {
         Self {
             transport: None,
-            stores: Stores::new(),
+            stores: Stores::new().with_poison_limit(Some(DEFAULT_POISON_LIMIT)),
             handlers: None,
             concurrency: None,
             per_handler: HashMap::new(),
@@ -145,6 +147,22 @@ impl RuntimeBuilder {
     /// the retry delays, operators replaying dead letters.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.stores = std::mem::take(&mut self.stores).with_retention(retention);
+        self
+    }
+
+    /// A message delivered `limit` times without a settlement (its consumers died on it, or
+    /// lost their connection) is dead-lettered with reason `poison` at its next delivery
+    /// (default [`DEFAULT_POISON_LIMIT`], 5), on every queue type. Each redelivery is counted in
+    /// the handler's store, in a short transaction of its own (a first delivery pays nothing).
+    /// A delivery given back at shutdown counts too.
+    pub fn poison_limit(mut self, limit: u32) -> Self {
+        self.stores = std::mem::take(&mut self.stores).with_poison_limit(Some(limit));
+        self
+    }
+
+    /// No poison limit: a message that kills its consumers is delivered again and again.
+    pub fn without_poison_limit(mut self) -> Self {
+        self.stores = std::mem::take(&mut self.stores).with_poison_limit(None);
         self
     }
 

@@ -14,7 +14,7 @@ mod stats;
 mod sweeper;
 mod worker;
 
-pub use builder::RuntimeBuilder;
+pub use builder::{DEFAULT_POISON_LIMIT, RuntimeBuilder};
 pub use error::RuntimeError;
 pub use retry::{RetryPolicy, RetryPolicyError};
 pub use run::Runtime;

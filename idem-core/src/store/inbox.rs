@@ -94,8 +94,10 @@ pub struct SweepReport {
     pub locked: bool,
     /// Expired rows deleted.
     pub deleted: u64,
-    /// Delete statements run (each at most one batch of rows).
+    /// Delete statements run on the inbox rows (each at most one batch of rows).
     pub batches: u32,
+    /// Expired delivery counts of the poison limit deleted (in batches of their own).
+    pub counts_deleted: u64,
     /// The longest of them: the longest any row lock was held.
     pub longest_batch: Duration,
     /// How far behind the sweeper is after this sweep: the age of the oldest expired row left
@@ -242,6 +244,20 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         let _ = (request, owner);
         async { Err(no_external("release", Self::KIND)) }
+    }
+
+    /// Counts one more delivery of `request`'s message that came after a delivery without a
+    /// settlement (the broker flagged it redelivered: its consumer died, or lost its
+    /// connection), in a transaction of its own committed before this returns, so that the
+    /// count survives the next crash; returns the count. Only redeliveries call this. The
+    /// count expires with `request.retention`. The default counts nothing (`0`): such a store
+    /// has no poison limit.
+    fn count_delivery(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<u32, StoreError>> + Send {
+        let _ = request;
+        async { Ok(0) }
     }
 
     /// Deletes expired rows (of every consumer and status) in batches of at most `batch`,

@@ -15,6 +15,7 @@ pub struct Stores {
     stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
     sweepers: HashMap<TypeId, Sweeper>,
     retention: Option<Duration>,
+    poison_limit: Option<u32>,
 }
 
 /// One store's [`InboxStore::sweep`], type-erased: `(batch, max_batches)`.
@@ -70,6 +71,19 @@ impl Stores {
     pub fn with_retention(mut self, retention: Duration) -> Self {
         self.retention = Some(retention);
         self
+    }
+
+    /// Counts, in the handler's store, the deliveries of a message that end without a
+    /// settlement, and refuses a message at its delivery after `limit` of them as `poison`
+    /// (default: no limit here; the runtime sets 5). See [`InboxStore::count_delivery`].
+    pub fn with_poison_limit(mut self, limit: Option<u32>) -> Self {
+        self.poison_limit = limit.map(|l| l.max(1));
+        self
+    }
+
+    /// The limit set with [`Self::with_poison_limit`].
+    pub fn poison_limit(&self) -> Option<u32> {
+        self.poison_limit
     }
 
     /// The retention set with [`Self::with_retention`].

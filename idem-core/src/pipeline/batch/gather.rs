@@ -36,16 +36,22 @@ pub(super) struct Gathered<P> {
     pub(super) outcomes: Vec<Option<Outcome>>,
 }
 
-/// Reads `envelopes` for handler `H`.
-pub(super) fn gather<H: Handler>(envelopes: &[Envelope]) -> Gathered<H::Payload> {
+/// Reads `envelopes` for handler `H`; those with an outcome in `refused` are left out.
+pub(super) fn gather<H: Handler>(
+    envelopes: &[Envelope],
+    refused: Vec<Option<Outcome>>,
+) -> Gathered<H::Payload> {
     let mut gathered = Gathered {
         items: Vec::with_capacity(envelopes.len()),
         payloads: Vec::with_capacity(envelopes.len()),
         copies: Vec::new(),
-        outcomes: vec![None; envelopes.len()],
+        outcomes: refused,
     };
     let mut first_of: HashMap<String, usize> = HashMap::new();
     for (index, envelope) in envelopes.iter().enumerate() {
+        if gathered.outcomes[index].is_some() {
+            continue;
+        }
         match prepare::<H>(envelope) {
             Err(rejected) => gathered.outcomes[index] = Some(rejected),
             Ok((payload, keyed)) => match first_of.get(&keyed.key) {

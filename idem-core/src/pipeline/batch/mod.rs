@@ -1,7 +1,8 @@
 //! The pipeline for a batch of deliveries of a transactional handler: one transaction, one
 //! multi-row claim, the handler of each new message, one commit. In three steps:
 //!
-//! 1. [`gather`]: read every delivery, keep one message per key;
+//! 1. [`gather`]: read every delivery, keep one message per key (a redelivery that reached the
+//!    poison limit is refused before);
 //! 2. [`pass`]: the transaction. The fast pass runs the handlers back to back. If one fails,
 //!    that pass is rolled back and the batch runs again with each new message under its own
 //!    savepoint: a message whose handler fails permanently is rolled back to its savepoint and
@@ -19,11 +20,11 @@ mod pass;
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::pipeline::stages::Stages;
+use crate::pipeline::steps::{Limits, prepare};
 use pass::{Batch, Pass};
-use std::time::Duration;
 
-/// Processes `envelopes` with handler `H` in one transaction of `store`, keeping the rows for
-/// `retention`; one outcome per envelope, in order. Overlaps with the batches before and after
+/// Processes `envelopes` with handler `H` in one transaction of `store`, within `limits`; one
+/// outcome per envelope, in order. Overlaps with the batches before and after
 /// it through `stages`.
 ///
 /// A key that occurs twice in the batch is processed once; its later copies are duplicates (or
@@ -32,19 +33,20 @@ pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
-    retention: Duration,
+    limits: Limits,
 ) -> Vec<Outcome> {
+    let refused = poisoned::<H>(store, envelopes, limits).await;
     let gather::Gathered {
         mut items,
         payloads,
         copies,
         mut outcomes,
-    } = gather::gather::<H>(envelopes);
+    } = gather::gather::<H>(envelopes, refused);
     if !items.is_empty() {
         let batch = Batch::<H> {
             store,
             envelopes,
-            retention,
+            retention: limits.retention,
         };
         let fast = batch
             .pass(&mut items, payloads, &mut outcomes, false, &mut stages)
@@ -62,4 +64,29 @@ pub(crate) async fn process<H: Handler>(
         }
     }
     finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes)
+}
+
+/// The outcomes of the redelivered envelopes that reached the poison limit (each redelivery is
+/// counted in the store, one short transaction each; first deliveries pay nothing).
+async fn poisoned<H: Handler>(
+    store: &H::Store,
+    envelopes: &[Envelope],
+    limits: Limits,
+) -> Vec<Option<Outcome>> {
+    let mut refused = vec![None; envelopes.len()];
+    if limits.poison.is_none() {
+        return refused;
+    }
+    for (index, envelope) in envelopes.iter().enumerate() {
+        if !envelope.redelivered {
+            continue;
+        }
+        if let Ok((_, keyed)) = prepare::<H>(envelope) {
+            let request = keyed.request(H::CONSUMER, envelope, limits.retention);
+            refused[index] =
+                crate::pipeline::steps::poisoned::<H>(store, envelope, &request, limits.poison)
+                    .await;
+        }
+    }
+    refused
 }

@@ -1,0 +1,36 @@
+//! The poison limit's count: per (consumer, key), how many deliveries of a message came after a
+//! delivery without a settlement. Counted in a short transaction of its own, so that the count
+//! survives the crash it is there to notice.
+
+use crate::dialect::Dialect;
+use crate::error::store_error;
+use crate::exec::Param;
+use crate::inbox::SqlInbox;
+use idem_core::{ClaimRequest, StoreError};
+
+impl<DB: Dialect> SqlInbox<DB> {
+    /// Adds one to the count of `request`'s message and returns it.
+    pub(crate) async fn count_delivery_of(
+        &self,
+        request: &ClaimRequest<'_>,
+    ) -> Result<u32, StoreError> {
+        let fail = |e| store_error("count delivery", e);
+        let sql = &self.sql.deliveries;
+        let params = [
+            Param::Text(request.consumer),
+            Param::Text(request.key),
+            Param::Int(crate::config::secs(request.retention)),
+        ];
+        let mut tx = self.begin_tx().await?;
+        let count = match &sql.read {
+            None => DB::fetch_int(&mut *tx, &sql.count, &params).await,
+            Some(read) => match DB::execute(&mut *tx, &sql.count, &params).await {
+                Ok(_) => DB::fetch_int(&mut *tx, read, &params[..2]).await,
+                Err(e) => Err(e),
+            },
+        }
+        .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        Ok(u32::try_from(count).unwrap_or(u32::MAX))
+    }
+}
