@@ -44,6 +44,25 @@ async fn observed(
     }
 }
 
+static PANICKED_ONCE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Panics the first time it sees an order that asks for it.
+#[idempotent(store = Sqlite, queue = "obs-extra", consumer = "obs.extra", key = "order.order_id")]
+async fn extra(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    order: Order,
+) -> Result<(), HandlerError> {
+    if order.fail.as_deref() == Some("panic") {
+        let mut panicked = PANICKED_ONCE.lock().unwrap_or_else(|e| e.into_inner());
+        if !panicked.contains(&order.order_id) {
+            panicked.push(order.order_id.clone());
+            drop(panicked);
+            panic!("scripted panic on {}", order.order_id);
+        }
+    }
+    Ok(())
+}
+
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
@@ -235,6 +254,53 @@ async fn metrics_spans_and_log_lines() {
     ] {
         assert!(retried.contains(field), "{field} missing from {retried}");
     }
+
+    // Panics, the mailbox and the trace context, on a handler of its own.
+    let transport = MemoryTransport::new();
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(SqliteInbox::new(pool.clone()))
+            .handlers(["obs.extra"])
+            .retry(
+                RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(50))
+                    .unwrap(),
+            ),
+    );
+    let stats = running.stats.clone();
+    let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    transport.publish(
+        "obs-extra",
+        order("x-1", Some("panic"), "corr-x1").with_header("traceparent", traceparent),
+    );
+    transport.publish("obs-extra", order("x-2", None, "corr-x2"));
+    wait_until("both processed", Duration::from_secs(20), || async {
+        stats.snapshot().processed == 2
+    })
+    .await;
+    let scrape = prometheus.render();
+    running.shut_down().await;
+    assert_eq!(
+        sample(&scrape, "idem_handler_panics_total{consumer=\"obs.extra\"}"),
+        Some(1.0),
+        "{scrape}"
+    );
+    assert!(
+        scrape.contains("idem_mailbox_depth{consumer=\"obs.extra\"}"),
+        "{scrape}"
+    );
+    let panicked = logs
+        .lines()
+        .into_iter()
+        .find(|l| l.contains("handler panicked"))
+        .unwrap_or_default();
+    for field in [
+        "message_id=\"x-1\"",
+        "trace_id=\"4bf92f3577b34da6a3ce929d0e0e4736\"",
+        "parent_span_id=\"00f067aa0ba902b7\"",
+    ] {
+        assert!(panicked.contains(field), "{field} missing from {panicked}");
+    }
 }
 
 /// `orders consume --metrics-addr`: the example consumer serves the scrape over HTTP.
@@ -307,5 +373,23 @@ async fn orders_consume_serves_metrics_for_prometheus() {
         text.contains("# TYPE idem_handler_duration_seconds summary"),
         "{text}"
     );
+    // The consumer's connection, as the scrape shows it: connected; closed by the broker, it
+    // is counted as a reconnect and comes back.
+    let connected = format!("idem_broker_connected{{queue=\"{queue}\"}} 1");
+    assert!(text.contains(&connected), "{text}");
+    assert!(
+        common::broker::close_connections(&format!("idem:{queue}")) >= 1,
+        "no consumer connection to close"
+    );
+    let reconnects = format!("idem_reconnects_total{{queue=\"{queue}\"}}");
+    wait_until(
+        "the reconnect to be counted and the consumer back",
+        Duration::from_secs(30),
+        || async {
+            let text = scrape().await;
+            sample(&text, &reconnects).is_some_and(|n| n >= 1.0) && text.contains(&connected)
+        },
+    )
+    .await;
     common::broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
 }

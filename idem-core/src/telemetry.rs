@@ -10,6 +10,15 @@
 //! | `idem_claim_duration_seconds` | histogram | `consumer` (a claim, a lease, or a batch's claim) |
 //! | `idem_inbox_rows_swept_total` | counter | `store` |
 //! | `idem_sweeper_lag_seconds` | gauge | `store`: age of the oldest expired row left after a sweep |
+//! | `idem_handler_panics_total` | counter | `consumer` |
+//! | `idem_settle_failures_total` | counter | `consumer`: settlements the transport could not send |
+//! | `idem_mailbox_depth` | gauge | `consumer`: deliveries waiting in the handler's mailbox |
+//! | `idem_broker_connected` | gauge | `queue`: 1 while its consumer is consuming, else 0 |
+//! | `idem_reconnects_total` | counter | `queue`: lost connections or channels of its consumer |
+//!
+//! The delivery span carries the W3C trace context of a message's `traceparent` header as the
+//! fields `trace_id` and `parent_span_id` (propagation only: no OpenTelemetry exporter is
+//! built in).
 
 use crate::model::{Envelope, Outcome};
 use std::time::Duration;
@@ -42,18 +51,50 @@ pub fn redact_url(url: &str) -> String {
     redacted
 }
 
-/// The span of one delivery: consumer, message id, correlation id and attempt now; key and
-/// outcome once known ([`record_outcome`]).
+/// The span of one delivery: consumer, message id, correlation id, attempt and the W3C trace
+/// context of its `traceparent` header now; key and outcome once known ([`record_outcome`]).
 pub fn delivery_span(consumer: &str, envelope: &Envelope) -> tracing::Span {
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "delivery",
         consumer,
         message_id = envelope.message_id.as_deref(),
         correlation_id = envelope.correlation_id.as_deref(),
         attempt = envelope.attempt,
+        trace_id = field::Empty,
+        parent_span_id = field::Empty,
         key = field::Empty,
         outcome = field::Empty,
-    )
+    );
+    let traceparent = envelope
+        .headers
+        .get("traceparent")
+        .and_then(|v| v.as_text());
+    if let Some((trace_id, parent_span_id)) = traceparent.as_deref().and_then(trace_context) {
+        span.record("trace_id", trace_id);
+        span.record("parent_span_id", parent_span_id);
+    }
+    span
+}
+
+/// The trace id and parent span id of a W3C `traceparent` value
+/// (`00-<32 hex>-<16 hex>-<2 hex>`), when it is valid.
+fn trace_context(traceparent: &str) -> Option<(&str, &str)> {
+    let mut parts = traceparent.trim().split('-');
+    let (version, trace_id, parent, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, len: usize| {
+        s.len() == len
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let valid = hex(version, 2)
+        && version != "ff"
+        && hex(trace_id, 32)
+        && hex(parent, 16)
+        && hex(flags, 2)
+        && trace_id.bytes().any(|b| b != b'0')
+        && parent.bytes().any(|b| b != b'0');
+    valid.then_some((trace_id, parent))
 }
 
 /// Records the key and outcome on a delivery's span.
@@ -76,6 +117,16 @@ pub const CLAIM_DURATION: &str = "idem_claim_duration_seconds";
 pub const ROWS_SWEPT: &str = "idem_inbox_rows_swept_total";
 /// How far the sweeper is behind.
 pub const SWEEPER_LAG: &str = "idem_sweeper_lag_seconds";
+/// Handler panics.
+pub const PANICS: &str = "idem_handler_panics_total";
+/// Settlements the transport could not send.
+pub const SETTLE_FAILURES: &str = "idem_settle_failures_total";
+/// Deliveries waiting in a handler's mailbox.
+pub const MAILBOX_DEPTH: &str = "idem_mailbox_depth";
+/// Whether a queue's consumer is consuming.
+pub const BROKER_CONNECTED: &str = "idem_broker_connected";
+/// Lost connections or channels of a queue's consumer.
+pub const RECONNECTS: &str = "idem_reconnects_total";
 
 /// Describes every metric to the installed recorder (units and help texts).
 pub fn describe() {
@@ -96,6 +147,20 @@ pub fn describe() {
         SWEEPER_LAG,
         Unit::Seconds,
         "Age of the oldest expired inbox row left after a sweep"
+    );
+    describe_counter!(PANICS, "Handler panics (the message is retried)");
+    describe_counter!(
+        SETTLE_FAILURES,
+        "Settlements the transport could not send (the broker redelivers)"
+    );
+    describe_gauge!(MAILBOX_DEPTH, "Deliveries waiting in the handler's mailbox");
+    describe_gauge!(
+        BROKER_CONNECTED,
+        "1 while the queue's consumer is consuming, else 0"
+    );
+    describe_counter!(
+        RECONNECTS,
+        "Lost connections or channels of the queue's consumer"
     );
 }
 
@@ -118,6 +183,29 @@ pub(crate) fn claim_duration(consumer: &'static str, elapsed: Duration) {
     metrics::histogram!(CLAIM_DURATION, "consumer" => consumer).record(elapsed.as_secs_f64());
 }
 
+pub(crate) fn panicked(consumer: &'static str) {
+    metrics::counter!(PANICS, "consumer" => consumer).increment(1);
+}
+
+pub(crate) fn settle_failed(consumer: &'static str) {
+    metrics::counter!(SETTLE_FAILURES, "consumer" => consumer).increment(1);
+}
+
+pub(crate) fn mailbox_depth(consumer: &'static str, depth: usize) {
+    metrics::gauge!(MAILBOX_DEPTH, "consumer" => consumer).set(depth as f64);
+}
+
+/// Records whether `queue`'s consumer is consuming; transports call it.
+pub fn broker_connected(queue: &str, connected: bool) {
+    let value = if connected { 1.0 } else { 0.0 };
+    metrics::gauge!(BROKER_CONNECTED, "queue" => queue.to_owned()).set(value);
+}
+
+/// Counts a lost connection or channel of `queue`'s consumer; transports call it.
+pub fn reconnect(queue: &str) {
+    metrics::counter!(RECONNECTS, "queue" => queue.to_owned()).increment(1);
+}
+
 pub(crate) fn swept(store: &'static str, rows: u64, lag: Duration) {
     metrics::counter!(ROWS_SWEPT, "store" => store).increment(rows);
     metrics::gauge!(SWEEPER_LAG, "store" => store).set(lag.as_secs_f64());
@@ -126,6 +214,25 @@ pub(crate) fn swept(store: &'static str, rows: u64, lag: Duration) {
 #[cfg(test)]
 mod tests {
     use super::redact_url;
+
+    #[test]
+    fn trace_context_of_a_traceparent() {
+        use super::trace_context;
+        assert_eq!(
+            trace_context("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            Some(("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"))
+        );
+        for bad in [
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-4bf92f-00f067aa0ba902b7-01",
+            "garbage",
+        ] {
+            assert_eq!(trace_context(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn passwords_are_redacted() {

@@ -62,13 +62,17 @@ impl Consumer {
     pub(crate) async fn run(mut self) {
         let mut backoff = self.config.reconnect_min;
         while !*self.stop.borrow() {
-            match self.session(&mut backoff).await {
+            let ended = self.session(&mut backoff).await;
+            idem_core::telemetry::broker_connected(&self.spec.queue, false);
+            match ended {
                 Ok(Ended::Stopped | Ended::MailboxClosed) => return,
                 Err(Lost::Unparsable(e)) if self.quarantine(&e).await => {
+                    idem_core::telemetry::reconnect(&self.spec.queue);
                     // The delivery lapin choked on is out of the queue: reconnect at once.
                     backoff = self.config.reconnect_min;
                 }
                 Err(e) => {
+                    idem_core::telemetry::reconnect(&self.spec.queue);
                     tracing::warn!(queue = self.spec.queue, error = %e, retry_in = ?backoff, "RabbitMQ consumer lost; reconnecting");
                     tokio::select! {
                         () = tokio::time::sleep(backoff) => {}
@@ -110,17 +114,19 @@ impl Consumer {
         }
     }
 
-    /// One connection's life: open it, declare the queue's topology again (an operator or a
-    /// lost node may have deleted the queue, its retry and dead-letter queues or its bindings
-    /// since), consume on it, close it if consuming failed. The backoff starts over once
+    /// One connection's life: declare the queue's topology again first (an operator or a lost
+    /// node may have deleted the queue, its retry and dead-letter queues or its bindings since;
+    /// on a short connection of its own), then open the connection, consume on it, close it if
+    /// consuming failed. The backoff starts over once
     /// consuming has begun.
     async fn session(&mut self, backoff: &mut Duration) -> Result<Ended, Lost> {
+        let topology = std::slice::from_ref(&self.spec);
+        topology::declare_all(&self.connections, &self.config, topology).await?;
         let connection = self
             .connections
             .open(&self.config, &self.spec.queue)
             .await?;
         let consuming = async {
-            topology::declare(&connection, &self.config, &self.spec).await?;
             let (channel, consumer, tag) = self.subscribe(&connection).await?;
             *backoff = self.config.reconnect_min;
             self.consume(channel, consumer, &tag).await
@@ -162,6 +168,7 @@ impl Consumer {
             prefetch = self.prefetch,
             "consuming"
         );
+        idem_core::telemetry::broker_connected(&self.spec.queue, true);
         Ok((channel, consumer, tag))
     }
 

@@ -1,6 +1,7 @@
 //! Queue names and their declaration.
 
 use crate::config::{QueueType, RabbitConfig};
+use crate::connections::Connections;
 use idem_core::{QueueSpec, TransportError};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -48,9 +49,34 @@ fn queue_arguments(config: &RabbitConfig, dead_letter_to: Option<&str>) -> Field
     args
 }
 
+/// Declares the queues of every spec in `specs` on a connection of its own, closed afterwards.
+pub(crate) async fn declare_all(
+    connections: &Connections,
+    config: &RabbitConfig,
+    specs: &[QueueSpec],
+) -> Result<(), TransportError> {
+    let connection = connections.open(config, "topology").await.map_err(|e| {
+        TransportError::Connection(format!(
+            "cannot reach RabbitMQ at {}: {e}; start it with `rabbitmq-server -detached` or set AMQP_URL",
+            config.redacted_url()
+        ))
+    })?;
+    let result = async {
+        for spec in specs {
+            declare(&connection, config, spec).await?;
+        }
+        Ok(())
+    }
+    .await;
+    let _ = connection
+        .close(200, ShortString::from("topology declared"))
+        .await;
+    result
+}
+
 /// Declares the queues of `spec`. A queue that exists with other arguments is an error carrying
 /// the broker's explanation (it names the argument that differs).
-pub(crate) async fn declare(
+async fn declare(
     connection: &Connection,
     config: &RabbitConfig,
     spec: &QueueSpec,

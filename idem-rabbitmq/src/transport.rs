@@ -5,7 +5,6 @@ use crate::connections::Connections;
 use crate::consume::Consumer;
 use crate::topology;
 use idem_core::{BoxFuture, Delivery, QueueSpec, StopSignal, Transport, TransportError};
-use lapin::types::ShortString;
 use tokio::sync::mpsc;
 
 /// RabbitMQ through lapin: one connection per consumed queue, reopened with backoff.
@@ -32,25 +31,11 @@ impl RabbitTransport {
 
 impl Transport for RabbitTransport {
     fn declare<'a>(&'a self, queues: &'a [QueueSpec]) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move {
-            let connection = self.connections.open(&self.config, "topology").await.map_err(|e| {
-                TransportError::Connection(format!(
-                    "cannot reach RabbitMQ at {}: {e}; start it with `rabbitmq-server -detached` or set AMQP_URL",
-                    self.config.redacted_url()
-                ))
-            })?;
-            let result = async {
-                for spec in queues {
-                    topology::declare(&connection, &self.config, spec).await?;
-                }
-                Ok(())
-            }
-            .await;
-            let _ = connection
-                .close(200, ShortString::from("topology declared"))
-                .await;
-            result
-        })
+        Box::pin(topology::declare_all(
+            &self.connections,
+            &self.config,
+            queues,
+        ))
     }
 
     fn consume(

@@ -46,7 +46,12 @@ pub(crate) async fn run(
     let mut in_flight = JoinSet::new();
     let mut previous: Option<oneshot::Receiver<()>> = None;
     loop {
-        let batch = gather(&mut *mailbox.lock().await, spec).await;
+        let batch = {
+            let mut mailbox = mailbox.lock().await;
+            let batch = gather(&mut mailbox, spec).await;
+            telemetry::mailbox_depth(shared.handler.consumer(), mailbox.len());
+            batch
+        };
         if batch.is_empty() {
             break;
         }

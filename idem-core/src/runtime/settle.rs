@@ -110,6 +110,7 @@ pub(crate) async fn settle(
     };
     if let Err(e) = settled {
         Stats::add(&stats.settle_failures);
+        telemetry::settle_failed(consumer);
         tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will recognise what committed");
     }
 }
@@ -119,6 +120,7 @@ pub(crate) async fn settle(
 pub(crate) fn undispatched(shared: &Shared, error: DispatchError) -> Outcome {
     if let DispatchError::Panicked(message) = &error {
         Stats::add(&shared.stats.panics);
+        telemetry::panicked(shared.handler.consumer());
         tracing::error!(panic = %message, "handler panicked; the message will be retried");
     }
     Outcome::Retry(Transient {

@@ -17,7 +17,12 @@ pub(crate) async fn run(
     stop: StopSignal,
 ) {
     loop {
-        let next = mailbox.lock().await.recv().await;
+        let next = {
+            let mut mailbox = mailbox.lock().await;
+            let next = mailbox.recv().await;
+            telemetry::mailbox_depth(shared.handler.consumer(), mailbox.len());
+            next
+        };
         let Some(delivery) = next else { break };
         if *stop.borrow() {
             settle::release(delivery).await;
