@@ -13,10 +13,9 @@
 mod common;
 
 use common::broker::{self, amqp_url};
+use idem::RetryPolicy;
 use idem::rabbitmq::lapin::BasicProperties;
 use idem::rabbitmq::lapin::types::ShortString;
-use idem::rabbitmq::{RabbitConfig, RabbitTransport};
-use idem::{QueueSpec, RetryPolicy, Transport};
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
@@ -66,15 +65,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let mut rng = Rng((u64::from(std::process::id()) * 0x9E37_79B9) | 1);
 
     // Topology as the consumers declare it, then the workload.
-    let spec = QueueSpec {
-        queue: queue.clone(),
-        consumer: "orders".into(),
-        retry_delays: RetryPolicy::default().delays(),
-    };
-    RabbitTransport::new(RabbitConfig::new(amqp_url()))
-        .declare(&[spec])
-        .await
-        .unwrap();
+    broker::declare_orders_queue(&queue).await;
     let publisher = broker::publisher().await;
     let mut expected: HashMap<String, i64> = HashMap::new();
     let mut deliveries = 0;

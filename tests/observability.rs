@@ -316,15 +316,7 @@ async fn orders_consume_serves_metrics_for_prometheus() {
         .port();
     let addr = format!("127.0.0.1:{port}");
     // Declared up front, so that nothing published before the consumer starts is dropped.
-    let spec = idem::QueueSpec {
-        queue: queue.clone(),
-        consumer: "orders".into(),
-        retry_delays: RetryPolicy::default().delays(),
-    };
-    let rabbit = idem::rabbitmq::RabbitConfig::new(common::broker::amqp_url());
-    idem::Transport::declare(&idem::rabbitmq::RabbitTransport::new(rabbit), &[spec])
-        .await
-        .unwrap();
+    common::broker::declare_orders_queue(&queue).await;
     let child = std::process::Command::new(&example)
         .args(["consume", "--metrics-addr", &addr])
         .env("DATABASE_URL", dir.path().join("orders.db"))

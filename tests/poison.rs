@@ -8,8 +8,7 @@
 mod common;
 
 use common::broker::{self, amqp_url};
-use idem::rabbitmq::{RabbitConfig, RabbitTransport};
-use idem::{DEFAULT_POISON_LIMIT, QueueSpec, RetryPolicy, Transport};
+use idem::{DEFAULT_POISON_LIMIT, RetryPolicy};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -20,15 +19,7 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
     let queue = common::unique("idem-poison");
     let dir = tempfile::tempdir().unwrap();
     let database = dir.path().join("orders.db");
-    let spec = QueueSpec {
-        queue: queue.clone(),
-        consumer: "orders".into(),
-        retry_delays: RetryPolicy::default().delays(),
-    };
-    RabbitTransport::new(RabbitConfig::new(amqp_url()))
-        .declare(&[spec])
-        .await
-        .unwrap();
+    broker::declare_orders_queue(&queue).await;
     let publisher = broker::publisher().await;
     let order = |id: &str| {
         serde_json::json!({"order_id": id, "customer": "c", "amount_cents": 5}).to_string()

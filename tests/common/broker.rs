@@ -81,6 +81,22 @@ async fn connect() -> Connection {
         .expect("connect to RabbitMQ")
 }
 
+/// Declares `queue` as the orders example declares it (consumer `orders`, the default retry
+/// delays), so that nothing published before the example starts is dropped.
+pub async fn declare_orders_queue(queue: &str) {
+    use idem::Transport;
+    let spec = idem::QueueSpec {
+        queue: queue.to_owned(),
+        consumer: "orders".into(),
+        retry_delays: idem::RetryPolicy::default().delays(),
+    };
+    let rabbit = idem::rabbitmq::RabbitConfig::new(amqp_url());
+    idem::rabbitmq::RabbitTransport::new(rabbit)
+        .declare(&[spec])
+        .await
+        .expect("declare the orders queue");
+}
+
 /// `host:port` of the broker at `AMQP_URL`.
 pub fn amqp_address() -> String {
     let url = amqp_url();
