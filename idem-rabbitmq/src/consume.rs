@@ -117,8 +117,7 @@ impl Consumer {
     /// One connection's life: declare the queue's topology again first (an operator or a lost
     /// node may have deleted the queue, its retry and dead-letter queues or its bindings since;
     /// on a short connection of its own), then open the connection, consume on it, close it if
-    /// consuming failed. The backoff starts over once
-    /// consuming has begun.
+    /// consuming failed. The backoff starts over once consuming has begun.
     async fn session(&mut self, backoff: &mut Duration) -> Result<Ended, Lost> {
         let topology = std::slice::from_ref(&self.spec);
         topology::declare_all(&self.connections, &self.config, topology).await?;
