@@ -303,18 +303,107 @@ async fn metrics_spans_and_log_lines() {
     }
 }
 
+/// The response to `GET path` at `addr`, or nothing when nobody answers.
+async fn get(addr: &str, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return String::new();
+    };
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return String::new();
+    }
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response).await;
+    response
+}
+
+/// A free local port for `--metrics-addr`.
+fn free_addr() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("127.0.0.1:{port}")
+}
+
+/// `orders consume --metrics-addr`: `/healthz` answers while the process is up; `/readyz` only
+/// while it consumes and its database answers (the database is cut off through a proxy, then
+/// given back).
+#[tokio::test]
+async fn orders_consume_answers_health_and_readiness() {
+    let example = common::orders_example();
+    let queue = common::unique("idem-test-ready");
+    let addr = free_addr();
+    let url = common::postgres_url();
+    let target = url
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .expect("host:port in DATABASE_URL")
+        .to_owned();
+    let proxy = common::proxy::Proxy::start(&target).await;
+    let proxied = url.replace(&target, &format!("127.0.0.1:{}", proxy.port()));
+    common::broker::declare_orders_queue(&queue).await;
+    let child = std::process::Command::new(&example)
+        .args(["consume", "--metrics-addr", &addr])
+        .env("DATABASE_URL", &proxied)
+        .env("ORDERS_QUEUE", &queue)
+        .env("AMQP_URL", common::broker::amqp_url())
+        .spawn()
+        .unwrap();
+    let _child = common::KillOnDrop(child);
+    let status = |path: &'static str| {
+        let addr = addr.clone();
+        async move {
+            get(&addr, path)
+                .await
+                .lines()
+                .next()
+                .unwrap_or("")
+                .to_owned()
+        }
+    };
+    wait_until(
+        "the consumer to be ready",
+        Duration::from_secs(60),
+        || async { status("/readyz").await == "HTTP/1.1 200 OK" },
+    )
+    .await;
+    assert_eq!(status("/healthz").await, "HTTP/1.1 200 OK");
+    proxy.cut();
+    wait_until(
+        "readiness to fail without the database",
+        Duration::from_secs(30),
+        || async {
+            let answer = get(&addr, "/readyz").await;
+            answer.starts_with("HTTP/1.1 503") && answer.contains("store")
+        },
+    )
+    .await;
+    assert_eq!(
+        status("/healthz").await,
+        "HTTP/1.1 200 OK",
+        "the process is still up"
+    );
+    proxy.restore();
+    wait_until(
+        "readiness back with the database",
+        Duration::from_secs(30),
+        || async { status("/readyz").await == "HTTP/1.1 200 OK" },
+    )
+    .await;
+    common::broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
+
 /// `orders consume --metrics-addr`: the example consumer serves the scrape over HTTP.
 #[tokio::test]
 async fn orders_consume_serves_metrics_for_prometheus() {
     let example = common::orders_example();
     let dir = tempfile::tempdir().unwrap();
     let queue = common::unique("idem-test-obs");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let addr = free_addr();
     // Declared up front, so that nothing published before the consumer starts is dropped.
     common::broker::declare_orders_queue(&queue).await;
     let child = std::process::Command::new(&example)
@@ -325,19 +414,7 @@ async fn orders_consume_serves_metrics_for_prometheus() {
         .spawn()
         .unwrap();
     let _child = common::KillOnDrop(child);
-    let scrape = || async {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let Ok(mut stream) = tokio::net::TcpStream::connect(&addr).await else {
-            return String::new();
-        };
-        let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        if stream.write_all(request.as_bytes()).await.is_err() {
-            return String::new();
-        }
-        let mut response = String::new();
-        let _ = stream.read_to_string(&mut response).await;
-        response
-    };
+    let scrape = || get(&addr, "/metrics");
     wait_until(
         "the consumer to serve /metrics",
         Duration::from_secs(60),

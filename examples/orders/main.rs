@@ -12,6 +12,7 @@
 
 mod demo;
 mod handlers;
+mod http;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
@@ -35,7 +36,9 @@ enum Command {
     /// Consume orders until interrupted (SIGINT or SIGTERM).
     Consume {
         /// Serve Prometheus metrics at http://HOST:PORT/metrics (idem's message outcomes,
-        /// handler and claim durations, rows swept, sweeper lag).
+        /// handler and claim durations, rows swept, sweeper lag, connection state), and
+        /// /healthz (the process is up) and /readyz (consuming, broker connected, database
+        /// answering; 503 with the reasons otherwise).
         #[arg(long, env = "ORDERS_METRICS_ADDR", value_name = "HOST:PORT")]
         metrics_addr: Option<std::net::SocketAddr>,
     },
@@ -121,15 +124,21 @@ async fn consume(
         settings.transport != TransportKind::Memory,
         "`consume` needs RabbitMQ; the in-memory transport is for `demo`"
     );
-    if let Some(addr) = metrics_addr {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .with_context(|| format!("cannot serve metrics at --metrics-addr {addr}"))?;
-        tracing::info!(%addr, "serving Prometheus metrics at /metrics");
-    }
+    let metrics = match metrics_addr {
+        Some(_) => Some(
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .context("cannot install the Prometheus recorder")?,
+        ),
+        None => None,
+    };
     let transport = RabbitTransport::new(RabbitConfig::new(&settings.amqp_url));
     let runtime = runtime(settings, db).transport(transport).build()?;
+    if let (Some(addr), Some(metrics)) = (metrics_addr, metrics) {
+        http::serve(addr, metrics, runtime.health())
+            .await
+            .with_context(|| format!("cannot serve at --metrics-addr {addr}"))?;
+    }
     tracing::info!(queue = settings.queue, "consuming orders");
     runtime.run_until(shutdown_signal()).await?;
     Ok(())

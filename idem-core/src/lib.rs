@@ -46,8 +46,8 @@ pub use model::{
 pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};
 pub use runtime::{
-    DEFAULT_POISON_LIMIT, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError,
-    Snapshot, Stats,
+    DEFAULT_POISON_LIMIT, Health, Readiness, RetryPolicy, RetryPolicyError, Runtime,
+    RuntimeBuilder, RuntimeError, Snapshot, Stats,
 };
 pub use store::{
     Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, Lease, LeaseEnd, StoreKind, Stores,

@@ -4,6 +4,7 @@
 use crate::config::RabbitConfig;
 use lapin::types::{LongString, ShortString};
 use lapin::{Connection, ConnectionProperties};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use tokio::task::JoinHandle;
 
@@ -13,6 +14,8 @@ use tokio::task::JoinHandle;
 pub(crate) struct Connections {
     open: Arc<Mutex<Vec<Arc<Connection>>>>,
     settlers: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    /// The queues whose consumer is consuming now.
+    consuming: Arc<Mutex<HashSet<String>>>,
 }
 
 impl Connections {
@@ -30,6 +33,22 @@ impl Connections {
         all.retain(|c| c.status().connected());
         all.push(connection.clone());
         Ok(connection)
+    }
+
+    /// Records whether `queue`'s consumer is consuming.
+    pub(crate) fn set_consuming(&self, queue: &str, consuming: bool) {
+        let mut all = self.consuming.lock().unwrap_or_else(|e| e.into_inner());
+        if consuming {
+            all.insert(queue.to_owned());
+        } else {
+            all.remove(queue);
+        }
+    }
+
+    /// Whether `queue`'s consumer is consuming.
+    pub(crate) fn is_consuming(&self, queue: &str) -> bool {
+        let all = self.consuming.lock().unwrap_or_else(|e| e.into_inner());
+        all.contains(queue)
     }
 
     /// Keeps a channel's settlement task, so that closing waits for its last acks.

@@ -63,7 +63,7 @@ impl Consumer {
         let mut backoff = self.config.reconnect_min;
         while !*self.stop.borrow() {
             let ended = self.session(&mut backoff).await;
-            idem_core::telemetry::broker_connected(&self.spec.queue, false);
+            self.report_connected(false);
             match ended {
                 Ok(Ended::Stopped | Ended::MailboxClosed) => return,
                 Err(Lost::Unparsable(e)) if self.quarantine(&e).await => {
@@ -82,6 +82,12 @@ impl Consumer {
                 }
             }
         }
+    }
+
+    /// Reports whether this queue's consumer is consuming: to health checks and as a metric.
+    fn report_connected(&self, connected: bool) {
+        self.connections.set_consuming(&self.spec.queue, connected);
+        idem_core::telemetry::broker_connected(&self.spec.queue, connected);
     }
 
     /// Takes out of the queue the deliveries lapin cannot parse (see [`crate::quarantine`]);
@@ -167,7 +173,7 @@ impl Consumer {
             prefetch = self.prefetch,
             "consuming"
         );
-        idem_core::telemetry::broker_connected(&self.spec.queue, true);
+        self.report_connected(true);
         Ok((channel, consumer, tag))
     }
 

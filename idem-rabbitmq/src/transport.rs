@@ -60,6 +60,10 @@ impl Transport for RabbitTransport {
         Box::pin(self.connections.close_all())
     }
 
+    fn connected(&self, queue: &str) -> bool {
+        self.connections.is_consuming(queue)
+    }
+
     fn message_ttl(&self, _queue: &str) -> Option<std::time::Duration> {
         self.config.message_ttl
     }

@@ -2,6 +2,7 @@
 
 use super::actor::{Actor, BatchSpec};
 use super::error::RuntimeError;
+use super::health::Health;
 use super::retry::RetryPolicy;
 use super::run::Runtime;
 use super::stats::Stats;
@@ -277,9 +278,16 @@ impl RuntimeBuilder {
             }
             actors.push(actor);
         }
+        let stores = Arc::new(self.stores);
+        let handlers = actors
+            .iter()
+            .map(|a| (a.registration, a.spec.queue.clone()))
+            .collect();
+        let health = Arc::new(Health::new(transport.clone(), stores.clone(), handlers));
         Ok(Runtime {
             transport,
-            stores: Arc::new(self.stores),
+            stores,
+            health,
             actors,
             retry: self.retry,
             shutdown_grace: self.shutdown_grace,

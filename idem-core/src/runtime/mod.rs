@@ -7,6 +7,7 @@ mod actor;
 mod batch_worker;
 mod builder;
 mod error;
+mod health;
 pub mod retry;
 mod run;
 mod settle;
@@ -16,6 +17,7 @@ mod worker;
 
 pub use builder::{DEFAULT_POISON_LIMIT, RuntimeBuilder};
 pub use error::RuntimeError;
+pub use health::{Health, Readiness};
 pub use retry::{RetryPolicy, RetryPolicyError};
 pub use run::Runtime;
 pub use stats::{Snapshot, Stats};

@@ -4,6 +4,7 @@
 
 use super::actor::{Actor, Shared};
 use super::error::RuntimeError;
+use super::health::Health;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
 use super::sweeper::{self, SweepSettings};
@@ -28,12 +29,18 @@ pub struct Runtime {
     pub(crate) shutdown_grace: Duration,
     pub(crate) stats: Arc<Stats>,
     pub(crate) sweep: Option<SweepSettings>,
+    pub(crate) health: Arc<Health>,
 }
 
 impl Runtime {
     /// The runtime's counters, readable while it runs.
     pub fn stats(&self) -> Arc<Stats> {
         self.stats.clone()
+    }
+
+    /// The runtime's health, readable while it runs: for `/healthz` and `/readyz`.
+    pub fn health(&self) -> Arc<Health> {
+        self.health.clone()
     }
 
     /// Declares the topology, consumes until `shutdown` completes, then shuts down gracefully:
@@ -105,8 +112,10 @@ impl Runtime {
             }
         }
         crate::telemetry::describe();
+        self.health.set_consuming(true);
 
         shutdown.await;
+        self.health.set_consuming(false);
         tracing::info!("shutting down: no new deliveries; finishing those in flight");
         let _ = stop_tx.send(true);
         // A sweep in progress is dropped: each batch is its own statement, and a session that

@@ -97,6 +97,13 @@ pub trait Transport: Send + Sync + 'static {
     /// Closes connections; deliveries still unsettled go back to their queues.
     fn close(&self) -> BoxFuture<'_, ()>;
 
+    /// Whether the consumer of `queue` is connected and consuming (default `true`: a transport
+    /// with nothing to lose, as the in-memory one).
+    fn connected(&self, queue: &str) -> bool {
+        let _ = queue;
+        true
+    }
+
     /// The message TTL `queue` is declared with, if any: a message may wait that long before
     /// it is delivered, so the runtime refuses a retention shorter than it.
     fn message_ttl(&self, queue: &str) -> Option<Duration> {

@@ -1,0 +1,83 @@
+//! [`Health`]: whether a runtime is alive and ready, for health endpoints (`/healthz`,
+//! `/readyz`) and orchestrators.
+
+use crate::registry::Registration;
+use crate::store::Stores;
+use crate::transport::Transport;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// How long a readiness check waits for a store before calling it unreachable.
+const STORE_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A runtime's health, readable while it runs ([`crate::Runtime::health`]).
+pub struct Health {
+    transport: Arc<dyn Transport>,
+    stores: Arc<Stores>,
+    /// Each handler and the queue it consumes.
+    handlers: Vec<(&'static Registration, String)>,
+    consuming: AtomicBool,
+}
+
+/// The answer of [`Health::readiness`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Readiness {
+    /// Whether the runtime consumes, every queue's consumer is connected to the broker and
+    /// every handler's store answers.
+    pub ready: bool,
+    /// What is not ready, one line each.
+    pub problems: Vec<String>,
+}
+
+impl Health {
+    pub(crate) fn new(
+        transport: Arc<dyn Transport>,
+        stores: Arc<Stores>,
+        handlers: Vec<(&'static Registration, String)>,
+    ) -> Self {
+        Self {
+            transport,
+            stores,
+            handlers,
+            consuming: AtomicBool::new(false),
+        }
+    }
+
+    /// Records whether the runtime consumes (from its start to its shutdown).
+    pub(crate) fn set_consuming(&self, consuming: bool) {
+        self.consuming.store(consuming, Ordering::Release);
+    }
+
+    /// Whether the runtime consumes: it started and is not shutting down.
+    pub fn is_consuming(&self) -> bool {
+        self.consuming.load(Ordering::Acquire)
+    }
+
+    /// Checks readiness: the runtime consumes, the transport reports every handler's queue
+    /// connected, and every handler's store answers its check within two seconds.
+    pub async fn readiness(&self) -> Readiness {
+        let mut problems = Vec::new();
+        if !self.is_consuming() {
+            problems.push("the runtime is not consuming".to_owned());
+        }
+        for (registration, queue) in &self.handlers {
+            if !self.transport.connected(queue) {
+                problems.push(format!("queue `{queue}`: not connected to the broker"));
+            }
+            let consumer = registration.consumer();
+            let check = registration.check_store(&self.stores);
+            match tokio::time::timeout(STORE_CHECK_TIMEOUT, check).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => problems.push(format!("`{consumer}`'s store: {e}")),
+                Err(_) => problems.push(format!(
+                    "`{consumer}`'s store did not answer within {STORE_CHECK_TIMEOUT:?}"
+                )),
+            }
+        }
+        Readiness {
+            ready: problems.is_empty(),
+            problems,
+        }
+    }
+}
