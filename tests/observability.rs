@@ -336,15 +336,7 @@ async fn orders_consume_answers_health_and_readiness() {
     let example = common::orders_example();
     let queue = common::unique("idem-test-ready");
     let addr = free_addr();
-    let url = common::postgres_url();
-    let target = url
-        .split('@')
-        .nth(1)
-        .and_then(|h| h.split('/').next())
-        .expect("host:port in DATABASE_URL")
-        .to_owned();
-    let proxy = common::proxy::Proxy::start(&target).await;
-    let proxied = url.replace(&target, &format!("127.0.0.1:{}", proxy.port()));
+    let (proxy, proxied) = common::proxy::postgres().await;
     common::broker::declare_orders_queue(&queue).await;
     let child = std::process::Command::new(&example)
         .args(["consume", "--metrics-addr", &addr])

@@ -65,6 +65,20 @@ impl Proxy {
     }
 }
 
+/// A proxy in front of the tests' PostgreSQL (`DATABASE_URL`), and the URL that goes through it.
+pub async fn postgres() -> (Proxy, String) {
+    let url = crate::common::postgres_url();
+    let target = url
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .expect("host:port in DATABASE_URL")
+        .to_owned();
+    let proxy = Proxy::start(&target).await;
+    let proxied_url = url.replace(&target, &format!("127.0.0.1:{}", proxy.port()));
+    (proxy, proxied_url)
+}
+
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.accept.abort();

@@ -246,15 +246,7 @@ impl Fixture {
 /// A pool of four connections to PostgreSQL through a TCP proxy the test can cut and restore;
 /// a connection waits at most a second for the pool.
 pub async fn proxied_postgres() -> (crate::common::proxy::Proxy, sqlx::PgPool) {
-    let url = crate::common::postgres_url();
-    let target = url
-        .split('@')
-        .nth(1)
-        .and_then(|h| h.split('/').next())
-        .expect("host:port in DATABASE_URL")
-        .to_owned();
-    let proxy = crate::common::proxy::Proxy::start(&target).await;
-    let proxied_url = url.replace(&target, &format!("127.0.0.1:{}", proxy.port()));
+    let (proxy, proxied_url) = crate::common::proxy::postgres().await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_secs(1))
