@@ -320,6 +320,7 @@ mod killed {
             queue: queue.clone(),
             consumer: "ext.pay".into(),
             retry_delays: policy().delays(),
+            ..QueueSpec::default()
         };
         RabbitTransport::new(RabbitConfig::new(amqp_url()))
             .declare(&[spec])

@@ -77,24 +77,25 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
         "one crash per delivery up to the limit"
     );
     assert_eq!(broker::count(&dlq).await, 1, "dead-lettered once");
-    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&queue)).await;
-    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    let pool = idem::sql::sqlite::pool(&database.to_string_lossy())
+        .await
+        .unwrap();
+    let records = idem::sql::SqliteInbox::new(pool.clone())
+        .dead_letters(&queue)
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
     assert_eq!(
-        reasons[0].header("x-idem-reason").as_deref(),
-        Some("poison")
+        (records[0].reason.as_str(), records[0].key.as_str()),
+        ("poison", poison.as_str())
     );
-    assert_eq!(
-        reasons[0].header("x-idem-key").as_deref(),
-        Some(poison.as_str())
-    );
+    let dead = broker::drain(&idem::rabbitmq::dlq(&queue)).await;
+    assert!(records[0].describes(Some(&poison), &dead[0].body));
 
     // The queue moves on: the next order is processed by a healthy consumer.
     let next = format!("{queue}-next");
     broker::publish(&publisher, &queue, Some(&next), order(&next).as_bytes()).await;
     let healthy = common::KillOnDrop(consume(""));
-    let pool = idem::sql::sqlite::pool(&database.to_string_lossy())
-        .await
-        .unwrap();
     let stored = |id: String| {
         let pool = pool.clone();
         async move {

@@ -149,10 +149,20 @@ async fn malformed_and_conflicting_messages_are_dead_lettered_with_reasons() {
             .as_ref()
             .is_some_and(|h| h.contains_key("x-death"))
     }));
-    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
-    let mut summary: Vec<_> = reasons
+    // Each dead letter's record is in the store, found from the message itself.
+    let records = f.dead_letters().await;
+    assert_eq!(records.len(), 4, "{records:?}");
+    let record_of = |m: &Got| {
+        let found: Vec<_> = records
+            .iter()
+            .filter(|r| r.describes(m.message_id().as_deref(), &m.body))
+            .collect();
+        assert_eq!(found.len(), 1, "one record describes {:?}", m.message_id());
+        found[0]
+    };
+    let mut summary: Vec<_> = dlq
         .iter()
-        .map(|r| (r.message_id(), r.header("x-idem-reason").unwrap()))
+        .map(|m| (m.message_id(), record_of(m).reason.clone()))
         .collect();
     summary.sort();
     assert_eq!(
@@ -164,17 +174,17 @@ async fn malformed_and_conflicting_messages_are_dead_lettered_with_reasons() {
             (Some(f.key(101)), "decode".to_owned()),
         ]
     );
-    assert!(
-        reasons
-            .iter()
-            .all(|r| r.header("x-idem-consumer").as_deref() == Some(CONSUMER))
+    assert!(records.iter().all(|r| r.consumer == CONSUMER));
+    let conflict = record_of(
+        dlq.iter()
+            .find(|m| m.message_id() == Some(f.key(0)))
+            .unwrap(),
     );
-    let detail = reasons
-        .iter()
-        .find(|r| r.message_id() == Some(f.key(100)))
-        .unwrap()
-        .header("x-idem-detail")
-        .unwrap();
+    assert_eq!(
+        (conflict.key.as_str(), conflict.keyed),
+        (f.key(0).as_str(), true)
+    );
+    let detail = &record_of(not_json).detail;
     assert!(detail.contains("does not decode"), "{detail}");
     f.cleanup().await;
 }
@@ -218,13 +228,13 @@ async fn retries_exhausted_end_in_the_dead_letter_queue() {
     .await;
     running.shut_down().await;
     assert!(f.effects().await.is_empty());
-    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
-    assert_eq!(reasons.len(), 1);
+    let records = f.dead_letters().await;
+    assert_eq!(records.len(), 1);
     assert_eq!(
-        reasons[0].header("x-idem-reason").as_deref(),
-        Some("retries-exhausted")
+        (records[0].reason.as_str(), records[0].attempts),
+        ("retries-exhausted", 3)
     );
-    assert_eq!(reasons[0].header("x-idem-attempts").as_deref(), Some("3"));
+    assert_eq!(records[0].key, f.key(0));
     let dlq = broker::drain(&idem::rabbitmq::dlq(&f.queue)).await;
     assert_eq!(dlq.len(), 1);
     assert_eq!(dlq[0].message_id(), Some(f.key(0)));
@@ -363,24 +373,25 @@ async fn a_message_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves_
     running.shut_down().await;
     f.assert_exactly_once(30, |_| 7).await;
     assert_eq!(broker::count(&dlq).await, 2, "each dead-lettered once");
-    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
-    assert_eq!(reasons.len(), 2, "{reasons:?}");
-    for reason in &reasons {
-        assert_eq!(
-            reason.header("x-idem-reason").as_deref(),
-            Some("unparsable")
-        );
-    }
-    let mut ids: Vec<Option<String>> = reasons
-        .iter()
-        .map(|r| r.header("x-idem-message-id-bytes"))
-        .collect();
+    let records = f.dead_letters().await;
+    assert_eq!(records.len(), 2, "{records:?}");
+    assert!(records.iter().all(|r| r.reason == "unparsable" && !r.keyed));
+    // The ids as far as they read; the fingerprints are those of the bodies published.
+    let mut ids: Vec<Option<String>> = records.iter().map(|r| r.message_id.clone()).collect();
     ids.sort();
     let mut expected = vec![
         Some(String::from_utf8_lossy(&bad_id).into_owned()),
         Some("odd-header".to_owned()),
     ];
     expected.sort();
+    let fingerprints: Vec<_> = [1000, 1001]
+        .map(|n| Some(idem::Fingerprint::of(order(n).as_bytes())))
+        .into();
+    assert!(
+        records
+            .iter()
+            .all(|r| fingerprints.contains(&r.fingerprint))
+    );
     assert_eq!(ids, expected);
     f.cleanup().await;
 }
@@ -411,18 +422,12 @@ async fn a_body_over_the_limit_is_dead_lettered() {
     .await;
     running.shut_down().await;
     f.assert_exactly_once(2, |_| 4).await;
-    let reasons = broker::drain(&idem::rabbitmq::reasons_queue(&f.queue)).await;
-    assert_eq!(reasons.len(), 1, "{reasons:?}");
-    assert_eq!(
-        reasons[0].header("x-idem-reason").as_deref(),
-        Some("too-large")
-    );
-    assert_eq!(reasons[0].message_id().as_deref(), Some(f.key(99).as_str()));
-    assert_eq!(
-        broker::drain(&dlq).await[0].body.len(),
-        huge.len(),
-        "kept whole"
-    );
+    let records = f.dead_letters().await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].reason, "too-large");
+    let dead = broker::drain(&dlq).await;
+    assert_eq!(dead[0].body.len(), huge.len(), "kept whole");
+    assert!(records[0].describes(Some(&f.key(99)), &dead[0].body));
     f.cleanup().await;
 }
 
@@ -480,6 +485,45 @@ async fn a_database_outage_is_retried_without_losing_messages() {
     assert_eq!(seen.dead_lettered, 0);
     assert!(seen.retried >= 5);
     f.assert_exactly_once(ORDERS, |_| 5).await;
+    f.cleanup().await;
+}
+
+/// A dead letter whose record cannot be written (the database is cut off) is not moved without
+/// it: it goes round again, and lands in the DLQ with its record once the database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_is_not_moved_without_its_record() {
+    let f = fixture("unrecorded", fast_retries(), QueueType::Classic, None).await;
+    let (proxy, proxied) = proxied_postgres().await;
+    let running = start(f.runtime_with(proxied));
+    f.publish_order(1, 3).await;
+    wait_until("the runtime consuming", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    proxy.cut();
+    publish(&f.publisher, &f.queue, Some(&f.key(0)), b"not json").await;
+    wait_until(
+        "the unrecorded dead letter sent round again",
+        DEADLINE,
+        || async { running.now().retried >= 2 },
+    )
+    .await;
+    let dlq = idem::rabbitmq::dlq(&f.queue);
+    assert_eq!(broker::count(&dlq).await, 0, "not moved without its record");
+    assert_eq!(running.now().dead_lettered, 0);
+    proxy.restore();
+    wait_until(
+        "dead-lettered once the record is written",
+        DEADLINE,
+        || async { broker::count(&dlq).await == 1 },
+    )
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 1);
+    let records = f.dead_letters().await;
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].reason, "decode");
+    assert!(records[0].describes(Some(&f.key(0)), b"not json"));
     f.cleanup().await;
 }
 
@@ -623,6 +667,7 @@ async fn two_subscribers_of_one_exchange_each_process_every_message_once() {
             queue: queue.clone(),
             consumer: consumer.into(),
             retry_delays: f.policy.delays(),
+            ..QueueSpec::default()
         })
         .into();
     RabbitTransport::new(rabbit.clone())

@@ -166,6 +166,7 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
         queue: settings.queue.clone(),
         consumer: "orders".into(),
         retry_delays: RetryPolicy::default().delays(),
+        ..QueueSpec::default()
     };
     let (runtime, sink, transport_name) = match Broker::open(settings).await? {
         Broker::Rabbit(rabbit) => {

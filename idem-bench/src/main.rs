@@ -257,11 +257,7 @@ async fn fresh_queue(url: &str, queue: &str, idem: bool) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot reach RabbitMQ at {url}"))?;
     let channel = connection.create_channel().await?;
-    let mut names = vec![
-        queue.to_owned(),
-        idem::rabbitmq::dlq(queue),
-        idem::rabbitmq::reasons_queue(queue),
-    ];
+    let mut names = vec![queue.to_owned(), idem::rabbitmq::dlq(queue)];
     names.extend(
         delays
             .iter()
@@ -280,6 +276,7 @@ async fn fresh_queue(url: &str, queue: &str, idem: bool) -> anyhow::Result<()> {
             queue: queue.to_owned(),
             consumer: with_idem::CONSUMER.to_owned(),
             retry_delays: delays,
+            ..QueueSpec::default()
         };
         RabbitTransport::new(RabbitConfig::new(url))
             .declare(&[spec])

@@ -39,9 +39,9 @@ pub mod transport;
 pub use future::BoxFuture;
 pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
 pub use model::{
-    BoxError, Context, Envelope, ErrorClass, Fingerprint, HandlerError, HeaderValue, Headers,
-    KeyError, KeySource, KeyValue, MAX_KEY_LEN, Outcome, RejectReason, Rejection, StoreError,
-    StoredOutput, Transient, field_key,
+    BoxError, Context, DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Fingerprint,
+    HandlerError, HeaderValue, Headers, KeyError, KeySource, KeyValue, MAX_KEY_LEN, Outcome,
+    RejectReason, Rejection, StoreError, StoredOutput, Transient, field_key,
 };
 pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};
@@ -54,5 +54,6 @@ pub use store::{
     SweepReport,
 };
 pub use transport::{
-    DeadLetter, Delivery, MemoryTransport, QueueSpec, Settle, StopSignal, Transport, TransportError,
+    DeadLetterLog, Delivery, MemoryTransport, QueueSpec, Settle, StopSignal, Transport,
+    TransportError,
 };

@@ -9,7 +9,7 @@ use crate::quarantine;
 use crate::settle::{self, Acks, RabbitSettle};
 use crate::topology;
 use futures_util::StreamExt;
-use idem_core::{DeadLetter, Delivery, QueueSpec, StopSignal, TransportError};
+use idem_core::{DeadLetter, DeadLetterRecord, Delivery, QueueSpec, StopSignal, TransportError};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -18,6 +18,10 @@ use lapin::{Channel, Connection};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
+
+/// How long the consumer pauses when a too-large delivery's record cannot be written,
+/// before the delivery goes back to the queue.
+const RECORD_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Why consuming on a connection stopped working.
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +101,7 @@ impl Consumer {
         // The delivery is among those lapin held; after the connection loss they are back at
         // the head of the queue.
         let window = self.prefetch.saturating_mul(2).max(64);
-        match quarantine::run(&self.config, &self.connections, &self.spec, window).await {
+        match quarantine::run(&self.config, &self.spec, window).await {
             Ok(0) => {
                 tracing::warn!(
                     queue = self.spec.queue,
@@ -224,7 +228,8 @@ impl Consumer {
     }
 
     /// Dead-letters a delivery whose body is over the configured limit, without handing it to
-    /// the runtime (its reason is recorded, then the broker moves it to the DLQ, once).
+    /// the runtime: its reason is recorded in the handler's store, then the broker moves it to
+    /// the DLQ, once.
     async fn refuse_too_large(&self, delivery: Delivery) {
         let Delivery { envelope, settle } = delivery;
         let reason = DeadLetter {
@@ -239,6 +244,14 @@ impl Consumer {
             attempts: envelope.attempt,
         };
         tracing::warn!(queue = self.spec.queue, message_id = envelope.message_id.as_deref(), detail = %reason.detail, "dead-lettering");
+        let record = DeadLetterRecord::new(&reason, &envelope, &self.spec.queue);
+        if let Err(e) = self.spec.dead_letters.record(record).await {
+            // Not moved without its reason: back to the queue, after a pause.
+            tracing::warn!(error = %e, "could not record the dead letter; it stays in the queue");
+            tokio::time::sleep(RECORD_RETRY).await;
+            drop(settle);
+            return;
+        }
         idem_core::telemetry::dead_letter(&self.spec.consumer, &reason.reason);
         if let Err(e) = settle.dead_letter(&envelope, &reason).await {
             tracing::warn!(error = %e, "dead-lettering failed; the broker redelivers");

@@ -2,10 +2,10 @@
 
 use idem_core::{Envelope, HeaderValue, Headers};
 use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 /// The header idem sets on a retried copy: which attempt it is.
-pub(crate) const ATTEMPT_HEADER: &str = "x-idem-attempt";
+pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
 
 /// Builds the envelope of a delivery. The attempt is the retry copy's attempt (from
 /// [`ATTEMPT_HEADER`], 1 for an original) plus the broker's redeliveries of this copy (quorum
@@ -77,11 +77,6 @@ pub(crate) fn with_headers(
     properties.clone().with_headers(table).with_delivery_mode(2)
 }
 
-/// A text header value.
-pub(crate) fn text(value: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(value.as_bytes().to_vec()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,7 +84,8 @@ mod tests {
     #[test]
     fn attempts_and_properties() {
         let mut table = FieldTable::default();
-        table.insert(ShortString::from("x-idempotency-key"), text("k-1"));
+        let text = AMQPValue::LongString(lapin::types::LongString::from(b"k-1".to_vec()));
+        table.insert(ShortString::from("x-idempotency-key"), text);
         table.insert(ShortString::from(ATTEMPT_HEADER), AMQPValue::LongLongInt(3));
         let props = BasicProperties::default()
             .with_message_id(ShortString::from("m-1"))

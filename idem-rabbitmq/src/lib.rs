@@ -3,9 +3,9 @@
 //! Per handler queue `q` it declares:
 //! - `q`: durable, its dead letters routed by the broker to `q.dlq`;
 //! - `q.dlq`: durable; a dead-lettered message arrives there **once** (the broker moves it on
-//!   `basic.reject`), with its id, body and properties, and RabbitMQ's `x-death` header;
-//! - `q.dlq.reasons`: one record per dead-lettering, with `x-idem-reason`, `x-idem-consumer`,
-//!   `x-idem-attempts` and `x-idem-key` headers and the message id, so an operator can see why;
+//!   `basic.reject`), with its id, body and properties, and RabbitMQ's `x-death` header. Why it
+//!   was refused (reason, detail, consumer, key, attempts) is recorded in the handler's store
+//!   before the reject, keyed by consumer and key (see `idem_sqlx::dead_letters`);
 //! - `q.retry.<ms>ms`, one per retry delay: a message published there waits out the queue's
 //!   TTL and is dead-lettered back into `q` (no head-of-line blocking between delays).
 //!
@@ -26,8 +26,9 @@ mod watermark;
 mod wire;
 
 pub use config::{Binding, DEFAULT_MAX_BODY, QueueType, RabbitConfig};
+pub use envelope::ATTEMPT_HEADER;
 pub use publisher::{PublishError, Publisher};
-pub use topology::{dlq, reasons_queue, retry_queue};
+pub use topology::{dlq, retry_queue};
 pub use transport::RabbitTransport;
 
 /// Re-exported for users who build properties for [`Publisher`].

@@ -6,16 +6,13 @@
 //! consumer's connection fails to parse, idem reads the head of the queue with its own reader
 //! ([`crate::wire`]), judges every frame with lapin's parser, rejects (without requeue) each
 //! delivery it refuses, so that the broker dead-letters it into `<queue>.dlq` once, after
-//! recording why in `<queue>.dlq.reasons`, and closes: every other delivery it held goes back to
-//! the queue, untouched but flagged redelivered.
+//! recording why in the handler's store (reason `unparsable`, see [`idem_core::DeadLetterLog`]),
+//! and closes: every other delivery it held goes back to the queue, untouched but flagged
+//! redelivered.
 
 use crate::config::RabbitConfig;
-use crate::connections::Connections;
-use crate::republish::{Record, publish_reason};
 use crate::wire::{BODY, HEADER, METHOD, RawConnection, long, short};
-use idem_core::{DeadLetter, QueueSpec, TransportError};
-use lapin::options::ConfirmSelectOptions;
-use lapin::types::{AMQPValue, LongString, ShortString};
+use idem_core::{DeadLetter, DeadLetterRecord, Envelope, QueueSpec, StoreError};
 use std::time::Duration;
 use tokio::time::{Instant, timeout};
 
@@ -31,8 +28,8 @@ pub(crate) enum QuarantineError {
     #[error("idem's own AMQP reader failed: {0}")]
     Wire(#[from] std::io::Error),
     /// The reason could not be recorded, so the delivery was left in the queue.
-    #[error(transparent)]
-    Record(#[from] TransportError),
+    #[error("recording why a delivery is dead-lettered failed: {0}")]
+    Record(#[from] StoreError),
 }
 
 /// One delivery as the reader assembles it.
@@ -42,6 +39,9 @@ struct Delivery {
     /// Why lapin's parser refuses one of its frames, if it does.
     unparsable: Option<String>,
     message_id: Option<Vec<u8>>,
+    /// The body, kept only for a delivery refused before its body came (its fingerprint is
+    /// recorded).
+    body: Vec<u8>,
     body_size: u64,
     body_read: u64,
     header_seen: bool,
@@ -51,7 +51,6 @@ struct Delivery {
 /// parse; returns how many it took out.
 pub(crate) async fn run(
     config: &RabbitConfig,
-    connections: &Connections,
     spec: &QueueSpec,
     window: u16,
 ) -> Result<usize, QuarantineError> {
@@ -100,7 +99,12 @@ pub(crate) async fn run(
                 current.message_id = message_id(&frame.payload);
                 current.unparsable = current.unparsable.take().or(refused);
             }
-            BODY => current.body_read += frame.payload.len() as u64,
+            BODY => {
+                current.body_read += frame.payload.len() as u64;
+                if current.unparsable.is_some() {
+                    current.body.extend_from_slice(&frame.payload);
+                }
+            }
             _ => continue,
         }
         if current.header_seen && current.body_read >= current.body_size {
@@ -113,7 +117,7 @@ pub(crate) async fn run(
     }
     let taken = unparsable.len();
     if taken > 0 {
-        record(config, connections, spec, &unparsable).await?;
+        record(spec, &unparsable).await?;
         for delivery in &unparsable {
             let mut reject = delivery.tag.to_be_bytes().to_vec();
             reject.push(0); // requeue = false: the broker dead-letters it
@@ -126,57 +130,31 @@ pub(crate) async fn run(
 }
 
 /// Records why each of `deliveries` is dead-lettered, before any of them is rejected.
-async fn record(
-    config: &RabbitConfig,
-    connections: &Connections,
-    spec: &QueueSpec,
-    deliveries: &[Delivery],
-) -> Result<(), TransportError> {
-    let failed = |e: lapin::Error| TransportError::Settle(format!("recording a reason: {e}"));
-    let connection = connections
-        .open(config, "quarantine")
-        .await
-        .map_err(failed)?;
-    let channel = connection.create_channel().await.map_err(failed)?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(failed)?;
-    let recorded = async {
-        for delivery in deliveries {
-            let detail = format!(
-                "the AMQP client cannot parse this delivery's frames ({}); taken out of the queue by idem's own reader",
-                delivery.unparsable.as_deref().unwrap_or("unknown")
-            );
-            tracing::warn!(queue = spec.queue, consumer = spec.consumer, %detail, "dead-lettering a delivery lapin cannot parse");
-            idem_core::telemetry::dead_letter(spec.consumer.as_str(), "unparsable");
-            let id = delivery.message_id.as_deref().map(String::from_utf8_lossy);
-            let mut extra = Vec::new();
-            if let Some(raw) = &delivery.message_id {
-                let bytes = AMQPValue::LongString(LongString::from(raw.clone()));
-                extra.push(("x-idem-message-id-bytes", bytes));
-            }
-            let record = Record {
-                message_id: id.as_deref(),
-                correlation_id: None,
-                extra,
-            };
-            let reason = DeadLetter {
-                reason: "unparsable".to_owned(),
-                detail,
-                consumer: spec.consumer.clone(),
-                key: None,
-                attempts: 1,
-            };
-            publish_reason(&channel, &spec.queue, &record, &reason).await?;
-        }
-        Ok(())
+async fn record(spec: &QueueSpec, deliveries: &[Delivery]) -> Result<(), StoreError> {
+    for delivery in deliveries {
+        let detail = format!(
+            "the AMQP client cannot parse this delivery's frames ({}); taken out of the queue by idem's own reader",
+            delivery.unparsable.as_deref().unwrap_or("unknown")
+        );
+        tracing::warn!(queue = spec.queue, consumer = spec.consumer, %detail, "dead-lettering a delivery lapin cannot parse");
+        let letter = DeadLetter {
+            reason: "unparsable".to_owned(),
+            detail,
+            consumer: spec.consumer.clone(),
+            key: None,
+            attempts: 1,
+        };
+        let mut envelope = Envelope::new(delivery.body.clone());
+        // The id as far as it reads; the record's fingerprint ties it to the message.
+        envelope.message_id = delivery
+            .message_id
+            .as_deref()
+            .map(|id| String::from_utf8_lossy(id).into_owned());
+        let record = DeadLetterRecord::new(&letter, &envelope, &spec.queue);
+        spec.dead_letters.record(record).await?;
+        idem_core::telemetry::dead_letter(spec.consumer.as_str(), "unparsable");
     }
-    .await;
-    let _ = connection
-        .close(200, ShortString::from("reasons recorded"))
-        .await;
-    recorded
+    Ok(())
 }
 
 /// Why lapin's parser refuses `frame`, if it does.

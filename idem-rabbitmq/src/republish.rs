@@ -1,10 +1,10 @@
 //! The confirmed publishes of a settlement, on a channel in confirm mode: a retry copy to the
-//! delay queue, and the record of why a message is dead-lettered.
+//! delay queue.
 
-use crate::envelope::{ATTEMPT_HEADER, text, with_headers};
+use crate::envelope::{ATTEMPT_HEADER, with_headers};
 use crate::settle::RabbitSettle;
-use crate::topology::{reasons_queue, retry_queue};
-use idem_core::{DeadLetter, Envelope, TransportError};
+use crate::topology::retry_queue;
+use idem_core::{Envelope, TransportError};
 use lapin::Confirmation;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, ShortString};
@@ -27,64 +27,6 @@ impl RabbitSettle {
         let target = retry_queue(&self.queue, delay);
         publish_confirmed(&self.channel, &target, &envelope.body, properties).await
     }
-
-    /// Records why `envelope` is dead-lettered (see [`publish_reason`]).
-    pub(crate) async fn publish_reason(
-        &self,
-        envelope: &Envelope,
-        reason: &DeadLetter,
-    ) -> Result<(), TransportError> {
-        let record = Record {
-            message_id: envelope.message_id.as_deref(),
-            correlation_id: envelope.correlation_id.as_deref(),
-            extra: Vec::new(),
-        };
-        publish_reason(&self.channel, &self.queue, &record, reason).await
-    }
-}
-
-/// What a dead-letter record says of the message besides the reason.
-pub(crate) struct Record<'a> {
-    pub(crate) message_id: Option<&'a str>,
-    pub(crate) correlation_id: Option<&'a str>,
-    /// More headers.
-    pub(crate) extra: Vec<(&'static str, AMQPValue)>,
-}
-
-/// Records why a message of `queue` is dead-lettered in `<queue>.dlq.reasons`: `x-idem-*`
-/// headers, the message and correlation ids, and a one-line body; waits for the broker's
-/// confirm.
-pub(crate) async fn publish_reason(
-    channel: &Channel,
-    queue: &str,
-    record: &Record<'_>,
-    reason: &DeadLetter,
-) -> Result<(), TransportError> {
-    let mut headers = vec![
-        ("x-idem-reason", text(&reason.reason)),
-        ("x-idem-detail", text(&reason.detail)),
-        ("x-idem-consumer", text(&reason.consumer)),
-        (
-            "x-idem-attempts",
-            AMQPValue::LongLongInt(i64::from(reason.attempts)),
-        ),
-        ("x-idem-queue", text(queue)),
-    ];
-    if let Some(key) = &reason.key {
-        headers.push(("x-idem-key", text(key)));
-    }
-    headers.extend(record.extra.iter().cloned());
-    let mut properties =
-        BasicProperties::default().with_content_type(ShortString::from("text/plain"));
-    if let Some(id) = record.message_id {
-        properties = properties.with_message_id(ShortString::from(id));
-    }
-    if let Some(id) = record.correlation_id {
-        properties = properties.with_correlation_id(ShortString::from(id));
-    }
-    let properties = with_headers(&properties, &headers);
-    let line = format!("{}: {}", reason.reason, reason.detail);
-    publish_confirmed(channel, &reasons_queue(queue), line.as_bytes(), properties).await
 }
 
 /// Publishes through the default exchange on `channel` (in confirm mode, mandatory) and waits

@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 /// One delivery's settlement handle: its tag and its channel's settlement task, its channel
-/// (for the retry and reason publishes, confirmed) and its properties (kept on republished
+/// (for the retry publishes, confirmed) and its properties (kept on republished
 /// copies). Dropped unsettled (an abandoned worker), it gives the delivery back.
 pub(crate) struct RabbitSettle {
     pub(crate) tag: u64,
@@ -73,22 +73,18 @@ impl Settle for RabbitSettle {
         })
     }
 
-    /// Records the reason in `<queue>.dlq.reasons` (confirmed), then rejects the delivery so the
-    /// broker moves it into `<queue>.dlq`: the move is the broker's, atomic, so the message
-    /// lands there once even if this process dies at any point.
+    /// Rejects the delivery so the broker moves it into `<queue>.dlq` (the runtime recorded
+    /// its reason in the handler's store first): the move is the broker's, atomic, so the
+    /// message lands there once even if this process dies at any point.
     fn dead_letter<'a>(
         self: Box<Self>,
         envelope: &'a Envelope,
         reason: &'a DeadLetter,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
-        Box::pin(async move {
-            if let Err(e) = self.publish_reason(envelope, reason).await {
-                tracing::warn!(error = %e, "could not record the dead-letter reason; dead-lettering anyway");
-            }
-            #[cfg(feature = "fault-injection")]
-            idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
-            self.settle(Op::Reject)
-        })
+        let _ = (envelope, reason);
+        #[cfg(feature = "fault-injection")]
+        idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
+        Box::pin(std::future::ready(self.settle(Op::Reject)))
     }
 
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {

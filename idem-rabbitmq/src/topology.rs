@@ -13,11 +13,6 @@ pub fn dlq(queue: &str) -> String {
     format!("{queue}.dlq")
 }
 
-/// The queue that records why each message of `queue` was dead-lettered.
-pub fn reasons_queue(queue: &str) -> String {
-    format!("{queue}.dlq.reasons")
-}
-
 /// The delay queue of `queue` for `delay`.
 pub fn retry_queue(queue: &str, delay: Duration) -> String {
     format!("{queue}.retry.{}ms", delay.as_millis())
@@ -97,7 +92,6 @@ async fn declare(
     }
     let mut queues = vec![
         (dlq(q), queue_arguments(config, None)),
-        (reasons_queue(q), queue_arguments(config, None)),
         (q.to_owned(), main),
     ];
     for delay in &spec.retry_delays {

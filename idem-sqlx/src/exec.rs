@@ -50,6 +50,13 @@ pub trait Sql: Database {
         params: &[Param<'_>],
     ) -> impl Future<Output = Result<Option<Self::Row>, sqlx::Error>> + Send + 'a;
 
+    /// Runs `sql` with `params` on `conn`; all its rows.
+    fn fetch_all<'a>(
+        conn: &'a mut Self::Connection,
+        sql: &Arc<str>,
+        params: &[Param<'_>],
+    ) -> impl Future<Output = Result<Vec<Self::Row>, sqlx::Error>> + Send + 'a;
+
     /// Runs `sql` with `params` on `conn`; the integer in the first column of its one row.
     fn fetch_int<'a>(
         conn: &'a mut Self::Connection,
@@ -108,6 +115,15 @@ where
     ) -> impl Future<Output = Result<Option<DB::Row>, sqlx::Error>> + Send + 'a {
         let query = query::<DB>(sql, params);
         async move { query.fetch_optional(conn).await }
+    }
+
+    fn fetch_all<'a>(
+        conn: &'a mut DB::Connection,
+        sql: &Arc<str>,
+        params: &[Param<'_>],
+    ) -> impl Future<Output = Result<Vec<DB::Row>, sqlx::Error>> + Send + 'a {
+        let query = query::<DB>(sql, params);
+        async move { query.fetch_all(conn).await }
     }
 
     fn fetch_int<'a>(

@@ -8,8 +8,8 @@ use crate::error::{classify_error, store_error};
 use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
 use idem_core::{
-    Claim, ClaimRequest, ErrorClass, InboxStore, Lease, LeaseEnd, StoreError, StoreKind,
-    StoredOutput, SweepReport,
+    Claim, ClaimRequest, DeadLetterRecord, ErrorClass, InboxStore, Lease, LeaseEnd, StoreError,
+    StoreKind, StoredOutput, SweepReport,
 };
 use sqlx::{Pool, Transaction};
 use std::fmt;
@@ -214,6 +214,10 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
     async fn count_delivery(&self, request: &ClaimRequest<'_>) -> Result<u32, StoreError> {
         DB::check_request(request)?;
         self.count_delivery_of(request).await
+    }
+
+    async fn record_dead_letter(&self, record: &DeadLetterRecord) -> Result<(), StoreError> {
+        self.record(record).await
     }
 
     async fn sweep(&self, batch: u32, max_batches: u32) -> Result<SweepReport, StoreError> {

@@ -15,15 +15,19 @@
 //! ([`statements`]), its migrations and the claims it makes its own way; the code they share
 //! is generic (`inbox.rs`, `claim.rs`, `lease.rs`, `sweep.rs`, `migrate.rs`), with sqlx's
 //! per-type bounds written once ([`exec`]). Database errors are classified here
-//! ([`classify_sqlx`]).
+//! ([`classify_sqlx`]). Beside the inbox table, `{table}_deliveries` counts redeliveries (the
+//! poison limit) and `{table}_dead_letters` records why each dead letter was refused
+//! ([`dead_letters`]); [`admin`] holds what an operator reads and changes.
 //!
 //! Adding a database: a dialect module implementing [`Dialect`] (and [`exec::RowsAffected`]
 //! for its query result), a feature for it, its alias in `stores.rs`, its error codes in
 //! `error.rs` if they need more than SQLSTATEs, and its name in the `#[idempotent]` macro's
 //! store list.
 
+pub mod admin;
 mod claim;
 pub mod config;
+pub mod dead_letters;
 mod deliveries;
 pub mod dialect;
 mod error;
@@ -43,7 +47,9 @@ pub mod statements;
 pub mod stores;
 mod sweep;
 
+pub use admin::{DeadLetterCount, InboxRow, InboxStats, KeyReport, Removed, StatusCount};
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};
+pub use dead_letters::DeadLetterRow;
 pub use dialect::Dialect;
 pub use error::{classify_database_code, classify_error, classify_mysql_number, classify_sqlx};
 pub use inbox::SqlInbox;

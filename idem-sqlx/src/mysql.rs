@@ -14,8 +14,8 @@ use crate::dialect::Dialect;
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    DeliveryStatements, LeaseStatements, MigrationStatements, SavepointStatements, Statements,
-    SweepStatements,
+    AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, SavepointStatements,
+    Statements, SweepStatements,
 };
 use idem_core::{ClaimRequest, ErrorClass, StoreError, StoreKind};
 use sqlx::MySql;
@@ -57,11 +57,29 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             KEY expires_at (expires_at)
         ) ENGINE = InnoDB"#],
     ),
+    (
+        4,
+        &[r#"CREATE TABLE IF NOT EXISTS `{table}_dead_letters` (
+            consumer         VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            `key`            VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            keyed            INT          NOT NULL,
+            queue            VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            reason           VARCHAR(64)  NOT NULL,
+            detail           TEXT         NOT NULL,
+            attempts         INT          NOT NULL,
+            message_id       TEXT,
+            fingerprint      BINARY(32)   NOT NULL,
+            dead_lettered_at DATETIME(6)  NOT NULL,
+            PRIMARY KEY (consumer, `key`),
+            KEY queue (queue, dead_lettered_at)
+        ) ENGINE = InnoDB"#],
+    ),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
-    i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at
-    FROM `{table}` i, `{table}_deliveries` d WHERE 1 = 0"#;
+    i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
+    l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at
+    FROM `{table}` i, `{table}_deliveries` d, `{table}_dead_letters` l WHERE 1 = 0"#;
 
 const CLAIM: &str = r#"INSERT IGNORE INTO `{table}`
     (consumer, `key`, fingerprint, status, attempts, created_at, completed_at, expires_at)
@@ -115,6 +133,27 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
     ),
 };
 
+/// Dead-letter records and the operator's statements; see [`AdminStatements`]. Times are
+/// read as `TIMESTAMPDIFF(MICROSECOND, epoch, t) DIV 1000`: the columns hold UTC.
+const ADMIN: AdminStatements = AdminStatements {
+    record: r#"INSERT INTO `{table}_dead_letters` (consumer, `key`, keyed, queue, reason, detail,
+        attempts, message_id, fingerprint, dead_lettered_at)
+    VALUES (?, ?, ?, ?, ?, ?, ?, NULLIF(?, ''), ?, UTC_TIMESTAMP(6))
+    ON DUPLICATE KEY UPDATE keyed = VALUES(keyed), queue = VALUES(queue), reason = VALUES(reason),
+        detail = VALUES(detail), attempts = VALUES(attempts), message_id = VALUES(message_id),
+        fingerprint = VALUES(fingerprint), dead_lettered_at = VALUES(dead_lettered_at)"#,
+    dead_letters: r#"SELECT consumer, `key`, keyed, queue, reason, detail, attempts, COALESCE(message_id, '') AS message_id, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', dead_lettered_at) DIV 1000 AS SIGNED) AS at_ms FROM `{table}_dead_letters` WHERE queue = ? ORDER BY dead_lettered_at"#,
+    dead_letter_of: r#"SELECT consumer, `key`, keyed, queue, reason, detail, attempts, COALESCE(message_id, '') AS message_id, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', dead_lettered_at) DIV 1000 AS SIGNED) AS at_ms FROM `{table}_dead_letters` WHERE consumer = ? AND `key` = ?"#,
+    forget_dead_letter: "DELETE FROM `{table}_dead_letters` WHERE consumer = ? AND `key` = ?",
+    stats: r#"SELECT consumer, status, CAST(count(*) AS SIGNED) AS row_count, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', min(created_at)) DIV 1000 AS SIGNED) AS oldest_ms, CAST(sum(CASE WHEN expires_at < UTC_TIMESTAMP(6) THEN 1 ELSE 0 END) AS SIGNED) AS expired FROM `{table}` GROUP BY consumer, status ORDER BY consumer, status"#,
+    dead_letter_stats: r#"SELECT consumer, CAST(count(*) AS SIGNED) AS row_count, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', min(dead_lettered_at)) DIV 1000 AS SIGNED) AS oldest_ms FROM `{table}_dead_letters` GROUP BY consumer ORDER BY consumer"#,
+    show: r#"SELECT status, attempts, outcome, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', created_at) DIV 1000 AS SIGNED) AS created_ms, COALESCE(CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', completed_at) DIV 1000 AS SIGNED), 0) AS completed_ms, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expires_at) DIV 1000 AS SIGNED) AS expires_ms, owner, COALESCE(CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', locked_until) DIV 1000 AS SIGNED), 0) AS locked_ms FROM `{table}` WHERE consumer = ? AND `key` = ?"#,
+    deliveries_of: "SELECT CAST(deliveries AS SIGNED) AS deliveries FROM `{table}_deliveries` WHERE consumer = ? AND `key` = ?",
+    forget: "DELETE FROM `{table}` WHERE consumer = ? AND `key` = ?",
+    forget_failed: "DELETE FROM `{table}` WHERE consumer = ? AND `key` = ? AND status = 'failed'",
+    forget_deliveries: "DELETE FROM `{table}_deliveries` WHERE consumer = ? AND `key` = ?",
+};
+
 /// Serializes concurrent migrations from several processes. `GET_LOCK` belongs to the session,
 /// so [`UNLOCK`] releases it before the connection goes back to the pool.
 const LOCK: &str = "SELECT GET_LOCK('idem.migrate', 300)";
@@ -155,6 +194,7 @@ impl Dialect for MySql {
         lease: LEASE,
         sweep: SWEEP,
         deliveries: DELIVERIES,
+        admin: ADMIN,
         batch: None,
     };
     const MIGRATION: MigrationStatements = MigrationStatements {

@@ -6,8 +6,8 @@ use crate::error::{existing_claim, store_error};
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    BatchStatements, DeliveryStatements, LeaseStatements, MigrationStatements, PROBE, Prepared,
-    SAVEPOINTS, Statements, SweepStatements,
+    AdminStatements, BatchStatements, DeliveryStatements, LeaseStatements, MigrationStatements,
+    PROBE, Prepared, SAVEPOINTS, Statements, SweepStatements,
 };
 use idem_core::{Claim, ClaimRequest, ErrorClass, StoreError, StoreKind, StoredOutput};
 use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
@@ -51,6 +51,25 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             PRIMARY KEY (consumer, key)
         )"#,
             r#"CREATE INDEX IF NOT EXISTS "{table}_deliveries_exp" ON "{table}_deliveries" (expires_at)"#,
+        ],
+    ),
+    (
+        4,
+        &[
+            r#"CREATE TABLE IF NOT EXISTS "{table}_dead_letters" (
+            consumer         text        NOT NULL,
+            key              text        NOT NULL,
+            keyed            integer     NOT NULL,
+            queue            text        NOT NULL,
+            reason           text        NOT NULL,
+            detail           text        NOT NULL,
+            attempts         integer     NOT NULL,
+            message_id       text,
+            fingerprint      bytea       NOT NULL,
+            dead_lettered_at timestamptz NOT NULL,
+            PRIMARY KEY (consumer, key)
+        )"#,
+            r#"CREATE INDEX IF NOT EXISTS "{table}_dead_letters_queue" ON "{table}_dead_letters" (queue, dead_lettered_at)"#,
         ],
     ),
 ];
@@ -143,6 +162,43 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
     read: None,
 };
 
+/// Dead-letter records and the operator's statements; see [`AdminStatements`].
+const ADMIN: AdminStatements = AdminStatements {
+    record: r#"INSERT INTO "{table}_dead_letters" AS l (consumer, key, keyed, queue, reason, detail,
+        attempts, message_id, fingerprint, dead_lettered_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, NULLIF($8, ''), $9, now())
+    ON CONFLICT (consumer, key) DO UPDATE SET keyed = excluded.keyed, queue = excluded.queue,
+        reason = excluded.reason, detail = excluded.detail, attempts = excluded.attempts,
+        message_id = excluded.message_id, fingerprint = excluded.fingerprint,
+        dead_lettered_at = excluded.dead_lettered_at"#,
+    dead_letters: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
+        COALESCE(message_id, '') AS message_id, fingerprint,
+        (EXTRACT(EPOCH FROM dead_lettered_at) * 1000)::int8 AS at_ms
+    FROM "{table}_dead_letters" WHERE queue = $1 ORDER BY dead_lettered_at"#,
+    dead_letter_of: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
+        COALESCE(message_id, '') AS message_id, fingerprint,
+        (EXTRACT(EPOCH FROM dead_lettered_at) * 1000)::int8 AS at_ms
+    FROM "{table}_dead_letters" WHERE consumer = $1 AND key = $2"#,
+    forget_dead_letter: r#"DELETE FROM "{table}_dead_letters" WHERE consumer = $1 AND key = $2"#,
+    stats: r#"SELECT consumer, status, count(*)::int8 AS row_count,
+        (EXTRACT(EPOCH FROM min(created_at)) * 1000)::int8 AS oldest_ms,
+        (count(*) FILTER (WHERE expires_at < now()))::int8 AS expired
+    FROM "{table}" GROUP BY consumer, status ORDER BY consumer, status"#,
+    dead_letter_stats: r#"SELECT consumer, count(*)::int8 AS row_count,
+        (EXTRACT(EPOCH FROM min(dead_lettered_at)) * 1000)::int8 AS oldest_ms
+    FROM "{table}_dead_letters" GROUP BY consumer ORDER BY consumer"#,
+    show: r#"SELECT status, attempts, outcome, fingerprint,
+        (EXTRACT(EPOCH FROM created_at) * 1000)::int8 AS created_ms,
+        COALESCE((EXTRACT(EPOCH FROM completed_at) * 1000)::int8, 0) AS completed_ms,
+        (EXTRACT(EPOCH FROM expires_at) * 1000)::int8 AS expires_ms, owner,
+        COALESCE((EXTRACT(EPOCH FROM locked_until) * 1000)::int8, 0) AS locked_ms
+    FROM "{table}" WHERE consumer = $1 AND key = $2"#,
+    deliveries_of: r#"SELECT deliveries FROM "{table}_deliveries" WHERE consumer = $1 AND key = $2"#,
+    forget: r#"DELETE FROM "{table}" WHERE consumer = $1 AND key = $2"#,
+    forget_failed: r#"DELETE FROM "{table}" WHERE consumer = $1 AND key = $2 AND status = 'failed'"#,
+    forget_deliveries: r#"DELETE FROM "{table}_deliveries" WHERE consumer = $1 AND key = $2"#,
+};
+
 const LOCK: &str = "SELECT pg_advisory_xact_lock(hashtext('idem.migrate'))::text";
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table text PRIMARY KEY, version integer NOT NULL, migrated_at timestamptz NOT NULL)";
@@ -172,6 +228,7 @@ impl Dialect for Postgres {
         lease: LEASE,
         sweep: SWEEP,
         deliveries: DELIVERIES,
+        admin: ADMIN,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,
             existing: EXISTING_BATCH,

@@ -9,8 +9,8 @@ use crate::dialect::Dialect;
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    DeliveryStatements, LeaseStatements, MigrationStatements, PROBE, SAVEPOINTS, Statements,
-    SweepStatements,
+    AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, PROBE, SAVEPOINTS,
+    Statements, SweepStatements,
 };
 use idem_core::StoreKind;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteQueryResult};
@@ -59,6 +59,25 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             PRIMARY KEY (consumer, key)
         ) WITHOUT ROWID"#,
             r#"CREATE INDEX IF NOT EXISTS "{table}_deliveries_exp" ON "{table}_deliveries" (expires_at)"#,
+        ],
+    ),
+    (
+        4,
+        &[
+            r#"CREATE TABLE IF NOT EXISTS "{table}_dead_letters" (
+            consumer         TEXT    NOT NULL,
+            key              TEXT    NOT NULL,
+            keyed            INTEGER NOT NULL,
+            queue            TEXT    NOT NULL,
+            reason           TEXT    NOT NULL,
+            detail           TEXT    NOT NULL,
+            attempts         INTEGER NOT NULL,
+            message_id       TEXT,
+            fingerprint      BLOB    NOT NULL,
+            dead_lettered_at INTEGER NOT NULL,
+            PRIMARY KEY (consumer, key)
+        ) WITHOUT ROWID"#,
+            r#"CREATE INDEX IF NOT EXISTS "{table}_dead_letters_queue" ON "{table}_dead_letters" (queue, dead_lettered_at)"#,
         ],
     ),
 ];
@@ -118,6 +137,38 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
     read: None,
 };
 
+/// Dead-letter records and the operator's statements; see [`AdminStatements`]. Times are
+/// already milliseconds.
+const ADMIN: AdminStatements = AdminStatements {
+    record: r#"INSERT INTO "{table}_dead_letters" (consumer, key, keyed, queue, reason, detail,
+        attempts, message_id, fingerprint, dead_lettered_at)
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, NULLIF(?8, ''), ?9, {now})
+    ON CONFLICT (consumer, key) DO UPDATE SET keyed = excluded.keyed, queue = excluded.queue,
+        reason = excluded.reason, detail = excluded.detail, attempts = excluded.attempts,
+        message_id = excluded.message_id, fingerprint = excluded.fingerprint,
+        dead_lettered_at = excluded.dead_lettered_at"#,
+    dead_letters: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
+        COALESCE(message_id, '') AS message_id, fingerprint, dead_lettered_at AS at_ms
+    FROM "{table}_dead_letters" WHERE queue = ?1 ORDER BY dead_lettered_at"#,
+    dead_letter_of: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
+        COALESCE(message_id, '') AS message_id, fingerprint, dead_lettered_at AS at_ms
+    FROM "{table}_dead_letters" WHERE consumer = ?1 AND key = ?2"#,
+    forget_dead_letter: r#"DELETE FROM "{table}_dead_letters" WHERE consumer = ?1 AND key = ?2"#,
+    stats: r#"SELECT consumer, status, count(*) AS row_count, min(created_at) AS oldest_ms,
+        sum(CASE WHEN expires_at < {now} THEN 1 ELSE 0 END) AS expired
+    FROM "{table}" GROUP BY consumer, status ORDER BY consumer, status"#,
+    dead_letter_stats: r#"SELECT consumer, count(*) AS row_count, min(dead_lettered_at) AS oldest_ms
+    FROM "{table}_dead_letters" GROUP BY consumer ORDER BY consumer"#,
+    show: r#"SELECT status, attempts, outcome, fingerprint, created_at AS created_ms,
+        COALESCE(completed_at, 0) AS completed_ms, expires_at AS expires_ms, owner,
+        COALESCE(locked_until, 0) AS locked_ms
+    FROM "{table}" WHERE consumer = ?1 AND key = ?2"#,
+    deliveries_of: r#"SELECT deliveries FROM "{table}_deliveries" WHERE consumer = ?1 AND key = ?2"#,
+    forget: r#"DELETE FROM "{table}" WHERE consumer = ?1 AND key = ?2"#,
+    forget_failed: r#"DELETE FROM "{table}" WHERE consumer = ?1 AND key = ?2 AND status = 'failed'"#,
+    forget_deliveries: r#"DELETE FROM "{table}_deliveries" WHERE consumer = ?1 AND key = ?2"#,
+};
+
 const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS idem_schema_version (
     inbox_table TEXT PRIMARY KEY, version INTEGER NOT NULL, migrated_at INTEGER NOT NULL)";
 const READ_VERSION: &str = "SELECT version FROM idem_schema_version WHERE inbox_table = ?1";
@@ -170,6 +221,7 @@ impl Dialect for Sqlite {
         lease: LEASE,
         sweep: SWEEP,
         deliveries: DELIVERIES,
+        admin: ADMIN,
         batch: None,
     };
     const MIGRATION: MigrationStatements = MigrationStatements {

@@ -30,6 +30,8 @@ pub struct Statements<S = &'static str> {
     pub sweep: SweepStatements<S>,
     /// The poison limit's count of deliveries without a settlement.
     pub deliveries: DeliveryStatements<S>,
+    /// Dead-letter records, and what an operator reads and changes.
+    pub admin: AdminStatements<S>,
     /// Set-based batch statements, for a dialect with array parameters (PostgreSQL).
     pub batch: Option<BatchStatements<S>>,
 }
@@ -48,8 +50,9 @@ pub struct SavepointStatements {
 
 /// The probe of dialects that quote identifiers with double quotes.
 pub const PROBE: &str = r#"SELECT i.consumer, i.key, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
-    i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at
-    FROM "{table}" i, "{table}_deliveries" d WHERE 1 = 0"#;
+    i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
+    l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at
+    FROM "{table}" i, "{table}_deliveries" d, "{table}_dead_letters" l WHERE 1 = 0"#;
 
 /// The savepoints of dialects that release one before starting the next.
 pub const SAVEPOINTS: SavepointStatements = SavepointStatements {
@@ -102,6 +105,39 @@ pub struct DeliveryStatements<S = &'static str> {
     /// Reads the count in its first column (consumer, key), for a dialect whose `count`
     /// returns nothing.
     pub read: Option<S>,
+}
+
+/// Dead-letter records (`{table}_dead_letters`, one per consumer and key) and the operator's
+/// statements (the `idem` CLI). Times are read as milliseconds since the Unix epoch, `0` for
+/// none; a message id is written as text, empty for none.
+#[derive(Debug, Clone)]
+pub struct AdminStatements<S = &'static str> {
+    /// Records a dead letter, replacing the record of its key (consumer, key, keyed as 0 or 1,
+    /// queue, reason, detail, attempts, message id, fingerprint).
+    pub record: S,
+    /// Reads the records of a queue, oldest first (the queue): `consumer`, `key`, `keyed`,
+    /// `queue`, `reason`, `detail`, `attempts`, `message_id`, `fingerprint`, `at_ms`.
+    pub dead_letters: S,
+    /// Reads the record of a key (consumer, key), with the columns of `dead_letters`.
+    pub dead_letter_of: S,
+    /// Removes the record of a key (consumer, key).
+    pub forget_dead_letter: S,
+    /// Rows per consumer and status: `consumer`, `status`, `row_count`, `oldest_ms`, `expired`.
+    pub stats: S,
+    /// Records per consumer: `consumer`, `row_count`, `oldest_ms`.
+    pub dead_letter_stats: S,
+    /// One row (consumer, key): `status`, `attempts`, `outcome`, `fingerprint`, `created_ms`,
+    /// `completed_ms`, `expires_ms`, `owner`, `locked_ms`.
+    pub show: S,
+    /// A key's count of deliveries without a settlement, in its first column (consumer, key);
+    /// no row when there is none.
+    pub deliveries_of: S,
+    /// Removes a row (consumer, key).
+    pub forget: S,
+    /// Removes a row that records a failure (consumer, key).
+    pub forget_failed: S,
+    /// Removes a key's count of deliveries (consumer, key).
+    pub forget_deliveries: S,
 }
 
 /// A batch's claims with array parameters.
@@ -163,6 +199,19 @@ impl Statements {
             deliveries: DeliveryStatements {
                 count: fill(self.deliveries.count),
                 read: self.deliveries.read.map(fill),
+            },
+            admin: AdminStatements {
+                record: fill(self.admin.record),
+                dead_letters: fill(self.admin.dead_letters),
+                dead_letter_of: fill(self.admin.dead_letter_of),
+                forget_dead_letter: fill(self.admin.forget_dead_letter),
+                stats: fill(self.admin.stats),
+                dead_letter_stats: fill(self.admin.dead_letter_stats),
+                show: fill(self.admin.show),
+                deliveries_of: fill(self.admin.deliveries_of),
+                forget: fill(self.admin.forget),
+                forget_failed: fill(self.admin.forget_failed),
+                forget_deliveries: fill(self.admin.forget_deliveries),
             },
             batch: self.batch.as_ref().map(|batch| BatchStatements {
                 claim: fill(batch.claim),

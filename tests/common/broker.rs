@@ -89,6 +89,7 @@ pub async fn declare_orders_queue(queue: &str) {
         queue: queue.to_owned(),
         consumer: "orders".into(),
         retry_delays: idem::RetryPolicy::default().delays(),
+        ..idem::QueueSpec::default()
     };
     let rabbit = idem::rabbitmq::RabbitConfig::new(amqp_url());
     idem::rabbitmq::RabbitTransport::new(rabbit)
@@ -165,11 +166,7 @@ pub async fn give_back(queue: &str, deadline: Duration) -> bool {
 /// Deletes `queue` and the queues idem declared beside it.
 pub async fn delete_topology(queue: &str, delays: &[Duration]) {
     let connection = connect().await;
-    let mut names = vec![
-        queue.to_owned(),
-        idem::rabbitmq::dlq(queue),
-        idem::rabbitmq::reasons_queue(queue),
-    ];
+    let mut names = vec![queue.to_owned(), idem::rabbitmq::dlq(queue)];
     names.extend(
         delays
             .iter()

@@ -27,6 +27,8 @@ pub struct Order {
 #[derive(Debug, Clone, Copy)]
 pub enum Step {
     FailTransient,
+    /// Fail for good: the message is dead-lettered (reason `handler`).
+    FailPermanent,
     /// Block until `RELEASED` holds the key.
     WaitForRelease,
     /// Never finish.
@@ -83,6 +85,7 @@ async fn record(
     match step {
         None => Ok(()),
         Some(Step::FailTransient) => Err(HandlerError::transient("scripted: database busy")),
+        Some(Step::FailPermanent) => Err(HandlerError::permanent("scripted: refused")),
         Some(Step::WaitForRelease) => {
             lock(&STARTED).push(order.order_id.clone());
             while !lock(&RELEASED).contains(&order.order_id) {
@@ -148,6 +151,7 @@ pub async fn fixture(
         queue: queue.clone(),
         consumer: CONSUMER.into(),
         retry_delays: policy.delays(),
+        ..QueueSpec::default()
     };
     RabbitTransport::new(rabbit.clone())
         .declare(&[spec])
@@ -236,6 +240,14 @@ impl Fixture {
             *expected.entry(self.customer(i)).or_default() += amount(i);
         }
         assert_eq!(self.balances().await, expected);
+    }
+
+    /// The dead-letter records of this fixture's queue, oldest first.
+    pub async fn dead_letters(&self) -> Vec<idem::sql::DeadLetterRow> {
+        PgInbox::new(self.pool.clone())
+            .dead_letters(&self.queue)
+            .await
+            .unwrap()
     }
 
     pub async fn cleanup(self) {

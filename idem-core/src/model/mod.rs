@@ -1,8 +1,10 @@
 //! The message model: what a delivery is ([`Envelope`]), how it is identified ([`KeySource`],
 //! [`Fingerprint`]), what became of it ([`Outcome`]), how failures are classified
-//! ([`HandlerError`], [`StoreError`]) and what a handler may know about it ([`Context`]).
+//! ([`HandlerError`], [`StoreError`]) and what a handler may know about it ([`Context`]) and what is kept of a dead letter
+//! ([`DeadLetterRecord`]).
 
 pub mod context;
+pub mod dead_letter;
 pub mod envelope;
 pub mod error;
 pub mod fingerprint;
@@ -10,6 +12,7 @@ pub mod key;
 pub mod outcome;
 
 pub use context::Context;
+pub use dead_letter::{DeadLetter, DeadLetterRecord, stand_in_key};
 pub use envelope::{Envelope, HeaderValue, Headers};
 pub use error::{BoxError, ErrorClass, HandlerError, StoreError};
 pub use fingerprint::Fingerprint;

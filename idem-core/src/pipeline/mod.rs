@@ -22,7 +22,7 @@ use steps::Limits;
 use crate::future::BoxFuture;
 use crate::handler::{Handler, Mode};
 use crate::model::KeySource;
-use crate::model::{Envelope, Outcome, StoreError};
+use crate::model::{DeadLetterRecord, Envelope, Outcome, StoreError};
 use crate::store::{InboxStore, StoreKind, Stores};
 use futures_util::FutureExt;
 use std::any::Any;
@@ -102,6 +102,12 @@ pub trait ErasedHandler: Send + Sync + 'static {
     fn store_available(&self, stores: &Stores) -> bool;
     /// Checks that its store is present and usable.
     fn check_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Records `record` in its store from `stores` (see [`InboxStore::record_dead_letter`]).
+    fn record_dead_letter<'a>(
+        &'a self,
+        stores: &'a Stores,
+        record: &'a DeadLetterRecord,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
     /// Processes one delivery with its store from `stores`. A panic in the handler is caught
     /// and reported as [`DispatchError::Panicked`]; its transaction is rolled back.
     fn process<'a>(
@@ -164,6 +170,23 @@ impl<H: Handler> ErasedHandler for H {
                     "check",
                     crate::model::ErrorClass::Permanent,
                     format!("no {} store was provided", <H::Store as InboxStore>::KIND),
+                )),
+            }
+        })
+    }
+
+    fn record_dead_letter<'a>(
+        &'a self,
+        stores: &'a Stores,
+        record: &'a DeadLetterRecord,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            match store_of::<H>(stores) {
+                Ok(store) => store.record_dead_letter(record).await,
+                Err(e) => Err(StoreError::new(
+                    "record dead letter",
+                    crate::model::ErrorClass::Transient,
+                    e.to_string(),
                 )),
             }
         })

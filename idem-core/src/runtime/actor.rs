@@ -34,6 +34,8 @@ pub(crate) struct BatchSpec {
 pub(crate) struct Shared {
     pub(crate) handler: &'static dyn ErasedHandler,
     pub(crate) stores: Arc<Stores>,
+    /// The queue consumed, as dead-letter records name it.
+    pub(crate) queue: Arc<str>,
     pub(crate) retry: RetryPolicy,
     pub(crate) stats: Arc<Stats>,
 }

@@ -398,6 +398,7 @@ impl RuntimeBuilder {
                 queue: queue.to_owned(),
                 consumer: consumer.to_owned(),
                 retry_delays: self.retry.delays(),
+                dead_letters: Default::default(),
             },
             workers,
             prefetch,

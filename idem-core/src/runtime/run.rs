@@ -9,8 +9,9 @@ use super::retry::RetryPolicy;
 use super::stats::Stats;
 use super::sweeper::{self, SweepSettings};
 use super::{batch_worker, worker};
+use crate::pipeline::ErasedHandler;
 use crate::store::Stores;
-use crate::transport::{QueueSpec, Transport};
+use crate::transport::{DeadLetterLog, QueueSpec, Transport};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -64,15 +65,17 @@ impl Runtime {
         let mut workers = JoinSet::new();
         for actor in &self.actors {
             let (mailbox_tx, mailbox) = mpsc::channel(usize::from(actor.prefetch));
-            consumers.spawn(self.transport.consume(
-                actor.spec.clone(),
-                actor.prefetch,
-                mailbox_tx,
-                stop.clone(),
-            ));
+            let handler = actor.registration.handler();
+            let mut spec = actor.spec.clone();
+            spec.dead_letters = dead_letter_log(handler, &self.stores);
+            consumers.spawn(
+                self.transport
+                    .consume(spec, actor.prefetch, mailbox_tx, stop.clone()),
+            );
             let shared = Arc::new(Shared {
-                handler: actor.registration.handler(),
+                handler,
                 stores: self.stores.clone(),
+                queue: Arc::from(actor.spec.queue.as_str()),
                 retry: self.retry.clone(),
                 stats: self.stats.clone(),
             });
@@ -145,4 +148,14 @@ impl Runtime {
         tracing::info!("runtime stopped");
         Ok(())
     }
+}
+
+/// The log through which the transport records the dead letters it refuses on its own: the
+/// handler's store.
+fn dead_letter_log(handler: &'static dyn ErasedHandler, stores: &Arc<Stores>) -> DeadLetterLog {
+    let stores = stores.clone();
+    DeadLetterLog::new(move |record| {
+        let stores = stores.clone();
+        Box::pin(async move { handler.record_dead_letter(&stores, &record).await })
+    })
 }

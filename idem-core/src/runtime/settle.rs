@@ -1,15 +1,21 @@
 //! Where the ack is decided: an [`Outcome`] becomes exactly one settlement (ack, retry later,
 //! dead letter), counted and sent through the delivery's [`Settle`], always after the pipeline
-//! returned (after the commit).
+//! returned (after the commit). A dead letter's record is written to the handler's store
+//! before the message is moved: a record that cannot be written sends the message round
+//! again instead.
 
 use super::actor::Shared;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
-use crate::model::{Envelope, Outcome, Transient};
+use crate::model::{DeadLetter, DeadLetterRecord, Envelope, Outcome, Transient};
 use crate::pipeline::DispatchError;
 use crate::telemetry;
-use crate::transport::{DeadLetter, Delivery, Settle};
+use crate::transport::{Delivery, Settle};
 use std::time::Duration;
+
+/// How long a dead letter whose record could not be written waits before it is delivered
+/// again, when the retry policy has no delay of its own.
+const RECORD_RETRY: Duration = Duration::from_secs(1);
 
 /// What to do with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,10 +108,29 @@ pub(crate) async fn settle(
                 }
                 _ => "dead_lettered",
             };
-            Stats::add(&stats.dead_lettered);
-            telemetry::message(consumer, label);
-            telemetry::dead_letter(consumer, &reason.reason);
-            settle.dead_letter(envelope, &reason).await
+            let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);
+            if let Err(e) = shared
+                .handler
+                .record_dead_letter(&shared.stores, &record)
+                .await
+            {
+                // Not moved without its reason: deliver it again later and decide again.
+                tracing::warn!(error = %e, "could not record the dead letter; retrying it later");
+                Stats::add(&stats.retried);
+                telemetry::message(consumer, "retried");
+                let delay = shared
+                    .retry
+                    .delays()
+                    .first()
+                    .copied()
+                    .unwrap_or(RECORD_RETRY);
+                settle.retry(envelope, delay).await
+            } else {
+                Stats::add(&stats.dead_lettered);
+                telemetry::message(consumer, label);
+                telemetry::dead_letter(consumer, &reason.reason);
+                settle.dead_letter(envelope, &reason).await
+            }
         }
     };
     if let Err(e) = settled {

@@ -1,8 +1,8 @@
-//! The inbox store contract: claims in the caller's transaction, leases (external mode) and
-//! sweeps.
+//! The inbox store contract: claims in the caller's transaction, leases (external mode),
+//! dead-letter records and sweeps.
 
 use super::lease::{Lease, LeaseEnd};
-use crate::model::{ErrorClass, Fingerprint, StoreError, StoredOutput};
+use crate::model::{DeadLetterRecord, ErrorClass, Fingerprint, StoreError, StoredOutput};
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
@@ -258,6 +258,18 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<u32, StoreError>> + Send {
         let _ = request;
         async { Ok(0) }
+    }
+
+    /// Records why a message is dead-lettered, keyed by `(record.consumer, record.key)`, in a
+    /// transaction of its own that is committed before this returns; a second record of the
+    /// same key replaces the first. The runtime calls this before the message is moved to the
+    /// dead-letter queue. The default keeps nothing.
+    fn record_dead_letter(
+        &self,
+        record: &DeadLetterRecord,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = record;
+        async { Ok(()) }
     }
 
     /// Deletes expired rows (of every consumer and status) in batches of at most `batch`,

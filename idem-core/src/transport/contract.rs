@@ -5,8 +5,9 @@
 //! and sends it exactly once through its [`Settle`]: ack, retry later, dead-letter or release.
 
 use crate::future::BoxFuture;
-use crate::model::Envelope;
+use crate::model::{DeadLetter, DeadLetterRecord, Envelope, StoreError};
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
@@ -24,21 +25,6 @@ impl fmt::Debug for Delivery {
             .field("envelope", &self.envelope)
             .finish_non_exhaustive()
     }
-}
-
-/// Why a message is dead-lettered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadLetter {
-    /// A stable code (`decode`, `missing-key`, `handler`, `conflict`, `retries-exhausted`, …).
-    pub reason: String,
-    /// A human-readable explanation.
-    pub detail: String,
-    /// The consumer that refused it.
-    pub consumer: String,
-    /// The dedup key, when one was read.
-    pub key: Option<String>,
-    /// Delivery attempts made.
-    pub attempts: u32,
 }
 
 /// Settles one delivery. Exactly one method is called, once.
@@ -65,7 +51,7 @@ pub trait Settle: Send + Sync {
 }
 
 /// What one handler needs from the transport.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct QueueSpec {
     /// The queue to consume.
     pub queue: String,
@@ -73,6 +59,49 @@ pub struct QueueSpec {
     pub consumer: String,
     /// The distinct delays the retry policy uses, shortest first.
     pub retry_delays: Vec<Duration>,
+    /// Where the transport records the dead letters it refuses on its own (see
+    /// [`DeadLetterLog`]); the runtime sets it to the handler's store.
+    pub dead_letters: DeadLetterLog,
+}
+
+type RecordFn =
+    dyn Fn(DeadLetterRecord) -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync;
+
+/// Where a transport records why it dead-letters a delivery no handler saw (too large, or
+/// unparsable by its client library): the store of the queue's handler. A transport records
+/// first and moves the message only once the record is written; a failed record leaves the
+/// message in its queue.
+#[derive(Clone, Default)]
+pub struct DeadLetterLog(Option<Arc<RecordFn>>);
+
+impl DeadLetterLog {
+    /// A log that records through `record`.
+    pub fn new(
+        record: impl Fn(DeadLetterRecord) -> BoxFuture<'static, Result<(), StoreError>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        Self(Some(Arc::new(record)))
+    }
+
+    /// Records `record`; a log made with [`Default`] keeps nothing and succeeds.
+    pub fn record(&self, record: DeadLetterRecord) -> BoxFuture<'static, Result<(), StoreError>> {
+        match &self.0 {
+            Some(record_fn) => record_fn(record),
+            None => Box::pin(std::future::ready(Ok(()))),
+        }
+    }
+}
+
+impl fmt::Debug for DeadLetterLog {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "DeadLetterLog(store)"
+        } else {
+            "DeadLetterLog(none)"
+        })
+    }
 }
 
 /// Raised to `true` when consumers must stop taking new deliveries.

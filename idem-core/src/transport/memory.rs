@@ -2,11 +2,9 @@
 //! nothing installed: unsettled deliveries come back, duplicates and concurrent copies can be
 //! injected, retries wait their delay, dead letters are kept for inspection.
 
-use super::contract::{
-    DeadLetter, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
-};
+use super::contract::{Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError};
 use crate::future::BoxFuture;
-use crate::model::Envelope;
+use crate::model::{DeadLetter, Envelope};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;

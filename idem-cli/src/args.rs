@@ -1,0 +1,127 @@
+//! The command line.
+
+use clap::{Args, Parser, Subcommand};
+
+/// The idem operator tool: dead letters with their reasons, and the inbox.
+#[derive(Debug, Parser)]
+#[command(name = "idem", version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    /// The RabbitMQ broker.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        global = true,
+        hide_env_values = true
+    )]
+    pub amqp_url: String,
+    /// The database holding the inbox: a `postgres://`, `mysql://` or `sqlite:` URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "sqlite://idem-orders.db",
+        global = true,
+        hide_env_values = true
+    )]
+    pub database_url: String,
+    /// The inbox table (its dead-letter records are in `<table>_dead_letters`).
+    #[arg(
+        long,
+        env = "IDEM_INBOX_TABLE",
+        default_value = "idem_inbox",
+        global = true
+    )]
+    pub table: String,
+    /// Print JSON instead of text, for scripts.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+/// What to do.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Dead letters of a queue (`<queue>.dlq`) with the reasons recorded in the inbox.
+    #[command(subcommand)]
+    Dlq(Dlq),
+    /// The inbox: rows per consumer and status, one key, forgetting a key, sweeping.
+    #[command(subcommand)]
+    Inbox(Inbox),
+}
+
+/// The queue whose dead letters are meant.
+#[derive(Debug, Args)]
+pub struct QueueArg {
+    /// The consumed queue (its dead letters are in `<queue>.dlq`).
+    #[arg(long, short, env = "IDEM_QUEUE")]
+    pub queue: String,
+}
+
+/// `idem dlq …`
+#[derive(Debug, Subcommand)]
+pub enum Dlq {
+    /// List the dead letters, oldest first, each with its reason (the queue is left as it is).
+    List {
+        #[command(flatten)]
+        queue: QueueArg,
+        /// List at most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u64,
+    },
+    /// Show one dead letter: properties, headers, body and its record.
+    Show {
+        #[command(flatten)]
+        queue: QueueArg,
+        /// Its message id, or `sha256:<prefix>` of its body's fingerprint.
+        id: String,
+    },
+    /// Publish dead letters again, to their queue or `--to`: the message id, body and headers
+    /// stay, RabbitMQ's `x-death` and idem's attempt count go, and the inbox's record of the
+    /// failure is cleared first so that the message is processed again.
+    Replay {
+        #[command(flatten)]
+        queue: QueueArg,
+        /// The dead letters to replay (message ids, or `sha256:<prefix>`).
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        ids: Vec<String>,
+        /// Replay every dead letter of the queue.
+        #[arg(long)]
+        all: bool,
+        /// Publish to this queue instead of the one each message was dead-lettered from.
+        #[arg(long)]
+        to: Option<String>,
+        /// Leave the dead letters in the DLQ (copy rather than move).
+        #[arg(long)]
+        keep: bool,
+    },
+}
+
+/// `idem inbox …`
+#[derive(Debug, Subcommand)]
+pub enum Inbox {
+    /// Rows per consumer and status, the oldest row, rows expired but not yet swept, and
+    /// dead-letter records per consumer.
+    Stats,
+    /// Everything the inbox holds for one key.
+    Show {
+        /// The consumer identity (`consumer = ...` of the handler).
+        consumer: String,
+        /// The dedup key.
+        key: String,
+    },
+    /// Remove a key's row, redelivery count and dead-letter record: its next message is
+    /// processed as new.
+    Forget {
+        /// The consumer identity.
+        consumer: String,
+        /// The dedup key.
+        key: String,
+    },
+    /// Delete every expired row now, as the runtime's sweeper does.
+    Sweep {
+        /// Rows per delete statement.
+        #[arg(long, default_value_t = 1000)]
+        batch: u32,
+    },
+}

@@ -1,0 +1,36 @@
+//! What can go wrong, said so that the operator knows what to change.
+
+/// A failed command.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The database could not be reached or refused a statement.
+    #[error("database {url}: {message}")]
+    Database {
+        /// The database URL, its password hidden.
+        url: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The inbox could not be read or changed.
+    #[error("inbox: {0}")]
+    Store(#[from] idem::StoreError),
+    /// The broker could not be reached or refused an operation.
+    #[error("RabbitMQ: {0}")]
+    Broker(String),
+    /// A setting is wrong.
+    #[error("{0}")]
+    Usage(String),
+    /// Nothing matched.
+    #[error("{0}")]
+    NotFound(String),
+    /// Some of the work failed; the rest was done.
+    #[error("{0}")]
+    Partial(String),
+}
+
+impl CliError {
+    /// A broker error, from lapin's.
+    pub fn broker(what: &str) -> impl FnOnce(idem::rabbitmq::lapin::Error) -> Self + '_ {
+        move |e| Self::Broker(format!("{what}: {e}"))
+    }
+}

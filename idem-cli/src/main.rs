@@ -1,0 +1,42 @@
+//! `idem`, the operator tool of idem: dead letters with their reasons (list, show, replay) and
+//! inbox rows (stats, show, forget, sweep), configured like the services it looks after
+//! (`AMQP_URL`, `DATABASE_URL`). `idem --help` and `idem <command> --help` say the rest.
+
+mod args;
+mod dlq;
+mod error;
+mod inbox;
+mod output;
+mod store;
+
+use args::{Cli, Command};
+use clap::Parser;
+use error::CliError;
+use idem::sql::{Dialect, SqlInbox};
+use std::process::ExitCode;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    match store::dispatch(&cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idem: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs `cli`'s command against `inbox`, whatever its database.
+async fn run<DB: Dialect>(cli: &Cli, inbox: SqlInbox<DB>) -> Result<(), CliError> {
+    match &cli.command {
+        Command::Dlq(command) => dlq::run(cli, &inbox, command).await,
+        Command::Inbox(command) => inbox::run(cli, &inbox, command).await,
+    }
+}

@@ -1,0 +1,489 @@
+//! The `idem` binary against real RabbitMQ and PostgreSQL: a runtime dead-letters messages,
+//! the CLI reads them with their reasons, replays them (twice: each takes effect once), and
+//! reads, forgets and sweeps inbox rows.
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+use idem::rabbitmq::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use idem::rabbitmq::lapin::types::ShortString;
+use idem::rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+use idem::sql::PgInbox;
+use idem::{HandlerError, Runtime, RuntimeError, Stats, Transport, idempotent};
+use serde_json::Value;
+use std::future::Future;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+const CONSUMER: &str = "cli.orders";
+const DEADLINE: Duration = Duration::from_secs(90);
+
+#[derive(serde::Deserialize)]
+struct Order {
+    id: String,
+    /// Refused while a gate of this name exists.
+    gate: String,
+}
+
+#[idempotent(store = Postgres, queue = "idem-cli-overridden", key = "order.id", consumer = "cli.orders")]
+async fn apply(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    order: Order,
+) -> Result<u32, HandlerError> {
+    let closed: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_cli_gates WHERE name = $1")
+        .bind(&order.gate)
+        .fetch_one(&mut **tx)
+        .await?;
+    if closed > 0 {
+        return Err(HandlerError::permanent("the gate is closed"));
+    }
+    sqlx::query("INSERT INTO idem_cli_effects (key) VALUES ($1)")
+        .bind(&order.id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(7)
+}
+
+fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+fn postgres_url() -> String {
+    std::env::var("DATABASE_URL")
+        .ok()
+        .filter(|u| u.starts_with("postgres"))
+        .unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+fn unique(prefix: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    format!("{prefix}-{}-{nanos}", std::process::id())
+}
+
+async fn wait_until<F: Future<Output = bool>>(what: &str, mut check: impl FnMut() -> F) {
+    let deadline = Instant::now() + DEADLINE;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One test's queue, tables, publisher and running runtime.
+struct Fixture {
+    queue: String,
+    pool: sqlx::PgPool,
+    channel: Channel,
+    _connection: Connection,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), RuntimeError>>>,
+    stats: Arc<Stats>,
+}
+
+impl Fixture {
+    async fn new(name: &str) -> Self {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&postgres_url())
+            .await
+            .expect("PostgreSQL at DATABASE_URL");
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        for statement in [
+            "CREATE TABLE IF NOT EXISTS idem_cli_effects (key TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS idem_cli_gates (name TEXT NOT NULL)",
+        ] {
+            sqlx::query(statement).execute(&mut *tx).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+        PgInbox::new(pool.clone()).migrate().await.unwrap();
+        let queue = unique(&format!("idem-cli-{name}"));
+        let rabbit = RabbitConfig::new(amqp_url());
+        let spec = idem::QueueSpec {
+            queue: queue.clone(),
+            consumer: CONSUMER.into(),
+            retry_delays: idem::RetryPolicy::default().delays(),
+            ..idem::QueueSpec::default()
+        };
+        RabbitTransport::new(rabbit.clone())
+            .declare(&[spec])
+            .await
+            .unwrap();
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ at AMQP_URL");
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let runtime = Runtime::builder()
+            .transport(RabbitTransport::new(rabbit))
+            .store(PgInbox::new(pool.clone()))
+            .handlers([CONSUMER])
+            .handler_queue(CONSUMER, &queue)
+            .concurrency(8)
+            .build()
+            .unwrap();
+        let stats = runtime.stats();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(runtime.run_until(async {
+            let _ = stopped.await;
+        }));
+        Self {
+            queue,
+            pool,
+            channel,
+            _connection: connection,
+            stop: Some(stop),
+            task: Some(task),
+            stats,
+        }
+    }
+
+    fn key(&self, n: usize) -> String {
+        format!("{}-{n}", self.queue)
+    }
+
+    async fn close_gate(&self) {
+        sqlx::query("INSERT INTO idem_cli_gates (name) VALUES ($1)")
+            .bind(&self.queue)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+    }
+
+    async fn open_gate(&self) {
+        sqlx::query("DELETE FROM idem_cli_gates WHERE name = $1")
+            .bind(&self.queue)
+            .execute(&self.pool)
+            .await
+            .unwrap();
+    }
+
+    async fn publish(&self, id: Option<&str>, body: &[u8]) {
+        let mut properties = BasicProperties::default();
+        if let Some(id) = id {
+            properties = properties.with_message_id(ShortString::from(id));
+        }
+        self.channel
+            .basic_publish(
+                ShortString::from(""),
+                ShortString::from(self.queue.as_str()),
+                BasicPublishOptions::default(),
+                body,
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    async fn publish_order(&self, n: usize) {
+        let body = serde_json::json!({"id": self.key(n), "gate": self.queue}).to_string();
+        self.publish(Some(&self.key(n)), body.as_bytes()).await;
+    }
+
+    /// (effects, distinct keys) of this fixture's orders.
+    async fn effects(&self) -> (i64, i64) {
+        sqlx::query_as(
+            "SELECT count(*), count(DISTINCT key) FROM idem_cli_effects WHERE key LIKE $1",
+        )
+        .bind(format!("{}-%", self.queue))
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    async fn dlq_count(&self) -> u32 {
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        let passive = idem::rabbitmq::lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let count = channel
+            .queue_declare(
+                ShortString::from(idem::rabbitmq::dlq(&self.queue).as_str()),
+                passive,
+                Default::default(),
+            )
+            .await
+            .unwrap()
+            .message_count();
+        let _ = connection.close(200, ShortString::from("counted")).await;
+        count
+    }
+
+    /// Runs `idem args…` against this fixture's broker and database; (exit ok, stdout, stderr).
+    fn idem(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(args)
+            .env("AMQP_URL", amqp_url())
+            .env("DATABASE_URL", postgres_url())
+            .env("IDEM_QUEUE", &self.queue)
+            .env_remove("IDEM_INBOX_TABLE")
+            .output()
+            .expect("run idem");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Runs `idem --json args…`, which must succeed, and parses its output.
+    fn idem_json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let (ok, out, err) = self.idem(&all);
+        assert!(ok, "idem {args:?} failed: {err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+    }
+
+    async fn shut_down(mut self) -> idem::Snapshot {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            tokio::time::timeout(DEADLINE, task)
+                .await
+                .expect("the runtime stops")
+                .unwrap()
+                .unwrap();
+        }
+        self.stats.snapshot()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dlq_of_1000_replayed_twice_takes_effect_once() {
+    let f = Fixture::new("replay").await;
+    f.close_gate().await;
+    for n in 0..1000 {
+        f.publish_order(n).await;
+    }
+    wait_until("1000 dead letters", || async {
+        f.dlq_count().await == 1000
+    })
+    .await;
+    assert_eq!(f.effects().await, (0, 0));
+
+    let listed = f.idem_json(&["dlq", "list", "--limit", "5"]);
+    assert_eq!(listed["total"], 1000);
+    let first = &listed["dead_letters"][0];
+    assert_eq!(first["record"]["reason"], "handler");
+    assert_eq!(first["record"]["consumer"], CONSUMER);
+    assert_eq!(first["record"]["key"], first["message_id"]);
+    assert!(
+        first["record"]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("the gate is closed")
+    );
+    assert_eq!(
+        f.dlq_count().await,
+        1000,
+        "listing leaves the DLQ as it was"
+    );
+
+    // The fix is deployed; replay, keeping the dead letters: every order applied once.
+    f.open_gate().await;
+    let first = f.idem_json(&["dlq", "replay", "--all", "--keep"]);
+    assert_eq!(first["replayed"], 1000, "{first}");
+    assert_eq!(first["failures_cleared"], 1000, "{first}");
+    wait_until("1000 orders applied", || async {
+        f.effects().await.0 == 1000
+    })
+    .await;
+    assert_eq!(f.dlq_count().await, 1000, "--keep leaves them");
+    let records = PgInbox::new(f.pool.clone())
+        .dead_letters(&f.queue)
+        .await
+        .unwrap();
+    assert!(
+        records.is_empty(),
+        "replay cleared the records: {records:?}"
+    );
+
+    // The same dead letters replayed again: duplicates, nothing applied twice; the DLQ empties.
+    let second = f.idem_json(&["dlq", "replay", "--all"]);
+    assert_eq!(second["replayed"], 1000, "{second}");
+    wait_until("the second replay settled as duplicates", || async {
+        f.stats.snapshot().duplicates == 1000
+    })
+    .await;
+    assert_eq!(f.dlq_count().await, 0);
+    assert_eq!(f.effects().await, (1000, 1000), "each order applied once");
+    let seen = f.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.dead_lettered, seen.duplicates),
+        (1000, 1000, 1000)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_letters_are_listed_shown_and_replayed_one_by_one() {
+    let f = Fixture::new("show").await;
+    f.close_gate().await;
+    f.publish_order(0).await;
+    f.publish(Some(&f.key(1)), b"this is not json").await;
+    f.publish_order(2).await;
+    wait_until("3 dead letters", || async { f.dlq_count().await == 3 }).await;
+
+    let (ok, text, err) = f.idem(&["dlq", "list"]);
+    assert!(ok, "{err}");
+    for expected in [
+        "REASON",
+        "handler",
+        "decode",
+        &f.key(1),
+        "3 of 3 dead letters shown",
+    ] {
+        assert!(text.contains(expected), "{expected:?} not in:\n{text}");
+    }
+    let shown = f.idem_json(&["dlq", "show", &f.key(1)]);
+    assert_eq!(shown["record"]["reason"], "decode");
+    assert_eq!(shown["record"]["keyed"], false);
+    assert_eq!(shown["body"], "this is not json");
+    assert_eq!(shown["from_queue"], f.queue.as_str());
+    let (ok, _, err) = f.idem(&["dlq", "show", "no-such-id"]);
+    assert!(!ok && err.contains("no dead letter no-such-id"), "{err}");
+
+    // One by one: only the one named is replayed; an unknown id is reported.
+    f.open_gate().await;
+    let replayed = f.idem_json(&["dlq", "replay", &f.key(0)]);
+    assert_eq!(replayed["replayed"], 1);
+    wait_until("order 0 applied", || async { f.effects().await.0 == 1 }).await;
+    assert_eq!(f.dlq_count().await, 2);
+    let (ok, out, err) = f.idem(&["dlq", "replay", &f.key(2), "missing-id"]);
+    assert!(
+        !ok && err.contains("not in the DLQ: missing-id"),
+        "{out}{err}"
+    );
+    wait_until("order 2 applied", || async { f.effects().await.0 == 2 }).await;
+
+    // --to: the malformed one goes to another queue, untouched but for x-death.
+    let parking = format!("{}.parking", f.queue);
+    let declare = idem::rabbitmq::lapin::options::QueueDeclareOptions::default();
+    f.channel
+        .queue_declare(
+            ShortString::from(parking.as_str()),
+            declare,
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    let moved = f.idem_json(&["dlq", "replay", "--all", "--to", &parking]);
+    assert_eq!(moved["replayed"], 1);
+    let got = f
+        .channel
+        .basic_get(ShortString::from(parking.as_str()), Default::default())
+        .await
+        .unwrap()
+        .expect("the replayed message");
+    assert_eq!(got.delivery.data, b"this is not json");
+    assert_eq!(
+        got.delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(ShortString::as_str),
+        Some(f.key(1).as_str())
+    );
+    let headers = got
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    assert!(!headers.inner().contains_key("x-death"), "{headers:?}");
+    let _ = f
+        .channel
+        .queue_delete(ShortString::from(parking.as_str()), Default::default())
+        .await;
+    let seen = f.shut_down().await;
+    assert_eq!(seen.processed, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inbox_rows_are_counted_shown_forgotten_and_swept() {
+    let f = Fixture::new("inbox").await;
+    f.publish_order(0).await;
+    f.publish_order(1).await;
+    wait_until("2 orders applied", || async { f.effects().await.0 == 2 }).await;
+
+    let stats = f.idem_json(&["inbox", "stats"]);
+    let completed = stats["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["consumer"] == CONSUMER && r["status"] == "completed")
+        .expect("a completed row count");
+    assert!(completed["rows"].as_u64().unwrap() >= 2, "{stats}");
+
+    let shown = f.idem_json(&["inbox", "show", CONSUMER, &f.key(0)]);
+    assert_eq!(shown["row"]["status"], "completed");
+    assert_eq!(shown["row"]["outcome"], "7");
+    let forgot = f.idem_json(&["inbox", "forget", CONSUMER, &f.key(0)]);
+    assert_eq!(forgot["removed"]["row"], true);
+    let shown = f.idem_json(&["inbox", "show", CONSUMER, &f.key(0)]);
+    assert!(shown["row"].is_null(), "{shown}");
+    // Forgotten: the same message is now processed as new.
+    f.publish_order(0).await;
+    wait_until("order 0 applied again", || async {
+        f.effects().await.0 == 3
+    })
+    .await;
+
+    // An expired row is swept (retried while another test's sweeper holds the lock).
+    sqlx::query("UPDATE idem_inbox SET expires_at = now() - interval '1 minute' WHERE consumer = $1 AND key = $2")
+        .bind(CONSUMER)
+        .bind(f.key(1))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let (ok, out, err) = f.idem(&["--json", "inbox", "sweep"]);
+        if ok {
+            let swept: Value = serde_json::from_str(&out).unwrap();
+            assert!(swept["rows_deleted"].as_u64().unwrap() >= 1, "{swept}");
+            break;
+        }
+        assert!(
+            err.contains("sweeper lock") && Instant::now() < deadline,
+            "{err}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let shown = f.idem_json(&["inbox", "show", CONSUMER, &f.key(1)]);
+    assert!(shown["row"].is_null(), "{shown}");
+    f.shut_down().await;
+}
+
+#[test]
+fn a_wrong_database_url_says_what_to_change() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["inbox", "stats"])
+        .env("DATABASE_URL", "oracle://scott:tiger@db/orders")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("not a postgres://, mysql:// or sqlite: URL"),
+        "{err}"
+    );
+    assert!(!err.contains("tiger"), "the password is hidden: {err}");
+}

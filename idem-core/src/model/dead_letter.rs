@@ -1,0 +1,115 @@
+//! What is kept of a dead letter: why it was refused, by whom, for which key, so that an
+//! operator reading the dead-letter queue finds the reason beside the message.
+
+use super::envelope::Envelope;
+use super::fingerprint::Fingerprint;
+
+/// Why a message is dead-lettered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// A stable code (`decode`, `missing-key`, `handler`, `conflict`, `retries-exhausted`, …).
+    pub reason: String,
+    /// A human-readable explanation.
+    pub detail: String,
+    /// The consumer that refused it.
+    pub consumer: String,
+    /// The dedup key, when one was read.
+    pub key: Option<String>,
+    /// Delivery attempts made.
+    pub attempts: u32,
+}
+
+/// The record of one dead letter, written to the consumer's store (keyed by consumer and key)
+/// before the message is moved to the dead-letter queue, so its reason is never lost and a
+/// second dead-lettering of the same message overwrites rather than adds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterRecord {
+    /// The consumer that refused it.
+    pub consumer: String,
+    /// The dedup key; for a message whose key could not be read, `message-id:<id>` or
+    /// `sha256:<fingerprint>` (see [`DeadLetterRecord::new`]).
+    pub key: String,
+    /// Whether `key` is the message's dedup key (`false`: a stand-in).
+    pub keyed: bool,
+    /// The queue it was consumed from.
+    pub queue: String,
+    /// The reason code.
+    pub reason: String,
+    /// The explanation.
+    pub detail: String,
+    /// Delivery attempts made.
+    pub attempts: u32,
+    /// The message id, when it had one.
+    pub message_id: Option<String>,
+    /// The SHA-256 of its body: with the message id, what ties the record to the message in
+    /// the dead-letter queue.
+    pub fingerprint: Fingerprint,
+}
+
+/// The longest message id a stand-in key is made of; a longer one gives way to the body's
+/// fingerprint, so that every stand-in key fits every store's key column.
+const MAX_ID_IN_KEY: usize = 128;
+
+impl DeadLetterRecord {
+    /// The record of `envelope`, consumed from `queue`, dead-lettered for `letter`. A message
+    /// whose key was never read (it did not decode, or had no key) is recorded under
+    /// `message-id:<its id>`, or `sha256:<its body's fingerprint>` when it has no short id.
+    pub fn new(letter: &DeadLetter, envelope: &Envelope, queue: &str) -> Self {
+        let fingerprint = Fingerprint::of(&envelope.body);
+        let (key, keyed) = match &letter.key {
+            Some(key) => (key.clone(), true),
+            None => (
+                stand_in_key(envelope.message_id.as_deref(), &fingerprint),
+                false,
+            ),
+        };
+        Self {
+            consumer: letter.consumer.clone(),
+            key,
+            keyed,
+            queue: queue.to_owned(),
+            reason: letter.reason.clone(),
+            detail: letter.detail.clone(),
+            attempts: letter.attempts,
+            message_id: envelope.message_id.clone(),
+            fingerprint,
+        }
+    }
+}
+
+/// The key a keyless dead letter is recorded under.
+pub fn stand_in_key(message_id: Option<&str>, fingerprint: &Fingerprint) -> String {
+    match message_id {
+        Some(id) if !id.is_empty() && id.len() <= MAX_ID_IN_KEY => format!("message-id:{id}"),
+        _ => format!("sha256:{fingerprint}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn letter(key: Option<&str>) -> DeadLetter {
+        DeadLetter {
+            reason: "decode".into(),
+            detail: "not JSON".into(),
+            consumer: "c".into(),
+            key: key.map(str::to_owned),
+            attempts: 2,
+        }
+    }
+
+    #[test]
+    fn a_keyless_dead_letter_stands_in_with_its_id_or_its_body() {
+        let env = Envelope::new("x").with_message_id("m-1");
+        let r = DeadLetterRecord::new(&letter(Some("k")), &env, "q");
+        assert_eq!((r.key.as_str(), r.keyed, r.attempts), ("k", true, 2));
+        let r = DeadLetterRecord::new(&letter(None), &env, "q");
+        assert_eq!((r.key.as_str(), r.keyed), ("message-id:m-1", false));
+        let long = Envelope::new("x").with_message_id("m".repeat(129));
+        let r = DeadLetterRecord::new(&letter(None), &long, "q");
+        assert_eq!(r.key, format!("sha256:{}", Fingerprint::of(b"x")));
+        let r = DeadLetterRecord::new(&letter(None), &Envelope::new("x"), "q");
+        assert!(r.key.starts_with("sha256:") && r.message_id.is_none());
+    }
+}

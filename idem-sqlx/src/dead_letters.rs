@@ -1,0 +1,132 @@
+//! Dead-letter records: why each dead-lettered message was refused, one row per (consumer,
+//! key) in `{table}_dead_letters`, written before the message is moved to the dead-letter
+//! queue and removed when an operator replays or forgets it.
+
+use crate::dialect::Dialect;
+use crate::error::store_error;
+use crate::exec::Param;
+use crate::inbox::SqlInbox;
+use idem_core::{ClaimRequest, DeadLetterRecord, Fingerprint, StoreError};
+use std::time::Duration;
+
+/// One dead-letter record, as read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterRow {
+    /// The consumer that refused the message.
+    pub consumer: String,
+    /// Its dedup key, or a stand-in (`message-id:…`, `sha256:…`) when `keyed` is false.
+    pub key: String,
+    /// Whether `key` is the message's dedup key.
+    pub keyed: bool,
+    /// The queue it was consumed from.
+    pub queue: String,
+    /// The reason code (`decode`, `conflict`, `poison`, …).
+    pub reason: String,
+    /// The explanation.
+    pub detail: String,
+    /// Delivery attempts made.
+    pub attempts: u32,
+    /// Its message id, when it had one.
+    pub message_id: Option<String>,
+    /// The SHA-256 of its body.
+    pub fingerprint: Option<Fingerprint>,
+    /// When it was dead-lettered, in milliseconds since the Unix epoch.
+    pub dead_lettered_at_ms: i64,
+}
+
+impl DeadLetterRow {
+    /// Whether this is the record of the dead-lettered message with `message_id` and `body`:
+    /// same body fingerprint, same message id.
+    pub fn describes(&self, message_id: Option<&str>, body: &[u8]) -> bool {
+        self.fingerprint == Some(Fingerprint::of(body)) && self.message_id.as_deref() == message_id
+    }
+}
+
+impl<DB: Dialect> SqlInbox<DB> {
+    /// Writes `record`, replacing the record of its key, in a transaction of its own. A key
+    /// this database cannot hold (too long for MySQL's key column) is recorded under
+    /// `sha256:<its fingerprint>` instead.
+    pub(crate) async fn record(&self, record: &DeadLetterRecord) -> Result<(), StoreError> {
+        let fingerprint = Fingerprint::of(record.key.as_bytes());
+        let request = ClaimRequest {
+            consumer: &record.consumer,
+            key: &record.key,
+            fingerprint: &fingerprint,
+            attempt: record.attempts,
+            retention: Duration::ZERO,
+        };
+        let substitute;
+        let (key, keyed) = match DB::check_request(&request) {
+            Ok(()) => (record.key.as_str(), record.keyed),
+            Err(_) => {
+                substitute = format!("sha256:{fingerprint}");
+                (substitute.as_str(), false)
+            }
+        };
+        let params = [
+            Param::Text(&record.consumer),
+            Param::Text(key),
+            Param::Int32(i32::from(keyed)),
+            Param::Text(&record.queue),
+            Param::Text(&record.reason),
+            Param::Text(&record.detail),
+            Param::Int32(i32::try_from(record.attempts).unwrap_or(i32::MAX)),
+            Param::Text(record.message_id.as_deref().unwrap_or("")),
+            Param::Bytes(record.fingerprint.as_bytes()),
+        ];
+        let fail = |e| store_error("record dead letter", e);
+        let mut tx = self.begin_tx().await?;
+        DB::execute(&mut *tx, &self.sql.admin.record, &params)
+            .await
+            .map_err(fail)?;
+        tx.commit().await.map_err(fail)
+    }
+
+    /// The dead-letter records of `queue`, oldest first.
+    pub async fn dead_letters(&self, queue: &str) -> Result<Vec<DeadLetterRow>, StoreError> {
+        let fail = |e| store_error("read dead letters", e);
+        let mut conn = self.pool.acquire().await.map_err(fail)?;
+        let rows = DB::fetch_all(
+            &mut *conn,
+            &self.sql.admin.dead_letters,
+            &[Param::Text(queue)],
+        )
+        .await
+        .map_err(fail)?;
+        rows.iter()
+            .map(read_row::<DB>)
+            .collect::<Result<_, _>>()
+            .map_err(fail)
+    }
+
+    /// The dead-letter record of `key` for `consumer`, if there is one.
+    pub async fn dead_letter(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<Option<DeadLetterRow>, StoreError> {
+        let fail = |e| store_error("read dead letter", e);
+        let mut conn = self.pool.acquire().await.map_err(fail)?;
+        let params = [Param::Text(consumer), Param::Text(key)];
+        let row = DB::fetch_optional(&mut *conn, &self.sql.admin.dead_letter_of, &params)
+            .await
+            .map_err(fail)?;
+        row.as_ref().map(read_row::<DB>).transpose().map_err(fail)
+    }
+}
+
+fn read_row<DB: Dialect>(row: &DB::Row) -> Result<DeadLetterRow, sqlx::Error> {
+    let message_id = DB::text(row, "message_id")?;
+    Ok(DeadLetterRow {
+        consumer: DB::text(row, "consumer")?,
+        key: DB::text(row, "key")?,
+        keyed: DB::int32(row, "keyed")? != 0,
+        queue: DB::text(row, "queue")?,
+        reason: DB::text(row, "reason")?,
+        detail: DB::text(row, "detail")?,
+        attempts: u32::try_from(DB::int32(row, "attempts")?).unwrap_or(0),
+        message_id: (!message_id.is_empty()).then_some(message_id),
+        fingerprint: Fingerprint::from_slice(&DB::bytes(row, "fingerprint")?),
+        dead_lettered_at_ms: DB::int(row, "at_ms")?,
+    })
+}
