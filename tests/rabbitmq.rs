@@ -396,6 +396,92 @@ async fn a_message_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves_
     f.cleanup().await;
 }
 
+/// The same over `amqps://`: a RabbitMQ node of the test's own with a TLS listener whose
+/// certificate a private CA signed (`RabbitConfig::tls_ca_pem`). lapin and idem's own reader
+/// both connect over TLS; the unparsable message is dead-lettered once, the orders applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn over_tls_a_message_the_client_cannot_parse_is_dead_lettered_too() {
+    use common::raw_amqp::{RawProperties, RawPublisher};
+    use common::tls_node::TlsNode;
+    let node = tokio::task::spawn_blocking(TlsNode::start).await.unwrap();
+    let mut f = fixture("tls", fast_retries(), QueueType::Classic, None).await;
+    f.rabbit = RabbitConfig::new(&node.amqps_url)
+        .tls_ca_pem(&node.ca_pem)
+        .connection_name(format!("idem-test:{}", f.queue));
+    let spec = QueueSpec {
+        queue: f.queue.clone(),
+        consumer: CONSUMER.into(),
+        retry_delays: f.policy.delays(),
+        ..QueueSpec::default()
+    };
+    RabbitTransport::new(f.rabbit.clone())
+        .declare(&[spec])
+        .await
+        .expect("declared over TLS");
+    let order = |n: usize| {
+        format!(
+            r#"{{"order_id": "{}", "customer": "{}", "amount_cents": 7}}"#,
+            f.key(n),
+            f.customer(n)
+        )
+    };
+    let good = |n: usize| RawProperties {
+        message_id: Some(f.key(n).into_bytes()),
+        headers: None,
+    };
+    let mut raw = RawPublisher::connect(&node.plain_address, "guest", "guest");
+    for n in 0..10 {
+        raw.publish(&f.queue, &good(n), order(n).as_bytes());
+    }
+    let bad = RawProperties {
+        message_id: Some(vec![0xff, 0xfe, b't', b'l', b's']),
+        headers: None,
+    };
+    raw.publish(&f.queue, &bad, order(1000).as_bytes());
+    for n in 10..20 {
+        raw.publish(&f.queue, &good(n), order(n).as_bytes());
+    }
+    drop(raw);
+    let running = start(f.runtime());
+    wait_until(
+        "every good order applied",
+        Duration::from_secs(30),
+        || async { f.effects().await.len() == 20 },
+    )
+    .await;
+    wait_until("the unparsable message recorded", DEADLINE, || async {
+        f.dead_letters().await.len() == 1
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(20, |_| 7).await;
+    let records = f.dead_letters().await;
+    assert_eq!(records[0].reason, "unparsable");
+    assert_eq!(
+        records[0].fingerprint,
+        Some(idem::Fingerprint::of(order(1000).as_bytes()))
+    );
+    let dlq = idem::rabbitmq::dlq(&f.queue);
+    let on_node = idem::rabbitmq::lapin::Connection::connect(&node.plain_url, Default::default())
+        .await
+        .unwrap();
+    let passive = idem::rabbitmq::lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let dead = on_node
+        .create_channel()
+        .await
+        .unwrap()
+        .queue_declare(dlq.as_str().into(), passive, Default::default())
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(dead, 1, "dead-lettered once");
+    let _ = on_node.close(200, "done".into()).await;
+    f.cleanup().await;
+}
+
 /// A body over `RabbitConfig::max_body` is dead-lettered as `too-large` before it is decoded;
 /// the messages around it are processed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

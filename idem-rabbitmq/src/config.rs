@@ -43,6 +43,8 @@ pub struct RabbitConfig {
     pub(crate) bindings: Vec<Binding>,
     pub(crate) message_ttl: Option<Duration>,
     pub(crate) max_body: usize,
+    /// PEM certificates trusted for `amqps://` besides the system's roots.
+    pub(crate) tls_ca: Option<std::sync::Arc<str>>,
 }
 
 /// The largest body handed to a handler unless configured: 16 MiB.
@@ -61,7 +63,16 @@ impl RabbitConfig {
             bindings: Vec::new(),
             message_ttl: None,
             max_body: DEFAULT_MAX_BODY,
+            tls_ca: None,
         }
+    }
+
+    /// For `amqps://`: also trust the CA certificates in `pem` (PEM text), beside the system's
+    /// roots; for a broker whose certificate a private CA signed. Both lapin's connections and
+    /// idem's own reader (the quarantine of unparsable messages) use it.
+    pub fn tls_ca_pem(mut self, pem: impl Into<String>) -> Self {
+        self.tls_ca = Some(pem.into().into());
+        self
     }
 
     /// The largest body handed to a handler (default [`DEFAULT_MAX_BODY`], 16 MiB): a larger
@@ -142,6 +153,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("bindings", &self.bindings)
             .field("message_ttl", &self.message_ttl)
             .field("max_body", &self.max_body)
+            .field("tls_ca", &self.tls_ca.as_ref().map(|_| "PEM"))
             .finish()
     }
 }

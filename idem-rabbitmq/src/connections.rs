@@ -2,6 +2,7 @@
 //! channels' settlement tasks, which shutdown lets finish first.
 
 use crate::config::RabbitConfig;
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{LongString, ShortString};
 use lapin::{Connection, ConnectionProperties};
 use std::collections::HashSet;
@@ -28,7 +29,13 @@ impl Connections {
         let name = format!("{}:{purpose}", config.name);
         let properties = ConnectionProperties::default()
             .with_connection_name(LongString::from(name.into_bytes()));
-        let connection = Arc::new(Connection::connect(&config.url, properties).await?);
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: config.tls_ca.as_deref().map(str::to_owned),
+        };
+        let runtime = lapin::runtime::default_runtime()?;
+        let connection = Connection::connect_with_config(&config.url, properties, tls, runtime);
+        let connection = Arc::new(connection.await?);
         let mut all = self.open.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|c| c.status().connected());
         all.push(connection.clone());

@@ -54,7 +54,7 @@ pub(crate) async fn run(
     spec: &QueueSpec,
     window: u16,
 ) -> Result<usize, QuarantineError> {
-    let mut raw = RawConnection::open(&config.url).await?;
+    let mut raw = RawConnection::open(&config.url, config.tls_ca.as_deref()).await?;
     let mut qos = 0u32.to_be_bytes().to_vec();
     qos.extend_from_slice(&window.to_be_bytes());
     qos.push(0);

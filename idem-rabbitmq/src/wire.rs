@@ -1,12 +1,16 @@
-//! A minimal AMQP 0-9-1 client of idem's own, over plain TCP: just enough to consume a queue
+//! A minimal AMQP 0-9-1 client of idem's own, over TCP or TLS (`amqps://`, rustls with the
+//! system's roots and [`crate::RabbitConfig::tls_ca_pem`]): just enough to consume a queue
 //! frame by frame and reject a delivery, for the messages lapin cannot parse (see
 //! [`crate::quarantine`]). Frames are read as bytes and judged by the same parser lapin uses, so
 //! a delivery lapin would fail on is seen here as such, and can still be rejected.
 
 use lapin::uri::{AMQPScheme, AMQPUri};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
 use std::io;
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// AMQP frame types.
@@ -58,9 +62,14 @@ pub(crate) fn long(out: &mut Vec<u8>, s: &[u8]) {
     out.extend_from_slice(s);
 }
 
+/// A byte stream to the broker: TCP, or TLS over TCP.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
+
+impl<S: AsyncRead + AsyncWrite + Unpin + Send> Stream for S {}
+
 /// A connection with channel 1 open.
 pub(crate) struct RawConnection {
-    stream: TcpStream,
+    stream: Box<dyn Stream>,
 }
 
 fn protocol(message: impl Into<String>) -> io::Error {
@@ -68,17 +77,20 @@ fn protocol(message: impl Into<String>) -> io::Error {
 }
 
 impl RawConnection {
-    /// Connects to the broker of `url` (`amqp://` only) and opens channel 1.
-    pub(crate) async fn open(url: &str) -> io::Result<Self> {
+    /// Connects to the broker of `url` (`amqp://`, or `amqps://` trusting the system's roots
+    /// and the PEM certificates `tls_ca`) and opens channel 1.
+    pub(crate) async fn open(url: &str, tls_ca: Option<&str>) -> io::Result<Self> {
         let uri: AMQPUri = url.parse().map_err(protocol)?;
-        if uri.scheme != AMQPScheme::AMQP {
-            return Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "idem's own AMQP reader speaks plain amqp:// only",
-            ));
-        }
-        let address = (uri.authority.host.as_str(), uri.authority.port);
-        let stream = tokio::time::timeout(Duration::from_secs(10), TcpStream::connect(address))
+        let host = uri.authority.host.as_str();
+        let connect = async {
+            let tcp = TcpStream::connect((host, uri.authority.port)).await?;
+            let stream: Box<dyn Stream> = match uri.scheme {
+                AMQPScheme::AMQP => Box::new(tcp),
+                AMQPScheme::AMQPS => Box::new(tls(host, tls_ca)?.connect_stream(tcp).await?),
+            };
+            Ok::<_, io::Error>(stream)
+        };
+        let stream = tokio::time::timeout(Duration::from_secs(10), connect)
             .await
             .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connecting timed out"))??;
         let mut this = Self { stream };
@@ -118,7 +130,8 @@ impl RawConnection {
             channel,
             payload: payload.to_vec(),
         };
-        self.stream.write_all(&frame.bytes()).await
+        self.stream.write_all(&frame.bytes()).await?;
+        self.stream.flush().await
     }
 
     /// Sends method `class.method` with `args` on `channel`.
@@ -185,4 +198,45 @@ impl RawConnection {
             }
         }
     }
+}
+
+/// A TLS connector for `host`: rustls (ring), trusting the system's roots and `extra` (PEM).
+struct Tls {
+    connector: tokio_rustls::TlsConnector,
+    name: ServerName<'static>,
+}
+
+impl Tls {
+    async fn connect_stream(
+        &self,
+        tcp: TcpStream,
+    ) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        self.connector.connect(self.name.clone(), tcp).await
+    }
+}
+
+fn tls(host: &str, extra: Option<&str>) -> io::Result<Tls> {
+    let invalid =
+        |e: &dyn std::fmt::Display| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
+    let mut roots = rustls::RootCertStore::empty();
+    // Certificates the system store holds but rustls cannot use are skipped, as lapin does.
+    let (_, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+    if let Some(pem) = extra {
+        for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
+            roots
+                .add(cert.map_err(|e| invalid(&e))?)
+                .map_err(|e| invalid(&e))?;
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| invalid(&e))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let name = ServerName::try_from(host.to_owned()).map_err(|e| invalid(&e))?;
+    Ok(Tls {
+        connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
+        name,
+    })
 }

@@ -148,3 +148,4 @@ pub mod faulty_orders;
 pub mod proxy;
 pub mod raw_amqp;
 pub mod running;
+pub mod tls_node;
