@@ -486,6 +486,8 @@ async fn over_tls_a_message_the_client_cannot_parse_is_dead_lettered_too() {
 /// the messages around it are processed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_body_over_the_limit_is_dead_lettered() {
+    use idem::rabbitmq::lapin::BasicProperties;
+    use idem::rabbitmq::lapin::types::{AMQPValue, FieldTable, ShortString};
     let f = fixture("too-large", fast_retries(), QueueType::Classic, None).await;
     f.publish_order(0, 4).await;
     let huge = format!(
@@ -494,26 +496,58 @@ async fn a_body_over_the_limit_is_dead_lettered() {
         "x".repeat(2 << 20)
     );
     publish(&f.publisher, &f.queue, Some(&f.key(99)), huge.as_bytes()).await;
+    // A small body under a header table of 8 KiB.
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ShortString::from("x-padding"),
+        AMQPValue::LongString(vec![b'h'; 8 << 10].into()),
+    );
+    let padded = BasicProperties::default()
+        .with_message_id(ShortString::from(f.key(98)))
+        .with_headers(headers);
+    let small = format!(
+        r#"{{"order_id": "{}", "customer": "c", "amount_cents": 1}}"#,
+        f.key(98)
+    );
+    f.publisher
+        .publish("", &f.queue, small.as_bytes(), padded)
+        .await
+        .unwrap();
     f.publish_order(1, 4).await;
-    let transport = RabbitTransport::new(f.rabbit.clone().max_body(1 << 20));
-    let running = start(f.runtime().transport(transport));
+    let rabbit = f.rabbit.clone().max_body(1 << 20).max_headers(4 << 10);
+    let running = start(f.runtime().transport(RabbitTransport::new(rabbit)));
     let dlq = idem::rabbitmq::dlq(&f.queue);
-    wait_until("the huge message dead-lettered", DEADLINE, || async {
-        broker::count(&dlq).await == 1
+    wait_until("the huge messages dead-lettered", DEADLINE, || async {
+        broker::count(&dlq).await == 2
     })
     .await;
-    wait_until("the orders around it applied", DEADLINE, || async {
+    wait_until("the orders around them applied", DEADLINE, || async {
         f.effects().await.len() == 2
     })
     .await;
     running.shut_down().await;
     f.assert_exactly_once(2, |_| 4).await;
     let records = f.dead_letters().await;
-    assert_eq!(records.len(), 1, "{records:?}");
-    assert_eq!(records[0].reason, "too-large");
+    assert_eq!(records.len(), 2, "{records:?}");
+    assert!(records.iter().all(|r| r.reason == "too-large"));
     let dead = broker::drain(&dlq).await;
-    assert_eq!(dead[0].body.len(), huge.len(), "kept whole");
-    assert!(records[0].describes(Some(&f.key(99)), &dead[0].body));
+    let body = dead
+        .iter()
+        .find(|m| m.body.len() == huge.len())
+        .expect("kept whole");
+    let record = |id: &str| {
+        records
+            .iter()
+            .find(|r| r.message_id.as_deref() == Some(id))
+            .unwrap()
+    };
+    assert!(record(&f.key(99)).describes(Some(&f.key(99)), &body.body));
+    assert!(record(&f.key(99)).detail.contains("max_body"));
+    assert!(
+        record(&f.key(98))
+            .detail
+            .contains("RabbitConfig::max_headers")
+    );
     f.cleanup().await;
 }
 

@@ -17,6 +17,10 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub amqp_url: String,
+    /// For an `amqps://` broker whose certificate a private CA signed: a PEM file of CA
+    /// certificates to trust beside the system's roots.
+    #[arg(long, env = "AMQP_TLS_CA", global = true, value_name = "PEM_FILE")]
+    pub amqp_tls_ca: Option<std::path::PathBuf>,
     /// The database holding the inbox: a `postgres://`, `mysql://` or `sqlite:` URL.
     #[arg(
         long,

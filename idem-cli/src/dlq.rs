@@ -16,6 +16,7 @@ use idem::rabbitmq::lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
+use idem::rabbitmq::lapin::tcp::OwnedTLSConfig;
 use idem::rabbitmq::lapin::types::{AMQPValue, FieldTable, ShortString};
 use idem::rabbitmq::lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
@@ -98,11 +99,24 @@ struct Broker {
 
 impl Broker {
     async fn open(cli: &Cli, queue: &str) -> Result<Self, CliError> {
-        let connection = Connection::connect(&cli.amqp_url, ConnectionProperties::default())
+        let cert_chain = match &cli.amqp_tls_ca {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| CliError::Usage(format!("AMQP_TLS_CA {}: {e}", path.display())))?,
+            ),
+            None => None,
+        };
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain,
+        };
+        let unreachable =
+            |e| CliError::Broker(format!("cannot reach {}: {e}", redact_url(&cli.amqp_url)));
+        let runtime = idem::rabbitmq::lapin::runtime::default_runtime().map_err(unreachable)?;
+        let properties = ConnectionProperties::default();
+        let connection = Connection::connect_with_config(&cli.amqp_url, properties, tls, runtime)
             .await
-            .map_err(|e| {
-                CliError::Broker(format!("cannot reach {}: {e}", redact_url(&cli.amqp_url)))
-            })?;
+            .map_err(unreachable)?;
         let channel = connection
             .create_channel()
             .await

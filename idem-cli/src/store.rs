@@ -2,7 +2,8 @@
 
 use crate::args::Cli;
 use crate::error::CliError;
-use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
+use idem::InboxStore;
+use idem::sql::{Dialect, MySqlInbox, PgInbox, SCHEMA_VERSION, SqlInbox, SqliteInbox};
 use idem::telemetry::redact_url;
 
 /// Connects to the database of `cli` and runs its command there.
@@ -19,17 +20,17 @@ pub async fn dispatch(cli: &Cli) -> Result<(), CliError> {
             .connect(url)
             .await
             .map_err(|e| failed(&e))?;
-        crate::run(cli, PgInbox::new(pool).table(&cli.table).map_err(table)?).await
+        run_checked(cli, PgInbox::new(pool).table(&cli.table).map_err(table)?).await
     } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
         let pool = sqlx::mysql::MySqlPoolOptions::new()
             .max_connections(2)
             .connect(url)
             .await
             .map_err(|e| failed(&e))?;
-        crate::run(cli, MySqlInbox::new(pool).table(&cli.table).map_err(table)?).await
+        run_checked(cli, MySqlInbox::new(pool).table(&cli.table).map_err(table)?).await
     } else if url.starts_with("sqlite:") || !url.contains("://") {
         let pool = idem::sql::sqlite::pool(url).await.map_err(|e| failed(&e))?;
-        crate::run(
+        run_checked(
             cli,
             SqliteInbox::new(pool).table(&cli.table).map_err(table)?,
         )
@@ -40,4 +41,17 @@ pub async fn dispatch(cli: &Cli) -> Result<(), CliError> {
             redact_url(url)
         )))
     }
+}
+
+/// Runs `cli`'s command once the inbox's tables are there, as this idem knows them.
+async fn run_checked<DB: Dialect>(cli: &Cli, inbox: SqlInbox<DB>) -> Result<(), CliError> {
+    if let Err(e) = inbox.check().await {
+        return Err(CliError::Usage(format!(
+            "{e}\nthe service creates and upgrades its inbox with `migrate()` (schema version \
+             {SCHEMA_VERSION}); check DATABASE_URL ({}) and IDEM_INBOX_TABLE ({})",
+            redact_url(&cli.database_url),
+            cli.table
+        )));
+    }
+    crate::run(cli, inbox).await
 }

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
 use idem::rabbitmq::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use idem::rabbitmq::lapin::types::ShortString;
+use idem::rabbitmq::lapin::types::{AMQPValue, FieldTable, ShortString};
 use idem::rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
@@ -16,6 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
+
+#[path = "../../tests/common/tls_node.rs"]
+mod tls_node;
 
 const CONSUMER: &str = "cli.orders";
 const DEADLINE: Duration = Duration::from_secs(90);
@@ -169,7 +172,12 @@ impl Fixture {
     }
 
     async fn publish(&self, id: Option<&str>, body: &[u8]) {
-        let mut properties = BasicProperties::default();
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("tenant"),
+            AMQPValue::LongString(b"acme".to_vec().into()),
+        );
+        let mut properties = BasicProperties::default().with_headers(headers);
         if let Some(id) = id {
             properties = properties.with_message_id(ShortString::from(id));
         }
@@ -408,6 +416,15 @@ async fn dead_letters_are_listed_shown_and_replayed_one_by_one() {
         .clone()
         .unwrap_or_default();
     assert!(!headers.inner().contains_key("x-death"), "{headers:?}");
+    assert!(
+        !headers.inner().contains_key("x-first-death-queue"),
+        "{headers:?}"
+    );
+    assert_eq!(
+        headers.inner().get("tenant"),
+        Some(&AMQPValue::LongString(b"acme".to_vec().into())),
+        "the user's headers are kept"
+    );
     let _ = f
         .channel
         .queue_delete(ShortString::from(parking.as_str()), Default::default())
@@ -486,4 +503,94 @@ fn a_wrong_database_url_says_what_to_change() {
         "{err}"
     );
     assert!(!err.contains("tiger"), "the password is hidden: {err}");
+    // A database whose inbox was never migrated: said so, with what to check.
+    let empty = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["inbox", "stats"])
+        .env("DATABASE_URL", empty.path().join("none.db"))
+        .env_remove("IDEM_INBOX_TABLE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("idem_inbox") && err.contains("`migrate()`"),
+        "{err}"
+    );
+}
+
+/// Against an `amqps://` broker whose certificate a private CA signed: with `AMQP_TLS_CA` the
+/// CLI reads the DLQ; without it, it refuses the certificate and says it cannot reach the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dlq_of_a_tls_broker_is_read_with_its_ca() {
+    let node = tokio::task::spawn_blocking(tls_node::TlsNode::start)
+        .await
+        .unwrap();
+    let queue = unique("idem-cli-tls");
+    let dlq = idem::rabbitmq::dlq(&queue);
+    let connection = Connection::connect(&node.plain_url, ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            ShortString::from(dlq.as_str()),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let properties = BasicProperties::default().with_message_id(ShortString::from("tls-1"));
+    channel
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(dlq.as_str()),
+            BasicPublishOptions::default(),
+            b"{}",
+            properties,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let ca = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(ca.path(), &node.ca_pem).unwrap();
+    let database = tempfile::tempdir().unwrap();
+    let inbox = database.path().join("inbox.db");
+    let pool = idem::sql::sqlite::pool(&inbox.display().to_string())
+        .await
+        .unwrap();
+    idem::sql::SqliteInbox::new(pool).migrate().await.unwrap();
+    let idem = |with_ca: bool| {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+        command
+            .args(["--json", "dlq", "list", "--queue", &queue])
+            .env("AMQP_URL", &node.amqps_url)
+            .env("DATABASE_URL", &inbox)
+            .env_remove("AMQP_TLS_CA");
+        if with_ca {
+            command.env("AMQP_TLS_CA", ca.path());
+        }
+        command.output().unwrap()
+    };
+    let out = idem(true);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed["total"], 1);
+    assert_eq!(listed["dead_letters"][0]["message_id"], "tls-1");
+    let out = idem(false);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("cannot reach amqps://guest:***@localhost"),
+        "{err}"
+    );
+    let _ = connection.close(200, ShortString::from("done")).await;
 }

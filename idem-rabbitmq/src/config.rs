@@ -43,12 +43,16 @@ pub struct RabbitConfig {
     pub(crate) bindings: Vec<Binding>,
     pub(crate) message_ttl: Option<Duration>,
     pub(crate) max_body: usize,
+    pub(crate) max_headers: usize,
     /// PEM certificates trusted for `amqps://` besides the system's roots.
     pub(crate) tls_ca: Option<std::sync::Arc<str>>,
 }
 
 /// The largest body handed to a handler unless configured: 16 MiB.
 pub const DEFAULT_MAX_BODY: usize = 16 << 20;
+
+/// The largest header table handed to a handler unless configured: 64 KiB.
+pub const DEFAULT_MAX_HEADERS: usize = 64 << 10;
 
 impl RabbitConfig {
     /// Settings for the broker at `url` (`amqp://` or `amqps://`).
@@ -63,6 +67,7 @@ impl RabbitConfig {
             bindings: Vec::new(),
             message_ttl: None,
             max_body: DEFAULT_MAX_BODY,
+            max_headers: DEFAULT_MAX_HEADERS,
             tls_ca: None,
         }
     }
@@ -79,6 +84,14 @@ impl RabbitConfig {
     /// one is dead-lettered with reason `too-large` before it is decoded.
     pub fn max_body(mut self, bytes: usize) -> Self {
         self.max_body = bytes;
+        self
+    }
+
+    /// The largest header table handed to a handler, in bytes as it travels (default
+    /// [`DEFAULT_MAX_HEADERS`], 64 KiB): a message with a larger one is dead-lettered with
+    /// reason `too-large` before it is decoded.
+    pub fn max_headers(mut self, bytes: usize) -> Self {
+        self.max_headers = bytes;
         self
     }
 
@@ -153,6 +166,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("bindings", &self.bindings)
             .field("message_ttl", &self.message_ttl)
             .field("max_body", &self.max_body)
+            .field("max_headers", &self.max_headers)
             .field("tls_ca", &self.tls_ca.as_ref().map(|_| "PEM"))
             .finish()
     }

@@ -4,7 +4,7 @@
 
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
-use crate::envelope::envelope;
+use crate::envelope::{envelope, table_size};
 use crate::quarantine;
 use crate::settle::{self, Acks, RabbitSettle};
 use crate::topology;
@@ -215,9 +215,23 @@ impl Consumer {
                 Some(delivery) => delivery?,
                 None => return Err(Lost::Cancelled),
             };
+            let header_bytes = delivery.properties.headers().as_ref().map_or(0, table_size);
             let delivery = self.enter(delivery, &acks, &channel, &queue);
-            if delivery.envelope.body.len() > self.config.max_body {
-                self.refuse_too_large(delivery).await;
+            let (body, limits) = (delivery.envelope.body.len(), &self.config);
+            if body > limits.max_body {
+                let detail = format!(
+                    "the body is {body} bytes, over the {} allowed (RabbitConfig::max_body)",
+                    limits.max_body
+                );
+                self.refuse_too_large(delivery, detail).await;
+                continue;
+            }
+            if header_bytes > limits.max_headers {
+                let detail = format!(
+                    "the header table is about {header_bytes} bytes, over the {} allowed (RabbitConfig::max_headers)",
+                    limits.max_headers
+                );
+                self.refuse_too_large(delivery, detail).await;
                 continue;
             }
             // Waits while the mailbox is full: no more deliveries in memory than prefetch allows.
@@ -227,18 +241,14 @@ impl Consumer {
         }
     }
 
-    /// Dead-letters a delivery whose body is over the configured limit, without handing it to
-    /// the runtime: its reason is recorded in the handler's store, then the broker moves it to
-    /// the DLQ, once.
-    async fn refuse_too_large(&self, delivery: Delivery) {
+    /// Dead-letters a delivery whose body or header table is over the configured limit (said
+    /// in `detail`), without handing it to the runtime: its reason is recorded in the handler's
+    /// store, then the broker moves it to the DLQ, once.
+    async fn refuse_too_large(&self, delivery: Delivery, detail: String) {
         let Delivery { envelope, settle } = delivery;
         let reason = DeadLetter {
             reason: "too-large".to_owned(),
-            detail: format!(
-                "the body is {} bytes, over the {} allowed (RabbitConfig::max_body)",
-                envelope.body.len(),
-                self.config.max_body
-            ),
+            detail,
             consumer: self.spec.consumer.clone(),
             key: None,
             attempts: envelope.attempt,

@@ -36,6 +36,26 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
     }
 }
 
+/// About how many bytes `table` takes on the wire (names, type tags, lengths and values).
+pub(crate) fn table_size(table: &FieldTable) -> usize {
+    4 + table
+        .inner()
+        .iter()
+        .map(|(name, value)| 1 + name.as_str().len() + value_size(value))
+        .sum::<usize>()
+}
+
+fn value_size(value: &AMQPValue) -> usize {
+    1 + match value {
+        AMQPValue::LongString(s) => 4 + s.as_bytes().len(),
+        AMQPValue::ShortString(s) => 1 + s.as_str().len(),
+        AMQPValue::ByteArray(b) => 4 + b.as_slice().len(),
+        AMQPValue::FieldTable(t) => table_size(t),
+        AMQPValue::FieldArray(a) => 4 + a.as_slice().iter().map(value_size).sum::<usize>(),
+        _ => 8,
+    }
+}
+
 /// Converts AMQP headers; values idem has no use for (tables, arrays, decimals, timestamps)
 /// are left out of the envelope (they stay on the message when it is republished).
 fn headers(table: &FieldTable) -> Headers {
@@ -80,6 +100,21 @@ pub(crate) fn with_headers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_header_table_is_measured_as_it_travels() {
+        let mut table = FieldTable::default();
+        assert_eq!(table_size(&table), 4);
+        table.insert(
+            ShortString::from("ab"),
+            AMQPValue::LongString(b"xyz".to_vec().into()),
+        );
+        let mut inner = FieldTable::default();
+        inner.insert(ShortString::from("n"), AMQPValue::LongLongInt(1));
+        table.insert(ShortString::from("t"), AMQPValue::FieldTable(inner));
+        // "ab": 1 + 2 + (1 + 4 + 3); "t": 1 + 1 + (1 + 4 + (1 + 1 + 1 + 8)).
+        assert_eq!(table_size(&table), 4 + 11 + 18);
+    }
 
     #[test]
     fn attempts_and_properties() {

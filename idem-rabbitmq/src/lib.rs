@@ -25,7 +25,7 @@ mod transport;
 mod watermark;
 mod wire;
 
-pub use config::{Binding, DEFAULT_MAX_BODY, QueueType, RabbitConfig};
+pub use config::{Binding, DEFAULT_MAX_BODY, DEFAULT_MAX_HEADERS, QueueType, RabbitConfig};
 pub use envelope::ATTEMPT_HEADER;
 pub use publisher::{PublishError, Publisher};
 pub use topology::{dlq, retry_queue};

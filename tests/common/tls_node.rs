@@ -2,6 +2,7 @@
 //! publisher that sends raw frames), its certificate signed by a CA made for the test with
 //! `openssl`. It runs beside the machine's node (own name, ports, data directory; the same
 //! Erlang cookie, so as the `rabbitmq` user when the tests run as root) and stops when dropped.
+#![allow(dead_code)]
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
