@@ -328,35 +328,21 @@ async fn a_message_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves_
     let f = fixture("unparsable", fast_retries(), QueueType::Classic, None).await;
     let address = broker::amqp_address();
     let mut raw = RawPublisher::connect(&address, "guest", "guest");
-    let order = |n: usize| {
-        serde_json::json!({"order_id": f.key(n), "customer": f.customer(n), "amount_cents": 7})
-            .to_string()
-    };
-    let good = |n: usize| RawProperties {
-        message_id: Some(f.key(n).into_bytes()),
-        headers: None,
-    };
-    for n in 0..10 {
-        raw.publish(&f.queue, &good(n), order(n).as_bytes());
-    }
+    f.publish_raw_orders(&mut raw, 0..10);
     let bad_id = vec![0xff, 0xfe, b'b', b'a', b'd'];
     let bad = RawProperties {
         message_id: Some(bad_id.clone()),
         headers: None,
     };
-    raw.publish(&f.queue, &bad, order(1000).as_bytes());
-    for n in 10..20 {
-        raw.publish(&f.queue, &good(n), order(n).as_bytes());
-    }
+    raw.publish(&f.queue, &bad, f.order(1000, 7).as_bytes());
+    f.publish_raw_orders(&mut raw, 10..20);
     // A header table whose one name is not UTF-8: `\xff\xfek` = longstr "v".
     let odd_header = RawProperties {
         message_id: Some(b"odd-header".to_vec()),
         headers: Some(vec![3, 0xff, 0xfe, b'k', b'S', 0, 0, 0, 1, b'v']),
     };
-    raw.publish(&f.queue, &odd_header, order(1001).as_bytes());
-    for n in 20..30 {
-        raw.publish(&f.queue, &good(n), order(n).as_bytes());
-    }
+    raw.publish(&f.queue, &odd_header, f.order(1001, 7).as_bytes());
+    f.publish_raw_orders(&mut raw, 20..30);
     drop(raw);
     let running = start(f.runtime());
     wait_until(
@@ -385,7 +371,7 @@ async fn a_message_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves_
     ];
     expected.sort();
     let fingerprints: Vec<_> = [1000, 1001]
-        .map(|n| Some(idem::Fingerprint::of(order(n).as_bytes())))
+        .map(|n| Some(idem::Fingerprint::of(f.order(n, 7).as_bytes())))
         .into();
     assert!(
         records
@@ -418,29 +404,14 @@ async fn over_tls_a_message_the_client_cannot_parse_is_dead_lettered_too() {
         .declare(&[spec])
         .await
         .expect("declared over TLS");
-    let order = |n: usize| {
-        format!(
-            r#"{{"order_id": "{}", "customer": "{}", "amount_cents": 7}}"#,
-            f.key(n),
-            f.customer(n)
-        )
-    };
-    let good = |n: usize| RawProperties {
-        message_id: Some(f.key(n).into_bytes()),
-        headers: None,
-    };
     let mut raw = RawPublisher::connect(&node.plain_address, "guest", "guest");
-    for n in 0..10 {
-        raw.publish(&f.queue, &good(n), order(n).as_bytes());
-    }
+    f.publish_raw_orders(&mut raw, 0..10);
     let bad = RawProperties {
         message_id: Some(vec![0xff, 0xfe, b't', b'l', b's']),
         headers: None,
     };
-    raw.publish(&f.queue, &bad, order(1000).as_bytes());
-    for n in 10..20 {
-        raw.publish(&f.queue, &good(n), order(n).as_bytes());
-    }
+    raw.publish(&f.queue, &bad, f.order(1000, 7).as_bytes());
+    f.publish_raw_orders(&mut raw, 10..20);
     drop(raw);
     let running = start(f.runtime());
     wait_until(
@@ -459,7 +430,7 @@ async fn over_tls_a_message_the_client_cannot_parse_is_dead_lettered_too() {
     assert_eq!(records[0].reason, "unparsable");
     assert_eq!(
         records[0].fingerprint,
-        Some(idem::Fingerprint::of(order(1000).as_bytes()))
+        Some(idem::Fingerprint::of(f.order(1000, 7).as_bytes()))
     );
     let dlq = idem::rabbitmq::dlq(&f.queue);
     let on_node = idem::rabbitmq::lapin::Connection::connect(&node.plain_url, Default::default())

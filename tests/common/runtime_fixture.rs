@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use crate::common::broker::{self, amqp_url, publish};
+use crate::common::raw_amqp::{RawProperties, RawPublisher};
 use crate::common::unique;
 use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
@@ -190,15 +191,32 @@ impl Fixture {
         format!("{}-c{}", self.queue, n % 7)
     }
 
+    /// Order `n`'s body.
+    pub fn order(&self, n: usize, amount: i64) -> String {
+        serde_json::json!({"order_id": self.key(n), "customer": self.customer(n), "amount_cents": amount})
+            .to_string()
+    }
+
     pub async fn publish_order(&self, n: usize, amount: i64) {
-        let body = serde_json::json!({"order_id": self.key(n), "customer": self.customer(n), "amount_cents": amount});
+        let body = self.order(n, amount);
         publish(
             &self.publisher,
             &self.queue,
             Some(&self.key(n)),
-            body.to_string().as_bytes(),
+            body.as_bytes(),
         )
         .await;
+    }
+
+    /// Publishes orders `range` (amount 7) as raw frames, each with its key as message id.
+    pub fn publish_raw_orders(&self, raw: &mut RawPublisher, range: std::ops::Range<usize>) {
+        for n in range {
+            let properties = RawProperties {
+                message_id: Some(self.key(n).into_bytes()),
+                headers: None,
+            };
+            raw.publish(&self.queue, &properties, self.order(n, 7).as_bytes());
+        }
     }
 
     /// Effects per key of this fixture's orders.

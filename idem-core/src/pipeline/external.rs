@@ -8,8 +8,8 @@
 use super::steps::{Limits, encode_result, existing, poisoned, prepare, store_failure};
 use crate::handler::Handler;
 use crate::model::{
-    Context, Envelope, Fingerprint, Outcome, RejectReason, Rejection, StoreError, StoredOutput,
-    Transient,
+    Context, Envelope, ErrorClass, Fingerprint, Outcome, RejectReason, Rejection, StoreError,
+    StoredOutput, Transient,
 };
 use crate::store::{InboxStore, Lease, LeaseEnd};
 use crate::telemetry;
@@ -66,7 +66,7 @@ pub(crate) async fn process<H: Handler>(
             return retry;
         }
     };
-    match store.settle(&request, &owner, end, &output).await {
+    match settle::<H>(store, &request, &owner, end, &output).await {
         Ok(true) => outcome,
         Ok(false) => Outcome::Retry(Transient {
             message: "the lease expired while the handler ran and another consumer took the key \
@@ -77,6 +77,37 @@ pub(crate) async fn process<H: Handler>(
         // The row stays in progress; once the lease runs out a retry calls again with the
         // same key.
         Err(e) => store_failure(e, key),
+    }
+}
+
+/// How many times a settlement that failed transiently is tried, the first included.
+const SETTLE_ATTEMPTS: u32 = 5;
+
+/// Settles the lease after the handler ran. The downstream call is done, so a transient
+/// failure here (a deadlock victim, a lock wait timeout) is retried in place, with a short
+/// backoff, rather than left to the lease's expiry, after which another copy would call the
+/// downstream again. Retrying is safe: a failed settlement rolled back, and one that did commit
+/// leaves nothing in progress for the retry to match (`Ok(false)`).
+async fn settle<H: Handler>(
+    store: &H::Store,
+    request: &crate::store::ClaimRequest<'_>,
+    owner: &str,
+    end: LeaseEnd,
+    output: &StoredOutput,
+) -> Result<bool, StoreError> {
+    let mut pause = Duration::from_millis(10);
+    let mut attempt = 1;
+    loop {
+        match store.settle(request, owner, end, output).await {
+            Err(e) if e.class() == ErrorClass::Transient && attempt < SETTLE_ATTEMPTS => {
+                tracing::debug!(consumer = H::CONSUMER, key = request.key, error = %e, attempt,
+                    "settling the lease failed; trying again");
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+                attempt += 1;
+            }
+            settled => return settled,
+        }
     }
 }
 
