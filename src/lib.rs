@@ -50,13 +50,13 @@
 
 pub use idem_core::{
     BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DEFAULT_POISON_LIMIT, DeadLetter,
-    Delivery, DispatchError, Envelope, ErasedHandler, ErrorClass, Fingerprint, Handler,
-    HandlerError, HandlerResult, HeaderValue, Headers, Health, InboxStore, KeyError, KeySource,
-    KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, MemoryTransport, Mode, Outcome, QueueSpec, Readiness,
-    Registration, RegistryError, RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime,
-    RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal, StoreError, StoreKind,
-    StoredOutput, Stores, SweepReport, Transient, Transport, TransportError, process,
-    process_batch,
+    DeadLetterLog, DeadLetterRecord, Delivery, DispatchError, Envelope, ErasedHandler, ErrorClass,
+    Fingerprint, Handler, HandlerError, HandlerResult, HeaderValue, Headers, Health, InboxStore,
+    KeyError, KeySource, KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, MemoryTransport, Mode, Outcome,
+    QueueSpec, Readiness, Registration, RegistryError, RejectReason, Rejection, RetryPolicy,
+    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal,
+    StoreError, StoreKind, StoredOutput, Stores, SweepReport, Transient, Transport, TransportError,
+    process, process_batch,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;

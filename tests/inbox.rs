@@ -394,6 +394,64 @@ macro_rules! inbox_suite {
                 assert_eq!(balance(&f.pool, &customer).await, Some(9));
             }
 
+            /// A dead letter's record: written in a transaction of its own, replaced (not added)
+            /// when the same key is dead-lettered again, read back by queue and by key, tied to
+            /// its message; `clear_failure` removes it with the poison count but keeps a completed
+            /// row, `forget` removes everything.
+            #[tokio::test]
+            async fn a_dead_letter_record_is_replaced_cleared_and_forgotten() {
+                use idem::InboxStore;
+                let f = fixture(2).await;
+                let inbox = <$inbox>::new(f.pool.clone());
+                let (id, customer, queue) = (unique("o"), unique("c"), unique("q"));
+                let envelope = order(&id, &customer, 5);
+                let letter = |reason: &str| idem::DeadLetter {
+                    reason: reason.to_owned(),
+                    detail: format!("{reason} detail"),
+                    consumer: consumer("record"),
+                    key: Some(id.clone()),
+                    attempts: 2,
+                };
+                for reason in ["conflict", "handler"] {
+                    let record = idem::DeadLetterRecord::new(&letter(reason), &envelope, &queue);
+                    inbox.record_dead_letter(&record).await.unwrap();
+                }
+                let records = inbox.dead_letters(&queue).await.unwrap();
+                assert_eq!(records.len(), 1, "replaced, not added: {records:?}");
+                let r = &records[0];
+                assert_eq!((r.reason.as_str(), r.key.as_str(), r.keyed, r.attempts), ("handler", id.as_str(), true, 2));
+                assert!(r.describes(envelope.message_id.as_deref(), &envelope.body));
+                assert!(!r.describes(Some("another id"), &envelope.body));
+                assert_eq!(inbox.dead_letter(&consumer("record"), &id).await.unwrap().as_ref(), Some(r));
+
+                // A key longer than a database's key column (MySQL's 191 characters) is still
+                // recorded, under its fingerprint there.
+                let (long_queue, long_key) = (unique("q"), "k".repeat(300));
+                let mut long = letter("decode");
+                long.key = Some(long_key.clone());
+                let record = idem::DeadLetterRecord::new(&long, &envelope, &long_queue);
+                inbox.record_dead_letter(&record).await.unwrap();
+                let records = inbox.dead_letters(&long_queue).await.unwrap();
+                assert_eq!(records.len(), 1);
+                assert!(records[0].key == long_key || records[0].key.starts_with("sha256:"));
+                assert!(records[0].describes(envelope.message_id.as_deref(), &envelope.body));
+
+                // The key was processed after all: clearing its failure keeps the completed row.
+                assert_eq!(run(&f, "record", &envelope).await.label(), "processed");
+                let cleared = inbox.clear_failure(&consumer("record"), &id).await.unwrap();
+                assert_eq!((cleared.row, cleared.dead_letter), (false, true));
+                assert!(inbox.dead_letters(&queue).await.unwrap().is_empty());
+                let shown = inbox.show(&consumer("record"), &id).await.unwrap();
+                assert_eq!(shown.row.map(|row| row.status).as_deref(), Some("completed"));
+                let stats = inbox.stats().await.unwrap();
+                assert!(stats.statuses.iter().any(|s| s.consumer == consumer("record") && s.status == "completed" && s.rows >= 1));
+                // Forgotten: the next copy is processed as new.
+                let forgot = inbox.forget(&consumer("record"), &id).await.unwrap();
+                assert!(forgot.row);
+                assert_eq!(run(&f, "record", &envelope).await.label(), "processed");
+                assert_eq!(balance(&f.pool, &customer).await, Some(10));
+            }
+
             /// `?` on the database's own refusal: the store classifies it (a key violation is
             /// permanent), and nothing the handler wrote is kept.
             #[tokio::test]
