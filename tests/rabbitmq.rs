@@ -610,7 +610,11 @@ async fn a_dead_letter_is_not_moved_without_its_record() {
     )
     .await;
     let seen = running.shut_down().await;
-    assert_eq!(seen.dead_lettered, 1);
+    assert_eq!(
+        (seen.dead_lettered, seen.rejected),
+        (1, 1),
+        "counted once, when moved"
+    );
     let records = f.dead_letters().await;
     assert_eq!(records.len(), 1, "{records:?}");
     assert_eq!(records[0].reason, "decode");

@@ -97,17 +97,6 @@ pub(crate) async fn settle(
         }
         Settlement::DeadLetter(reason) => {
             tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
-            let label = match outcome {
-                Outcome::Conflict { .. } => {
-                    Stats::add(&stats.conflicts);
-                    "conflict"
-                }
-                Outcome::Rejected(_) => {
-                    Stats::add(&stats.rejected);
-                    "rejected"
-                }
-                _ => "dead_lettered",
-            };
             let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);
             if let Err(e) = shared
                 .handler
@@ -126,6 +115,17 @@ pub(crate) async fn settle(
                     .unwrap_or(RECORD_RETRY);
                 settle.retry(envelope, delay).await
             } else {
+                let label = match outcome {
+                    Outcome::Conflict { .. } => {
+                        Stats::add(&stats.conflicts);
+                        "conflict"
+                    }
+                    Outcome::Rejected(_) => {
+                        Stats::add(&stats.rejected);
+                        "rejected"
+                    }
+                    _ => "dead_lettered",
+                };
                 Stats::add(&stats.dead_lettered);
                 telemetry::message(consumer, label);
                 telemetry::dead_letter(consumer, &reason.reason);
