@@ -47,6 +47,8 @@
 //! ## Features
 //! `postgres`, `mysql` and `sqlite` (all on by default) enable the inbox stores
 //! [`sql::PgInbox`], [`sql::MySqlInbox`] (MySQL and MariaDB) and [`sql::SqliteInbox`].
+//! `rabbitmq` (on by default) the RabbitMQ transport; `http` (off by default) `idem::http`, the
+//! `Idempotency-Key` layer for axum and tower (the crate `idem-http`).
 
 pub use idem_core::{
     BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DEFAULT_POISON_LIMIT, DeadLetter,
@@ -66,6 +68,12 @@ pub use idem_sqlx::classify_sqlx;
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq {
     pub use idem_rabbitmq::*;
+}
+
+/// The `Idempotency-Key` layer for axum and tower, on the same inbox stores (feature `http`).
+#[cfg(feature = "http")]
+pub mod http {
+    pub use idem_http::*;
 }
 
 /// The SQL inbox stores.

@@ -16,6 +16,12 @@ impl Fingerprint {
         Self(Sha256::digest(body).into())
     }
 
+    /// A SHA-256 digest computed elsewhere (of several parts, as an HTTP request's method,
+    /// path and body).
+    pub fn of_digest(digest: [u8; 32]) -> Self {
+        Self(digest)
+    }
+
     /// A fingerprint read back from storage; `None` unless `bytes` is 32 bytes long.
     pub fn from_slice(bytes: &[u8]) -> Option<Self> {
         bytes.try_into().ok().map(Self)

@@ -1,0 +1,260 @@
+//! [`Idempotency`]: what a route's idempotency layer is configured with, checked when the layer
+//! is built.
+
+use crate::inflight::InFlight;
+use crate::key::DEFAULT_MAX_KEY_LEN;
+use crate::layer::IdempotencyLayer;
+use http::request::Parts;
+use idem_core::{DEFAULT_LEASE, InboxStore};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a key and its stored response are kept unless [`Idempotency::retention`] says
+/// otherwise: 24 hours, Stripe's policy.
+pub const DEFAULT_KEY_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+/// The largest request body the layer reads (it fingerprints the body) unless
+/// [`Idempotency::max_request_bytes`] says otherwise: 2 MiB.
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 2 * 1024 * 1024;
+
+/// The largest response body stored for replay unless [`Idempotency::max_response_bytes`] says
+/// otherwise: 256 KiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 256 * 1024;
+
+/// Finds the client a request comes from (e.g. the authenticated principal that an
+/// authentication layer put in the request's extensions); `None`: the request is answered 401.
+pub type IdentityFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// How the handler's effects and the key's record commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HttpMode {
+    /// The handler writes in the request's transaction ([`crate::Tx`]); its writes, the key's
+    /// row and the stored response commit together. A crash leaves nothing behind.
+    Transactional,
+    /// The handler calls other services: the key is leased `in_progress` for `lease` in a
+    /// transaction of its own, then settled with the response. A crash leaves the lease, which
+    /// a retry takes over once it expires.
+    External {
+        /// How long a lease lasts; it must outlast the handler's longest run.
+        lease: Duration,
+    },
+}
+
+/// A wrong idempotency configuration, found when the layer is built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// Neither [`Idempotency::identity`] nor [`Idempotency::shared_key_space`] was called.
+    #[error(
+        "idempotency layer `{0}`: say whose keys are whose: call .identity(|parts| ...) with the \
+         authenticated client (so that no client can be answered another client's stored \
+         response), or .shared_key_space() if every client shares one key space"
+    )]
+    NoIdentity(String),
+    /// The operation name is empty or too long.
+    #[error("idempotency layer: the operation name must be 1 to 100 characters, got {0:?}")]
+    Operation(String),
+    /// A limit or a duration is zero.
+    #[error("idempotency layer `{operation}`: {setting} must be more than zero")]
+    Zero {
+        /// The layer's operation.
+        operation: String,
+        /// The setting.
+        setting: &'static str,
+    },
+    /// The key length limit exceeds what the inbox stores.
+    #[error(
+        "idempotency layer `{operation}`: max_key_len {len} exceeds {max}, the longest key the inbox stores with its client prefix"
+    )]
+    KeyTooLong {
+        /// The layer's operation.
+        operation: String,
+        /// The limit asked for.
+        len: usize,
+        /// The largest allowed.
+        max: usize,
+    },
+}
+
+/// The idempotency of one operation (a route, or several routes that are one operation):
+/// where keys are stored, whose keys they are, and how the handler commits. Build the layer
+/// with [`Idempotency::layer`].
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_http::Idempotency;
+/// let layer = Idempotency::transactional(idem_sqlx::SqliteInbox::new(pool), "payments.create")
+///     .identity(|parts| {
+///         let value = parts.headers.get("authorization")?;
+///         Some(String::from_utf8_lossy(value.as_bytes()).into_owned())
+///     })
+///     .layer()?;
+/// # let _ = layer; Ok(()) }
+/// ```
+pub struct Idempotency<S> {
+    pub(crate) store: S,
+    pub(crate) operation: String,
+    pub(crate) mode: HttpMode,
+    pub(crate) identity: Option<Arc<IdentityFn>>,
+    pub(crate) shared: bool,
+    pub(crate) required: bool,
+    pub(crate) max_key_len: usize,
+    pub(crate) max_request_bytes: usize,
+    pub(crate) max_response_bytes: usize,
+    pub(crate) retention: Duration,
+    pub(crate) policy: Option<String>,
+}
+
+impl<S: InboxStore> Idempotency<S> {
+    /// Transactional mode ([`HttpMode::Transactional`]) for `operation`, keys in `store`.
+    pub fn transactional(store: S, operation: impl Into<String>) -> Self {
+        Self::new(store, operation, HttpMode::Transactional)
+    }
+
+    /// External mode ([`HttpMode::External`]) with the default lease (30 s).
+    pub fn external(store: S, operation: impl Into<String>) -> Self {
+        Self::new(
+            store,
+            operation,
+            HttpMode::External {
+                lease: DEFAULT_LEASE,
+            },
+        )
+    }
+
+    fn new(store: S, operation: impl Into<String>, mode: HttpMode) -> Self {
+        Self {
+            store,
+            operation: operation.into(),
+            mode,
+            identity: None,
+            shared: false,
+            required: true,
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            retention: DEFAULT_KEY_RETENTION,
+            policy: None,
+        }
+    }
+
+    /// Scopes keys by client: `identity` names the client of a request (the authenticated
+    /// principal; the layer stores a digest of it, never the value); a request it names no
+    /// client for is answered 401. Two clients using the same key are two requests.
+    pub fn identity(
+        mut self,
+        identity: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.identity = Some(Arc::new(identity));
+        self.shared = false;
+        self
+    }
+
+    /// One key space for every client: for services without client identities, where a key
+    /// is a global name (a webhook's delivery id).
+    pub fn shared_key_space(mut self) -> Self {
+        self.identity = None;
+        self.shared = true;
+        self
+    }
+
+    /// Requests without an `Idempotency-Key` pass through unguarded, instead of being answered
+    /// 400.
+    pub fn optional(mut self) -> Self {
+        self.required = false;
+        self
+    }
+
+    /// The external mode's lease (ignored in transactional mode).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        if let HttpMode::External { lease: current } = &mut self.mode {
+            *current = lease;
+        }
+        self
+    }
+
+    /// The longest key accepted ([`DEFAULT_MAX_KEY_LEN`]); a longer one is answered 400.
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        self.max_key_len = len;
+        self
+    }
+
+    /// The largest request body read ([`DEFAULT_MAX_REQUEST_BYTES`]); a larger one is
+    /// answered 413.
+    pub fn max_request_bytes(mut self, bytes: usize) -> Self {
+        self.max_request_bytes = bytes;
+        self
+    }
+
+    /// The largest response body stored ([`DEFAULT_MAX_RESPONSE_BYTES`]). In transactional
+    /// mode a larger response is rolled back and answered 500; in external mode its status
+    /// and headers are stored without the body.
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.max_response_bytes = bytes;
+        self
+    }
+
+    /// How long a key and its response are kept ([`DEFAULT_KEY_RETENTION`]): the expiry
+    /// policy. A key sent again after it expired is a new request. The rows are deleted by the
+    /// inbox's retention sweeper (a `Runtime` on the same store, or [`crate::sweep_every`]).
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// A document describing the operation's idempotency (the expiry policy, how to retry):
+    /// the `type` of the layer's problem answers and their `Link: rel="describedby"`.
+    pub fn policy(mut self, url: impl Into<String>) -> Self {
+        self.policy = Some(url.into());
+        self
+    }
+
+    /// Checks the configuration and builds the tower layer.
+    pub fn layer(self) -> Result<IdempotencyLayer<S>, ConfigError> {
+        let operation = self.operation.clone();
+        if operation.is_empty() || operation.len() > 100 {
+            return Err(ConfigError::Operation(operation));
+        }
+        if self.identity.is_none() && !self.shared {
+            return Err(ConfigError::NoIdentity(operation));
+        }
+        let lease = match self.mode {
+            HttpMode::External { lease } => lease,
+            HttpMode::Transactional => DEFAULT_LEASE,
+        };
+        for (setting, zero) in [
+            ("max_key_len", self.max_key_len == 0),
+            ("max_request_bytes", self.max_request_bytes == 0),
+            ("max_response_bytes", self.max_response_bytes == 0),
+            ("retention", self.retention.is_zero()),
+            ("lease", lease.is_zero()),
+        ] {
+            if zero {
+                return Err(ConfigError::Zero { operation, setting });
+            }
+        }
+        // The stored key is `<32 hex digits>:<key>`.
+        let max = idem_core::MAX_KEY_LEN - 33;
+        if self.max_key_len > max {
+            return Err(ConfigError::KeyTooLong {
+                operation,
+                len: self.max_key_len,
+                max,
+            });
+        }
+        Ok(IdempotencyLayer::new(self, InFlight::default()))
+    }
+}
+
+impl<S> fmt::Debug for Idempotency<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotency")
+            .field("operation", &self.operation)
+            .field("mode", &self.mode)
+            .field("scoped_by_identity", &self.identity.is_some())
+            .field("required", &self.required)
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}

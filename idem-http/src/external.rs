@@ -1,0 +1,146 @@
+//! External mode: the key is leased `in_progress` in a transaction of its own before the
+//! handler runs, and settled with the response after it. A lease left by a crash is taken
+//! over once it expires.
+
+use crate::flow::{self, Keyed, Read};
+use crate::stored::StoredResponse;
+use crate::telemetry::{self, Result as Seen};
+use crate::tx::Execution;
+use axum_core::body::Body;
+use bytes::Bytes;
+use http::{Request, Response};
+use idem_core::{ClaimRequest, InboxStore, Lease, LeaseEnd, StoredOutput};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tower_service::Service;
+
+/// Runs one keyed request in external mode.
+pub(crate) async fn run<S, I, B>(
+    keyed: &Keyed<'_, S>,
+    lease: Duration,
+    inner: I,
+    request: Request<Body>,
+) -> Result<Response<Body>, Infallible>
+where
+    S: InboxStore,
+    I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Send,
+    I::Future: Send,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<axum_core::BoxError>,
+{
+    let store = &keyed.shared.config.store;
+    let claim = ClaimRequest {
+        consumer: &keyed.scope.consumer,
+        key: &keyed.scope.key,
+        fingerprint: &keyed.fingerprint,
+        attempt: 1,
+        retention: keyed.shared.config.retention,
+    };
+    let owner = owner_token();
+    match store.lease(&claim, &owner, lease).await {
+        Ok(Lease::Acquired { attempts }) => {
+            if attempts > 1 {
+                tracing::info!(
+                    attempts,
+                    "took over an expired lease: the request runs again"
+                );
+            }
+        }
+        Ok(Lease::Held {
+            fingerprint,
+            remaining,
+        }) => {
+            return Ok(match fingerprint == keyed.fingerprint {
+                true => flow::in_progress(keyed, remaining),
+                false => keyed.replay(&fingerprint, None),
+            });
+        }
+        Ok(
+            Lease::Completed {
+                fingerprint,
+                output,
+            }
+            | Lease::Failed {
+                fingerprint,
+                output,
+            },
+        ) => return Ok(keyed.replay(&fingerprint, output.as_ref())),
+        Err(e) => return Ok(keyed.unavailable(&e)),
+    }
+    let response = flow::call(inner, request).await?;
+    let (parts, body) = response.into_parts();
+    if parts.extensions.get::<Execution>() == Some(&Execution::NotBegun) {
+        // Refused before execution: the key is freed for a corrected request.
+        if let Err(e) = forget(store, &claim).await {
+            tracing::warn!(error = %e, "could not free the key; it is free again when its lease expires");
+        }
+        telemetry::request(keyed.operation(), Seen::NotStored);
+        return Ok(Response::from_parts(parts, Body::new(body)));
+    }
+    let limit = keyed.shared.config.max_response_bytes;
+    let (stored, body) = match flow::read(body, limit).await {
+        Read::Whole(body) => (StoredResponse::capture(&parts, &body), Body::from(body)),
+        Read::TooLarge => {
+            tracing::error!(
+                limit,
+                "the response is larger than max_response_bytes; its body is not stored, and retries get an empty body"
+            );
+            (StoredResponse::without_body(&parts), Body::empty())
+        }
+        Read::Failed(e) => {
+            tracing::warn!(error = %e, "the response body failed; storing the status and headers");
+            (StoredResponse::without_body(&parts), Body::empty())
+        }
+    };
+    let end = match stored.is_server_error() {
+        true => LeaseEnd::Failed,
+        false => LeaseEnd::Completed,
+    };
+    let settled = match StoredOutput::encode(&stored) {
+        Ok(output) => store.settle(&claim, &owner, end, &output).await,
+        Err(e) => Err(idem_core::StoreError::new(
+            "encode response",
+            idem_core::ErrorClass::Permanent,
+            e.to_string(),
+        )),
+    };
+    match settled {
+        Ok(true) => telemetry::request(keyed.operation(), Seen::Executed),
+        Ok(false) => {
+            tracing::warn!(
+                "the lease expired while the handler ran and was taken over: the request may have run twice; lengthen the lease"
+            );
+            telemetry::request(keyed.operation(), Seen::NotStored);
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "the response was not recorded: a retry runs the handler again once the lease expires");
+            telemetry::request(keyed.operation(), Seen::NotStored);
+        }
+    }
+    Ok(Response::from_parts(parts, body))
+}
+
+/// Deletes the key's row (this request holds its lease).
+async fn forget<S: InboxStore>(
+    store: &S,
+    claim: &ClaimRequest<'_>,
+) -> Result<(), idem_core::StoreError> {
+    let mut tx = store.begin().await?;
+    store.unclaim(&mut tx, claim.consumer, &[claim.key]).await?;
+    store.commit(tx).await
+}
+
+/// A token naming one lease holder: process, time and a counter.
+fn owner_token() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_nanos();
+    format!(
+        "http-{}-{nanos:x}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}

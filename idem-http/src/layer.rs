@@ -1,0 +1,111 @@
+//! The tower [`Layer`] and [`Service`] that put a route behind an `Idempotency-Key`.
+
+use crate::config::Idempotency;
+use crate::flow;
+use crate::inflight::InFlight;
+use axum_core::body::Body;
+use bytes::Bytes;
+use http::{Request, Response};
+use idem_core::InboxStore;
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// What every request of one layer shares.
+pub(crate) struct Shared<S> {
+    pub(crate) config: Idempotency<S>,
+    pub(crate) in_flight: InFlight,
+}
+
+/// The layer of one operation, built by [`Idempotency::layer`]; put it on the operation's
+/// routes (axum: `post(handler).layer(layer)`). Cloning it is cheap.
+pub struct IdempotencyLayer<S> {
+    shared: Arc<Shared<S>>,
+}
+
+impl<S> IdempotencyLayer<S> {
+    pub(crate) fn new(config: Idempotency<S>, in_flight: InFlight) -> Self {
+        Self {
+            shared: Arc::new(Shared { config, in_flight }),
+        }
+    }
+}
+
+impl<S> Clone for IdempotencyLayer<S> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S> fmt::Debug for IdempotencyLayer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("IdempotencyLayer")
+            .field(&self.shared.config)
+            .finish()
+    }
+}
+
+impl<S, I> Layer<I> for IdempotencyLayer<S> {
+    type Service = IdempotencyService<S, I>;
+
+    fn layer(&self, inner: I) -> Self::Service {
+        IdempotencyService {
+            shared: self.shared.clone(),
+            inner,
+        }
+    }
+}
+
+/// The service an [`IdempotencyLayer`] wraps around a handler.
+pub struct IdempotencyService<S, I> {
+    shared: Arc<Shared<S>>,
+    inner: I,
+}
+
+impl<S, I: Clone> Clone for IdempotencyService<S, I> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S, I> fmt::Debug for IdempotencyService<S, I> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, I, B> Service<Request<Body>> for IdempotencyService<S, I>
+where
+    S: InboxStore,
+    I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
+    I::Future: Send,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<axum_core::BoxError>,
+{
+    type Response = Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<Body>) -> Self::Future {
+        // The clone is the one made ready by `poll_ready`; the original waits for the next.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(flow::handle(self.shared.clone(), inner, request))
+    }
+}

@@ -1,0 +1,839 @@
+//! The `Idempotency-Key` layer over real HTTP (axum on 127.0.0.1, reqwest) and real databases:
+//! PostgreSQL, MariaDB and SQLite, in both modes, with servers killed by SIGKILL mid-request.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use common::{KillOnDrop, unique, wait_until};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+/// A request to the test handlers.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+struct Pay {
+    /// Names the request's effects.
+    r#ref: String,
+    amount_cents: i64,
+    /// Wait for the test to open the gate after the write.
+    #[serde(default)]
+    gated: bool,
+    /// Answer this status after the write.
+    #[serde(default)]
+    fail: Option<u16>,
+}
+
+impl Pay {
+    fn new(r#ref: &str) -> Self {
+        Self {
+            r#ref: r#ref.to_owned(),
+            amount_cents: 100,
+            gated: false,
+            fail: None,
+        }
+    }
+}
+
+/// What the handlers share with the test.
+#[derive(Clone)]
+struct Probe {
+    /// Handler runs that got past validation.
+    runs: Arc<AtomicUsize>,
+    /// Gated handlers wait for a permit.
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Probe {
+    fn new() -> Self {
+        Self {
+            runs: Arc::default(),
+            gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    fn open(&self) {
+        self.gate.add_permits(10_000);
+    }
+
+    /// What a handler does after its write: wait, hang, or answer. A request with `x-hang`
+    /// (a header: not part of the fingerprint) prints `IDEM-EXECUTING` and never answers.
+    async fn after_write(&self, headers: &axum::http::HeaderMap, pay: &Pay, id: &str) -> Response {
+        if headers.contains_key("x-hang") {
+            println!("IDEM-EXECUTING");
+            std::future::pending::<()>().await;
+        }
+        if pay.gated {
+            let _permit = self.gate.acquire().await.unwrap();
+        }
+        match pay.fail {
+            Some(status) => (
+                StatusCode::from_u16(status).unwrap(),
+                Json(serde_json::json!({"error": "refused after the write", "payment_id": id})),
+            )
+                .into_response(),
+            None => (
+                StatusCode::CREATED,
+                [("location", format!("/payments/{id}"))],
+                Json(serde_json::json!({"payment_id": id})),
+            )
+                .into_response(),
+        }
+    }
+}
+
+/// A validation failure, answered before anything is written.
+fn invalid(pay: &Pay) -> Option<Response> {
+    (pay.amount_cents <= 0)
+        .then(|| (StatusCode::BAD_REQUEST, "amount_cents must be positive").into_response())
+}
+
+/// An axum server on a free port of 127.0.0.1, stopped when dropped.
+struct Server {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    async fn start(app: axum::Router) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self { addr, task }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}/pay", self.addr)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An answer, as the tests compare them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Answer {
+    status: u16,
+    replayed: bool,
+    retry_after: Option<String>,
+    location: Option<String>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+async fn post(url: &str, client: Option<&str>, key: Option<&str>, pay: &Pay) -> Answer {
+    let mut request = reqwest::Client::new().post(url).json(pay);
+    if let Some(client) = client {
+        request = request.header("authorization", format!("Bearer {client}"));
+    }
+    if let Some(key) = key {
+        request = request.header("idempotency-key", format!("\"{key}\""));
+    }
+    let response = request.send().await.unwrap();
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    Answer {
+        status: response.status().as_u16(),
+        replayed: header("idempotent-replayed").as_deref() == Some("true"),
+        retry_after: header("retry-after"),
+        location: header("location"),
+        body: response.bytes().await.unwrap().to_vec(),
+    }
+}
+
+/// The bearer token as the client's identity; none: 401.
+fn bearer(parts: &axum::http::request::Parts) -> Option<String> {
+    parts
+        .headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_owned)
+}
+
+/// The layer's counters, rendered by a Prometheus recorder installed once per test binary.
+fn metrics() -> String {
+    static HANDLE: std::sync::OnceLock<metrics_exporter_prometheus::PrometheusHandle> =
+        std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            metrics_exporter_prometheus::PrometheusBuilder::new()
+                .install_recorder()
+                .unwrap()
+        })
+        .render()
+}
+
+fn counted(operation: &str, result: &str) -> u64 {
+    let prefix =
+        format!("idem_http_requests_total{{operation=\"{operation}\",result=\"{result}\"}} ");
+    metrics()
+        .lines()
+        .find_map(|line| line.strip_prefix(&prefix))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+/// One suite per database: `$db` the sqlx database, `$inbox` its inbox, `$insert` and
+/// `$count` the effect statements in its placeholders.
+macro_rules! suite {
+    ($name:ident, $db:ty, $inbox:ty, $connect:path, $open:path, $insert:literal, $count:literal, $rows:literal) => {
+        mod $name {
+            use super::*;
+            use idem::InboxStore;
+            use idem_http::{Execution, Idempotency, Tx};
+
+            type Pool = sqlx::Pool<$db>;
+
+            #[derive(Clone)]
+            struct App {
+                probe: Probe,
+                pool: Pool,
+            }
+
+            /// Transactional: the effect is written in the request's transaction.
+            async fn pay_in_tx(
+                axum::extract::State(app): axum::extract::State<App>,
+                mut tx: Tx<$db>,
+                headers: axum::http::HeaderMap,
+                Json(pay): Json<Pay>,
+            ) -> Response {
+                if let Some(refused) = invalid(&pay) {
+                    return refused;
+                }
+                app.probe.runs.fetch_add(1, Ordering::SeqCst);
+                let id = unique("pay");
+                sqlx::query($insert)
+                    .bind(&id)
+                    .bind(&pay.r#ref)
+                    .execute(&mut **tx)
+                    .await
+                    .unwrap();
+                app.probe.after_write(&headers, &pay, &id).await
+            }
+
+            /// External: the effect is written on its own (a call to another service).
+            async fn pay_outside(
+                axum::extract::State(app): axum::extract::State<App>,
+                headers: axum::http::HeaderMap,
+                Json(pay): Json<Pay>,
+            ) -> Response {
+                if let Some(refused) = invalid(&pay) {
+                    return (Execution::NotBegun, refused).into_response();
+                }
+                app.probe.runs.fetch_add(1, Ordering::SeqCst);
+                let id = unique("pay");
+                sqlx::query($insert)
+                    .bind(&id)
+                    .bind(&pay.r#ref)
+                    .execute(&app.pool)
+                    .await
+                    .unwrap();
+                app.probe.after_write(&headers, &pay, &id).await
+            }
+
+            async fn effects(pool: &Pool, r#ref: &str) -> i64 {
+                sqlx::query_scalar($count)
+                    .bind(r#ref)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap()
+            }
+
+            /// Rows of the inbox for an operation, any status.
+            async fn rows(pool: &Pool, operation: &str) -> i64 {
+                sqlx::query_scalar($rows)
+                    .bind(format!("http:{operation}"))
+                    .fetch_one(pool)
+                    .await
+                    .unwrap()
+            }
+
+            async fn setup(pool: &Pool) {
+                metrics(); // the recorder, before anything is counted
+                <$inbox>::new(pool.clone()).migrate().await.unwrap();
+                sqlx::query(
+                    "CREATE TABLE IF NOT EXISTS http_effects (id VARCHAR(100) PRIMARY KEY, \
+                     ref VARCHAR(200) NOT NULL)",
+                )
+                .execute(pool)
+                .await
+                .unwrap();
+            }
+
+            fn transactional(pool: &Pool, operation: &str) -> Idempotency<$inbox> {
+                Idempotency::transactional(<$inbox>::new(pool.clone()), operation).identity(bearer)
+            }
+
+            fn external(pool: &Pool, operation: &str, lease: Duration) -> Idempotency<$inbox> {
+                Idempotency::external(<$inbox>::new(pool.clone()), operation)
+                    .identity(bearer)
+                    .lease(lease)
+            }
+
+            async fn serve(
+                pool: &Pool,
+                probe: &Probe,
+                layer: Idempotency<$inbox>,
+                in_tx: bool,
+            ) -> Server {
+                let layer = layer.layer().unwrap();
+                let route = match in_tx {
+                    true => axum::routing::post(pay_in_tx).layer(layer),
+                    false => axum::routing::post(pay_outside).layer(layer),
+                };
+                let app = axum::Router::new().route("/pay", route).with_state(App {
+                    probe: probe.clone(),
+                    pool: pool.clone(),
+                });
+                Server::start(app).await
+            }
+
+            /// 100 concurrent requests with one key, split over two servers (two layers, as two
+            /// processes would be): the handler runs once; each answer is its response or a 409;
+            /// every later retry gets the stored response byte for byte.
+            async fn one_run_under_concurrency(pool: Pool) {
+                setup(&pool).await;
+                let operation = unique("concurrent");
+                let probe = Probe::new();
+                let a = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let b = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let r#ref = unique("ref");
+                let pay = Pay {
+                    gated: true,
+                    ..Pay::new(&r#ref)
+                };
+                let conflicts = Arc::new(AtomicUsize::new(0));
+                let requests: Vec<_> = (0..100)
+                    .map(|i| {
+                        let url = if i % 2 == 0 { a.url() } else { b.url() };
+                        let (pay, conflicts) = (pay.clone(), conflicts.clone());
+                        tokio::spawn(async move {
+                            let answer = post(&url, Some("alice"), Some("k-1"), &pay).await;
+                            if answer.status == 409 {
+                                conflicts.fetch_add(1, Ordering::SeqCst);
+                            }
+                            answer
+                        })
+                    })
+                    .collect();
+                wait_until(
+                    "concurrent copies to be answered 409",
+                    Duration::from_secs(30),
+                    || async { probe.runs() == 1 && conflicts.load(Ordering::SeqCst) >= 10 },
+                )
+                .await;
+                probe.open();
+                let mut answers = Vec::new();
+                for request in requests {
+                    answers.push(request.await.unwrap());
+                }
+                assert_eq!(probe.runs(), 1, "the handler ran more than once");
+                assert_eq!(effects(&pool, &r#ref).await, 1);
+                let executed: Vec<_> = answers
+                    .iter()
+                    .filter(|a| a.status == 201 && !a.replayed)
+                    .collect();
+                assert_eq!(executed.len(), 1, "{answers:?}");
+                let first = executed[0].clone();
+                for answer in &answers {
+                    match answer.status {
+                        201 => assert_eq!(
+                            (&answer.body, &answer.location),
+                            (&first.body, &first.location)
+                        ),
+                        409 => assert!(answer.retry_after.is_some(), "{answer:?}"),
+                        other => panic!("answer {other}: {answer:?}"),
+                    }
+                }
+                for server in [&a, &b, &a] {
+                    let retry = post(&server.url(), Some("alice"), Some("k-1"), &pay).await;
+                    assert!(retry.replayed, "{retry:?}");
+                    assert_eq!(
+                        (retry.status, &retry.body, &retry.location),
+                        (201, &first.body, &first.location)
+                    );
+                }
+                assert_eq!(probe.runs(), 1);
+                assert!(counted(&operation, "in_progress") >= 10);
+                assert!(counted(&operation, "replayed") >= 3);
+                assert_eq!(counted(&operation, "executed"), 1);
+            }
+
+            /// A mismatched request is 422, a missing or malformed key 400, and two clients with
+            /// one key are two requests that never see each other's response.
+            async fn keys_are_checked_and_scoped(pool: Pool) {
+                setup(&pool).await;
+                let operation = unique("scoped");
+                let probe = Probe::new();
+                let server = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let url = server.url();
+                let pay = Pay::new(&unique("ref"));
+                let alice = post(&url, Some("alice"), Some("k"), &pay).await;
+                assert_eq!((alice.status, alice.replayed), (201, false));
+                let other_body = Pay {
+                    amount_cents: 200,
+                    ..pay.clone()
+                };
+                let mismatch = post(&url, Some("alice"), Some("k"), &other_body).await;
+                assert_eq!(mismatch.status, 422, "{mismatch:?}");
+                assert_eq!(mismatch.json()["status"], 422);
+                let missing = post(&url, Some("alice"), None, &pay).await;
+                assert_eq!(missing.status, 400);
+                let malformed = reqwest::Client::new()
+                    .post(&url)
+                    .header("authorization", "Bearer alice")
+                    .header("idempotency-key", "\"unterminated")
+                    .json(&pay)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(malformed.status(), 400);
+                assert_eq!(post(&url, None, Some("k"), &pay).await.status, 401);
+                let bob = post(&url, Some("bob"), Some("k"), &pay).await;
+                assert_eq!((bob.status, bob.replayed), (201, false));
+                assert_ne!(bob.body, alice.body);
+                assert_eq!(probe.runs(), 2);
+                assert_eq!(
+                    post(&url, Some("alice"), Some("k"), &pay).await.body,
+                    alice.body
+                );
+                assert_eq!(
+                    post(&url, Some("bob"), Some("k"), &pay).await.body,
+                    bob.body
+                );
+                assert_eq!(probe.runs(), 2);
+                assert_eq!(effects(&pool, &pay.r#ref).await, 2);
+                assert_eq!(counted(&operation, "mismatch"), 1);
+                assert_eq!(counted(&operation, "bad_key"), 2);
+            }
+
+            /// A server error after execution began is replayed (its writes rolled back); a 4xx
+            /// after it is replayed with its writes; a validation error before it is not stored.
+            async fn errors_are_replayed_validation_is_not(pool: Pool) {
+                setup(&pool).await;
+                let operation = unique("errors");
+                let probe = Probe::new();
+                let server = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let url = server.url();
+
+                let failing = Pay {
+                    fail: Some(500),
+                    ..Pay::new(&unique("ref"))
+                };
+                let first = post(&url, Some("alice"), Some("e-500"), &failing).await;
+                assert_eq!((first.status, first.replayed), (500, false));
+                let again = post(&url, Some("alice"), Some("e-500"), &failing).await;
+                assert_eq!(
+                    (again.status, again.replayed, &again.body),
+                    (500, true, &first.body)
+                );
+                assert_eq!(probe.runs(), 1);
+                assert_eq!(
+                    effects(&pool, &failing.r#ref).await,
+                    0,
+                    "a 5xx rolls the writes back"
+                );
+
+                let declined = Pay {
+                    fail: Some(402),
+                    ..Pay::new(&unique("ref"))
+                };
+                let first = post(&url, Some("alice"), Some("e-402"), &declined).await;
+                let again = post(&url, Some("alice"), Some("e-402"), &declined).await;
+                assert_eq!(
+                    (again.status, again.replayed, &again.body),
+                    (402, true, &first.body)
+                );
+                assert_eq!(
+                    effects(&pool, &declined.r#ref).await,
+                    1,
+                    "a 4xx commits its writes"
+                );
+
+                let invalid = Pay {
+                    amount_cents: -1,
+                    ..Pay::new(&unique("ref"))
+                };
+                let refused = post(&url, Some("alice"), Some("e-400"), &invalid).await;
+                assert_eq!((refused.status, refused.replayed), (400, false));
+                let refused = post(&url, Some("alice"), Some("e-400"), &invalid).await;
+                assert_eq!(
+                    (refused.status, refused.replayed),
+                    (400, false),
+                    "not stored"
+                );
+                let corrected = Pay {
+                    amount_cents: 5,
+                    ..invalid
+                };
+                let accepted = post(&url, Some("alice"), Some("e-400"), &corrected).await;
+                assert_eq!((accepted.status, accepted.replayed), (201, false));
+                assert_eq!(probe.runs(), 3);
+            }
+
+            /// A key expires with the layer's retention: swept, it is a new request.
+            async fn keys_expire(pool: Pool) {
+                setup(&pool).await;
+                let operation = unique("expiry");
+                let probe = Probe::new();
+                let layer = transactional(&pool, &operation).retention(Duration::from_secs(1));
+                let server = serve(&pool, &probe, layer, true).await;
+                let pay = Pay::new(&unique("ref"));
+                let first = post(&server.url(), Some("alice"), Some("x"), &pay).await;
+                assert!(
+                    post(&server.url(), Some("alice"), Some("x"), &pay)
+                        .await
+                        .replayed
+                );
+                let store = <$inbox>::new(pool.clone());
+                wait_until("the key to be swept", Duration::from_secs(30), || async {
+                    store.sweep(100, 100).await.unwrap();
+                    rows(&pool, &operation).await == 0
+                })
+                .await;
+                let again = post(&server.url(), Some("alice"), Some("x"), &pay).await;
+                assert_eq!((again.status, again.replayed), (201, false));
+                assert_ne!(again.body, first.body);
+                assert_eq!(probe.runs(), 2);
+            }
+
+            /// External mode: the key is leased while the handler runs (409 with the lease's
+            /// remaining time), its response stored after; a refusal before execution frees it.
+            async fn external_mode_leases_the_key(pool: Pool) {
+                setup(&pool).await;
+                let operation = unique("external");
+                let probe = Probe::new();
+                let layer = external(&pool, &operation, Duration::from_secs(60));
+                let server = serve(&pool, &probe, layer, false).await;
+                let url = server.url();
+                let pay = Pay {
+                    gated: true,
+                    ..Pay::new(&unique("ref"))
+                };
+                let first = tokio::spawn({
+                    let (url, pay) = (url.clone(), pay.clone());
+                    async move { post(&url, Some("alice"), Some("x"), &pay).await }
+                });
+                wait_until("the handler to run", Duration::from_secs(30), || async {
+                    probe.runs() == 1
+                })
+                .await;
+                let busy = post(&url, Some("alice"), Some("x"), &pay).await;
+                assert_eq!(busy.status, 409);
+                let other = serve(
+                    &pool,
+                    &probe,
+                    external(&pool, &operation, Duration::from_secs(60)),
+                    false,
+                )
+                .await;
+                let leased = post(&other.url(), Some("alice"), Some("x"), &pay).await;
+                assert_eq!(leased.status, 409, "the lease holds across layers");
+                let after: u64 = leased.retry_after.as_deref().unwrap().parse().unwrap();
+                assert!((50..=60).contains(&after), "Retry-After {after}");
+                probe.open();
+                let first = first.await.unwrap();
+                assert_eq!((first.status, first.replayed), (201, false));
+                let again = post(&other.url(), Some("alice"), Some("x"), &pay).await;
+                assert_eq!((again.replayed, &again.body), (true, &first.body));
+                assert_eq!(probe.runs(), 1);
+
+                let invalid = Pay {
+                    amount_cents: 0,
+                    ..Pay::new(&unique("ref"))
+                };
+                assert_eq!(
+                    post(&url, Some("alice"), Some("y"), &invalid).await.status,
+                    400
+                );
+                let corrected = Pay {
+                    amount_cents: 1,
+                    ..invalid
+                };
+                let accepted = post(&url, Some("alice"), Some("y"), &corrected).await;
+                assert_eq!((accepted.status, accepted.replayed), (201, false));
+            }
+
+            /// The server process killed with SIGKILL mid-request. Transactional: nothing is
+            /// recorded, and a retry executes once. External: the lease is left, answered 409
+            /// until it expires, then taken over.
+            async fn killed_mid_request(pool: Pool, db: &str, in_tx: bool) {
+                setup(&pool).await;
+                let operation = unique("killed");
+                let r#ref = unique("ref");
+                let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+                    .args([
+                        "--exact",
+                        concat!(stringify!($name), "::serve_child"),
+                        "--include-ignored",
+                        "--nocapture",
+                        "--test-threads=1",
+                    ])
+                    .env("IDEM_HTTP_DB", db)
+                    .env("IDEM_HTTP_OPERATION", &operation)
+                    .env(
+                        "IDEM_HTTP_MODE",
+                        if in_tx { "transactional" } else { "external" },
+                    )
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let stdout = child.stdout.take().unwrap();
+                let (lines_tx, mut lines) = tokio::sync::mpsc::unbounded_channel();
+                std::thread::spawn(move || {
+                    use std::io::BufRead;
+                    for line in std::io::BufReader::new(stdout)
+                        .lines()
+                        .map_while(Result::ok)
+                    {
+                        let _ = lines_tx.send(line);
+                    }
+                });
+                let mut child = KillOnDrop(child);
+                let addr = tokio::time::timeout(Duration::from_secs(60), async {
+                    loop {
+                        let line = lines.recv().await.expect("the child exited");
+                        // libtest prints the test's name on the same line.
+                        if let Some((_, addr)) = line.split_once("IDEM-LISTENING ") {
+                            break addr.to_owned();
+                        }
+                    }
+                })
+                .await
+                .unwrap();
+                let pay = Pay::new(&r#ref);
+                let url = format!("http://{addr}/pay");
+                let hanging = tokio::spawn({
+                    let pay = pay.clone();
+                    async move {
+                        let _ = reqwest::Client::new()
+                            .post(&url)
+                            .header("authorization", "Bearer alice")
+                            .header("idempotency-key", "\"crash\"")
+                            .header("x-hang", "1")
+                            .json(&pay)
+                            .send()
+                            .await;
+                    }
+                });
+                tokio::time::timeout(Duration::from_secs(60), async {
+                    while !lines
+                        .recv()
+                        .await
+                        .expect("the child exited")
+                        .ends_with("IDEM-EXECUTING")
+                    {}
+                })
+                .await
+                .unwrap();
+                child.0.kill().unwrap();
+                child.0.wait().unwrap();
+                hanging.await.unwrap();
+
+                let probe = Probe::new();
+                let retry = Pay::new(&r#ref);
+                if in_tx {
+                    assert_eq!(
+                        rows(&pool, &operation).await,
+                        0,
+                        "a key recorded by a killed request"
+                    );
+                    assert_eq!(effects(&pool, &r#ref).await, 0);
+                    let server = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                    let answer = post(&server.url(), Some("alice"), Some("crash"), &retry).await;
+                    assert_eq!((answer.status, answer.replayed), (201, false));
+                    assert_eq!(effects(&pool, &r#ref).await, 1);
+                    let again = post(&server.url(), Some("alice"), Some("crash"), &retry).await;
+                    assert_eq!((again.replayed, &again.body), (true, &answer.body));
+                } else {
+                    assert_eq!(rows(&pool, &operation).await, 1, "the lease is left");
+                    assert_eq!(effects(&pool, &r#ref).await, 1);
+                    let layer = external(&pool, &operation, Duration::from_secs(2));
+                    let server = serve(&pool, &probe, layer, false).await;
+                    let first = post(&server.url(), Some("alice"), Some("crash"), &retry).await;
+                    assert_eq!(first.status, 409, "a live lease is taken over: {first:?}");
+                    // Polls, with a deadline, until the lease (2 s) expires and is taken over.
+                    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+                    let answer = loop {
+                        let answer =
+                            post(&server.url(), Some("alice"), Some("crash"), &retry).await;
+                        if answer.status != 409 {
+                            break answer;
+                        }
+                        assert!(
+                            std::time::Instant::now() < deadline,
+                            "the lease was never taken over"
+                        );
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    };
+                    assert_eq!((answer.status, answer.replayed), (201, false));
+                    assert_eq!(effects(&pool, &r#ref).await, 2, "the call ran again once");
+                    let again = post(&server.url(), Some("alice"), Some("crash"), &retry).await;
+                    assert_eq!((again.replayed, &again.body), (true, &answer.body));
+                }
+                assert_eq!(probe.runs(), 1);
+            }
+
+            #[tokio::test]
+            async fn one_run_under_100_concurrent_requests() {
+                let (pool, _db) = $connect().await;
+                one_run_under_concurrency(pool).await;
+            }
+
+            #[tokio::test]
+            async fn keys_are_checked_and_scoped_by_client() {
+                let (pool, _db) = $connect().await;
+                keys_are_checked_and_scoped(pool).await;
+            }
+
+            #[tokio::test]
+            async fn errors_after_execution_are_replayed_validation_is_not_stored() {
+                let (pool, _db) = $connect().await;
+                errors_are_replayed_validation_is_not(pool).await;
+            }
+
+            #[tokio::test]
+            async fn keys_expire_with_the_retention() {
+                let (pool, _db) = $connect().await;
+                keys_expire(pool).await;
+            }
+
+            #[tokio::test]
+            async fn external_mode_leases_the_key_and_answers_409() {
+                let (pool, _db) = $connect().await;
+                external_mode_leases_the_key(pool).await;
+            }
+
+            #[tokio::test]
+            async fn transactional_server_killed_mid_request_records_nothing() {
+                let (pool, db) = $connect().await;
+                killed_mid_request(pool, &db.name(), true).await;
+            }
+
+            #[tokio::test]
+            async fn external_server_killed_mid_request_is_taken_over_after_the_lease() {
+                let (pool, db) = $connect().await;
+                killed_mid_request(pool, &db.name(), false).await;
+            }
+
+            /// The server `killed_mid_request` kills.
+            #[tokio::test]
+            #[ignore = "child process of the kill tests"]
+            async fn serve_child() {
+                let pool = $open(&std::env::var("IDEM_HTTP_DB").unwrap()).await;
+                let operation = std::env::var("IDEM_HTTP_OPERATION").unwrap();
+                let in_tx = std::env::var("IDEM_HTTP_MODE").unwrap() == "transactional";
+                let layer = match in_tx {
+                    true => transactional(&pool, &operation),
+                    false => external(&pool, &operation, Duration::from_secs(2)),
+                };
+                let server = serve(&pool, &Probe::new(), layer, in_tx).await;
+                println!("IDEM-LISTENING {}", server.addr);
+                let _ = &server;
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+}
+
+suite!(
+    postgres,
+    sqlx::Postgres,
+    idem::sql::PgInbox,
+    databases::postgres,
+    databases::open_postgres,
+    "INSERT INTO http_effects (id, ref) VALUES ($1, $2)",
+    "SELECT count(*) FROM http_effects WHERE ref = $1",
+    "SELECT count(*) FROM idem_inbox WHERE consumer = $1"
+);
+suite!(
+    mysql,
+    sqlx::MySql,
+    idem::sql::MySqlInbox,
+    databases::mysql,
+    databases::open_mysql,
+    "INSERT INTO http_effects (id, ref) VALUES (?, ?)",
+    "SELECT count(*) FROM http_effects WHERE ref = ?",
+    "SELECT count(*) FROM idem_inbox WHERE consumer = ?"
+);
+suite!(
+    sqlite,
+    sqlx::Sqlite,
+    idem::sql::SqliteInbox,
+    databases::sqlite,
+    databases::open_sqlite,
+    "INSERT INTO http_effects (id, ref) VALUES ($1, $2)",
+    "SELECT count(*) FROM http_effects WHERE ref = $1",
+    "SELECT count(*) FROM idem_inbox WHERE consumer = $1"
+);
+
+/// The databases of the suites: a pool, and the name a child process opens it by.
+mod databases {
+    use super::common;
+
+    /// What names a test's database for a child process (and keeps SQLite's file alive).
+    pub enum Db {
+        Server(String),
+        File(tempfile::TempDir),
+    }
+
+    impl Db {
+        pub fn name(&self) -> String {
+            match self {
+                Self::Server(url) => url.clone(),
+                Self::File(dir) => dir.path().join("idem.db").to_string_lossy().into_owned(),
+            }
+        }
+    }
+
+    pub async fn postgres() -> (sqlx::PgPool, Db) {
+        (
+            common::postgres(20).await,
+            Db::Server(common::postgres_url()),
+        )
+    }
+
+    pub async fn open_postgres(_: &str) -> sqlx::PgPool {
+        common::postgres(4).await
+    }
+
+    pub async fn mysql() -> (sqlx::MySqlPool, Db) {
+        (common::mysql(20).await, Db::Server(common::mysql_url()))
+    }
+
+    pub async fn open_mysql(_: &str) -> sqlx::MySqlPool {
+        common::mysql(4).await
+    }
+
+    pub async fn sqlite() -> (sqlx::SqlitePool, Db) {
+        let (pool, dir) = common::sqlite(8).await;
+        (pool, Db::File(dir))
+    }
+
+    pub async fn open_sqlite(path: &str) -> sqlx::SqlitePool {
+        common::sqlite_at(std::path::Path::new(path), 4).await
+    }
+}
