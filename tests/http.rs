@@ -494,6 +494,86 @@ macro_rules! suite {
                 assert_eq!(probe.runs(), 3);
             }
 
+            /// The limits and options: a long key, a large body, an optional key, the policy
+            /// link, a response too large to store (rolled back; external: stored without its
+            /// body), and a store that fails (503, nothing executed).
+            async fn limits_and_options(pool: Pool, broken: Pool) {
+                setup(&pool).await;
+                let operation = unique("limits");
+                let probe = Probe::new();
+                let layer = transactional(&pool, &operation)
+                    .max_request_bytes(1_000)
+                    .policy("https://api.example/idempotency");
+                let server = serve(&pool, &probe, layer, true).await;
+                let url = server.url();
+                let pay = Pay::new(&unique("ref"));
+                let long = "k".repeat(256);
+                let refused = post(&url, Some("alice"), Some(&long), &pay).await;
+                assert_eq!(refused.status, 400);
+                assert_eq!(refused.json()["type"], "https://api.example/idempotency");
+                let large = Pay {
+                    r#ref: "r".repeat(2_000),
+                    ..pay.clone()
+                };
+                assert_eq!(
+                    post(&url, Some("alice"), Some("big"), &large).await.status,
+                    413
+                );
+                assert_eq!(probe.runs(), 0);
+
+                let optional = serve(
+                    &pool,
+                    &probe,
+                    transactional(&pool, &operation).optional(),
+                    true,
+                )
+                .await;
+                // Without a key the request runs unguarded, in a transaction of its own.
+                let unkeyed = post(&optional.url(), Some("alice"), None, &pay).await;
+                assert_eq!(
+                    post(&optional.url(), Some("alice"), None, &pay)
+                        .await
+                        .status,
+                    201
+                );
+                assert_ne!(
+                    unkeyed.body,
+                    post(&optional.url(), Some("alice"), None, &pay).await.body
+                );
+                assert_eq!(effects(&pool, &pay.r#ref).await, 3);
+                let keyed = post(&optional.url(), Some("alice"), Some("opt"), &pay).await;
+                assert_eq!((keyed.status, keyed.replayed), (201, false));
+
+                let small = transactional(&pool, &operation).max_response_bytes(10);
+                let small = serve(&pool, &probe, small, true).await;
+                let too_large = post(&small.url(), Some("alice"), Some("small"), &pay).await;
+                assert_eq!(too_large.status, 500, "{too_large:?}");
+                assert_eq!(
+                    effects(&pool, &pay.r#ref).await,
+                    4,
+                    "only the optional route's writes"
+                );
+                let external_small = external(&pool, &unique("limits"), Duration::from_secs(60))
+                    .max_response_bytes(10);
+                let external_small = serve(&pool, &probe, external_small, false).await;
+                let first = post(&external_small.url(), Some("alice"), Some("small"), &pay).await;
+                assert_eq!((first.status, first.json().is_object()), (201, true));
+                let again = post(&external_small.url(), Some("alice"), Some("small"), &pay).await;
+                assert_eq!(
+                    (again.status, again.replayed, again.body.len()),
+                    (201, true, 0)
+                );
+
+                broken.close().await;
+                let unavailable =
+                    serve(&broken, &probe, transactional(&broken, &operation), true).await;
+                let runs = probe.runs();
+                let answer = post(&unavailable.url(), Some("alice"), Some("down"), &pay).await;
+                assert_eq!(answer.status, 503);
+                assert!(answer.retry_after.is_some());
+                assert_eq!(probe.runs(), runs, "executed without its key");
+            }
+
             /// A key expires with the layer's retention: swept, it is a new request.
             async fn keys_expire(pool: Pool) {
                 setup(&pool).await;
@@ -713,6 +793,13 @@ macro_rules! suite {
             async fn errors_after_execution_are_replayed_validation_is_not_stored() {
                 let (pool, _db) = $connect().await;
                 errors_are_replayed_validation_is_not(pool).await;
+            }
+
+            #[tokio::test]
+            async fn limits_options_and_a_failing_store() {
+                let (pool, _db) = $connect().await;
+                let (broken, _broken_db) = $connect().await;
+                limits_and_options(pool, broken).await;
             }
 
             #[tokio::test]

@@ -6,7 +6,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-const CRATES: [&str; 4] = ["idem-core", "idem-sqlx", "idem-rabbitmq", "idem-macros"];
+const CRATES: [&str; 6] = [
+    "idem-core",
+    "idem-sqlx",
+    "idem-rabbitmq",
+    "idem-macros",
+    "idem-http",
+    "idem-cli",
+];
 
 /// Every module file of a crate's `src/`, by module path (`["pipeline", "batch"]`).
 fn modules(src: &Path) -> BTreeMap<Vec<String>, PathBuf> {

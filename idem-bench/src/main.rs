@@ -7,6 +7,7 @@
 //! balances exact, queue empty). The table gives medians and ratios.
 
 mod handwritten;
+mod http;
 mod report;
 mod with_idem;
 mod workload;
@@ -94,6 +95,9 @@ enum Command {
         #[arg(long)]
         expect: usize,
     },
+    /// The Idempotency-Key layer against the same axum route with no idempotency and with a
+    /// handwritten key table: req/s and latency at N concurrent connections.
+    Http(http::HttpBench),
 }
 
 /// The consumers compared.
@@ -151,6 +155,7 @@ fn main() -> anyhow::Result<()> {
             queue,
             expect,
         }) => runtime.block_on(consume(&cli.bench, variant, &queue, expect)),
+        Some(Command::Http(http)) => runtime.block_on(http::run(http)),
     }
 }
 

@@ -1,9 +1,7 @@
 //! [`Idempotency`]: what a route's idempotency layer is configured with, checked when the layer
 //! is built.
 
-use crate::inflight::InFlight;
 use crate::key::DEFAULT_MAX_KEY_LEN;
-use crate::layer::IdempotencyLayer;
 use http::request::Parts;
 use idem_core::{DEFAULT_LEASE, InboxStore};
 use std::fmt;
@@ -210,8 +208,8 @@ impl<S: InboxStore> Idempotency<S> {
         self
     }
 
-    /// Checks the configuration and builds the tower layer.
-    pub fn layer(self) -> Result<IdempotencyLayer<S>, ConfigError> {
+    /// Checks the configuration ([`Idempotency::layer`] calls it).
+    pub(crate) fn check(&self) -> Result<(), ConfigError> {
         let operation = self.operation.clone();
         if operation.is_empty() || operation.len() > 100 {
             return Err(ConfigError::Operation(operation));
@@ -243,7 +241,7 @@ impl<S: InboxStore> Idempotency<S> {
                 max,
             });
         }
-        Ok(IdempotencyLayer::new(self, InFlight::default()))
+        Ok(())
     }
 }
 

@@ -2,7 +2,7 @@
 //! handler runs, and settled with the response after it. A lease left by a crash is taken
 //! over once it expires.
 
-use crate::flow::{self, Keyed, Read};
+use crate::keyed::{self, Keyed, Read};
 use crate::stored::StoredResponse;
 use crate::telemetry::{self, Result as Seen};
 use crate::tx::Execution;
@@ -52,7 +52,7 @@ where
             remaining,
         }) => {
             return Ok(match fingerprint == keyed.fingerprint {
-                true => flow::in_progress(keyed, remaining),
+                true => keyed::in_progress(keyed, remaining),
                 false => keyed.replay(&fingerprint, None),
             });
         }
@@ -68,7 +68,7 @@ where
         ) => return Ok(keyed.replay(&fingerprint, output.as_ref())),
         Err(e) => return Ok(keyed.unavailable(&e)),
     }
-    let response = flow::call(inner, request).await?;
+    let response = keyed::call(inner, request).await?;
     let (parts, body) = response.into_parts();
     if parts.extensions.get::<Execution>() == Some(&Execution::NotBegun) {
         // Refused before execution: the key is freed for a corrected request.
@@ -78,18 +78,23 @@ where
         telemetry::request(keyed.operation(), Seen::NotStored);
         return Ok(Response::from_parts(parts, Body::new(body)));
     }
+    // The handler's effects are done and cannot be undone: its caller gets the whole response,
+    // and a body over the limit is stored without it.
     let limit = keyed.shared.config.max_response_bytes;
-    let (stored, body) = match flow::read(body, limit).await {
-        Read::Whole(body) => (StoredResponse::capture(&parts, &body), Body::from(body)),
-        Read::TooLarge => {
+    let (stored, body) = match keyed::read(body, usize::MAX).await {
+        Read::Whole(body) if body.len() <= limit => {
+            (StoredResponse::capture(&parts, &body), Body::from(body))
+        }
+        Read::Whole(body) => {
             tracing::error!(
                 limit,
+                len = body.len(),
                 "the response is larger than max_response_bytes; its body is not stored, and retries get an empty body"
             );
-            (StoredResponse::without_body(&parts), Body::empty())
+            (StoredResponse::without_body(&parts), Body::from(body))
         }
-        Read::Failed(e) => {
-            tracing::warn!(error = %e, "the response body failed; storing the status and headers");
+        Read::TooLarge | Read::Failed(_) => {
+            tracing::warn!("the response body failed; storing the status and headers");
             (StoredResponse::without_body(&parts), Body::empty())
         }
     };

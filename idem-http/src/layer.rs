@@ -1,8 +1,9 @@
 //! The tower [`Layer`] and [`Service`] that put a route behind an `Idempotency-Key`.
 
-use crate::config::Idempotency;
+use crate::config::{ConfigError, Idempotency};
 use crate::flow;
 use crate::inflight::InFlight;
+use crate::keyed::Shared;
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response};
@@ -16,23 +17,23 @@ use std::task::{Context, Poll};
 use tower_layer::Layer;
 use tower_service::Service;
 
-/// What every request of one layer shares.
-pub(crate) struct Shared<S> {
-    pub(crate) config: Idempotency<S>,
-    pub(crate) in_flight: InFlight,
-}
-
 /// The layer of one operation, built by [`Idempotency::layer`]; put it on the operation's
 /// routes (axum: `post(handler).layer(layer)`). Cloning it is cheap.
 pub struct IdempotencyLayer<S> {
     shared: Arc<Shared<S>>,
 }
 
-impl<S> IdempotencyLayer<S> {
-    pub(crate) fn new(config: Idempotency<S>, in_flight: InFlight) -> Self {
-        Self {
-            shared: Arc::new(Shared { config, in_flight }),
-        }
+impl<S: InboxStore> Idempotency<S> {
+    /// Checks the configuration and builds the tower layer.
+    pub fn layer(self) -> Result<IdempotencyLayer<S>, ConfigError> {
+        self.check()?;
+        let shared = Shared {
+            config: self,
+            in_flight: InFlight::default(),
+        };
+        Ok(IdempotencyLayer {
+            shared: Arc::new(shared),
+        })
     }
 }
 

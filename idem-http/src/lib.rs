@@ -47,6 +47,7 @@ mod external;
 mod flow;
 mod inflight;
 pub mod key;
+mod keyed;
 mod layer;
 mod problem;
 pub mod stored;

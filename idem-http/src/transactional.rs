@@ -6,7 +6,7 @@
 //! With a 2xx-4xx response the handler's writes commit with it; a 5xx response rolls them back
 //! and records the key and the error alone.
 
-use crate::flow::{self, Keyed, Read};
+use crate::keyed::{self, Keyed, Read, Shared};
 use crate::problem::Problem;
 use crate::stored::StoredResponse;
 use crate::telemetry::{self, Result as Seen};
@@ -60,7 +60,7 @@ where
     let slot = TxSlot::new(tx);
     request.extensions_mut().insert(slot.clone());
     // A panic or a dropped request future drops the slot: the transaction rolls back.
-    let response = flow::call(inner, request).await?;
+    let response = keyed::call(inner, request).await?;
     let (tx, used) = slot.finish().await;
     let Some(mut tx) = tx else {
         unreachable!("only the layer takes the transaction out of its slot");
@@ -77,7 +77,7 @@ where
         return Ok(Response::from_parts(parts, Body::new(body)));
     }
     let limit = keyed.shared.config.max_response_bytes;
-    let body = match flow::read(body, limit).await {
+    let body = match keyed::read(body, limit).await {
         Read::Whole(body) => body,
         Read::TooLarge => {
             store.rollback(tx).await;
@@ -140,6 +140,41 @@ where
         // replays it): the client must retry.
         Err(e) => Ok(keyed.unavailable(&e)),
     }
+}
+
+/// Runs a request without a key on a route where keys are optional: the handler gets its
+/// transaction all the same, committed after a 2xx-4xx response and rolled back after a 5xx;
+/// nothing is recorded.
+pub(crate) async fn run_unkeyed<S, I, B>(
+    shared: &Shared<S>,
+    inner: I,
+    mut request: Request<Body>,
+) -> Result<Response<Body>, Infallible>
+where
+    S: InboxStore,
+    I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Send,
+    I::Future: Send,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<axum_core::BoxError>,
+{
+    let store = &shared.config.store;
+    let tx = match store.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return Ok(keyed::unavailable(shared, &e)),
+    };
+    let slot = TxSlot::new(tx);
+    request.extensions_mut().insert(slot.clone());
+    let response = keyed::call(inner, request).await?;
+    let (tx, _) = slot.finish().await;
+    let Some(tx) = tx else {
+        unreachable!("only the layer takes the transaction out of its slot");
+    };
+    if response.status().is_server_error() {
+        store.rollback(tx).await;
+    } else if let Err(e) = store.commit(tx).await {
+        return Ok(keyed::unavailable(shared, &e));
+    }
+    Ok(response.map(Body::new))
 }
 
 /// Claims the key again in a fresh transaction, after a server error rolled the first one back;
