@@ -199,10 +199,9 @@ fn counted(operation: &str, result: &str) -> u64 {
 /// One suite per database: `$db` the sqlx database, `$inbox` its inbox, `$insert` and
 /// `$count` the effect statements in its placeholders.
 macro_rules! suite {
-    ($name:ident, $db:ty, $inbox:ty, $connect:path, $open:path, $insert:literal, $count:literal, $rows:literal) => {
+    ($name:ident, $db:ty, $inbox:ty, $connect:path, $open:path, $insert:literal, $count:literal, $rows:literal, cross_process_409 = $nowait:literal) => {
         mod $name {
             use super::*;
-            use idem::InboxStore;
             use idem_http::{Execution, Idempotency, Tx};
 
             type Pool = sqlx::Pool<$db>;
@@ -380,6 +379,52 @@ macro_rules! suite {
                 assert!(counted(&operation, "in_progress") >= 10);
                 assert!(counted(&operation, "replayed") >= 3);
                 assert_eq!(counted(&operation, "executed"), 1);
+            }
+
+            /// A key that another layer (another process) is running: 409 at once where the
+            /// store can tell (PostgreSQL), else the request waits for it and gets its response.
+            async fn another_process_running_the_key(pool: Pool) {
+                setup(&pool).await;
+                let operation = unique("other");
+                let probe = Probe::new();
+                let a = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let b = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let pay = Pay {
+                    gated: true,
+                    ..Pay::new(&unique("ref"))
+                };
+                let first = tokio::spawn({
+                    let (url, pay) = (a.url(), pay.clone());
+                    async move { post(&url, Some("alice"), Some("x"), &pay).await }
+                });
+                wait_until("the handler to run", Duration::from_secs(30), || async {
+                    probe.runs() == 1
+                })
+                .await;
+                let second = tokio::spawn({
+                    let (url, pay) = (b.url(), pay.clone());
+                    async move { post(&url, Some("alice"), Some("x"), &pay).await }
+                });
+                let second = if $nowait {
+                    let busy = tokio::time::timeout(Duration::from_secs(30), second)
+                        .await
+                        .expect("the request waited for the key instead of answering 409")
+                        .unwrap();
+                    assert_eq!(busy.status, 409, "{busy:?}");
+                    assert_eq!(busy.retry_after.as_deref(), Some("1"));
+                    probe.open();
+                    post(&b.url(), Some("alice"), Some("x"), &pay).await
+                } else {
+                    probe.open();
+                    second.await.unwrap()
+                };
+                let first = first.await.unwrap();
+                assert_eq!((first.status, first.replayed), (201, false));
+                assert_eq!(
+                    (second.status, second.replayed, &second.body),
+                    (201, true, &first.body)
+                );
+                assert_eq!(probe.runs(), 1);
             }
 
             /// A mismatched request is 422, a missing or malformed key 400, and two clients with
@@ -588,12 +633,16 @@ macro_rules! suite {
                         .await
                         .replayed
                 );
-                let store = <$inbox>::new(pool.clone());
+                // What a service without a Runtime spawns.
+                let sweeper = tokio::spawn(idem_http::sweep_every(
+                    <$inbox>::new(pool.clone()),
+                    Duration::from_millis(100),
+                ));
                 wait_until("the key to be swept", Duration::from_secs(30), || async {
-                    store.sweep(100, 100).await.unwrap();
                     rows(&pool, &operation).await == 0
                 })
                 .await;
+                sweeper.abort();
                 let again = post(&server.url(), Some("alice"), Some("x"), &pay).await;
                 assert_eq!((again.status, again.replayed), (201, false));
                 assert_ne!(again.body, first.body);
@@ -784,6 +833,12 @@ macro_rules! suite {
             }
 
             #[tokio::test]
+            async fn a_key_another_process_runs() {
+                let (pool, _db) = $connect().await;
+                another_process_running_the_key(pool).await;
+            }
+
+            #[tokio::test]
             async fn keys_are_checked_and_scoped_by_client() {
                 let (pool, _db) = $connect().await;
                 keys_are_checked_and_scoped(pool).await;
@@ -854,7 +909,8 @@ suite!(
     databases::open_postgres,
     "INSERT INTO http_effects (id, ref) VALUES ($1, $2)",
     "SELECT count(*) FROM http_effects WHERE ref = $1",
-    "SELECT count(*) FROM idem_inbox WHERE consumer = $1"
+    "SELECT count(*) FROM idem_inbox WHERE consumer = $1",
+    cross_process_409 = true
 );
 suite!(
     mysql,
@@ -864,7 +920,8 @@ suite!(
     databases::open_mysql,
     "INSERT INTO http_effects (id, ref) VALUES (?, ?)",
     "SELECT count(*) FROM http_effects WHERE ref = ?",
-    "SELECT count(*) FROM idem_inbox WHERE consumer = ?"
+    "SELECT count(*) FROM idem_inbox WHERE consumer = ?",
+    cross_process_409 = false
 );
 suite!(
     sqlite,
@@ -874,7 +931,8 @@ suite!(
     databases::open_sqlite,
     "INSERT INTO http_effects (id, ref) VALUES ($1, $2)",
     "SELECT count(*) FROM http_effects WHERE ref = $1",
-    "SELECT count(*) FROM idem_inbox WHERE consumer = $1"
+    "SELECT count(*) FROM idem_inbox WHERE consumer = $1",
+    cross_process_409 = false
 );
 
 /// The databases of the suites: a pool, and the name a child process opens it by.
@@ -923,4 +981,82 @@ mod databases {
     pub async fn open_sqlite(path: &str) -> sqlx::SqlitePool {
         common::sqlite_at(std::path::Path::new(path), 4).await
     }
+}
+
+/// `cargo run --example payments`, as its README section describes it: one payment per key, the
+/// same answer replayed, 422, 400 and 401.
+#[tokio::test]
+async fn the_payments_example_takes_one_payment_per_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("payments.db");
+    let example = common::example("payments");
+    let mut child = std::process::Command::new(&example)
+        .env("PAYMENTS_ADDR", "127.0.0.1:0")
+        .env("DATABASE_URL", format!("sqlite://{}", db.display()))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{}: {e} (`cargo test` builds it)", example.display()));
+    let stdout = child.stdout.take().unwrap();
+    let _child = KillOnDrop(child);
+    let url = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|line| {
+                let (_, rest) = line.split_once("serving POST ")?;
+                Some(rest.split_whitespace().next()?.to_owned())
+            })
+    });
+    let url = tokio::time::timeout(Duration::from_secs(60), url)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the example printed where it serves");
+    let send = |token: Option<&'static str>, key: Option<&'static str>, body: serde_json::Value| {
+        let url = url.clone();
+        async move {
+            let mut request = reqwest::Client::new().post(&url).json(&body);
+            if let Some(token) = token {
+                request = request.header("authorization", format!("Bearer {token}"));
+            }
+            if let Some(key) = key {
+                request = request.header("idempotency-key", key);
+            }
+            let response = request.send().await.unwrap();
+            let replayed = response.headers().contains_key("idempotent-replayed");
+            let status = response.status().as_u16();
+            (status, replayed, response.bytes().await.unwrap())
+        }
+    };
+    let order = serde_json::json!({"customer": "alice", "amount_cents": 1250});
+    let (status, replayed, first) = send(Some("alice"), Some("\"order-1\""), order.clone()).await;
+    assert_eq!((status, replayed), (201, false));
+    let payment: serde_json::Value = serde_json::from_slice(&first).unwrap();
+    assert!(payment["payment_id"].is_string());
+    let (status, replayed, again) = send(Some("alice"), Some("\"order-1\""), order.clone()).await;
+    assert_eq!((status, replayed, &again), (201, true, &first));
+    let other = serde_json::json!({"customer": "alice", "amount_cents": 1251});
+    assert_eq!(send(Some("alice"), Some("\"order-1\""), other).await.0, 422);
+    assert_eq!(send(Some("alice"), None, order.clone()).await.0, 400);
+    assert_eq!(send(None, Some("\"order-1\""), order.clone()).await.0, 401);
+    let invalid = serde_json::json!({"customer": "bob", "amount_cents": -5});
+    assert_eq!(send(Some("bob"), Some("k"), invalid).await.0, 400);
+    let (status, replayed, _) = send(Some("bob"), Some("k"), order).await;
+    assert_eq!(
+        (status, replayed),
+        (201, false),
+        "a refused request is not stored"
+    );
+    let pool = common::sqlite_at(&db, 1).await;
+    let rows: Vec<(String, String, i64)> =
+        sqlx::query_as("SELECT payment_id, customer, amount_cents FROM payments ORDER BY customer")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(
+        (rows[0].0.as_str(), rows[0].2),
+        (payment["payment_id"].as_str().unwrap(), 1250)
+    );
 }

@@ -30,6 +30,9 @@ pub struct HttpBench {
     /// Runs of each route (the table shows medians).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Which routes to run (`plain`, `hand`, `idem`); each run starts with the next one in turn.
+    #[arg(long, value_delimiter = ',', default_value = "plain,hand,idem")]
+    routes: Vec<String>,
     /// Database connections of each route's pool.
     #[arg(long, default_value_t = 16)]
     connections: u32,
@@ -43,12 +46,13 @@ pub struct HttpBench {
 }
 
 const INBOX: &str = "idem_bench_http_inbox";
-const SCHEMA: [&str; 2] = [
+const SCHEMA: [&str; 3] = [
     "CREATE TABLE IF NOT EXISTS bench_payments (payment_id text PRIMARY KEY, customer text NOT NULL, amount_cents bigint NOT NULL)",
     // The handwritten route's keys: what a careful engineer writes (fingerprint, stored status
-    // and body, an expiry to sweep by).
+    // and body, an expiry and its index to sweep by).
     "CREATE TABLE IF NOT EXISTS bench_http_keys (client text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL,
         status int, body text, expires_at timestamptz NOT NULL, PRIMARY KEY (client, key))",
+    "CREATE INDEX IF NOT EXISTS bench_http_keys_expires ON bench_http_keys (expires_at)",
 ];
 
 #[derive(serde::Deserialize)]
@@ -287,18 +291,28 @@ pub async fn run(b: HttpBench) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     let app = app(&b).await?;
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let routes = [
+    let names = [
         ("plain", "no idempotency"),
         ("hand", "handwritten key + response"),
         ("idem", "idem-http layer"),
     ];
+    let mut routes = Vec::new();
+    for route in &b.routes {
+        match names.iter().find(|(r, _)| r == route) {
+            Some(named) => routes.push(*named),
+            None => bail!("unknown route {route}: plain, hand or idem"),
+        }
+    }
     let mut samples: Vec<Vec<(f64, Duration, Duration)>> = vec![Vec::new(); routes.len()];
     eprintln!(
         "{} requests per run, {} connections, {} runs",
         b.requests, b.concurrency, b.runs
     );
     for run in 1..=b.runs {
-        for (i, (route, name)) in routes.iter().enumerate() {
+        for turn in 0..routes.len() {
+            // Each run starts with the next route: none is always first or last.
+            let i = (turn + run - 1) % routes.len();
+            let (route, name) = routes[i];
             sqlx::query("TRUNCATE bench_payments, bench_http_keys")
                 .execute(&admin)
                 .await?;
@@ -319,6 +333,7 @@ pub async fn run(b: HttpBench) -> anyhow::Result<()> {
             samples[i].push((rate, p50, p99));
         }
     }
+    let hand = routes.iter().position(|(r, _)| *r == "hand");
     let median = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
@@ -336,7 +351,7 @@ pub async fn run(b: HttpBench) -> anyhow::Result<()> {
         println!(
             "| {name} | {:.0} | {p50:.2} | {p99:.2} | {:.2} |",
             rates[i],
-            rates[i] / rates[1]
+            hand.map_or(f64::NAN, |h| rates[i] / rates[h])
         );
     }
     Ok(())

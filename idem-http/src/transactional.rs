@@ -16,6 +16,7 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoredOutput};
 use std::convert::Infallible;
+use std::time::Duration;
 use tower_service::Service;
 
 /// Runs one keyed request in transactional mode.
@@ -43,12 +44,17 @@ where
         Ok(tx) => tx,
         Err(e) => return Ok(keyed.unavailable(&e)),
     };
-    match store.claim(&mut tx, &claim).await {
-        Ok(Claim::Claimed) => {}
-        Ok(Claim::Existing {
+    match store.try_claim(&mut tx, &claim).await {
+        Ok(Some(Claim::Claimed)) => {}
+        Ok(None) => {
+            // Another process runs this key right now.
+            store.rollback(tx).await;
+            return Ok(keyed::in_progress(keyed, Duration::from_secs(1)));
+        }
+        Ok(Some(Claim::Existing {
             fingerprint,
             output,
-        }) => {
+        })) => {
             store.rollback(tx).await;
             return Ok(keyed.replay(&fingerprint, output.as_ref()));
         }
@@ -188,9 +194,9 @@ async fn claim_again<S: InboxStore>(store: &S, claim: &ClaimRequest<'_>) -> Opti
             return None;
         }
     };
-    match store.claim(&mut tx, claim).await {
-        Ok(Claim::Claimed) => Some(tx),
-        Ok(Claim::Existing { .. }) => {
+    match store.try_claim(&mut tx, claim).await {
+        Ok(Some(Claim::Claimed)) => Some(tx),
+        Ok(Some(Claim::Existing { .. }) | None) => {
             store.rollback(tx).await;
             None
         }

@@ -42,6 +42,16 @@ pub trait Dialect: Sql {
         claim::insert_then_read::<Self>(sql, conn, request)
     }
 
+    /// Claims one key like [`Dialect::claim`], but answers `None` instead of waiting behind
+    /// another transaction's uncommitted claim of it. The default cannot tell, and waits.
+    fn try_claim<'a>(
+        sql: &'a Prepared,
+        conn: &'a mut Self::Connection,
+        request: &'a ClaimRequest<'a>,
+    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send + 'a {
+        async move { Self::claim(sql, conn, request).await.map(Some) }
+    }
+
     /// Claims a batch's distinct keys, answering in `requests`' order. The default claims one
     /// by one (in process, as SQLite is, that costs no round trips).
     fn claim_batch<'a>(

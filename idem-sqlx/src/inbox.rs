@@ -134,6 +134,15 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         DB::claim(&self.sql, &mut **tx, request).await
     }
 
+    async fn try_claim(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Option<Claim>, StoreError> {
+        DB::check_request(request)?;
+        DB::try_claim(&self.sql, &mut **tx, request).await
+    }
+
     async fn complete(
         &self,
         tx: &mut Self::Tx,

@@ -181,6 +181,7 @@ impl Dialect for MySql {
     const KIND: StoreKind = StoreKind::new("MySql", "mysql", "idem::sql::MySqlInbox");
     const STATEMENTS: Statements = Statements {
         claim: CLAIM,
+        try_claim: None,
         existing: EXISTING,
         complete: COMPLETE,
         unclaim: UNCLAIM,

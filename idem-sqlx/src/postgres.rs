@@ -93,6 +93,16 @@ UNION ALL
 SELECT FALSE, fingerprint, outcome FROM "{table}"
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"#;
 
+/// The insert of [`CLAIM`] behind a transaction-scoped advisory lock on a 64-bit hash of
+/// (consumer, key), taken without waiting: no row is inserted when another transaction holds
+/// it (its claim of the key is not committed yet), nor when the key exists; [`EXISTING`] then
+/// tells which. A plain insert: the new key, the common case, costs one cheap statement. The
+/// seed keeps these locks apart from the migration's and the sweeper's.
+const TRY_CLAIM: &str = r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
+SELECT $1::text, $2::text, $3::bytea, 'completed', $4::int4, now(), now(), now() + $5 * interval '1 second'
+WHERE pg_try_advisory_xact_lock(hashtextextended($1::text || chr(31) || $2::text, 4817))
+ON CONFLICT (consumer, key) DO NOTHING"#;
+
 const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = $2"#;
 
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 AND key = $3"#;
@@ -220,6 +230,7 @@ impl Dialect for Postgres {
     const KIND: StoreKind = StoreKind::new("Postgres", "postgres", "idem::sql::PgInbox");
     const STATEMENTS: Statements = Statements {
         claim: CLAIM,
+        try_claim: Some(TRY_CLAIM),
         existing: EXISTING,
         complete: COMPLETE,
         unclaim: UNCLAIM,
@@ -282,6 +293,38 @@ impl Dialect for Postgres {
                 })?,
         };
         claim_from_row(&row)
+    }
+
+    /// [`TRY_CLAIM`]: one round trip for a new key; a key that exists or is busy is then read
+    /// with [`EXISTING`] (no committed row: another transaction's claim holds it).
+    async fn try_claim(
+        sql: &Prepared,
+        conn: &mut PgConnection,
+        request: &ClaimRequest<'_>,
+    ) -> Result<Option<Claim>, StoreError> {
+        let Some(statement) = &sql.try_claim else {
+            return Self::claim(sql, conn, request).await.map(Some);
+        };
+        let fail = |e| store_error("claim", e);
+        let inserted = sqlx::query(AssertSqlSafe(statement.clone()))
+            .bind(request.consumer)
+            .bind(request.key)
+            .bind(request.fingerprint.as_bytes().as_slice())
+            .bind(i32::try_from(request.attempt).unwrap_or(i32::MAX))
+            .bind(crate::config::secs(request.retention))
+            .execute(&mut *conn)
+            .await
+            .map_err(fail)?;
+        if inserted.rows_affected() == 1 {
+            return Ok(Some(Claim::Claimed));
+        }
+        let existing = sqlx::query(AssertSqlSafe(sql.existing.clone()))
+            .bind(request.consumer)
+            .bind(request.key)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(fail)?;
+        existing.as_ref().map(claim_from_row).transpose()
     }
 
     /// Claims a batch's keys with one insert, then reads the keys that existed with one select.

@@ -213,6 +213,7 @@ impl Dialect for Sqlite {
     // SQLite runs in process: the single-row statements of a batch cost no round trips.
     const STATEMENTS: Statements = Statements {
         claim: CLAIM,
+        try_claim: None,
         existing: EXISTING,
         complete: COMPLETE,
         unclaim: UNCLAIM,

@@ -14,6 +14,10 @@ pub struct Statements<S = &'static str> {
     /// Inserts the marker, doing nothing if the key exists (consumer, key, fingerprint,
     /// attempt, retention in seconds).
     pub claim: S,
+    /// Like `claim`'s insert, but inserting nothing instead of waiting behind another
+    /// transaction's uncommitted claim of the key (same parameters), where the dialect can
+    /// tell; `existing` then reads what holds the key.
+    pub try_claim: Option<S>,
     /// Reads a key's `fingerprint` and `outcome` (consumer, key); sees the latest committed row.
     pub existing: S,
     /// Stores the handler's result on a claimed row (outcome, consumer, key).
@@ -177,6 +181,7 @@ impl Statements {
         let fill = |template: &str| fill(template, table, now);
         Statements {
             claim: fill(self.claim),
+            try_claim: self.try_claim.map(fill),
             existing: fill(self.existing),
             complete: fill(self.complete),
             unclaim: fill(self.unclaim),

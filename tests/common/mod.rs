@@ -89,15 +89,21 @@ pub async fn sqlite_at(path: &std::path::Path, connections: u32) -> sqlx::Sqlite
 
 /// The orders example `cargo test` builds beside the tests.
 pub fn orders_example() -> std::path::PathBuf {
+    example("orders")
+}
+
+/// The example `name`, which `cargo test` builds beside the tests.
+pub fn example(name: &str) -> std::path::PathBuf {
     let example = std::env::current_exe()
         .expect("the test binary")
         .parent()
         .and_then(std::path::Path::parent)
         .expect("target/<profile>")
-        .join("examples/orders");
+        .join("examples")
+        .join(name);
     assert!(
         example.exists(),
-        "{} is missing: `cargo test` builds it, or run `cargo build --example orders`",
+        "{} is missing: `cargo test` builds it, or run `cargo build --example {name}`",
         example.display()
     );
     example

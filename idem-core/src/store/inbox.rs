@@ -145,6 +145,17 @@ pub trait InboxStore: Send + Sync + 'static {
         request: &ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
+    /// Claims like [`InboxStore::claim`], but answers `None` at once, instead of waiting, when
+    /// another transaction's uncommitted claim holds the key (its request is still running:
+    /// HTTP answers 409). A store that cannot tell waits, as `claim` does (the default).
+    fn try_claim(
+        &self,
+        tx: &mut Self::Tx,
+        request: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
+        async move { self.claim(tx, request).await.map(Some) }
+    }
+
     /// Stores the handler's result on the marker claimed in this transaction. Not called for
     /// `null` results.
     fn complete(
