@@ -232,8 +232,8 @@ impl<S: InboxStore> Idempotency<S> {
                 return Err(ConfigError::Zero { operation, setting });
             }
         }
-        // The stored key is `<32 hex digits>:<key>`.
-        let max = idem_core::MAX_KEY_LEN - 33;
+        // The stored key is `<22 base64url characters>:<key>`.
+        let max = idem_core::MAX_KEY_LEN - 23;
         if self.max_key_len > max {
             return Err(ConfigError::KeyTooLong {
                 operation,

@@ -1,5 +1,7 @@
 //! The `Idempotency-Key` header, the scope a key is stored under, and the request's fingerprint.
 
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use http::HeaderValue;
 use http::request::Parts;
 use idem_core::Fingerprint;
@@ -99,8 +101,9 @@ fn parse(value: &HeaderValue) -> Result<String, KeyError> {
 pub struct Scope {
     /// `http:<operation>`.
     pub consumer: String,
-    /// `<client>:<key>`: the client is a digest of its identity (never the identity itself,
-    /// which may be a credential), or `-` for a shared key space.
+    /// `<client>:<key>`: the client is a digest of its identity (128 bits of its SHA-256 in
+    /// base64url; never the identity itself, which may be a credential), or `-` for a shared
+    /// key space.
     pub key: String,
 }
 
@@ -108,7 +111,7 @@ impl Scope {
     /// The scope of `key` sent by `client` to `operation`.
     pub fn new(operation: &str, client: Option<&str>, key: &str) -> Self {
         let client = match client {
-            Some(identity) => hex(&Sha256::digest(identity.as_bytes())[..16]),
+            Some(identity) => URL_SAFE_NO_PAD.encode(&Sha256::digest(identity.as_bytes())[..16]),
             None => "-".to_owned(),
         };
         Self {
@@ -133,10 +136,6 @@ pub fn fingerprint(parts: &Parts, body: &[u8]) -> Fingerprint {
         .chain_update(body)
         .finalize();
     Fingerprint::of_digest(digest.into())
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

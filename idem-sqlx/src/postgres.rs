@@ -9,7 +9,9 @@ use crate::statements::{
     AdminStatements, BatchStatements, DeliveryStatements, LeaseStatements, MigrationStatements,
     PROBE, Prepared, SAVEPOINTS, Statements, SweepStatements,
 };
-use idem_core::{Claim, ClaimRequest, ErrorClass, StoreError, StoreKind, StoredOutput};
+use idem_core::{
+    Claim, ClaimRequest, ErrorClass, Fingerprint, StoreError, StoreKind, StoredOutput,
+};
 use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
 use std::collections::{HashMap, HashSet};
@@ -93,15 +95,25 @@ UNION ALL
 SELECT FALSE, fingerprint, outcome FROM "{table}"
 WHERE consumer = $1 AND key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"#;
 
-/// The insert of [`CLAIM`] behind a transaction-scoped advisory lock on a 64-bit hash of
-/// (consumer, key), taken without waiting: no row is inserted when another transaction holds
-/// it (its claim of the key is not committed yet), nor when the key exists; [`EXISTING`] then
-/// tells which. A plain insert: the new key, the common case, costs one cheap statement. The
-/// seed keeps these locks apart from the migration's and the sweeper's.
+/// The insert of [`CLAIM`] behind a transaction-scoped advisory lock on (consumer, key)
+/// (parameter 6: [`lock_key`]), taken without waiting: no row is inserted when another
+/// transaction holds it (its claim of the key is not committed yet), nor when the key exists;
+/// [`EXISTING`] then tells which. A plain insert: the new key, the common case, costs one
+/// cheap statement.
 const TRY_CLAIM: &str = r#"INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
 SELECT $1::text, $2::text, $3::bytea, 'completed', $4::int4, now(), now(), now() + $5 * interval '1 second'
-WHERE pg_try_advisory_xact_lock(hashtextextended($1::text || chr(31) || $2::text, 4817))
+WHERE pg_try_advisory_xact_lock($6::int8)
 ON CONFLICT (consumer, key) DO NOTHING"#;
+
+/// The advisory lock of a key: the first 8 bytes of the SHA-256 of (consumer, key). Two keys
+/// sharing one (a chance of 2^-64 per pair in flight at once) would answer each other 409.
+fn lock_key(request: &ClaimRequest<'_>) -> i64 {
+    let text = format!("idem-lock\x1f{}\x1f{}", request.consumer, request.key);
+    let digest = Fingerprint::of(text.as_bytes());
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest.as_bytes()[..8]);
+    i64::from_be_bytes(first)
+}
 
 const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = $2"#;
 
@@ -312,6 +324,7 @@ impl Dialect for Postgres {
             .bind(request.fingerprint.as_bytes().as_slice())
             .bind(i32::try_from(request.attempt).unwrap_or(i32::MAX))
             .bind(crate::config::secs(request.retention))
+            .bind(lock_key(request))
             .execute(&mut *conn)
             .await
             .map_err(fail)?;
