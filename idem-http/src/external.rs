@@ -2,18 +2,15 @@
 //! handler runs, and settled with the response after it. A lease left by a crash is taken
 //! over once it expires.
 
-use crate::keyed::{self, Keyed, Read};
+use crate::keyed::{self, Inner, Keyed, Read, ResponseBody};
 use crate::stored::StoredResponse;
 use crate::telemetry::{self, Result as Seen};
 use crate::tx::Execution;
 use axum_core::body::Body;
-use bytes::Bytes;
 use http::{Request, Response};
 use idem_core::{ClaimRequest, InboxStore, Lease, LeaseEnd, StoredOutput};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use tower_service::Service;
+use std::time::Duration;
 
 /// Runs one keyed request in external mode.
 pub(crate) async fn run<S, I, B>(
@@ -24,20 +21,12 @@ pub(crate) async fn run<S, I, B>(
 ) -> Result<Response<Body>, Infallible>
 where
     S: InboxStore,
-    I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Send,
-    I::Future: Send,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<axum_core::BoxError>,
+    I: Inner<B>,
+    B: ResponseBody,
 {
     let store = &keyed.shared.config.store;
-    let claim = ClaimRequest {
-        consumer: &keyed.scope.consumer,
-        key: &keyed.scope.key,
-        fingerprint: &keyed.fingerprint,
-        attempt: 1,
-        retention: keyed.shared.config.retention,
-    };
-    let owner = owner_token();
+    let claim = keyed.claim_request();
+    let owner = format!("http-{}", idem_core::store::owner_token());
     match store.lease(&claim, &owner, lease).await {
         Ok(Lease::Acquired { attempts }) => {
             if attempts > 1 {
@@ -134,18 +123,4 @@ async fn forget<S: InboxStore>(
     let mut tx = store.begin().await?;
     store.unclaim(&mut tx, claim.consumer, &[claim.key]).await?;
     store.commit(tx).await
-}
-
-/// A token naming one lease holder: process, time and a counter.
-fn owner_token() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO)
-        .as_nanos();
-    format!(
-        "http-{}-{nanos:x}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
 }

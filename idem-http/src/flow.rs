@@ -3,19 +3,17 @@
 
 use crate::config::HttpMode;
 use crate::key::{self, KeyError, Scope};
-use crate::keyed::{self, Keyed, Shared, answer};
+use crate::keyed::{self, Inner, Keyed, ResponseBody, Shared, answer};
 use crate::problem::Problem;
 use crate::telemetry::{self, Result as Seen};
 use crate::{external, transactional};
 use axum_core::body::Body;
-use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
 use idem_core::InboxStore;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
-use tower_service::Service;
 use tracing::Instrument as _;
 
 /// Handles one request of an idempotent route.
@@ -26,10 +24,8 @@ pub(crate) async fn handle<S, I, B>(
 ) -> Result<Response<Body>, Infallible>
 where
     S: InboxStore,
-    I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Send,
-    I::Future: Send,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<axum_core::BoxError>,
+    I: Inner<B>,
+    B: ResponseBody,
 {
     let span = tracing::info_span!(
         "idem.http",

@@ -12,10 +12,32 @@ use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
-use idem_core::{Fingerprint, InboxStore, StoreError, StoredOutput};
+use idem_core::{ClaimRequest, Fingerprint, InboxStore, StoreError, StoredOutput};
 use std::convert::Infallible;
 use std::time::Duration;
 use tower_service::Service;
+
+/// The handler a layer wraps: a service answering `Response<B>` (axum's routes are).
+pub(crate) trait Inner<B>:
+    Service<Request<Body>, Response = Response<B>, Error = Infallible, Future: Send> + Send
+{
+}
+
+impl<T, B> Inner<B> for T where
+    T: Service<Request<Body>, Response = Response<B>, Error = Infallible, Future: Send> + Send
+{
+}
+
+/// The body of a handler's response.
+pub(crate) trait ResponseBody:
+    http_body::Body<Data = Bytes, Error: Into<axum_core::BoxError>> + Send + 'static
+{
+}
+
+impl<T> ResponseBody for T where
+    T: http_body::Body<Data = Bytes, Error: Into<axum_core::BoxError>> + Send + 'static
+{
+}
 
 /// What every request of one layer shares.
 pub(crate) struct Shared<S> {
@@ -31,6 +53,17 @@ pub(crate) struct Keyed<'a, S> {
 }
 
 impl<S: InboxStore> Keyed<'_, S> {
+    /// The inbox claim of this request's key.
+    pub(crate) fn claim_request(&self) -> ClaimRequest<'_> {
+        ClaimRequest {
+            consumer: &self.scope.consumer,
+            key: &self.scope.key,
+            fingerprint: &self.fingerprint,
+            attempt: 1,
+            retention: self.shared.config.retention,
+        }
+    }
+
     /// The layer's operation.
     pub(crate) fn operation(&self) -> &str {
         &self.shared.config.operation
@@ -133,8 +166,7 @@ pub(crate) enum Read {
 /// Reads a response body up to `limit` bytes.
 pub(crate) async fn read<B>(body: B, limit: usize) -> Read
 where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<axum_core::BoxError>,
+    B: ResponseBody,
 {
     match Limited::new(body, limit).collect().await {
         Ok(body) => Read::Whole(body.to_bytes()),

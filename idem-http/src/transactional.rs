@@ -6,18 +6,16 @@
 //! With a 2xx-4xx response the handler's writes commit with it; a 5xx response rolls them back
 //! and records the key and the error alone.
 
-use crate::keyed::{self, Keyed, Read, Shared};
+use crate::keyed::{self, Inner, Keyed, Read, ResponseBody, Shared};
 use crate::problem::Problem;
 use crate::stored::StoredResponse;
 use crate::telemetry::{self, Result as Seen};
 use crate::tx::{Execution, TxSlot};
 use axum_core::body::Body;
-use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use idem_core::{Claim, ClaimRequest, InboxStore, StoredOutput};
 use std::convert::Infallible;
 use std::time::Duration;
-use tower_service::Service;
 
 /// Runs one keyed request in transactional mode.
 pub(crate) async fn run<S, I, B>(
@@ -27,19 +25,11 @@ pub(crate) async fn run<S, I, B>(
 ) -> Result<Response<Body>, Infallible>
 where
     S: InboxStore,
-    I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Send,
-    I::Future: Send,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<axum_core::BoxError>,
+    I: Inner<B>,
+    B: ResponseBody,
 {
     let store = &keyed.shared.config.store;
-    let claim = ClaimRequest {
-        consumer: &keyed.scope.consumer,
-        key: &keyed.scope.key,
-        fingerprint: &keyed.fingerprint,
-        attempt: 1,
-        retention: keyed.shared.config.retention,
-    };
+    let claim = keyed.claim_request();
     let mut tx = match store.begin().await {
         Ok(tx) => tx,
         Err(e) => return Ok(keyed.unavailable(&e)),
@@ -158,10 +148,8 @@ pub(crate) async fn run_unkeyed<S, I, B>(
 ) -> Result<Response<Body>, Infallible>
 where
     S: InboxStore,
-    I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Send,
-    I::Future: Send,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<axum_core::BoxError>,
+    I: Inner<B>,
+    B: ResponseBody,
 {
     let store = &shared.config.store;
     let tx = match store.begin().await {

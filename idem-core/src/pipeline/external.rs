@@ -13,8 +13,7 @@ use crate::model::{
 };
 use crate::store::{InboxStore, Lease, LeaseEnd};
 use crate::telemetry;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// Processes one delivery with external-mode handler `H`, holding each lease for `lease`,
 /// within `limits`.
@@ -33,7 +32,7 @@ pub(crate) async fn process<H: Handler>(
         return refused;
     }
     let (key, fingerprint) = (&keyed.key, &keyed.fingerprint);
-    let owner = owner_token();
+    let owner = crate::store::owner_token();
     let claiming = Instant::now();
     let leased = store.lease(&request, &owner, lease).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
@@ -185,18 +184,4 @@ fn may_run<H: Handler>(
         ));
     }
     Err(outcome)
-}
-
-/// A token naming one lease holder: process, time and a counter.
-fn owner_token() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO)
-        .as_nanos();
-    format!(
-        "{}-{nanos:x}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
 }

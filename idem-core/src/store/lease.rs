@@ -1,7 +1,8 @@
 //! External mode's per-key states, as the store reports and records them.
 
 use crate::model::{Fingerprint, StoredOutput};
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// What an external-mode claim ([`crate::InboxStore::lease`]) found for its key.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,4 +53,19 @@ impl LeaseEnd {
             Self::Failed => "failed",
         }
     }
+}
+
+/// A token naming one lease holder, unique across processes and time: the process id, the time
+/// and a counter.
+pub fn owner_token() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_nanos();
+    format!(
+        "{}-{nanos:x}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }

@@ -6,5 +6,5 @@ pub mod lease;
 pub mod set;
 
 pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
-pub use lease::{Lease, LeaseEnd};
+pub use lease::{Lease, LeaseEnd, owner_token};
 pub use set::{Stores, SweepFn, Sweeper};
