@@ -445,6 +445,11 @@ macro_rules! suite {
                 let mismatch = post(&url, Some("alice"), Some("k"), &other_body).await;
                 assert_eq!(mismatch.status, 422, "{mismatch:?}");
                 assert_eq!(mismatch.json()["status"], 422);
+                assert_eq!(
+                    mismatch.json()["key_expires_after"],
+                    24 * 3600,
+                    "the expiry policy"
+                );
                 let missing = post(&url, Some("alice"), None, &pay).await;
                 assert_eq!(missing.status, 400);
                 let malformed = reqwest::Client::new()
