@@ -1,85 +1,77 @@
-//! # idem
-//!
-//! RabbitMQ consumers that process every message **effectively exactly once**: at-least-once
-//! delivery from the broker, plus the idempotent consumer (inbox) pattern on the consumer's
-//! side. The dedup marker is written in the same database transaction as the handler's own
-//! writes; a redelivered or duplicated message finds the marker and is skipped.
-//!
-//! ```no_run
-//! #[derive(serde::Deserialize)]
-//! struct OrderPlaced { order_id: String, customer: String, amount_cents: i64 }
-//!
-//! #[idem::idempotent(queue = "orders", key = "order.order_id", store = Postgres)]
-//! async fn place_order(
-//!     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
-//!     order: OrderPlaced,
-//! ) -> Result<(), idem::HandlerError> {
-//!     sqlx::query("INSERT INTO orders (order_id, customer, amount_cents) VALUES ($1, $2, $3)")
-//!         .bind(&order.order_id).bind(&order.customer).bind(order.amount_cents)
-//!         .execute(&mut **tx).await?;
-//!     Ok(())
-//! }
-//! ```
-//!
-//! ## `#[idempotent(...)]`
-//! - `store = Postgres | MySql | Sqlite` (required): which inbox the handler's transaction
-//!   belongs to.
-//! - `key = "..."`: the dedup key. `"message_id"` (the default) is the AMQP `message_id`;
-//!   `"header:<name>"` an application header; `"cloudevents"` the CloudEvents `source` and `id`;
-//!   `"<payload>.<field>"` a field of the decoded payload, checked by the compiler.
-//! - `consumer = "..."`: the identity that scopes keys, so two handlers of one message each
-//!   process it once. Defaults to the function's module path and name: **set it explicitly in
-//!   production**, or moving the function to another module starts a fresh key space.
-//! - `queue = "..."`: the queue the runtime consumes for this handler.
-//! - `mode = "external"`: for work that cannot join a transaction (a payment API); the function
-//!   takes `(payload, ctx)`, the key is leased `in_progress`, then settled. Default
-//!   `"transactional"`.
-//! - `lease = "30s"` (external mode) and `retention = "7d"` (how long its inbox rows are kept).
-//!
-//! The function must be `async fn name(tx: &mut sqlx::Transaction<'_, DB>, payload: T,
-//! [ctx: &idem::Context<'_>]) -> Result<R, E>` with `T: DeserializeOwned`,
-//! `R: Serialize + DeserializeOwned` and `E: Into<HandlerError>`. It stays callable as written.
-//!
-//! Every annotated function is registered; [`registry::handlers`] lists them and
-//! [`Registration::invoke`] processes one delivery with the inbox stores in [`Stores`];
-//! [`Runtime::builder`] consumes their queues.
-//!
-//! ## Features
-//! `postgres`, `mysql` and `sqlite` (all on by default) enable the inbox stores
-//! [`sql::PgInbox`], [`sql::MySqlInbox`] (MySQL and MariaDB) and [`sql::SqliteInbox`].
-//! `rabbitmq` (on by default) the RabbitMQ transport; `http` (off by default) `idem::http`, the
-//! `Idempotency-Key` layer for axum and tower (the crate `idem-http`).
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
+// What a handler author uses sits at the root; what a store, a transport or a test harness
+// implements sits in the modules below.
 pub use idem_core::{
-    BoxError, Claim, ClaimRequest, Context, DEFAULT_LEASE, DEFAULT_POISON_LIMIT, DeadLetter,
-    DeadLetterLog, DeadLetterRecord, Delivery, DispatchError, Envelope, ErasedHandler, ErrorClass,
-    Fingerprint, Handler, HandlerError, HandlerResult, HeaderValue, Headers, Health, InboxStore,
-    KeyError, KeySource, KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, MemoryTransport, Mode, Outcome,
-    QueueSpec, Readiness, Registration, RegistryError, RejectReason, Rejection, RetryPolicy,
-    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Settle, Snapshot, Stats, StopSignal,
-    StoreError, StoreKind, StoredOutput, Stores, SweepReport, Transient, Transport, TransportError,
-    process, process_batch,
+    BoxError, Context, DEFAULT_POISON_LIMIT, Envelope, ErrorClass, HandlerError, HeaderValue,
+    Headers, Health, Outcome, Readiness, RejectReason, Rejection, RetryPolicy, RetryPolicyError,
+    Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats, StopSignal, Transient,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;
-pub use idem_sqlx::classify_sqlx;
+
+/// The sqlx idem is built on: name `idem::sqlx::Transaction` in handlers, so that the
+/// transaction types always match the ones the stores open.
+pub use sqlx;
+
+/// The names most handlers and services need: `use idem::prelude::*;`.
+pub mod prelude {
+    pub use crate::sqlx::{self, Transaction};
+    pub use crate::{
+        Context, HandlerError, Outcome, RejectReason, RetryPolicy, Runtime, idempotent,
+    };
+}
+
+/// The inbox store contract, for implementing a store or driving one by hand.
+pub mod store {
+    pub use idem_core::store::{SweepFn, Sweeper, owner_token};
+    pub use idem_core::{
+        Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterRecord, Fingerprint, InboxStore,
+        KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, StoreError, StoreKind, StoredOutput, Stores,
+        SweepReport,
+    };
+}
+
+/// The transport contract, and the in-memory transport.
+pub mod transport {
+    pub use idem_core::{
+        DeadLetter, DeadLetterLog, Delivery, MemoryTransport, QueueSpec, Settle, Transport,
+        TransportError,
+    };
+}
+
+/// The handler contract `#[idempotent]` implements, and the entry points that run a handler
+/// over one delivery or a batch without a runtime.
+pub mod handler {
+    pub use idem_core::{
+        DEFAULT_LEASE, DispatchError, ErasedHandler, Handler, HandlerResult, KeyError, KeySource,
+        Mode, Registration, RegistryError, process, process_batch,
+    };
+}
+
+/// The SQL inbox stores (features `postgres`, `mysql`, `sqlite`).
+pub mod sql {
+    pub use idem_sqlx::*;
+}
 
 /// The RabbitMQ transport (feature `rabbitmq`).
 #[cfg(feature = "rabbitmq")]
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
 pub mod rabbitmq {
     pub use idem_rabbitmq::*;
 }
 
 /// The `Idempotency-Key` layer for axum and tower, on the same inbox stores (feature `http`).
 #[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub mod http {
     pub use idem_http::*;
 }
 
-/// The SQL inbox stores.
-pub mod sql {
-    pub use idem_sqlx::*;
-}
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
 
 /// Support for the code `#[idempotent]` generates. Not a public API.
 #[doc(hidden)]
@@ -92,8 +84,3 @@ pub mod __private {
     pub use idem_sqlx::stores;
     pub use inventory;
 }
-
-/// The README's code blocks, compiled by `cargo test` so the quick start stays true.
-#[cfg(doctest)]
-#[doc = include_str!("../README.md")]
-pub struct ReadmeDoctests;

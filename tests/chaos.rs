@@ -14,8 +14,6 @@ mod common;
 
 use common::broker::{self, amqp_url};
 use idem::RetryPolicy;
-use idem::rabbitmq::lapin::BasicProperties;
-use idem::rabbitmq::lapin::types::ShortString;
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
@@ -78,7 +76,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         *expected.entry(customer.clone()).or_default() += cents;
         let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents})
             .to_string();
-        let properties = BasicProperties::default().with_message_id(ShortString::from(id.as_str()));
+        let message = idem::Envelope::new(body).with_message_id(id.as_str());
         let copies = if rng.below(5) == 0 {
             2 + rng.below(2)
         } else {
@@ -86,7 +84,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         };
         for _ in 0..copies {
             publisher
-                .publish_unconfirmed(&queue, body.as_bytes(), properties.clone())
+                .publish_unconfirmed(&queue, &message)
                 .await
                 .unwrap();
             deliveries += 1;
@@ -96,10 +94,9 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         }
     }
     for n in 0..malformed {
-        let properties = BasicProperties::default()
-            .with_message_id(ShortString::from(format!("{queue}-bad-{n}").as_str()));
+        let message = idem::Envelope::new("{not json").with_message_id(format!("{queue}-bad-{n}"));
         publisher
-            .publish_unconfirmed(&queue, b"{not json", properties)
+            .publish_unconfirmed(&queue, &message)
             .await
             .unwrap();
         deliveries += 1;

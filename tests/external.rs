@@ -106,7 +106,7 @@ macro_rules! external_suite {
         mod $module {
             use super::common::{unique, wait_until};
             use super::*;
-            use idem::Stores;
+            use idem::store::Stores;
 
             async fn stores() -> (Stores, sqlx::Pool<$db>) {
                 let pool = $pool;
@@ -118,7 +118,7 @@ macro_rules! external_suite {
             async fn run(stores: &Stores, body: &serde_json::Value) -> Outcome {
                 let registration = idem::registry::handlers()
                     .into_iter()
-                    .find(|r| r.consumer() == "ext.pay" && r.store() == <$inbox as idem::InboxStore>::KIND)
+                    .find(|r| r.consumer() == "ext.pay" && r.store() == <$inbox as idem::store::InboxStore>::KIND)
                     .unwrap();
                 registration.invoke(stores, &envelope(body)).await.unwrap()
             }
@@ -283,7 +283,8 @@ mod killed {
     use super::*;
     use idem::rabbitmq::{RabbitConfig, RabbitTransport};
     use idem::sql::PgInbox;
-    use idem::{QueueSpec, RetryPolicy, Runtime, RuntimeBuilder, Transport};
+    use idem::transport::{QueueSpec, Transport};
+    use idem::{RetryPolicy, Runtime, RuntimeBuilder};
 
     /// Retries 0.2 s, 0.4 s, 0.8 s, 1.6 s, 2 s apart: 5 s in all, longer than the 2 s lease.
     fn policy() -> RetryPolicy {
@@ -316,12 +317,8 @@ mod killed {
         let pool = super::common::postgres(4).await;
         PgInbox::new(pool.clone()).migrate().await.unwrap();
         let queue = unique("idem-test-ext");
-        let spec = QueueSpec {
-            queue: queue.clone(),
-            consumer: "ext.pay".into(),
-            retry_delays: policy().delays(),
-            ..QueueSpec::default()
-        };
+        let mut spec = QueueSpec::new(queue.clone(), "ext.pay");
+        spec.retry_delays = policy().delays();
         RabbitTransport::new(RabbitConfig::new(amqp_url()))
             .declare(&[spec])
             .await

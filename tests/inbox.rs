@@ -137,7 +137,8 @@ macro_rules! inbox_suite {
     ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident, $sql:ident) => {
         mod $module {
             use super::common::{unique, wait_until};
-            use idem::{Context, Envelope, HandlerError, Outcome, RejectReason, Stores, idempotent};
+            use idem::{Context, Envelope, HandlerError, Outcome, RejectReason, idempotent};
+use idem::store::{Stores};
             use serde::{Deserialize, Serialize};
             use std::collections::{BTreeSet, HashMap, VecDeque};
             use std::sync::{Arc, Mutex};
@@ -400,20 +401,20 @@ macro_rules! inbox_suite {
             /// row, `forget` removes everything.
             #[tokio::test]
             async fn a_dead_letter_record_is_replaced_cleared_and_forgotten() {
-                use idem::InboxStore;
+                use idem::store::InboxStore;
                 let f = fixture(2).await;
                 let inbox = <$inbox>::new(f.pool.clone());
                 let (id, customer, queue) = (unique("o"), unique("c"), unique("q"));
                 let envelope = order(&id, &customer, 5);
-                let letter = |reason: &str| idem::DeadLetter {
-                    reason: reason.to_owned(),
-                    detail: format!("{reason} detail"),
-                    consumer: consumer("record"),
-                    key: Some(id.clone()),
-                    attempts: 2,
-                };
+                let letter = |reason: &str| idem::transport::DeadLetter::new(
+                    reason,
+                    format!("{reason} detail"),
+                    consumer("record"),
+                    Some(id.clone()),
+                    2,
+                );
                 for reason in ["conflict", "handler"] {
-                    let record = idem::DeadLetterRecord::new(&letter(reason), &envelope, &queue);
+                    let record = idem::store::DeadLetterRecord::new(&letter(reason), &envelope, &queue);
                     inbox.record_dead_letter(&record).await.unwrap();
                 }
                 let records = inbox.dead_letters(&queue).await.unwrap();
@@ -429,7 +430,7 @@ macro_rules! inbox_suite {
                 let (long_queue, long_key) = (unique("q"), "k".repeat(300));
                 let mut long = letter("decode");
                 long.key = Some(long_key.clone());
-                let record = idem::DeadLetterRecord::new(&long, &envelope, &long_queue);
+                let record = idem::store::DeadLetterRecord::new(&long, &envelope, &long_queue);
                 inbox.record_dead_letter(&record).await.unwrap();
                 let records = inbox.dead_letters(&long_queue).await.unwrap();
                 assert_eq!(records.len(), 1);
@@ -773,17 +774,22 @@ fn registered_consumers_are_unique() {
     assert_eq!(handlers.len(), 15);
     idem::registry::validate(&handlers).unwrap();
     let record = idem::registry::find("inbox::postgres::record").unwrap();
-    assert_eq!(record.key(), idem::KeySource::Field("order.order_id"));
+    assert_eq!(
+        record.key(),
+        idem::handler::KeySource::Field("order.order_id")
+    );
     assert_eq!(
         record.store(),
-        <idem::sql::PgInbox as idem::InboxStore>::KIND
+        <idem::sql::PgInbox as idem::store::InboxStore>::KIND
     );
 }
 
 /// MariaDB's own transient failures, produced for real and fed through the classification.
 mod mysql_errors {
     use super::common::unique;
-    use idem::{ErrorClass, Stores, classify_sqlx};
+    use idem::ErrorClass;
+    use idem::sql::classify_sqlx;
+    use idem::store::Stores;
     use sqlx::Executor;
 
     /// Holds `customer`'s balance row locked in a transaction of its own.
@@ -878,7 +884,7 @@ mod mysql_errors {
 /// in place by `migrate`, its row kept and claimable as a duplicate.
 #[tokio::test]
 async fn a_version_1_table_is_upgraded_in_place() {
-    use idem::{ClaimRequest, Fingerprint, InboxStore};
+    use idem::store::{ClaimRequest, Fingerprint, InboxStore};
     let (pool, _dir) = common::sqlite(1).await;
     for statement in [
         r#"CREATE TABLE "idem_inbox" (consumer TEXT NOT NULL, key TEXT NOT NULL, fingerprint BLOB NOT NULL,
@@ -921,7 +927,7 @@ async fn a_version_1_table_is_upgraded_in_place() {
     let claim = inbox.claim(&mut tx, &request).await.unwrap();
     assert_eq!(
         claim,
-        idem::Claim::Existing {
+        idem::store::Claim::Existing {
             fingerprint,
             output: None
         }
@@ -982,7 +988,7 @@ async fn a_cancelled_mysql_migration_leaves_its_lock_free() {
         .await
         .expect("the cancelled migration's lock was never released")
         .unwrap();
-    idem::InboxStore::check(&b).await.unwrap();
+    idem::store::InboxStore::check(&b).await.unwrap();
     drop(pool_a);
     sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE `{table}`")))
         .execute(&pool_b)

@@ -249,3 +249,21 @@ fn the_readme_delivery_path_is_six_files_that_exist() {
         assert!(root.join(file).is_file(), "{file} does not exist");
     }
 }
+
+/// The README's quick start is the crate CI builds on its own (`tests/quickstart`), unchanged.
+#[test]
+fn the_quick_start_crate_is_the_readme_block() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let from = readme
+        .find("A handler and its runtime, with the default features")
+        .expect("the quick start's heading");
+    let start = readme[from..].find("```rust,no_run\n").unwrap() + from + "```rust,no_run\n".len();
+    let end = readme[start..].find("```\n").unwrap() + start;
+    let crate_main = std::fs::read_to_string(root.join("tests/quickstart/src/main.rs")).unwrap();
+    assert_eq!(
+        crate_main,
+        &readme[start..end],
+        "tests/quickstart/src/main.rs must be the README's quick start block"
+    );
+}

@@ -7,9 +7,8 @@
 mod common;
 
 use common::{unique, wait_until};
-use idem::{
-    ClaimRequest, Fingerprint, HandlerError, InboxStore, LeaseEnd, StoredOutput, idempotent,
-};
+use idem::store::{ClaimRequest, Fingerprint, InboxStore, LeaseEnd, StoredOutput};
+use idem::{HandlerError, idempotent};
 use std::time::{Duration, Instant};
 
 const SHORT: Duration = Duration::from_secs(1);
@@ -40,7 +39,7 @@ async fn rows_of_every_status<S: InboxStore>(
     let mut tx = store.begin().await.unwrap();
     assert_eq!(
         store.claim(&mut tx, &request(&keys[0])).await.unwrap(),
-        idem::Claim::Claimed
+        idem::store::Claim::Claimed
     );
     store.commit(tx).await.unwrap();
     store
@@ -263,7 +262,7 @@ macro_rules! exclusive_suite {
                 rows: i64,
                 batch: u32,
             ) -> (
-                tokio::task::JoinHandle<idem::SweepReport>,
+                tokio::task::JoinHandle<idem::store::SweepReport>,
                 $inbox,
                 sqlx::Pool<$db>,
             ) {
@@ -368,7 +367,7 @@ async fn a_million_rows_are_swept_without_blocking_claims_beyond_one_batch() {
     let filling = Instant::now();
     pg_fill_expired(&pool, table, ROWS).await;
     let filled = filling.elapsed();
-    let stores = idem::Stores::new().with(inbox.clone());
+    let stores = idem::store::Stores::new().with(inbox.clone());
     let registration = idem::registry::find("sweep.claims").unwrap();
 
     let started = Instant::now();

@@ -8,9 +8,8 @@ mod common;
 use common::running::start;
 use common::wait_until;
 use idem::sql::SqliteInbox;
-use idem::{
-    Envelope, HandlerError, MemoryTransport, RetryPolicy, Runtime, RuntimeError, idempotent,
-};
+use idem::transport::MemoryTransport;
+use idem::{Envelope, HandlerError, RetryPolicy, Runtime, RuntimeError, idempotent};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -192,7 +191,7 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
         .handlers(["mem.orders"])
         .prefetch(0)
         .build();
-    assert!(matches!(zero, Err(RuntimeError::Setting(_))));
+    assert!(matches!(zero, Err(RuntimeError::Setting { .. })));
     let batch = error(
         Runtime::builder()
             .transport(MemoryTransport::new())

@@ -9,7 +9,7 @@ mod common;
 use std::process::{Command, Output};
 
 fn rabbitmqctl(args: &[&str]) -> bool {
-    Command::new("rabbitmqctl")
+    common::rabbitmqctl()
         .args(args)
         .output()
         .expect("rabbitmqctl")

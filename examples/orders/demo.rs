@@ -4,9 +4,8 @@
 use crate::handlers::OrderPlaced;
 use crate::{Broker, Db, Settings};
 use idem::rabbitmq::Publisher;
-use idem::rabbitmq::lapin::BasicProperties;
-use idem::rabbitmq::lapin::types::ShortString;
-use idem::{Envelope, MemoryTransport, QueueSpec, RetryPolicy, Snapshot, Transport};
+use idem::transport::{MemoryTransport, QueueSpec, Transport};
+use idem::{Envelope, RetryPolicy, Snapshot};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -134,17 +133,7 @@ impl Sink {
             Self::Rabbit(publisher) => {
                 for chunk in messages.chunks(500) {
                     for message in chunk {
-                        let mut properties = BasicProperties::default();
-                        if let Some(id) = &message.message_id {
-                            properties = properties.with_message_id(ShortString::from(id.as_str()));
-                        }
-                        if let Some(ct) = &message.content_type {
-                            properties =
-                                properties.with_content_type(ShortString::from(ct.as_str()));
-                        }
-                        publisher
-                            .publish_unconfirmed(queue, &message.body, properties)
-                            .await?;
+                        publisher.publish_unconfirmed(queue, message).await?;
                     }
                     publisher.wait_for_confirms().await?;
                 }
@@ -162,12 +151,8 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     );
     let workload = Workload::generate(options);
     let builder = crate::runtime(settings, db);
-    let spec = QueueSpec {
-        queue: settings.queue.clone(),
-        consumer: "orders".into(),
-        retry_delays: RetryPolicy::default().delays(),
-        ..QueueSpec::default()
-    };
+    let mut spec = QueueSpec::new(settings.queue.clone(), "orders");
+    spec.retry_delays = RetryPolicy::default().delays();
     let (runtime, sink, transport_name) = match Broker::open(settings).await? {
         Broker::Rabbit(rabbit) => {
             let (transport, publisher) = *rabbit;

@@ -1,8 +1,8 @@
 //! The order handler, once per database: the same work, in the same transaction as the inbox row.
 
+use idem::sqlx::{self, MySql, Postgres, Sqlite, Transaction};
 use idem::{HandlerError, idempotent};
 use serde::{Deserialize, Serialize};
-use sqlx::{MySql, Postgres, Sqlite, Transaction};
 
 /// The message: AMQP `message_id` = `order_id`, the dedup key.
 #[derive(Debug, Clone, Serialize, Deserialize)]

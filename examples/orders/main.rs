@@ -18,8 +18,10 @@ use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use idem::rabbitmq::{Publisher, RabbitConfig, RabbitTransport};
 use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
+use idem::sqlx;
 use idem::telemetry::redact_url;
-use idem::{MemoryTransport, Runtime, RuntimeBuilder};
+use idem::transport::MemoryTransport;
+use idem::{Runtime, RuntimeBuilder};
 
 /// The orders example of idem.
 #[derive(Debug, Parser)]

@@ -21,9 +21,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use clap::Parser;
 use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
+use idem::sqlx::{self, MySql, Postgres, Sqlite};
 use idem::telemetry::redact_url;
 use idem_http::{Idempotency, Tx};
-use sqlx::{MySql, Postgres, Sqlite};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -144,7 +144,7 @@ fn bearer(parts: &Parts) -> Option<String> {
 /// The route, its layer on `store`, and a sweeper expiring old keys.
 fn route<S, H, T>(store: S, handler: H) -> anyhow::Result<Router>
 where
-    S: idem::InboxStore + Clone,
+    S: idem::store::InboxStore + Clone,
     H: axum::handler::Handler<T, ()>,
     T: 'static,
 {

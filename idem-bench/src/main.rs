@@ -14,9 +14,10 @@ mod workload;
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
-use idem::QueueSpec;
+use idem::RetryPolicy;
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
-use idem::{RetryPolicy, Transport};
+use idem::transport::QueueSpec;
+use idem::transport::Transport;
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{FieldTable, ShortString};
 use report::{Sample, Table};
@@ -277,12 +278,8 @@ async fn fresh_queue(url: &str, queue: &str, idem: bool) -> anyhow::Result<()> {
             .await?;
     }
     if idem {
-        let spec = QueueSpec {
-            queue: queue.to_owned(),
-            consumer: with_idem::CONSUMER.to_owned(),
-            retry_delays: delays,
-            ..QueueSpec::default()
-        };
+        let mut spec = QueueSpec::new(queue, with_idem::CONSUMER);
+        spec.retry_delays = delays;
         RabbitTransport::new(RabbitConfig::new(url))
             .declare(&[spec])
             .await?;

@@ -3,7 +3,6 @@
 
 use anyhow::{Context as _, bail, ensure};
 use idem::rabbitmq::{Publisher, RabbitConfig};
-use lapin::BasicProperties;
 use lapin::types::ShortString;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -88,13 +87,10 @@ impl Workload {
         for chunk in self.messages.chunks(2000) {
             for order in chunk {
                 let body = serde_json::to_vec(order)?;
-                let properties = BasicProperties::default()
-                    .with_message_id(ShortString::from(order.order_id.as_str()))
-                    .with_content_type(ShortString::from("application/json"))
-                    .with_delivery_mode(2);
-                publisher
-                    .publish_unconfirmed(queue, &body, properties)
-                    .await?;
+                let message = idem::Envelope::new(body)
+                    .with_message_id(order.order_id.as_str())
+                    .with_content_type("application/json");
+                publisher.publish_unconfirmed(queue, &message).await?;
             }
             publisher.wait_for_confirms().await?;
         }

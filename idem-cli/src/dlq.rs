@@ -11,19 +11,17 @@
 use crate::args::{Cli, Dlq};
 use crate::error::CliError;
 use crate::output::{age, cut, json, table};
-use idem::Fingerprint;
-use idem::rabbitmq::lapin::options::{
+use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
+use idem::store::Fingerprint;
+use idem::telemetry::redact_url;
+use indicatif::{ProgressBar, ProgressStyle};
+use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
 };
-use idem::rabbitmq::lapin::tcp::OwnedTLSConfig;
-use idem::rabbitmq::lapin::types::{AMQPValue, FieldTable, ShortString};
-use idem::rabbitmq::lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
-};
-use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
-use idem::telemetry::redact_url;
-use indicatif::{ProgressBar, ProgressStyle};
+use lapin::tcp::OwnedTLSConfig;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use serde_json::{Value, json};
 
 /// Headers the broker adds when it dead-letters a message, and idem's attempt count: a replayed
@@ -112,7 +110,7 @@ impl Broker {
         };
         let unreachable =
             |e| CliError::Broker(format!("cannot reach {}: {e}", redact_url(&cli.amqp_url)));
-        let runtime = idem::rabbitmq::lapin::runtime::default_runtime().map_err(unreachable)?;
+        let runtime = lapin::runtime::default_runtime().map_err(unreachable)?;
         let properties = ConnectionProperties::default();
         let connection = Connection::connect_with_config(&cli.amqp_url, properties, tls, runtime)
             .await

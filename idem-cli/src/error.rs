@@ -13,7 +13,7 @@ pub enum CliError {
     },
     /// The inbox could not be read or changed.
     #[error("inbox: {0}")]
-    Store(#[from] idem::StoreError),
+    Store(#[from] idem::store::StoreError),
     /// The broker could not be reached or refused an operation.
     #[error("RabbitMQ: {0}")]
     Broker(String),
@@ -30,7 +30,7 @@ pub enum CliError {
 
 impl CliError {
     /// A broker error, from lapin's.
-    pub fn broker(what: &str) -> impl FnOnce(idem::rabbitmq::lapin::Error) -> Self + '_ {
+    pub fn broker(what: &str) -> impl FnOnce(lapin::Error) -> Self + '_ {
         move |e| Self::Broker(format!("{what}: {e}"))
     }
 }

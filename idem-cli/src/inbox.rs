@@ -3,8 +3,8 @@
 use crate::args::{Cli, Inbox};
 use crate::error::CliError;
 use crate::output::{age, cut, json, table};
-use idem::InboxStore;
 use idem::sql::{Dialect, KeyReport, Removed, SqlInbox};
+use idem::store::InboxStore;
 use indicatif::ProgressBar;
 use serde_json::{Value, json};
 use std::time::Duration;

@@ -2,8 +2,8 @@
 
 use crate::args::Cli;
 use crate::error::CliError;
-use idem::InboxStore;
 use idem::sql::{Dialect, MySqlInbox, PgInbox, SCHEMA_VERSION, SqlInbox, SqliteInbox};
+use idem::store::InboxStore;
 use idem::telemetry::redact_url;
 
 /// Connects to the database of `cli` and runs its command there.

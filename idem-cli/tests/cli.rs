@@ -3,12 +3,13 @@
 //! reads, forgets and sweeps inbox rows.
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
-use idem::rabbitmq::lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use idem::rabbitmq::lapin::types::{AMQPValue, FieldTable, ShortString};
-use idem::rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
-use idem::{HandlerError, Runtime, RuntimeError, Stats, Transport, idempotent};
+use idem::transport::Transport;
+use idem::{HandlerError, Runtime, RuntimeError, Stats, idempotent};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use serde_json::Value;
 use std::future::Future;
 use std::process::Command;
@@ -109,12 +110,8 @@ impl Fixture {
         PgInbox::new(pool.clone()).migrate().await.unwrap();
         let queue = unique(&format!("idem-cli-{name}"));
         let rabbit = RabbitConfig::new(amqp_url());
-        let spec = idem::QueueSpec {
-            queue: queue.clone(),
-            consumer: CONSUMER.into(),
-            retry_delays: idem::RetryPolicy::default().delays(),
-            ..idem::QueueSpec::default()
-        };
+        let mut spec = idem::transport::QueueSpec::new(queue.clone(), CONSUMER);
+        spec.retry_delays = idem::RetryPolicy::default().delays();
         RabbitTransport::new(rabbit.clone())
             .declare(&[spec])
             .await
@@ -216,7 +213,7 @@ impl Fixture {
             .await
             .unwrap();
         let channel = connection.create_channel().await.unwrap();
-        let passive = idem::rabbitmq::lapin::options::QueueDeclareOptions {
+        let passive = lapin::options::QueueDeclareOptions {
             passive: true,
             ..Default::default()
         };
@@ -383,7 +380,7 @@ async fn dead_letters_are_listed_shown_and_replayed_one_by_one() {
 
     // --to: the malformed one goes to another queue, untouched but for x-death.
     let parking = format!("{}.parking", f.queue);
-    let declare = idem::rabbitmq::lapin::options::QueueDeclareOptions::default();
+    let declare = lapin::options::QueueDeclareOptions::default();
     f.channel
         .queue_declare(
             ShortString::from(parking.as_str()),
@@ -523,6 +520,12 @@ fn a_wrong_database_url_says_what_to_change() {
 /// CLI reads the DLQ; without it, it refuses the certificate and says it cannot reach the broker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dlq_of_a_tls_broker_is_read_with_its_ca() {
+    if !tls_node::can_start_nodes() {
+        eprintln!(
+            "skipped: starting a TLS node of the test's own needs rabbitmq-server on the PATH"
+        );
+        return;
+    }
     let node = tokio::task::spawn_blocking(tls_node::TlsNode::start)
         .await
         .unwrap();

@@ -12,6 +12,7 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// How a handler's work relates to the inbox row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Mode {
     /// The handler writes in the inbox transaction: marker and writes commit together.
     Transactional,

@@ -1,5 +1,19 @@
 //! The transport-neutral core of idem.
 //!
+//! ```
+//! use idem_core::{Envelope, Outcome, StoredOutput};
+//!
+//! // A transport hands the runtime envelopes; the pipeline answers with an outcome.
+//! let envelope = Envelope::new(r#"{"order_id":"o-1"}"#).with_message_id("o-1");
+//! assert_eq!(envelope.message_id.as_deref(), Some("o-1"));
+//! let outcome = Outcome::Duplicate { key: "o-1".into(), output: StoredOutput::encode(&42).unwrap() };
+//! assert_eq!(outcome.label(), "duplicate");
+//! assert_eq!(outcome.output().unwrap().decode::<i32>().unwrap(), 42);
+//! ```
+//!
+//! Applications depend on `idem`, which re-exports what a handler author uses; this crate is
+//! for implementing a transport or a store.
+//!
 //! A transport turns deliveries into [`Envelope`]s; the pipeline decodes each one, reads its
 //! dedup key, claims the key in an [`InboxStore`] transaction, runs the [`Handler`] in that
 //! same transaction and commits; the resulting [`Outcome`] says whether to ack, retry or
@@ -22,7 +36,10 @@
 //! mention of sqlx is `From<sqlx::Error> for HandlerError` (feature `sqlx`), which the orphan
 //! rule keeps here; it wraps the error for the store to classify.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 #[cfg(feature = "fault-injection")]
+#[doc(hidden)]
 pub mod fault;
 pub mod future;
 pub mod handler;
@@ -34,6 +51,8 @@ pub mod runtime;
 mod sqlx_error;
 pub mod store;
 pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod transport;
 
 pub use future::BoxFuture;

@@ -125,6 +125,7 @@ impl fmt::Debug for Registration {
 
 /// The registry is inconsistent.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegistryError {
     /// Two handlers on the same store share a consumer identity, so they would share (and
     /// suppress each other's) dedup keys.

@@ -26,6 +26,7 @@ pub type IdentityFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 
 /// How the handler's effects and the key's record commit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum HttpMode {
     /// The handler writes in the request's transaction ([`crate::Tx`]); its writes, the key's
     /// row and the stored response commit together. A crash leaves nothing behind.

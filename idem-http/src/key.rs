@@ -15,6 +15,7 @@ pub const DEFAULT_MAX_KEY_LEN: usize = 255;
 
 /// Why a request's `Idempotency-Key` was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KeyError {
     /// The route requires a key and the request has none.
     #[error("this operation requires an Idempotency-Key header")]

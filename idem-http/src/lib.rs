@@ -42,6 +42,8 @@
 //! key and the response commit together) and [`Idempotency::external`] (a lease, for handlers
 //! that call other services). Metrics: [`telemetry::REQUESTS`].
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod config;
 mod external;
 mod flow;

@@ -1,5 +1,6 @@
-//! The `#[idempotent]` attribute of idem. See the `idem` crate for its documentation; this
-//! crate is a thin shell over [`expand`], which holds the testable expansion code.
+//! The `#[idempotent]` attribute of idem: see [`idempotent`] for an example, and the `idem`
+//! crate for the whole story. This crate is a thin shell over `expand`, which holds the
+//! testable expansion code.
 
 use proc_macro::TokenStream;
 
@@ -11,10 +12,21 @@ mod signature;
 
 /// Turns an `async fn` into an idempotent message handler and registers it.
 ///
-/// ```text
-/// #[idem::idempotent(queue = "orders", key = "order.order_id", store = Postgres)]
-/// async fn place_order(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, order: OrderPlaced)
-///     -> Result<(), idem::HandlerError> { … }
+/// ```no_run
+/// use idem::sqlx::{self, Postgres, Transaction};
+///
+/// #[derive(serde::Deserialize)]
+/// struct OrderPlaced { order_id: String, amount_cents: i64 }
+///
+/// #[idem::idempotent(queue = "orders", key = "order.order_id", consumer = "billing", store = Postgres)]
+/// async fn place_order(tx: &mut Transaction<'_, Postgres>, order: OrderPlaced)
+///     -> Result<(), idem::HandlerError>
+/// {
+///     sqlx::query("INSERT INTO orders (order_id, amount_cents) VALUES ($1, $2)")
+///         .bind(&order.order_id).bind(order.amount_cents)
+///         .execute(&mut **tx).await?;
+///     Ok(())
+/// }
 /// ```
 ///
 /// Arguments: `store` (required: `Postgres`, `MySql` or `Sqlite`), `key` (`"message_id"` by default,

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// The RabbitMQ queue type of the handler queues (and their DLQ and retry queues).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum QueueType {
     /// Classic queues (single node).
     #[default]
@@ -22,12 +23,37 @@ impl QueueType {
     }
 }
 
+/// The type of an exchange [`RabbitConfig::bind`] declares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ExchangeKind {
+    /// Routes to the queues bound with the message's routing key.
+    Direct,
+    /// Routes to every bound queue.
+    Fanout,
+    /// Routes by pattern (`orders.*`, `#.eu`) on the routing key.
+    Topic,
+    /// Routes by header values.
+    Headers,
+}
+
+impl ExchangeKind {
+    pub(crate) fn lapin(self) -> lapin::ExchangeKind {
+        match self {
+            Self::Direct => lapin::ExchangeKind::Direct,
+            Self::Fanout => lapin::ExchangeKind::Fanout,
+            Self::Topic => lapin::ExchangeKind::Topic,
+            Self::Headers => lapin::ExchangeKind::Headers,
+        }
+    }
+}
+
 /// A binding of a handler queue to an exchange, declared with the queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Binding {
     pub(crate) queue: String,
     pub(crate) exchange: String,
-    pub(crate) kind: lapin::ExchangeKind,
+    pub(crate) kind: ExchangeKind,
     pub(crate) routing_key: String,
 }
 
@@ -129,7 +155,7 @@ impl RabbitConfig {
         mut self,
         queue: impl Into<String>,
         exchange: impl Into<String>,
-        kind: lapin::ExchangeKind,
+        kind: ExchangeKind,
         routing_key: impl Into<String>,
     ) -> Self {
         self.bindings.push(Binding {

@@ -246,13 +246,13 @@ impl Consumer {
     /// store, then the broker moves it to the DLQ, once.
     async fn refuse_too_large(&self, delivery: Delivery, detail: String) {
         let Delivery { envelope, settle } = delivery;
-        let reason = DeadLetter {
-            reason: "too-large".to_owned(),
+        let reason = DeadLetter::new(
+            "too-large",
             detail,
-            consumer: self.spec.consumer.clone(),
-            key: None,
-            attempts: envelope.attempt,
-        };
+            self.spec.consumer.clone(),
+            None,
+            envelope.attempt,
+        );
         tracing::warn!(queue = self.spec.queue, message_id = envelope.message_id.as_deref(), detail = %reason.detail, "dead-lettering");
         let record = DeadLetterRecord::new(&reason, &envelope, &self.spec.queue);
         if let Err(e) = self.spec.dead_letters.record(record).await {

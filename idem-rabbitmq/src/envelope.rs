@@ -22,18 +22,47 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
     };
     let base = int(ATTEMPT_HEADER).unwrap_or(1).max(1);
     let redeliveries = int("x-delivery-count").unwrap_or(u32::from(redelivered));
-    Envelope {
-        message_id: properties.message_id().as_ref().map(ToString::to_string),
-        correlation_id: properties
-            .correlation_id()
-            .as_ref()
-            .map(ToString::to_string),
-        content_type: properties.content_type().as_ref().map(ToString::to_string),
-        headers,
-        body,
-        attempt: base.saturating_add(redeliveries),
-        redelivered,
+    let mut envelope = Envelope::new(body).with_attempt(base.saturating_add(redeliveries));
+    envelope.message_id = properties.message_id().as_ref().map(ToString::to_string);
+    envelope.correlation_id = properties
+        .correlation_id()
+        .as_ref()
+        .map(ToString::to_string);
+    envelope.content_type = properties.content_type().as_ref().map(ToString::to_string);
+    envelope.headers = headers;
+    envelope.redelivered = redelivered;
+    envelope
+}
+
+/// The AMQP properties of an outgoing message: its message id, correlation id, content type
+/// and headers (text as long strings, integers as 64-bit, bytes as byte arrays), persistent.
+pub(crate) fn properties(message: &Envelope) -> BasicProperties {
+    let mut properties = BasicProperties::default().with_delivery_mode(2);
+    if let Some(id) = &message.message_id {
+        properties = properties.with_message_id(ShortString::from(id.as_str()));
     }
+    if let Some(id) = &message.correlation_id {
+        properties = properties.with_correlation_id(ShortString::from(id.as_str()));
+    }
+    if let Some(content_type) = &message.content_type {
+        properties = properties.with_content_type(ShortString::from(content_type.as_str()));
+    }
+    if !message.headers.is_empty() {
+        let mut table = FieldTable::default();
+        for (name, value) in message.headers.iter() {
+            let value = match value {
+                HeaderValue::Str(s) => AMQPValue::LongString(s.as_bytes().to_vec().into()),
+                HeaderValue::Int(n) => AMQPValue::LongLongInt(*n),
+                HeaderValue::Bool(b) => AMQPValue::Boolean(*b),
+                HeaderValue::Float(f) => AMQPValue::Double(*f),
+                HeaderValue::Bytes(b) => AMQPValue::ByteArray(b.clone().into()),
+                _ => continue,
+            };
+            table.insert(ShortString::from(name), value);
+        }
+        properties = properties.with_headers(table);
+    }
+    properties
 }
 
 /// About how many bytes `table` takes on the wire (names, type tags, lengths and values).

@@ -1,5 +1,16 @@
 //! The RabbitMQ transport of idem, on lapin.
 //!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
+//!
+//! let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f").queue_type(QueueType::Quorum);
+//! let publisher = Publisher::connect(&config).await?; // confirmed and mandatory publishes
+//! publisher.publish_json("orders", "o-1", &serde_json::json!({"order_id": "o-1"})).await?;
+//! let transport = RabbitTransport::new(config); // give it to idem's Runtime::builder()
+//! # let _ = transport; Ok(()) }
+//! ```
+//!
 //! Per handler queue `q` it declares:
 //! - `q`: durable, its dead letters routed by the broker to `q.dlq`;
 //! - `q.dlq`: durable; a dead-lettered message arrives there **once** (the broker moves it on
@@ -12,6 +23,8 @@
 //! Consumers reconnect with backoff when the connection or channel is lost; what was in flight
 //! is redelivered by the broker and recognised by the inbox as a duplicate where it committed.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 mod config;
 mod connections;
 mod consume;
@@ -20,16 +33,16 @@ mod publisher;
 mod quarantine;
 mod republish;
 mod settle;
+mod tls;
 mod topology;
 mod transport;
 mod watermark;
 mod wire;
 
-pub use config::{Binding, DEFAULT_MAX_BODY, DEFAULT_MAX_HEADERS, QueueType, RabbitConfig};
+pub use config::{
+    Binding, DEFAULT_MAX_BODY, DEFAULT_MAX_HEADERS, ExchangeKind, QueueType, RabbitConfig,
+};
 pub use envelope::ATTEMPT_HEADER;
 pub use publisher::{PublishError, Publisher};
 pub use topology::{dlq, retry_queue};
 pub use transport::RabbitTransport;
-
-/// Re-exported for users who build properties for [`Publisher`].
-pub use lapin;

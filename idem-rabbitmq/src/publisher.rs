@@ -2,10 +2,12 @@
 
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
+use crate::envelope::properties;
+use idem_core::{BoxError, Envelope};
+use lapin::Channel;
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel};
 
 /// Every publish asks the broker to return a message no queue takes.
 const MANDATORY: BasicPublishOptions = BasicPublishOptions {
@@ -15,10 +17,14 @@ const MANDATORY: BasicPublishOptions = BasicPublishOptions {
 
 /// A publish the broker did not confirm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PublishError {
     /// Connecting or publishing failed.
     #[error("publish failed: {0}")]
-    Broker(#[from] lapin::Error),
+    Broker(#[source] BoxError),
+    /// The body could not be serialized.
+    #[error("cannot serialize the message: {0}")]
+    Serialize(#[from] serde_json::Error),
     /// The broker refused the message (nack).
     #[error("the broker refused the message")]
     Refused,
@@ -35,7 +41,16 @@ pub enum PublishError {
     },
 }
 
+impl From<lapin::Error> for PublishError {
+    fn from(error: lapin::Error) -> Self {
+        Self::Broker(error.into())
+    }
+}
+
 /// Publishes messages and waits for the broker's confirm of each.
+///
+/// A message is an [`Envelope`]: its body, message id, correlation id, content type and
+/// headers are sent (persistent, `mandatory`); `attempt` and `redelivered` are not.
 #[derive(Debug, Clone)]
 pub struct Publisher {
     channel: Channel,
@@ -57,15 +72,14 @@ impl Publisher {
         })
     }
 
-    /// Publishes `body` to `exchange` with `routing_key` (the queue name on the default exchange
-    /// `""`), persistent and mandatory, and waits for the confirm: a message no queue takes is
-    /// [`PublishError::Unroutable`].
+    /// Publishes `message` to `exchange` with `routing_key` (the queue name on the default
+    /// exchange `""`), persistent and mandatory, and waits for the confirm: a message no queue
+    /// takes is [`PublishError::Unroutable`].
     pub async fn publish(
         &self,
         exchange: &str,
         routing_key: &str,
-        body: &[u8],
-        properties: BasicProperties,
+        message: &Envelope,
     ) -> Result<(), PublishError> {
         let confirm = self
             .channel
@@ -73,8 +87,8 @@ impl Publisher {
                 ShortString::from(exchange),
                 ShortString::from(routing_key),
                 MANDATORY,
-                body,
-                properties.with_delivery_mode(2),
+                &message.body,
+                properties(message),
             )
             .await?
             .await?;
@@ -88,39 +102,38 @@ impl Publisher {
         }
     }
 
-    /// Publishes a JSON body to `queue` on the default exchange with the given message id.
-    pub async fn publish_json(
+    /// Serializes `value` as JSON and publishes it to `queue` on the default exchange with the
+    /// given message id and `content_type: application/json`, waiting for the confirm.
+    pub async fn publish_json<T: serde::Serialize + ?Sized>(
         &self,
         queue: &str,
         message_id: &str,
-        body: &[u8],
+        value: &T,
     ) -> Result<(), PublishError> {
-        let properties = BasicProperties::default()
-            .with_message_id(ShortString::from(message_id))
-            .with_content_type(ShortString::from("application/json"));
-        self.publish("", queue, body, properties).await
+        let message = Envelope::new(serde_json::to_vec(value)?)
+            .with_message_id(message_id)
+            .with_content_type("application/json");
+        self.publish("", queue, &message).await
     }
 
-    /// Publishes without waiting for the confirm; call [`Publisher::wait_for_confirms`] after
-    /// a batch. Much faster for bulk loads.
+    /// Publishes `message` to `queue` on the default exchange without waiting for the confirm;
+    /// call [`Publisher::wait_for_confirms`] after a batch. Much faster for bulk loads.
     pub async fn publish_unconfirmed(
         &self,
         queue: &str,
-        body: &[u8],
-        properties: BasicProperties,
+        message: &Envelope,
     ) -> Result<(), PublishError> {
         self.channel
             .basic_publish(
                 ShortString::from(""),
                 ShortString::from(queue),
                 MANDATORY,
-                body,
-                properties.with_delivery_mode(2),
+                &message.body,
+                properties(message),
             )
             .await?;
         Ok(())
     }
-
     /// Waits until every message published so far is confirmed; fails if any was refused or
     /// could not be routed.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {

@@ -137,13 +137,7 @@ async fn record(spec: &QueueSpec, deliveries: &[Delivery]) -> Result<(), StoreEr
             delivery.unparsable.as_deref().unwrap_or("unknown")
         );
         tracing::warn!(queue = spec.queue, consumer = spec.consumer, %detail, "dead-lettering a delivery lapin cannot parse");
-        let letter = DeadLetter {
-            reason: "unparsable".to_owned(),
-            detail,
-            consumer: spec.consumer.clone(),
-            key: None,
-            attempts: 1,
-        };
+        let letter = DeadLetter::new("unparsable", detail, spec.consumer.clone(), None, 1);
         let mut envelope = Envelope::new(delivery.body.clone());
         // The id as far as it reads; the record's fingerprint ties it to the message.
         envelope.message_id = delivery

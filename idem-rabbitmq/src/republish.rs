@@ -49,18 +49,16 @@ pub(crate) async fn publish_confirmed(
             properties,
         )
         .await
-        .map_err(|e| TransportError::Settle(format!("publish to {routing_key} failed: {e}")))?
+        .map_err(|e| TransportError::Settle(e.into()))?
         .await
-        .map_err(|e| {
-            TransportError::Settle(format!("publish to {routing_key} unconfirmed: {e}"))
-        })?;
+        .map_err(|e| TransportError::Settle(e.into()))?;
     match confirm {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(_)) => Err(TransportError::Settle(format!(
-            "no queue {routing_key} to publish to"
-        ))),
-        Confirmation::Nack(_) | Confirmation::NotRequested => Err(TransportError::Settle(format!(
-            "the broker refused the publish to {routing_key}"
-        ))),
+        Confirmation::Ack(Some(_)) => Err(TransportError::Settle(
+            format!("no queue {routing_key} to publish to").into(),
+        )),
+        Confirmation::Nack(_) | Confirmation::NotRequested => Err(TransportError::Settle(
+            format!("the broker refused the publish to {routing_key}").into(),
+        )),
     }
 }

@@ -44,7 +44,7 @@ impl RabbitSettle {
             Ok(())
         } else {
             Err(TransportError::Settle(
-                "the delivery's channel is closed; the broker redelivers".to_owned(),
+                "the delivery's channel is closed; the broker redelivers".into(),
             ))
         }
     }

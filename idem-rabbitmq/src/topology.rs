@@ -50,12 +50,15 @@ pub(crate) async fn declare_all(
     config: &RabbitConfig,
     specs: &[QueueSpec],
 ) -> Result<(), TransportError> {
-    let connection = connections.open(config, "topology").await.map_err(|e| {
-        TransportError::Connection(format!(
-            "cannot reach RabbitMQ at {}: {e}; start it with `rabbitmq-server -detached` or set AMQP_URL",
-            config.redacted_url()
-        ))
-    })?;
+    crate::tls::check(config, crate::tls::AVAILABLE)?;
+    let connection =
+        connections
+            .open(config, "topology")
+            .await
+            .map_err(|e| TransportError::Connection {
+                broker: config.redacted_url(),
+                source: e.into(),
+            })?;
     let result = async {
         for spec in specs {
             declare(&connection, config, spec).await?;
@@ -115,15 +118,17 @@ async fn declare(
             .await
             .map_err(|e| TransportError::Topology {
                 queue: name.clone(),
-                message: format!("{e}; delete the queue or change the configuration to match it"),
+                action: "declaring the queue (if it exists with other arguments, delete it or change the configuration to match it)",
+                source: e.into(),
             })?;
         let _ = channel.close(200, ShortString::from("declared")).await;
     }
     for binding in config.bindings.iter().filter(|b| b.queue == q) {
         let channel = channel(connection, &binding.exchange).await?;
-        let failed = |what: &str, e: lapin::Error| TransportError::Topology {
+        let failed = |action: &'static str, e: lapin::Error| TransportError::Topology {
             queue: binding.exchange.clone(),
-            message: format!("{what}: {e}"),
+            action,
+            source: e.into(),
         };
         let durable = ExchangeDeclareOptions {
             durable: true,
@@ -132,7 +137,7 @@ async fn declare(
         channel
             .exchange_declare(
                 ShortString::from(binding.exchange.as_str()),
-                binding.kind.clone(),
+                binding.kind.lapin(),
                 durable,
                 FieldTable::default(),
             )
@@ -159,6 +164,7 @@ async fn channel(connection: &Connection, queue: &str) -> Result<Channel, Transp
         .await
         .map_err(|e| TransportError::Topology {
             queue: queue.to_owned(),
-            message: format!("cannot open a channel: {e}"),
+            action: "opening a channel",
+            source: e.into(),
         })
 }

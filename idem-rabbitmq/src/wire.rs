@@ -1,16 +1,13 @@
-//! A minimal AMQP 0-9-1 client of idem's own, over TCP or TLS (`amqps://`, rustls with the
-//! system's roots and [`crate::RabbitConfig::tls_ca_pem`]): just enough to consume a queue
+//! A minimal AMQP 0-9-1 client of idem's own, over TCP or TLS (`amqps://`, see [`crate::tls`]): just enough to consume a queue
 //! frame by frame and reject a delivery, for the messages lapin cannot parse (see
 //! [`crate::quarantine`]). Frames are read as bytes and judged by the same parser lapin uses, so
 //! a delivery lapin would fail on is seen here as such, and can still be rejected.
 
+use crate::tls::Stream;
 use lapin::uri::{AMQPScheme, AMQPUri};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
 use std::io;
-use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// AMQP frame types.
@@ -62,11 +59,6 @@ pub(crate) fn long(out: &mut Vec<u8>, s: &[u8]) {
     out.extend_from_slice(s);
 }
 
-/// A byte stream to the broker: TCP, or TLS over TCP.
-trait Stream: AsyncRead + AsyncWrite + Unpin + Send {}
-
-impl<S: AsyncRead + AsyncWrite + Unpin + Send> Stream for S {}
-
 /// A connection with channel 1 open.
 pub(crate) struct RawConnection {
     stream: Box<dyn Stream>,
@@ -86,7 +78,7 @@ impl RawConnection {
             let tcp = TcpStream::connect((host, uri.authority.port)).await?;
             let stream: Box<dyn Stream> = match uri.scheme {
                 AMQPScheme::AMQP => Box::new(tcp),
-                AMQPScheme::AMQPS => Box::new(tls(host, tls_ca)?.connect_stream(tcp).await?),
+                AMQPScheme::AMQPS => crate::tls::wrap(host, tls_ca, tcp).await?,
             };
             Ok::<_, io::Error>(stream)
         };
@@ -198,45 +190,4 @@ impl RawConnection {
             }
         }
     }
-}
-
-/// A TLS connector for `host`: rustls (ring), trusting the system's roots and `extra` (PEM).
-struct Tls {
-    connector: tokio_rustls::TlsConnector,
-    name: ServerName<'static>,
-}
-
-impl Tls {
-    async fn connect_stream(
-        &self,
-        tcp: TcpStream,
-    ) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
-        self.connector.connect(self.name.clone(), tcp).await
-    }
-}
-
-fn tls(host: &str, extra: Option<&str>) -> io::Result<Tls> {
-    let invalid =
-        |e: &dyn std::fmt::Display| io::Error::new(io::ErrorKind::InvalidInput, e.to_string());
-    let mut roots = rustls::RootCertStore::empty();
-    // Certificates the system store holds but rustls cannot use are skipped, as lapin does.
-    let (_, _) = roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-    if let Some(pem) = extra {
-        for cert in CertificateDer::pem_slice_iter(pem.as_bytes()) {
-            roots
-                .add(cert.map_err(|e| invalid(&e))?)
-                .map_err(|e| invalid(&e))?;
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| invalid(&e))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let name = ServerName::try_from(host.to_owned()).map_err(|e| invalid(&e))?;
-    Ok(Tls {
-        connector: tokio_rustls::TlsConnector::from(Arc::new(config)),
-        name,
-    })
 }

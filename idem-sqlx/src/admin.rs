@@ -37,6 +37,7 @@ pub struct DeadLetterCount {
 
 /// What an inbox holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InboxStats {
     /// Rows per consumer and status.
     pub statuses: Vec<StatusCount>,
@@ -46,6 +47,7 @@ pub struct InboxStats {
 
 /// One key's inbox row.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InboxRow {
     /// `completed`, `in_progress` or `failed`.
     pub status: String,
@@ -69,6 +71,7 @@ pub struct InboxRow {
 
 /// All an inbox knows of one key.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KeyReport {
     /// Its row, if it has one.
     pub row: Option<InboxRow>,

@@ -9,6 +9,7 @@ pub use idem_core::store::DEFAULT_RETENTION;
 
 /// A wrong inbox configuration, reported when the store is built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The table name is not a plain identifier.
     #[error(

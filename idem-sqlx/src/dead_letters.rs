@@ -11,6 +11,7 @@ use std::time::Duration;
 
 /// One dead-letter record, as read back.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeadLetterRow {
     /// The consumer that refused the message.
     pub consumer: String,

@@ -33,7 +33,7 @@ pub trait Dialect: Sql {
     }
 
     /// Claims one key in the transaction on `conn`. The default inserts, then reads the row
-    /// that holds the key ([`claim::insert_then_read`]).
+    /// that holds the key (`claim::insert_then_read`).
     fn claim<'a>(
         sql: &'a Prepared,
         conn: &'a mut Self::Connection,

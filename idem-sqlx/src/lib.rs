@@ -1,5 +1,14 @@
 //! SQL inbox stores for idem, on sqlx.
 //!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+//! let inbox = idem_sqlx::PgInbox::new(pool);
+//! inbox.migrate().await?; // creates idem_inbox and its companions, or upgrades them
+//! # Ok(()) }
+//! ```
+//!
 //! One table holds every consumer's dedup markers, keyed `PRIMARY KEY (consumer, key)`, with the
 //! payload fingerprint, status, stored result, attempts and timestamps (`expires_at` indexed
 //! for the retention sweeper). A claim is insert-first in one statement; the database's unique
@@ -23,6 +32,8 @@
 //! for its query result), a feature for it, its alias in `stores.rs`, its error codes in
 //! `error.rs` if they need more than SQLSTATEs, and its name in the `#[idempotent]` macro's
 //! store list.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod admin;
 mod claim;

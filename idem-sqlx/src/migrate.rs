@@ -16,6 +16,7 @@ pub const SCHEMA_TABLE: &str = "idem_schema_version";
 
 /// Migrating an inbox table failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MigrateError {
     /// The database refused a statement.
     #[error("migrating inbox table `{table}` failed: {source}")]

@@ -307,8 +307,8 @@ impl Dialect for Postgres {
         claim_from_row(&row)
     }
 
-    /// [`TRY_CLAIM`]: one round trip for a new key; a key that exists or is busy is then read
-    /// with [`EXISTING`] (no committed row: another transaction's claim holds it).
+    /// `TRY_CLAIM`: one round trip for a new key; a key that exists or is busy is then read
+    /// with `EXISTING` (no committed row: another transaction's claim holds it).
     async fn try_claim(
         sql: &Prepared,
         conn: &mut PgConnection,

@@ -1,10 +1,10 @@
 //! RabbitMQ helpers for the tests: the broker URL, publishing, reading a queue, closing
 //! connections from the broker's side.
 
-use idem::rabbitmq::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
-use idem::rabbitmq::lapin::types::ShortString;
-use idem::rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
 use idem::rabbitmq::{Publisher, RabbitConfig};
+use lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
+use lapin::types::ShortString;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
 use std::time::Duration;
 
 /// The broker the tests use: `AMQP_URL`, or the development machine's.
@@ -15,19 +15,18 @@ pub fn amqp_url() -> String {
 /// A confirmed publisher, or a failure saying how to start RabbitMQ.
 pub async fn publisher() -> Publisher {
     Publisher::connect(&RabbitConfig::new(amqp_url())).await.unwrap_or_else(|e| {
-        panic!("RabbitMQ is not reachable at {}: {e}\nstart it with `rabbitmq-server -detached`, or point AMQP_URL at one", amqp_url())
+        panic!("RabbitMQ is not reachable at {}: {e}\nstart it (`docker compose up -d` starts one), or point AMQP_URL at one", amqp_url())
     })
 }
 
 /// Publishes `body` with `message_id` (if any) and extra properties.
 pub async fn publish(publisher: &Publisher, queue: &str, message_id: Option<&str>, body: &[u8]) {
-    let mut properties =
-        BasicProperties::default().with_content_type(ShortString::from("application/json"));
+    let mut message = idem::Envelope::new(body).with_content_type("application/json");
     if let Some(id) = message_id {
-        properties = properties.with_message_id(ShortString::from(id));
+        message = message.with_message_id(id);
     }
     publisher
-        .publish("", queue, body, properties)
+        .publish("", queue, &message)
         .await
         .expect("confirmed publish");
 }
@@ -42,7 +41,7 @@ pub struct Got {
 impl Got {
     /// A header as text (strings) or decimal (integers).
     pub fn header(&self, name: &str) -> Option<String> {
-        use idem::rabbitmq::lapin::types::AMQPValue;
+        use lapin::types::AMQPValue;
         let value = self
             .properties
             .headers()
@@ -84,13 +83,11 @@ async fn connect() -> Connection {
 /// Declares `queue` as the orders example declares it (consumer `orders`, the default retry
 /// delays), so that nothing published before the example starts is dropped.
 pub async fn declare_orders_queue(queue: &str) {
-    use idem::Transport;
-    let spec = idem::QueueSpec {
-        queue: queue.to_owned(),
-        consumer: "orders".into(),
-        retry_delays: idem::RetryPolicy::default().delays(),
-        ..idem::QueueSpec::default()
-    };
+    use idem::transport::Transport;
+    let mut spec = idem::transport::QueueSpec::default();
+    spec.queue = queue.to_owned();
+    spec.consumer = "orders".into();
+    spec.retry_delays = idem::RetryPolicy::default().delays();
     let rabbit = idem::rabbitmq::RabbitConfig::new(amqp_url());
     idem::rabbitmq::RabbitTransport::new(rabbit)
         .declare(&[spec])
@@ -134,7 +131,7 @@ pub async fn drain(queue: &str) -> Vec<Got> {
 /// Takes one message from `queue` and gives it back (`basic.nack` with requeue), as a consumer
 /// that crashes on it would. Returns whether a message came within `deadline`.
 pub async fn give_back(queue: &str, deadline: Duration) -> bool {
-    use idem::rabbitmq::lapin::options::BasicNackOptions;
+    use lapin::options::BasicNackOptions;
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
     let start = std::time::Instant::now();
@@ -187,7 +184,7 @@ pub async fn delete_topology(queue: &str, delays: &[Duration]) {
 /// Closes, from the broker's side (`rabbitmqctl close_connection`), every connection whose
 /// client-provided name contains `name`. Returns how many it closed.
 pub fn close_connections(name: &str) -> usize {
-    let listed = std::process::Command::new("rabbitmqctl")
+    let listed = super::rabbitmqctl()
         .args(["list_connections", "-q", "pid", "client_properties"])
         .output()
         .expect("rabbitmqctl");
@@ -197,7 +194,7 @@ pub fn close_connections(name: &str) -> usize {
         let Some(pid) = line.split('\t').next() else {
             continue;
         };
-        let status = std::process::Command::new("rabbitmqctl")
+        let status = super::rabbitmqctl()
             .args(["close_connection", pid, "closed by an idem test"])
             .status()
             .expect("rabbitmqctl close_connection");
@@ -210,8 +207,8 @@ pub fn close_connections(name: &str) -> usize {
 
 /// How many messages are ready in `queue` (a passive declare; not counting unacked ones).
 pub async fn count(queue: &str) -> usize {
-    use idem::rabbitmq::lapin::options::QueueDeclareOptions;
-    use idem::rabbitmq::lapin::types::FieldTable;
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
     let declared = channel
@@ -230,8 +227,8 @@ pub async fn count(queue: &str) -> usize {
 
 /// Whether `queue` exists (a passive declare).
 pub async fn exists(queue: &str) -> bool {
-    use idem::rabbitmq::lapin::options::QueueDeclareOptions;
-    use idem::rabbitmq::lapin::types::FieldTable;
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
     let connection = connect().await;
     let channel = connection.create_channel().await.expect("channel");
     let passive = QueueDeclareOptions {
@@ -247,7 +244,7 @@ pub async fn exists(queue: &str) -> bool {
 
 /// How many deliveries of `queue` are unacknowledged, from the broker (`rabbitmqctl`).
 pub fn unacked(queue: &str) -> usize {
-    let listed = std::process::Command::new("rabbitmqctl")
+    let listed = super::rabbitmqctl()
         .args(["list_queues", "-q", "name", "messages_unacknowledged"])
         .output()
         .expect("rabbitmqctl");

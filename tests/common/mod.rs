@@ -4,6 +4,16 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// The command that controls the broker: `RABBITMQCTL` (split on spaces, for example
+/// `docker compose exec -T rabbitmq rabbitmqctl`), else `rabbitmqctl` on the `PATH`.
+pub fn rabbitmqctl() -> std::process::Command {
+    let configured = std::env::var("RABBITMQCTL").unwrap_or_default();
+    let mut words = configured.split_whitespace();
+    let mut command = std::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
+    command.args(words);
+    command
+}
+
 /// The PostgreSQL the tests use: `DATABASE_URL`, or the development machine's server.
 pub fn postgres_url() -> String {
     std::env::var("DATABASE_URL")
@@ -19,8 +29,7 @@ pub async fn postgres(connections: u32) -> sqlx::PgPool {
         &postgres_url(),
         connections,
         "PostgreSQL",
-        "start it with `pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start`, \
-         or point DATABASE_URL at one",
+        "start it (`docker compose up -d` starts one), or point DATABASE_URL at one",
     )
     .await
 }
@@ -62,8 +71,7 @@ pub async fn mysql(connections: u32) -> sqlx::MySqlPool {
         &mysql_url(),
         connections,
         "MariaDB",
-        "start it with `start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd`, \
-         or point MYSQL_URL at one",
+        "start it (`docker compose up -d` starts one), or point MYSQL_URL at one",
     )
     .await
 }

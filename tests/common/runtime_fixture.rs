@@ -7,9 +7,8 @@ use crate::common::raw_amqp::{RawProperties, RawPublisher};
 use crate::common::unique;
 use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
-use idem::{
-    Context, HandlerError, QueueSpec, RetryPolicy, Runtime, RuntimeBuilder, Transport, idempotent,
-};
+use idem::transport::{QueueSpec, Transport};
+use idem::{Context, HandlerError, RetryPolicy, Runtime, RuntimeBuilder, idempotent};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
@@ -148,12 +147,8 @@ pub async fn fixture(
         rabbit = rabbit.delivery_limit(limit);
     }
     let publisher = broker::publisher().await;
-    let spec = QueueSpec {
-        queue: queue.clone(),
-        consumer: CONSUMER.into(),
-        retry_delays: policy.delays(),
-        ..QueueSpec::default()
-    };
+    let mut spec = QueueSpec::new(queue.clone(), CONSUMER);
+    spec.retry_delays = policy.delays();
     RabbitTransport::new(rabbit.clone())
         .declare(&[spec])
         .await

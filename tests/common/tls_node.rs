@@ -22,6 +22,16 @@ pub struct TlsNode {
     dir: tempfile::TempDir,
 }
 
+/// Whether this machine can start RabbitMQ nodes of its own (`rabbitmq-server` on the `PATH`);
+/// without it the tests that need a TLS node of their own say they are skipped (with the
+/// broker in Docker, for example).
+pub fn can_start_nodes() -> bool {
+    Command::new("sh")
+        .args(["-c", "command -v rabbitmq-server"])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .expect("a free port")

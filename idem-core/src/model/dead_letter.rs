@@ -6,6 +6,7 @@ use super::fingerprint::Fingerprint;
 
 /// Why a message is dead-lettered.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeadLetter {
     /// A stable code (`decode`, `missing-key`, `handler`, `conflict`, `retries-exhausted`, …).
     pub reason: String,
@@ -19,10 +20,31 @@ pub struct DeadLetter {
     pub attempts: u32,
 }
 
+impl DeadLetter {
+    /// A dead letter of `consumer` with reason code `reason` and `detail`, after `attempts`
+    /// deliveries, for the message with dedup key `key` (if one was read).
+    pub fn new(
+        reason: impl Into<String>,
+        detail: impl Into<String>,
+        consumer: impl Into<String>,
+        key: Option<String>,
+        attempts: u32,
+    ) -> Self {
+        Self {
+            reason: reason.into(),
+            detail: detail.into(),
+            consumer: consumer.into(),
+            key,
+            attempts,
+        }
+    }
+}
+
 /// The record of one dead letter, written to the consumer's store (keyed by consumer and key)
 /// before the message is moved to the dead-letter queue, so its reason is never lost and a
 /// second dead-lettering of the same message overwrites rather than adds.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeadLetterRecord {
     /// The consumer that refused it.
     pub consumer: String,

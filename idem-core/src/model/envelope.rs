@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 /// where one came from. Fields that vary between deliveries of the same message
 /// (`attempt`, `redelivered`) are never used as a dedup key.
 #[derive(Debug, Clone, Default, PartialEq)]
+#[non_exhaustive]
 pub struct Envelope {
     /// The producer-assigned message id (AMQP `message_id`), the default dedup key.
     pub message_id: Option<String>,
@@ -101,6 +102,7 @@ impl Headers {
 /// The value of one header. AMQP field tables carry more types; transports map those they
 /// cannot represent to [`HeaderValue::Bytes`] or leave them out.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum HeaderValue {
     /// A text value.
     Str(String),

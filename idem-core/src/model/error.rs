@@ -35,6 +35,7 @@ impl fmt::Display for ErrorClass {
 /// classifies by SQLSTATE, error number or result code (`idem::sql::classify_sqlx`). Anything
 /// else is wrapped with [`HandlerError::transient`] or [`HandlerError::permanent`].
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum HandlerError {
     /// Retry the message later.
     #[error("transient failure: {0}")]

@@ -13,6 +13,7 @@ pub const MAX_KEY_LEN: usize = 512;
 /// Never the delivery tag, the redelivered flag or a receive time: those change between
 /// deliveries of one message and would defeat deduplication.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KeySource {
     /// The message id property (`key = "message_id"`, the default).
     MessageId,
@@ -39,6 +40,7 @@ impl fmt::Display for KeySource {
 /// Why no usable key could be read from a message. Always a permanent error: redelivering the
 /// same message cannot make its key appear.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KeyError {
     /// The source holds no value.
     #[error("missing dedup key: {what} (key = \"{spec}\")")]

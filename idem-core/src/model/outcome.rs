@@ -5,6 +5,7 @@ use std::fmt;
 
 /// The result of handling one delivery.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// First time this key was seen: the handler ran and its writes committed with the inbox
     /// row. Ack.
@@ -138,6 +139,7 @@ impl fmt::Display for Rejection {
 
 /// The kinds of permanent refusal, each with a stable code for the `x-idem-reason` header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RejectReason {
     /// The body does not decode into the handler's payload type.
     Decode,

@@ -32,6 +32,9 @@ pub(crate) async fn process<H: Handler>(
         return refused;
     }
     let (key, fingerprint) = (&keyed.key, &keyed.fingerprint);
+    if limits.inject_failure {
+        return super::steps::injected_failure(key);
+    }
     let owner = crate::store::owner_token();
     let claiming = Instant::now();
     let leased = store.lease(&request, &owner, lease).await;

@@ -3,10 +3,10 @@
 //!
 //! | mode | one delivery | a batch |
 //! |---|---|---|
-//! | transactional | [`transactional`]: one transaction, claim, handler, commit | [`batch`]: one transaction for the batch |
-//! | external | [`external`]: lease, handler, settle | each delivery on its own, after the previous batch |
+//! | transactional | `transactional`: one transaction, claim, handler, commit | `batch`: one transaction for the batch |
+//! | external | `external`: lease, handler, settle | each delivery on its own, after the previous batch |
 //!
-//! [`steps`] holds what every mode shares (decode, key and fingerprint; duplicate or conflict;
+//! `steps` holds what every mode shares (decode, key and fingerprint; duplicate or conflict;
 //! turning failures into outcomes); [`stages`] how consecutive batches overlap.
 
 mod batch;
@@ -199,7 +199,12 @@ impl<H: Handler> ErasedHandler for H {
     ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
-            let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit());
+            #[allow(unused_mut)]
+            let mut limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit());
+            #[cfg(feature = "testing")]
+            {
+                limits.inject_failure = stores.take_injected();
+            }
             unwound(run::<H>(store, envelope, limits)).await
         })
     }
@@ -246,6 +251,7 @@ fn store_of<H: Handler>(stores: &Stores) -> Result<&H::Store, DispatchError> {
 
 /// A handler could not be run, or did not return.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DispatchError {
     /// The handler panicked; nothing it did was committed.
     #[error("handler panicked: {0}")]

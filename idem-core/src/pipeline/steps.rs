@@ -148,6 +148,17 @@ pub(crate) struct Limits {
     pub(crate) retention: Duration,
     /// After how many deliveries without a settlement a message is refused as poison.
     pub(crate) poison: Option<u32>,
+    /// Whether a test harness injected a transient failure into this delivery's claim.
+    pub(crate) inject_failure: bool,
+}
+
+/// The transient database error a test harness injects (see `Stores::inject_transient`).
+pub(crate) fn injected_failure(key: &str) -> Outcome {
+    failure(
+        crate::model::ErrorClass::Transient,
+        "claim failed: a transient database error injected by the test harness".to_owned(),
+        key,
+    )
 }
 
 impl Limits {
@@ -161,7 +172,11 @@ impl Limits {
         let retention = H::RETENTION
             .or(runtime_retention)
             .unwrap_or_else(|| store.retention());
-        Self { retention, poison }
+        Self {
+            retention,
+            poison,
+            inject_failure: false,
+        }
     }
 }
 

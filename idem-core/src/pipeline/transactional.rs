@@ -36,6 +36,10 @@ pub(crate) async fn process<H: Handler>(
         Ok(tx) => tx,
         Err(e) => return store_failure(e, key),
     };
+    if limits.inject_failure {
+        store.rollback(tx).await;
+        return super::steps::injected_failure(key);
+    }
     let claiming = Instant::now();
     let claim = store.claim(&mut tx, &request).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
@@ -217,6 +221,7 @@ mod tests {
         let limits = Limits {
             retention: std::time::Duration::from_secs(60),
             poison: None,
+            inject_failure: false,
         };
         process::<OrderHandler>(store, &Envelope::new(body), limits).await
     }

@@ -248,20 +248,25 @@ impl RuntimeBuilder {
         if let Some(sweep) = self.sweep
             && (sweep.batch == 0 || sweep.interval.is_zero())
         {
-            return Err(RuntimeError::Setting(
-                "the sweeper needs a batch of at least 1 row and a non-zero interval; use without_sweeper() to run none".into(),
+            return Err(RuntimeError::setting(
+                "sweeper",
+                "the sweeper needs a batch of at least 1 row and a non-zero interval; use without_sweeper() to run none",
             ));
         }
         if self.prefetch == Some(0) {
-            return Err(RuntimeError::Setting("prefetch must be at least 1".into()));
+            return Err(RuntimeError::setting(
+                "prefetch",
+                "prefetch must be at least 1",
+            ));
         }
         if self
             .stores
             .retention()
             .is_some_and(|r| r < Duration::from_secs(1))
         {
-            return Err(RuntimeError::Setting(
-                "retention must be at least one second".into(),
+            return Err(RuntimeError::setting(
+                "retention",
+                "retention must be at least one second",
             ));
         }
         let mut actors = Vec::with_capacity(handlers.len());
@@ -307,18 +312,24 @@ impl RuntimeBuilder {
             actor.registration.retention(&self.stores),
         ) && ttl > retention
         {
-            return Err(RuntimeError::Setting(format!(
-                "queue `{queue}` declares a message TTL of {}s, longer than the {}s retention of `{consumer}`'s inbox rows: a message delivered late would find no marker and be processed again; raise the retention (#[idempotent(retention = \"...\")] or RuntimeBuilder::retention) or lower the TTL",
-                ttl.as_secs(),
-                retention.as_secs()
-            )));
+            return Err(RuntimeError::setting(
+                "message_ttl",
+                format!(
+                    "queue `{queue}` declares a message TTL of {}s, longer than the {}s retention of `{consumer}`'s inbox rows: a message delivered late would find no marker and be processed again; raise the retention (#[idempotent(retention = \"...\")] or RuntimeBuilder::retention) or lower the TTL",
+                    ttl.as_secs(),
+                    retention.as_secs()
+                ),
+            ));
         }
         if let Mode::External { lease } = actor.registration.mode() {
             let window: Duration = self.retry.delays().iter().sum();
             if lease >= window {
-                return Err(RuntimeError::Setting(format!(
-                    "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up after {window:?} of delays: a copy waiting for the lease would be dead-lettered; shorten the lease or lengthen the retry policy"
-                )));
+                return Err(RuntimeError::setting(
+                    "lease",
+                    format!(
+                        "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up after {window:?} of delays: a copy waiting for the lease would be dead-lettered; shorten the lease or lengthen the retry policy"
+                    ),
+                ));
             }
         }
         Ok(())
@@ -334,9 +345,10 @@ impl RuntimeBuilder {
                 .ok_or(RuntimeError::NoQueue { consumer })?,
         };
         if queue.is_empty() || queue.len() > 200 {
-            return Err(RuntimeError::Setting(format!(
-                "queue name {queue:?} must be 1 to 200 characters"
-            )));
+            return Err(RuntimeError::setting(
+                "queue",
+                format!("queue name {queue:?} must be 1 to 200 characters"),
+            ));
         }
         let size = self
             .per_handler_batch
@@ -357,13 +369,15 @@ impl RuntimeBuilder {
                 None => DEFAULT_CONCURRENCY,
             });
         if workers == 0 {
-            return Err(RuntimeError::Setting(format!(
-                "concurrency of `{consumer}` must be at least 1"
-            )));
+            return Err(RuntimeError::setting(
+                "concurrency",
+                format!("concurrency of `{consumer}` must be at least 1"),
+            ));
         }
         let prefetch = match (self.prefetch, batch) {
             (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
-                return Err(RuntimeError::Setting(format!(
+                return Err(RuntimeError::setting(
+"prefetch", format!(
                     "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
                     batch.size,
                     batch.size.saturating_mul(2).min(usize::from(u16::MAX)),
@@ -383,7 +397,8 @@ impl RuntimeBuilder {
             (Some(prefetch), None) => prefetch,
             (None, Some(batch)) => u16::try_from(batch.size.saturating_mul(2))
                 .map_err(|_| {
-                    RuntimeError::Setting(format!(
+                    RuntimeError::setting(
+"batch", format!(
                         "`{consumer}` batches {} deliveries; at most {} fit twice in a prefetch",
                         batch.size,
                         u16::MAX / 2

@@ -7,6 +7,7 @@ use crate::transport::TransportError;
 
 /// A wrong runtime configuration or a failed start.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RuntimeError {
     /// No transport was configured.
     #[error(
@@ -62,10 +63,24 @@ pub enum RuntimeError {
         #[source]
         error: StoreError,
     },
-    /// A numeric setting is out of range.
-    #[error("invalid setting: {0}")]
-    Setting(String),
+    /// A setting is out of range or contradicts another.
+    #[error("invalid setting `{setting}`: {problem}")]
+    Setting {
+        /// The setting to change (`prefetch`, `retention`, `batch`, …).
+        setting: &'static str,
+        /// What is wrong with it, and what to change.
+        problem: String,
+    },
     /// The transport refused the topology or could not connect.
     #[error(transparent)]
     Transport(#[from] TransportError),
+}
+
+impl RuntimeError {
+    pub(crate) fn setting(setting: &'static str, problem: impl Into<String>) -> Self {
+        Self::Setting {
+            setting,
+            problem: problem.into(),
+        }
+    }
 }

@@ -12,6 +12,7 @@ use std::time::Duration;
 const STORE_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A runtime's health, readable while it runs ([`crate::Runtime::health`]).
+#[non_exhaustive]
 pub struct Health {
     transport: Arc<dyn Transport>,
     stores: Arc<Stores>,
@@ -22,6 +23,7 @@ pub struct Health {
 
 /// The answer of [`Health::readiness`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Readiness {
     /// Whether the runtime consumes, every queue's consumer is connected to the broker and
     /// every handler's store answers.

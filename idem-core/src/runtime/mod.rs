@@ -1,7 +1,7 @@
-//! The actor runtime: one actor per handler ([`actor`]), fed by the transport's consumer
-//! through a bounded mailbox, with workers ([`worker`], [`batch_worker`]) that run the
-//! handler's pipeline and settle each delivery after the commit ([`settle`]).
-//! [`RuntimeBuilder`] checks the configuration; [`Runtime::run_until`] ([`run`]) runs it.
+//! The actor runtime: one actor per handler (`actor`), fed by the transport's consumer
+//! through a bounded mailbox, with workers (`worker`, `batch_worker`) that run the
+//! handler's pipeline and settle each delivery after the commit (`settle`).
+//! [`RuntimeBuilder`] checks the configuration; `Runtime::run_until` (`run`) runs it.
 
 mod actor;
 mod batch_worker;
@@ -10,7 +10,7 @@ mod error;
 mod health;
 pub mod retry;
 mod run;
-mod settle;
+pub(crate) mod settle;
 mod stats;
 mod sweeper;
 mod worker;

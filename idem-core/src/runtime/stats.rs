@@ -17,6 +17,7 @@ pub struct Stats {
 
 /// A copy of the counters at one moment.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Deliveries processed (committed) and acked.
     pub processed: u64,

@@ -88,6 +88,7 @@ pub enum Claim {
 
 /// What one sweep of an inbox did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SweepReport {
     /// Whether this sweeper held the inbox's sweeper lock; `false`: another sweeper (in this
     /// or another process) was at work, and this one did nothing.

@@ -16,6 +16,8 @@ pub struct Stores {
     sweepers: HashMap<TypeId, Sweeper>,
     retention: Option<Duration>,
     poison_limit: Option<u32>,
+    #[cfg(feature = "testing")]
+    injected: Arc<std::sync::atomic::AtomicU32>,
 }
 
 /// One store's [`InboxStore::sweep`], type-erased: `(batch, max_batches)`.
@@ -89,6 +91,25 @@ impl Stores {
     /// The retention set with [`Self::with_retention`].
     pub fn retention(&self) -> Option<Duration> {
         self.retention
+    }
+
+    /// Test harnesses only (feature `testing`): the next `count` claims through these stores
+    /// (per-message processing, either mode) fail with a transient database error after the
+    /// transaction began, so the transaction is rolled back and the delivery is retried.
+    /// Clones of this set share the count.
+    #[cfg(feature = "testing")]
+    pub fn inject_transient(&self, count: u32) {
+        self.injected
+            .fetch_add(count, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Takes one injected failure, if any is left.
+    #[cfg(feature = "testing")]
+    pub(crate) fn take_injected(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        self.injected
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
     }
 
     /// The store of type `S`, if one was added.

@@ -5,7 +5,7 @@
 //! and sends it exactly once through its [`Settle`]: ack, retry later, dead-letter or release.
 
 use crate::future::BoxFuture;
-use crate::model::{DeadLetter, DeadLetterRecord, Envelope, StoreError};
+use crate::model::{BoxError, DeadLetter, DeadLetterRecord, Envelope, StoreError};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,6 +52,7 @@ pub trait Settle: Send + Sync {
 
 /// What one handler needs from the transport.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct QueueSpec {
     /// The queue to consume.
     pub queue: String,
@@ -62,6 +63,18 @@ pub struct QueueSpec {
     /// Where the transport records the dead letters it refuses on its own (see
     /// [`DeadLetterLog`]); the runtime sets it to the handler's store.
     pub dead_letters: DeadLetterLog,
+}
+
+impl QueueSpec {
+    /// The spec of `queue`, consumed for the handler with consumer identity `consumer`; the
+    /// other fields at their defaults.
+    pub fn new(queue: impl Into<String>, consumer: impl Into<String>) -> Self {
+        Self {
+            queue: queue.into(),
+            consumer: consumer.into(),
+            ..Self::default()
+        }
+    }
 }
 
 type RecordFn =
@@ -143,19 +156,29 @@ pub trait Transport: Send + Sync + 'static {
 
 /// A transport failure.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TransportError {
     /// Topology exists with other arguments, or could not be declared.
-    #[error("topology of `{queue}`: {message}")]
+    #[error("topology of `{queue}`, {action}: {source}")]
     Topology {
         /// The queue or exchange concerned.
         queue: String,
+        /// What was being done, and what to change if it was refused.
+        action: &'static str,
         /// What the broker said.
-        message: String,
+        #[source]
+        source: BoxError,
     },
     /// The broker could not be reached or the connection failed.
-    #[error("connection: {0}")]
-    Connection(String),
+    #[error("cannot reach the broker at {broker}: {source}; start it or set its URL (AMQP_URL)")]
+    Connection {
+        /// The broker's URL, without its password.
+        broker: String,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
     /// A settlement could not be sent (the channel is gone); the broker redelivers.
     #[error("settle: {0}")]
-    Settle(String),
+    Settle(#[source] BoxError),
 }

@@ -24,13 +24,13 @@ async fn record(_tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>, _payment: Payment
 fn main() {
     let found = idem::registry::handlers();
     let charge = found.iter().find(|r| r.name() == "charge").unwrap();
-    assert_eq!(charge.mode(), idem::Mode::External { lease: std::time::Duration::from_secs(45) });
+    assert_eq!(charge.mode(), idem::handler::Mode::External { lease: std::time::Duration::from_secs(45) });
     let notify = found.iter().find(|r| r.name() == "notify").unwrap();
-    assert_eq!(notify.mode(), idem::Mode::External { lease: idem::DEFAULT_LEASE });
+    assert_eq!(notify.mode(), idem::handler::Mode::External { lease: idem::handler::DEFAULT_LEASE });
     let record = found.iter().find(|r| r.name() == "record").unwrap();
-    assert_eq!(record.mode(), idem::Mode::Transactional);
+    assert_eq!(record.mode(), idem::handler::Mode::Transactional);
     assert_eq!(
-        record.retention(&idem::Stores::new()),
+        record.retention(&idem::store::Stores::new()),
         Some(std::time::Duration::from_secs(12 * 3600))
     );
 }

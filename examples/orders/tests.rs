@@ -1,0 +1,131 @@
+//! The orders example's handler tests, under the test harness (`idem::testing`): what a team
+//! writes for its own handlers. An in-memory SQLite database, no broker; copies, a lost ack,
+//! reordering, a transient database error, a conflict and a malformed message. `cargo test`
+//! runs them as `tests/orders_handlers.rs` (the example's binary stays the plain one the other
+//! tests start).
+
+use crate::handlers::{OrderPlaced, SCHEMA};
+use idem::sqlx::{self, SqlitePool};
+use idem::testing::{Harness, json};
+
+async fn harness() -> (Harness, SqlitePool) {
+    let (harness, pool) = idem::testing::sqlite().await.expect("in-memory SQLite");
+    for statement in SCHEMA {
+        sqlx::query(statement).execute(&pool).await.expect("schema");
+    }
+    (harness, pool)
+}
+
+fn order(id: &str, customer: &str, cents: i64) -> idem::Envelope {
+    let order = OrderPlaced {
+        order_id: id.to_owned(),
+        customer: customer.to_owned(),
+        amount_cents: cents,
+    };
+    json(id, &order).expect("serializable")
+}
+
+async fn balance(pool: &SqlitePool, customer: &str) -> i64 {
+    sqlx::query_scalar("SELECT cents FROM balances WHERE customer = ?")
+        .bind(customer)
+        .fetch_optional(pool)
+        .await
+        .expect("balance")
+        .unwrap_or(0)
+}
+
+async fn orders(pool: &SqlitePool) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM orders")
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+fn labels(outcomes: &[idem::Outcome]) -> Vec<&'static str> {
+    outcomes.iter().map(idem::Outcome::label).collect()
+}
+
+#[tokio::test]
+async fn copies_and_a_lost_ack_book_an_order_once() {
+    let (harness, pool) = harness().await;
+    let placed = order("o-1", "ada", 250);
+    let copies = harness.send_copies("orders", &placed, 3).await.unwrap();
+    let mut seen = labels(&copies);
+    seen.sort_unstable();
+    assert_eq!(seen, ["duplicate", "duplicate", "processed"]);
+    // Committed, but the ack was lost: the broker delivers it again.
+    let again = harness.redeliver("orders", &placed).await.unwrap();
+    assert_eq!(again.label(), "duplicate");
+    assert_eq!((orders(&pool).await, balance(&pool, "ada").await), (1, 250));
+    assert!(harness.dead_letters().is_empty());
+}
+
+#[tokio::test]
+async fn reordered_orders_add_up_the_same() {
+    let (harness, pool) = harness().await;
+    let sent = [
+        order("o-3", "bo", 3),
+        order("o-1", "bo", 1),
+        order("o-2", "bo", 2),
+    ];
+    let outcomes = harness.send_all("orders", sent).await.unwrap();
+    assert_eq!(labels(&outcomes), ["processed"; 3]);
+    assert_eq!(balance(&pool, "bo").await, 6);
+}
+
+#[tokio::test]
+async fn a_transient_database_error_is_retried_and_applied_once() {
+    let (harness, pool) = harness().await;
+    harness.inject_transient(2);
+    let attempts = harness
+        .deliver("orders", order("o-9", "cy", 90))
+        .await
+        .unwrap();
+    assert_eq!(labels(&attempts), ["retry", "retry", "processed"]);
+    assert_eq!((orders(&pool).await, balance(&pool, "cy").await), (1, 90));
+}
+
+#[tokio::test]
+async fn retries_run_out_into_a_dead_letter() {
+    let (harness, pool) = harness().await;
+    let harness = Harness::max_attempts(harness, 2).unwrap();
+    harness.inject_transient(5);
+    let attempts = harness
+        .deliver("orders", order("o-5", "di", 5))
+        .await
+        .unwrap();
+    assert_eq!(labels(&attempts), ["retry", "retry"]);
+    let dead = harness.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].dead_letter.reason, "retries-exhausted");
+    assert_eq!(orders(&pool).await, 0);
+}
+
+#[tokio::test]
+async fn a_reused_id_and_a_malformed_message_are_dead_lettered_with_reasons() {
+    let (harness, pool) = harness().await;
+    harness
+        .send("orders", order("o-7", "ed", 70))
+        .await
+        .unwrap();
+    let reused = harness
+        .send("orders", order("o-7", "ed", 71))
+        .await
+        .unwrap();
+    assert_eq!(reused.label(), "conflict");
+    let malformed = idem::Envelope::new("{not json").with_message_id("bad-1");
+    harness.send("orders", malformed).await.unwrap();
+    let reasons: Vec<_> = harness
+        .dead_letters()
+        .into_iter()
+        .map(|d| (d.dead_letter.reason, d.dead_letter.key))
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("conflict".to_owned(), Some("o-7".to_owned())),
+            ("decode".to_owned(), None)
+        ]
+    );
+    assert_eq!(balance(&pool, "ed").await, 70);
+}
