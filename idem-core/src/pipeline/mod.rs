@@ -199,12 +199,10 @@ impl<H: Handler> ErasedHandler for H {
     ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
-            #[allow(unused_mut)]
-            let mut limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit());
-            #[cfg(feature = "testing")]
-            {
-                limits.inject_failure = stores.take_injected();
-            }
+            let limits = Limits {
+                inject_failure: stores.take_injected(),
+                ..Limits::of::<H>(store, stores.retention(), stores.poison_limit())
+            };
             unwound(run::<H>(store, envelope, limits)).await
         })
     }

@@ -103,13 +103,17 @@ impl Stores {
             .fetch_add(count, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// Takes one injected failure, if any is left.
-    #[cfg(feature = "testing")]
+    /// Takes one injected failure, if any is left (never, without the feature `testing`).
     pub(crate) fn take_injected(&self) -> bool {
-        use std::sync::atomic::Ordering;
-        self.injected
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok()
+        #[cfg(feature = "testing")]
+        {
+            use std::sync::atomic::Ordering;
+            self.injected
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        }
+        #[cfg(not(feature = "testing"))]
+        false
     }
 
     /// The store of type `S`, if one was added.
