@@ -33,8 +33,8 @@ pub(crate) fn check(config: &crate::RabbitConfig, available: bool) -> Result<(),
 }
 
 #[cfg(any(feature = "tls-rustls", feature = "tls-native"))]
-fn invalid(e: impl std::fmt::Display) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidInput, e.to_string())
+fn invalid(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, e)
 }
 
 /// Wraps `tcp` in TLS for `host`, trusting the system's roots and `extra` (PEM).
