@@ -41,10 +41,9 @@ pub enum PublishError {
     },
 }
 
-impl From<lapin::Error> for PublishError {
-    fn from(error: lapin::Error) -> Self {
-        Self::Broker(error.into())
-    }
+/// A lapin error as a [`PublishError`] (no `From` impl: lapin stays out of the public API).
+fn broker(error: lapin::Error) -> PublishError {
+    PublishError::Broker(error.into())
 }
 
 /// Publishes messages and waits for the broker's confirm of each.
@@ -61,11 +60,15 @@ impl Publisher {
     /// Connects to the broker of `config` and opens a confirm-mode channel.
     pub async fn connect(config: &RabbitConfig) -> Result<Self, PublishError> {
         let connections = Connections::default();
-        let connection = connections.open(config, "publisher").await?;
-        let channel = connection.create_channel().await?;
+        let connection = connections
+            .open(config, "publisher")
+            .await
+            .map_err(broker)?;
+        let channel = connection.create_channel().await.map_err(broker)?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+            .await
+            .map_err(broker)?;
         Ok(Self {
             channel,
             _connections: connections,
@@ -90,8 +93,10 @@ impl Publisher {
                 &message.body,
                 properties(message),
             )
-            .await?
-            .await?;
+            .await
+            .map_err(broker)?
+            .await
+            .map_err(broker)?;
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
@@ -131,13 +136,14 @@ impl Publisher {
                 &message.body,
                 properties(message),
             )
-            .await?;
+            .await
+            .map_err(broker)?;
         Ok(())
     }
     /// Waits until every message published so far is confirmed; fails if any was refused or
     /// could not be routed.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {
-        let returned = self.channel.wait_for_confirms().await?;
+        let returned = self.channel.wait_for_confirms().await.map_err(broker)?;
         match returned.first() {
             None => Ok(()),
             Some(message) => Err(PublishError::Unroutable {
