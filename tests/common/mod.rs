@@ -5,13 +5,28 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The command that controls the broker: `RABBITMQCTL` (split on spaces, for example
-/// `docker compose exec -T rabbitmq rabbitmqctl`), else `rabbitmqctl` on the `PATH`.
+/// `docker compose exec -T rabbitmq rabbitmqctl`); else `rabbitmqctl` when it is on the `PATH`;
+/// else, when `docker` is, the broker of this repository's `compose.yaml`.
 pub fn rabbitmqctl() -> std::process::Command {
     let configured = std::env::var("RABBITMQCTL").unwrap_or_default();
-    let mut words = configured.split_whitespace();
-    let mut command = std::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
-    command.args(words);
+    let words: Vec<&str> = match configured.split_whitespace().collect::<Vec<_>>() {
+        words if !words.is_empty() => words,
+        _ if !on_path("rabbitmqctl") && on_path("docker") => {
+            vec!["docker", "compose", "exec", "-T", "rabbitmq", "rabbitmqctl"]
+        }
+        _ => vec!["rabbitmqctl"],
+    };
+    let mut command = std::process::Command::new(words[0]);
     command
+        .args(&words[1..])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    command
+}
+
+/// Whether `program` is on the `PATH`.
+pub fn on_path(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
 }
 
 /// The PostgreSQL the tests use: `DATABASE_URL`, or the development machine's server.
