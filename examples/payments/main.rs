@@ -20,13 +20,12 @@ use axum::http::{StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use clap::Parser;
+use idem::http::{Idempotency, Tx};
 use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
 use idem::sqlx::{self, MySql, Postgres, Sqlite};
 use idem::telemetry::redact_url;
-use idem_http::{Idempotency, Tx};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// The payments example of idem's HTTP layer.
 #[derive(Debug, Parser)]
@@ -75,18 +74,9 @@ impl NewPayment {
     }
 }
 
-/// A new payment id: process, time and a counter.
+/// A new payment id: idem's unique token (process, time and a counter).
 fn payment_id() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO)
-        .as_nanos();
-    format!(
-        "pay_{nanos:x}{:x}{:x}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+    format!("pay_{}", idem::store::owner_token())
 }
 
 /// The handler, once per database (they differ in the transaction type and placeholders).
@@ -148,7 +138,7 @@ where
     H: axum::handler::Handler<T, ()>,
     T: 'static,
 {
-    tokio::spawn(idem_http::sweep_every(
+    tokio::spawn(idem::http::sweep_every(
         store.clone(),
         Duration::from_secs(60),
     ));
