@@ -46,7 +46,7 @@ pub mod transport {
 pub mod handler {
     pub use idem_core::{
         DEFAULT_LEASE, DispatchError, ErasedHandler, Handler, HandlerResult, KeyError, KeySource,
-        Mode, Registration, RegistryError, process, process_batch,
+        Mode, Registration, RegistryError, State, StateType, process, process_batch,
     };
 }
 
@@ -76,9 +76,10 @@ pub mod testing;
 /// Support for the code `#[idempotent]` generates. Not a public API.
 #[doc(hidden)]
 pub mod __private {
+    pub use idem_core::state::extract as extract_state;
     pub use idem_core::{
         Context, DEFAULT_LEASE, Envelope, Handler, HandlerError, HandlerResult, InboxStore,
-        KeyError, KeySource, Mode, Registration, field_key,
+        KeyError, KeySource, Mode, Registration, StateType, field_key,
     };
     /// The store types `store = ...` names.
     pub use idem_sqlx::stores;

@@ -22,7 +22,7 @@ async fn an_ack_never_covers_an_uncommitted_delivery() {
     // (other customers: no lock in common with it) commit while it waits. A
     // `basic.ack(multiple)` for them that covered it would remove it from the broker, and the
     // crash below would lose it.
-    script(&f.key(0), &[Step::WaitThenFail]);
+    f.script.set(&f.key(0), &[Step::WaitThenFail]);
     const FAST: usize = 6;
     for n in 0..=FAST {
         f.publish_order(n, 1).await;
@@ -31,7 +31,7 @@ async fn an_ack_never_covers_an_uncommitted_delivery() {
     wait_until(
         "the slow one started and the fast ones committed",
         DEADLINE,
-        || async { lock(&STARTED).contains(&f.key(0)) && running.now().processed == FAST as u64 },
+        || async { f.script.started(&f.key(0)) && running.now().processed == FAST as u64 },
     )
     .await;
     // The first delivery must stay unacked while it is uncommitted (the fast ones may be
@@ -48,7 +48,7 @@ async fn an_ack_never_covers_an_uncommitted_delivery() {
     // The consumer's connection dies while the slow delivery is in its transaction, which then
     // fails: the broker must still hold it, and redeliver it.
     assert!(broker::close_connections(&format!("idem-test:{}", f.queue)) >= 1);
-    lock(&RELEASED).push(f.key(0));
+    f.script.release(&f.key(0));
     wait_until(
         "the slow order redelivered and applied",
         DEADLINE,
@@ -67,11 +67,13 @@ async fn batches_take_effect_once_through_duplicates_failures_and_a_closed_conne
     const ORDERS: usize = 1500;
     // Two orders fail transiently once: their batches run again with a savepoint per message
     // and only they are retried.
-    script(&f.key(7), &[Step::FailTransient, Step::FailTransient]);
-    script(&f.key(700), &[Step::FailTransient, Step::FailTransient]);
+    f.script
+        .set(&f.key(7), &[Step::FailTransient, Step::FailTransient]);
+    f.script
+        .set(&f.key(700), &[Step::FailTransient, Step::FailTransient]);
     // The batch holding order 300 waits in its transaction while the connection is closed; it
     // then commits, its acks cannot be sent, and its redelivered copies must be duplicates.
-    script(&f.key(300), &[Step::WaitForRelease]);
+    f.script.set(&f.key(300), &[Step::WaitForRelease]);
     let mut published = 0;
     for n in 0..ORDERS {
         for _ in 0..(n % 3 + 1) {
@@ -87,11 +89,11 @@ async fn batches_take_effect_once_through_duplicates_failures_and_a_closed_conne
             .linger(Duration::from_millis(20)),
     );
     wait_until("a batch in its transaction", DEADLINE, || async {
-        lock(&STARTED).contains(&f.key(300))
+        f.script.started(&f.key(300))
     })
     .await;
     assert!(broker::close_connections(&format!("idem-test:{}", f.queue)) >= 1);
-    lock(&RELEASED).push(f.key(300));
+    f.script.release(&f.key(300));
     wait_until("every order applied", DEADLINE, || async {
         f.effects().await.len() == ORDERS
     })

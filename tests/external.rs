@@ -12,7 +12,8 @@ mod common;
 use common::charges;
 use idem::{Context, HandlerError, Outcome, idempotent};
 use serde::{Deserialize, Serialize};
-use std::sync::Mutex;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Deserialize)]
@@ -32,16 +33,50 @@ struct Receipt {
     charge_id: String,
 }
 
-/// Keys whose next run, after its call, waits until the test releases them (once per entry).
-static HOLD_AFTER_CALL: Mutex<Vec<String>> = Mutex::new(Vec::new());
-static RELEASED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// The payment provider the handlers call, given to them as runtime state: its address, and
+/// the test's hold on runs after their call. Clones share the holds.
+#[derive(Clone)]
+struct Provider {
+    addr: SocketAddr,
+    holds: Arc<Mutex<Holds>>,
+}
 
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
+#[derive(Default)]
+struct Holds {
+    /// Keys whose next run, after its call, waits until the test releases them (once per entry).
+    after_call: Vec<String>,
+    released: Vec<String>,
+}
+
+impl Provider {
+    /// The test service (in a child process, the parent's, through `IDEM_CHARGES_ADDR`).
+    fn new() -> Self {
+        Self {
+            addr: charges::addr(),
+            holds: Arc::default(),
+        }
+    }
+
+    fn holds(&self) -> std::sync::MutexGuard<'_, Holds> {
+        self.holds.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The next run of `key` waits after its call until [`Provider::release`].
+    fn hold_after_call(&self, key: &str) {
+        self.holds().after_call.push(key.to_owned());
+    }
+
+    fn release(&self, key: &str) {
+        self.holds().released.push(key.to_owned());
+    }
 }
 
 /// Charges the payment with the message's idempotency key, then follows the test's script.
-async fn pay(payment: Payment, ctx: &Context<'_>) -> Result<Receipt, HandlerError> {
+async fn pay(
+    payment: Payment,
+    provider: &Provider,
+    ctx: &Context<'_>,
+) -> Result<Receipt, HandlerError> {
     let mut extra = Vec::new();
     if payment.flaky {
         extra.push(("X-Fail-First", "1".to_owned()));
@@ -49,22 +84,30 @@ async fn pay(payment: Payment, ctx: &Context<'_>) -> Result<Receipt, HandlerErro
     if payment.slow_ms > 0 {
         extra.push(("X-Delay-Ms", payment.slow_ms.to_string()));
     }
-    let answer = charges::charge(ctx.idempotency_key(), payment.amount_cents, &extra)
-        .await
-        .map_err(HandlerError::transient)?;
+    let answer = charges::charge(
+        provider.addr,
+        ctx.idempotency_key(),
+        payment.amount_cents,
+        &extra,
+    )
+    .await
+    .map_err(HandlerError::transient)?;
     if std::env::var("IDEM_EXT_HANG").is_ok_and(|k| k == payment.payment_id) {
         // The crash test's child: the charge is made, the row not yet completed. Killed here.
         println!("IDEM-CHARGED");
         std::future::pending::<()>().await;
     }
     let hold = {
-        let mut holds = lock(&HOLD_AFTER_CALL);
-        let found = holds.iter().position(|k| *k == payment.payment_id);
-        found.map(|i| holds.remove(i)).is_some()
+        let mut holds = provider.holds();
+        let found = holds
+            .after_call
+            .iter()
+            .position(|k| *k == payment.payment_id);
+        found.map(|i| holds.after_call.remove(i)).is_some()
     };
     if hold {
         let deadline = Instant::now() + Duration::from_secs(60);
-        while !lock(&RELEASED).contains(&payment.payment_id) {
+        while !provider.holds().released.contains(&payment.payment_id) {
             assert!(Instant::now() < deadline, "never released");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
@@ -84,13 +127,21 @@ async fn pay(payment: Payment, ctx: &Context<'_>) -> Result<Receipt, HandlerErro
 }
 
 #[idempotent(store = Postgres, key = "payment.payment_id", mode = "external", lease = "2s", consumer = "ext.pay", queue = "idem-test-ext")]
-async fn pay_postgres(payment: Payment, ctx: &Context<'_>) -> Result<Receipt, HandlerError> {
-    pay(payment, ctx).await
+async fn pay_postgres(
+    payment: Payment,
+    provider: &Provider,
+    ctx: &Context<'_>,
+) -> Result<Receipt, HandlerError> {
+    pay(payment, provider, ctx).await
 }
 
 #[idempotent(store = MySql, key = "payment.payment_id", mode = "external", lease = "2s", consumer = "ext.pay")]
-async fn pay_mysql(payment: Payment, ctx: &Context<'_>) -> Result<Receipt, HandlerError> {
-    pay(payment, ctx).await
+async fn pay_mysql(
+    payment: Payment,
+    provider: &Provider,
+    ctx: &Context<'_>,
+) -> Result<Receipt, HandlerError> {
+    pay(payment, provider, ctx).await
 }
 
 fn payment(id: &str, amount: i64) -> serde_json::Value {
@@ -112,7 +163,7 @@ macro_rules! external_suite {
                 let pool = $pool;
                 let inbox = <$inbox>::new(pool.clone());
                 inbox.migrate().await.unwrap();
-                (Stores::new().with(inbox), pool)
+                (Stores::new().with(inbox).with_state(Provider::new()), pool)
             }
 
             async fn run(stores: &Stores, body: &serde_json::Value) -> Outcome {
@@ -191,7 +242,8 @@ macro_rules! external_suite {
                 let (stores, pool) = stores().await;
                 let id = unique("pay");
                 let body = payment(&id, 990);
-                lock(&HOLD_AFTER_CALL).push(id.clone());
+                let provider = stores.state().get::<Provider>().unwrap().clone();
+                provider.hold_after_call(&id);
                 // The first copy charges, then stalls past its 2 s lease.
                 let first = tokio::spawn({
                     let (stores, body) = (stores.clone(), body.clone());
@@ -203,7 +255,7 @@ macro_rules! external_suite {
                 assert_eq!(second.label(), "processed", "{second:?}");
                 assert!(retries > 0, "the lease was not respected");
                 assert_eq!(row(&pool, &id).await, ("completed".to_owned(), 2));
-                lock(&RELEASED).push(id.clone());
+                provider.release(&id);
                 // The stalled copy has lost its lease: it writes nothing and is retried...
                 let first = first.await.unwrap();
                 assert!(
@@ -296,6 +348,7 @@ mod killed {
         Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
             .store(PgInbox::new(pool))
+            .state(Provider::new())
             .handlers(["ext.pay"])
             .handler_queue("ext.pay", queue)
             .retry(policy())
@@ -419,6 +472,7 @@ mod killed {
         let too_long_ttl = Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
             .store(PgInbox::new(pool.clone()))
+            .state(Provider::new())
             .handlers(["ext.pay"])
             .build();
         let err = too_long_ttl.err().expect("refused").to_string();
@@ -432,6 +486,7 @@ mod killed {
         Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
             .store(PgInbox::new(pool.clone()))
+            .state(Provider::new())
             .handlers(["ext.pay"])
             .retention(Duration::from_secs(31 * 86_400))
             .build()

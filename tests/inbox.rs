@@ -172,17 +172,29 @@ use idem::store::{Stores};
                 SignalAndHang,
             }
 
-            /// Keys whose handler has written and now hangs.
-            static SIGNALLED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+            /// The `record` handler's script, given to it as state; clones share it.
+            #[derive(Clone, Default)]
+            pub(super) struct Scripts(Arc<Mutex<Scripted>>);
 
-            static SCRIPTS: Mutex<Option<HashMap<String, VecDeque<Step>>>> = Mutex::new(None);
-
-            fn script(key: &str, steps: Vec<Step>) {
-                SCRIPTS.lock().unwrap().get_or_insert_default().insert(key.to_owned(), steps.into());
+            #[derive(Default)]
+            struct Scripted {
+                steps: HashMap<String, VecDeque<Step>>,
+                /// Keys whose handler has written and now hangs.
+                signalled: BTreeSet<String>,
             }
 
-            fn next_step(key: &str) -> Option<Step> {
-                SCRIPTS.lock().unwrap().get_or_insert_default().get_mut(key)?.pop_front()
+            impl Scripts {
+                fn set(&self, key: &str, steps: Vec<Step>) {
+                    self.0.lock().unwrap().steps.insert(key.to_owned(), steps.into());
+                }
+
+                fn next_step(&self, key: &str) -> Option<Step> {
+                    self.0.lock().unwrap().steps.get_mut(key)?.pop_front()
+                }
+
+                fn signalled(&self, key: &str) -> bool {
+                    self.0.lock().unwrap().signalled.contains(key)
+                }
             }
 
             async fn apply(tx: &mut Tx<'_>, consumer: &str, key: &str, customer: &str, cents: i64) -> Result<i64, sqlx::Error> {
@@ -213,9 +225,9 @@ use idem::store::{Stores};
 
             /// Records an order (effect row, balance increment), then follows its script.
             #[idempotent(store = $store, key = "order.order_id")]
-            async fn record(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>) -> Result<Receipt, HandlerError> {
+            async fn record(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>, scripts: &Scripts) -> Result<Receipt, HandlerError> {
                 let balance = apply(tx, ctx.consumer(), &order.order_id, &order.customer, order.amount_cents).await?;
-                match next_step(&order.order_id) {
+                match scripts.next_step(&order.order_id) {
                     None => {}
                     Some(Step::FailTransient) => return Err(HandlerError::transient("scripted transient failure")),
                     Some(Step::FailPermanent) => return Err(HandlerError::permanent("scripted permanent failure")),
@@ -228,7 +240,7 @@ use idem::store::{Stores};
                         return Err(HandlerError::permanent("scripted permanent failure"));
                     }
                     Some(Step::SignalAndHang) => {
-                        SIGNALLED.lock().unwrap().insert(order.order_id.clone());
+                        scripts.0.lock().unwrap().signalled.insert(order.order_id.clone());
                         println!("IDEM-WRITTEN");
                         std::future::pending::<()>().await;
                     }
@@ -264,6 +276,7 @@ use idem::store::{Stores};
             struct Fixture {
                 pool: Pool,
                 stores: Stores,
+                scripts: Scripts,
                 _dir: Option<tempfile::TempDir>,
             }
 
@@ -275,7 +288,8 @@ use idem::store::{Stores};
                 let (pool, dir) = super::$setup(connections, path).await;
                 let inbox = <$inbox>::new(pool.clone());
                 inbox.migrate().await.expect("migrate");
-                Fixture { pool, stores: Stores::new().with(inbox), _dir: dir }
+                let scripts = Scripts::default();
+                Fixture { pool, stores: Stores::new().with(inbox).with_state(scripts.clone()), scripts, _dir: dir }
             }
 
             fn consumer(name: &str) -> String {
@@ -341,7 +355,7 @@ use idem::store::{Stores};
                 let f = Arc::new(fixture(COPIES as u32).await);
                 let (id, customer) = (unique("o"), unique("c"));
                 // The winner holds its transaction open until every other copy queues on its key.
-                script(&id, vec![Step::AwaitLockWaiters(COPIES as i64 - 1)]);
+                f.scripts.set(&id, vec![Step::AwaitLockWaiters(COPIES as i64 - 1)]);
                 let start = Arc::new(tokio::sync::Barrier::new(COPIES));
                 let tasks: Vec<_> = (0..COPIES)
                     .map(|_| {
@@ -373,13 +387,14 @@ use idem::store::{Stores};
                 let f = fixture(2).await;
                 let stores = Stores::new()
                     .with(<$inbox>::new(f.pool.clone()))
+                    .with_state(f.scripts.clone())
                     .with_poison_limit(Some(3));
                 let record = idem::registry::find(&consumer("record")).expect("registered handler");
                 let (id, customer) = (unique("o"), unique("c"));
                 let mut redelivered = order(&id, &customer, 9);
                 redelivered.redelivered = true;
                 // Two redeliveries that end without a commit (as a crash would leave them).
-                script(&id, vec![Step::FailTransient, Step::FailTransient]);
+                f.scripts.set(&id, vec![Step::FailTransient, Step::FailTransient]);
                 for _ in 0..2 {
                     let outcome = record.invoke(&stores, &redelivered).await.unwrap();
                     assert_eq!(outcome.label(), "retry", "{outcome:?}");
@@ -459,7 +474,7 @@ use idem::store::{Stores};
             async fn a_constraint_violation_in_the_handler_is_classified_by_the_store() {
                 let f = fixture(2).await;
                 let (id, customer) = (unique("o"), unique("c"));
-                script(&id, vec![Step::ViolateConstraint]);
+                f.scripts.set(&id, vec![Step::ViolateConstraint]);
                 let failed = run(&f, "record", &order(&id, &customer, 40)).await;
                 let Outcome::Rejected(r) = &failed else { panic!("{failed:?}") };
                 assert_eq!(r.reason, RejectReason::Handler);
@@ -474,7 +489,7 @@ use idem::store::{Stores};
                 let f = fixture(2).await;
                 for (step, label) in [(Step::FailTransient, "retry"), (Step::FailPermanent, "rejected")] {
                     let (id, customer) = (unique("o"), unique("c"));
-                    script(&id, vec![step]);
+                    f.scripts.set(&id, vec![step]);
                     let failed = run(&f, "record", &order(&id, &customer, 70)).await;
                     assert_eq!(failed.label(), label, "{failed:?}");
                     assert_eq!(failed.key(), Some(id.as_str()));
@@ -503,8 +518,8 @@ use idem::store::{Stores};
                 assert_eq!(run(&f, "record", &order(&seen, &customer, 1)).await.label(), "processed");
                 // A failure rolls back the fast pass, and the batch runs again with a savepoint
                 // per message: each of these fails in both passes.
-                script(&b, vec![Step::FailPermanent, Step::FailPermanent]);
-                script(&e, vec![Step::FailTransient, Step::FailTransient]);
+                f.scripts.set(&b, vec![Step::FailPermanent, Step::FailPermanent]);
+                f.scripts.set(&e, vec![Step::FailTransient, Step::FailTransient]);
                 let batch = vec![
                     order(&a, &customer, 10),
                     order(&b, &customer, 20),
@@ -547,13 +562,13 @@ use idem::store::{Stores};
             async fn transaction_dropped_before_commit_records_nothing() {
                 let f = Arc::new(fixture(2).await);
                 let (id, customer) = (unique("o"), unique("c"));
-                script(&id, vec![Step::SignalAndHang]);
+                f.scripts.set(&id, vec![Step::SignalAndHang]);
                 let task = {
                     let (f, envelope) = (f.clone(), order(&id, &customer, 40));
                     tokio::spawn(async move { run(&f, "record", &envelope).await })
                 };
                 // Wait until the handler has written inside its transaction, then abandon it.
-                let written = || async { SIGNALLED.lock().unwrap().contains(&id) };
+                let written = || async { f.scripts.signalled(&id) };
                 wait_until("the handler's writes", Duration::from_secs(20), written).await;
                 task.abort();
                 assert!(task.await.unwrap_err().is_cancelled());
@@ -608,7 +623,7 @@ use idem::store::{Stores};
                 let customer = std::env::var("IDEM_CRASH_CUSTOMER").unwrap();
                 let db = std::path::PathBuf::from(std::env::var("IDEM_CRASH_SQLITE").unwrap());
                 let f = fixture_at(1, Some(&db)).await;
-                script(&id, vec![Step::SignalAndHang]);
+                f.scripts.set(&id, vec![Step::SignalAndHang]);
                 let outcome = run(&f, "record", &order(&id, &customer, 55)).await;
                 panic!("the handler was meant to hang until killed, but returned {outcome:?}");
             }
@@ -693,7 +708,7 @@ use idem::store::{Stores};
                 let f = Arc::new(fixture(2).await);
                 let (id, customer) = (unique("o"), unique("c"));
                 // Whichever copy claims first waits for the other to queue behind it, then fails.
-                script(&id, vec![Step::AwaitLockWaitersThenFail(1)]);
+                f.scripts.set(&id, vec![Step::AwaitLockWaitersThenFail(1)]);
                 let copies: Vec<_> = (0..2)
                     .map(|_| {
                         let (f, envelope) = (f.clone(), order(&id, &customer, 5));
@@ -718,7 +733,7 @@ use idem::store::{Stores};
                 idem::sql::migrate(&f.pool).await.unwrap();
                 let custom = inbox.clone().table("idem_inbox_custom").unwrap();
                 custom.migrate().await.unwrap();
-                let stores = Stores::new().with(custom);
+                let stores = Stores::new().with(custom).with_state(f.scripts.clone());
                 let (id, customer) = (unique("o"), unique("c"));
                 let registration = idem::registry::find(&consumer("record")).unwrap();
                 let outcome = registration.invoke(&stores, &order(&id, &customer, 1)).await.unwrap();
@@ -829,7 +844,9 @@ mod mysql_errors {
             .unwrap();
         let inbox = idem::sql::MySqlInbox::new(impatient);
         inbox.migrate().await.expect("migrate");
-        let stores = Stores::new().with(inbox);
+        let stores = Stores::new()
+            .with(inbox)
+            .with_state(super::mysql::Scripts::default());
         let (id, customer) = (unique("o"), unique("c"));
         let holder = lock_balance(&pool, &customer).await;
         let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": 7});

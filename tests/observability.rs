@@ -22,44 +22,47 @@ struct Order {
     fail: Option<String>,
 }
 
-static FAILED_ONCE: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// The orders a handler failed once: runtime state, so a retry succeeds.
+#[derive(Default)]
+struct FailedOnce(Mutex<Vec<String>>);
+
+impl FailedOnce {
+    /// Whether this is the first failure asked of `key` (recording it).
+    fn first(&self, key: &str) -> bool {
+        let mut failed = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let first = !failed.iter().any(|k| k == key);
+        if first {
+            failed.push(key.to_owned());
+        }
+        first
+    }
+}
 
 /// Writes nothing but its inbox row, kept one second; fails as the order asks.
 #[idempotent(store = Sqlite, queue = "obs-orders", consumer = "obs.orders", key = "order.order_id", retention = "1s")]
 async fn observed(
     _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     order: Order,
+    failed: &FailedOnce,
 ) -> Result<u32, HandlerError> {
     match order.fail.as_deref() {
         Some("always") => Err(HandlerError::transient("the ledger is down")),
-        Some("once") => {
-            let mut failed = FAILED_ONCE.lock().unwrap_or_else(|e| e.into_inner());
-            if failed.contains(&order.order_id) {
-                Ok(1)
-            } else {
-                failed.push(order.order_id.clone());
-                Err(HandlerError::transient("the ledger blinked"))
-            }
+        Some("once") if failed.first(&order.order_id) => {
+            Err(HandlerError::transient("the ledger blinked"))
         }
         _ => Ok(1),
     }
 }
-
-static PANICKED_ONCE: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 /// Panics the first time it sees an order that asks for it.
 #[idempotent(store = Sqlite, queue = "obs-extra", consumer = "obs.extra", key = "order.order_id")]
 async fn extra(
     _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     order: Order,
+    panicked: &FailedOnce,
 ) -> Result<(), HandlerError> {
-    if order.fail.as_deref() == Some("panic") {
-        let mut panicked = PANICKED_ONCE.lock().unwrap_or_else(|e| e.into_inner());
-        if !panicked.contains(&order.order_id) {
-            panicked.push(order.order_id.clone());
-            drop(panicked);
-            panic!("scripted panic on {}", order.order_id);
-        }
+    if order.fail.as_deref() == Some("panic") && panicked.first(&order.order_id) {
+        panic!("scripted panic on {}", order.order_id);
     }
     Ok(())
 }
@@ -122,6 +125,7 @@ async fn metrics_spans_and_log_lines() {
             .transport(transport.clone())
             .store(inbox)
             .handlers(["obs.orders"])
+            .state(FailedOnce::default())
             .retry(
                 RetryPolicy::new(2, Duration::from_millis(20), 2, Duration::from_millis(50))
                     .unwrap(),
@@ -263,6 +267,7 @@ async fn metrics_spans_and_log_lines() {
             .transport(transport.clone())
             .store(SqliteInbox::new(pool.clone()))
             .handlers(["obs.extra"])
+            .state(FailedOnce::default())
             .retry(
                 RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(50))
                     .unwrap(),

@@ -193,7 +193,8 @@ async fn malformed_and_conflicting_messages_are_dead_lettered_with_reasons() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_transient_failure_is_retried_with_delay_and_processed_once() {
     let f = fixture("retry", fast_retries(), QueueType::Classic, None).await;
-    script(&f.key(0), &[Step::FailTransient, Step::FailTransient]);
+    f.script
+        .set(&f.key(0), &[Step::FailTransient, Step::FailTransient]);
     let running = start(f.runtime());
     let started = Instant::now();
     f.publish_order(0, 42).await;
@@ -207,7 +208,7 @@ async fn a_transient_failure_is_retried_with_delay_and_processed_once() {
         (seen.retried, seen.processed, seen.dead_lettered),
         (2, 1, 0)
     );
-    assert_eq!(lock(&ATTEMPTS)[&f.key(0)], [1, 2, 3]);
+    assert_eq!(f.script.attempts(&f.key(0)), [1, 2, 3]);
     assert!(
         elapsed >= Duration::from_millis(600),
         "retries waited 200 ms then 400 ms, but all took {elapsed:?}"
@@ -220,7 +221,7 @@ async fn a_transient_failure_is_retried_with_delay_and_processed_once() {
 async fn retries_exhausted_end_in_the_dead_letter_queue() {
     let policy = RetryPolicy::new(3, Duration::from_millis(50), 2, Duration::from_secs(1)).unwrap();
     let f = fixture("exhausted", policy, QueueType::Classic, None).await;
-    script(&f.key(0), &[Step::FailTransient; 3]);
+    f.script.set(&f.key(0), &[Step::FailTransient; 3]);
     let running = start(f.runtime());
     f.publish_order(0, 1).await;
     wait_until("dead-lettered", DEADLINE, || async {
@@ -618,20 +619,20 @@ async fn a_dead_letter_is_not_moved_without_its_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn graceful_shutdown_finishes_in_flight_work_and_acks_nothing_uncommitted() {
     let f = fixture("shutdown", fast_retries(), QueueType::Classic, None).await;
-    script(&f.key(0), &[Step::WaitForRelease]);
-    script(&f.key(1), &[Step::WaitForRelease]);
+    f.script.set(&f.key(0), &[Step::WaitForRelease]);
+    f.script.set(&f.key(1), &[Step::WaitForRelease]);
     let running = start(f.runtime().concurrency(2).prefetch(4));
     for n in 0..8 {
         f.publish_order(n, 1).await;
     }
     wait_until("both slow orders in flight", DEADLINE, || async {
-        let started = lock(&STARTED);
-        started.contains(&f.key(0)) && started.contains(&f.key(1))
+        f.script.started(&f.key(0)) && f.script.started(&f.key(1))
     })
     .await;
     let _ = running.stop.send(());
     // The consumers stop; the two in-flight orders may still finish.
-    lock(&RELEASED).extend([f.key(0), f.key(1)]);
+    f.script.release(&f.key(0));
+    f.script.release(&f.key(1));
     finish(running.task).await;
     let seen = running.stats.snapshot();
     assert_eq!(
@@ -653,11 +654,11 @@ async fn graceful_shutdown_finishes_in_flight_work_and_acks_nothing_uncommitted(
 
     // A handler that does not finish within the grace period is abandoned: nothing commits and
     // the message goes back to the broker.
-    script(&f.key(9), &[Step::Hang]);
+    f.script.set(&f.key(9), &[Step::Hang]);
     let running = start(f.runtime().shutdown_grace(Duration::from_millis(300)));
     f.publish_order(9, 1).await;
     wait_until("the hanging order in flight", DEADLINE, || async {
-        lock(&STARTED).contains(&f.key(9))
+        f.script.started(&f.key(9))
     })
     .await;
     let seen = running.shut_down().await;
@@ -708,7 +709,7 @@ async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
     let seen = running.shut_down().await;
     assert_eq!((seen.processed, seen.duplicates), (2, 1));
     assert_eq!(
-        lock(&ATTEMPTS)[&f.key(1)],
+        f.script.attempts(&f.key(1)),
         [2],
         "x-delivery-count counts the give-back"
     );
@@ -765,6 +766,7 @@ async fn two_subscribers_of_one_exchange_each_process_every_message_once() {
         Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
             .store(PgInbox::new(f.pool.clone()))
+            .state(f.script.clone())
             .handlers([CONSUMER, "rt.audit"])
             .handler_queue(CONSUMER, &f.queue)
             .handler_queue("rt.audit", &audit_queue)
@@ -806,6 +808,7 @@ async fn existing_topology_with_other_arguments_stops_the_start() {
     let runtime = Runtime::builder()
         .transport(RabbitTransport::new(quorum))
         .store(PgInbox::new(f.pool.clone()))
+        .state(f.script.clone())
         .handlers([CONSUMER])
         .handler_queue(CONSUMER, &f.queue)
         .retry(f.policy.clone())

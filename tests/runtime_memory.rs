@@ -10,7 +10,7 @@ use common::wait_until;
 use idem::sql::SqliteInbox;
 use idem::transport::MemoryTransport;
 use idem::{Envelope, HandlerError, RetryPolicy, Runtime, RuntimeError, idempotent};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 #[derive(serde::Deserialize)]
@@ -19,26 +19,40 @@ struct Order {
     panic: bool,
 }
 
-static PANICKED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// Keys a handler has seen, in order: runtime state the test gives (`.state(seen.clone())`) and
+/// reads. Clones share it.
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<Vec<String>>>);
+
+impl Seen {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records `key`; whether it was the first time.
+    fn first(&self, key: &str) -> bool {
+        let mut seen = self.lock();
+        let first = !seen.iter().any(|k| k == key);
+        seen.push(key.to_owned());
+        first
+    }
+
+    fn all(&self) -> Vec<String> {
+        self.lock().clone()
+    }
+}
 
 #[idempotent(store = Sqlite, queue = "mem-orders", consumer = "mem.orders", key = "order.order_id")]
 async fn record(
     tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     order: Order,
+    seen: &Seen,
 ) -> Result<(), HandlerError> {
     sqlx::query("INSERT INTO effects (key) VALUES ($1)")
         .bind(&order.order_id)
         .execute(&mut **tx)
         .await?;
-    let first_time = {
-        let mut panicked = PANICKED.lock().unwrap_or_else(|e| e.into_inner());
-        let first = !panicked.contains(&order.order_id);
-        if first {
-            panicked.push(order.order_id.clone());
-        }
-        first
-    };
-    if order.panic && first_time {
+    if seen.first(&order.order_id) && order.panic {
         panic!("handler bug on {}", order.order_id);
     }
     Ok(())
@@ -104,6 +118,7 @@ fn orders_runtime(transport: &MemoryTransport, inbox: SqliteInbox) -> idem::Runt
         .transport(transport.clone())
         .store(inbox)
         .handlers(["mem.orders"])
+        .state(Seen::default())
         .retry(
             RetryPolicy::new(3, Duration::from_millis(20), 2, Duration::from_millis(100)).unwrap(),
         )
@@ -163,7 +178,8 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
     let no_transport = error(
         Runtime::builder()
             .store(SqliteInbox::new(pool.clone()))
-            .handlers(["mem.orders"]),
+            .handlers(["mem.orders"])
+            .state(Seen::default()),
     );
     assert!(no_transport.contains("call .transport"), "{no_transport}");
     let missing = error(
@@ -189,6 +205,7 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
         .transport(MemoryTransport::new())
         .store(SqliteInbox::new(pool.clone()))
         .handlers(["mem.orders"])
+        .state(Seen::default())
         .prefetch(0)
         .build();
     assert!(matches!(zero, Err(RuntimeError::Setting { .. })));
@@ -197,6 +214,7 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
             .transport(MemoryTransport::new())
             .store(SqliteInbox::new(pool))
             .handlers(["mem.orders"])
+            .state(Seen::default())
             .batch(100)
             .prefetch(50),
     );
@@ -207,6 +225,77 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
     );
 }
 
+/// A handler asking for state nobody gave is refused by `build()`, naming the type and the
+/// handler, in either mode; given the state, the same configuration builds.
+#[tokio::test]
+async fn a_handler_asking_for_state_nobody_gave_is_refused_at_build() {
+    let (pool, _dir) = common::sqlite(1).await;
+    let builder = |consumer: &str| {
+        Runtime::builder()
+            .transport(MemoryTransport::new())
+            .store(SqliteInbox::new(pool.clone()))
+            .handlers([consumer])
+    };
+    for (consumer, function) in [("mem.orders", "record"), ("mem.notify", "notify")] {
+        let error = builder(consumer)
+            .build()
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            error.contains(&format!("handler `{function}` (consumer \"{consumer}\")"))
+                && error.contains("asks for state of type `runtime_memory::Seen`")
+                && error.contains("give it with .state(value)")
+                && error.contains("(state given: none)"),
+            "{error}"
+        );
+        let other = builder(consumer)
+            .state(42_u32)
+            .build()
+            .err()
+            .expect("refused");
+        assert!(
+            matches!(&other, RuntimeError::MissingState { given, .. } if given == "u32"),
+            "{other}"
+        );
+        builder(consumer).state(Seen::default()).build().unwrap();
+    }
+}
+
+/// The test harness refuses a handler whose state it was not given, as `build()` does, and
+/// hands it the state it was given.
+#[tokio::test]
+async fn the_harness_gives_handlers_their_state() {
+    let (_pool, _dir, inbox) = orders_inbox(1).await;
+    let stores = idem::store::Stores::new().with(inbox);
+    let bare = idem::testing::Harness::new(stores.clone());
+    let body = serde_json::json!({"order_id": "h-1", "panic": false});
+    let error = bare
+        .send_json("mem.orders", "h-1", &body)
+        .await
+        .unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("asks for state of type `runtime_memory::Seen`")
+            && error.to_string().contains("Harness::state(value)"),
+        "{error}"
+    );
+    // Run directly, without the harness's check, the handler fails transiently: retried, not lost.
+    let record = idem::registry::find("mem.orders").unwrap();
+    let envelope = Envelope::new(body.to_string()).with_message_id("h-1");
+    let outcome = record.invoke(&stores, &envelope).await.unwrap();
+    assert!(
+        matches!(&outcome, idem::Outcome::Retry(t) if t.message.contains("no state of type `runtime_memory::Seen`")),
+        "{outcome:?}"
+    );
+    let seen = Seen::default();
+    let harness = idem::testing::Harness::new(stores).state(seen.clone());
+    let outcome = harness.send_json("mem.orders", "h-1", &body).await.unwrap();
+    assert_eq!(outcome.label(), "processed");
+    assert_eq!(seen.all(), ["h-1"], "the handler wrote to the state given");
+}
+
 /// `build()` refuses handlers that would suppress or starve each other, naming both functions.
 #[tokio::test]
 async fn handlers_sharing_a_consumer_or_a_queue_are_refused_at_build() {
@@ -215,6 +304,7 @@ async fn handlers_sharing_a_consumer_or_a_queue_are_refused_at_build() {
         let mut builder = Runtime::builder()
             .transport(MemoryTransport::new())
             .store(SqliteInbox::new(pool.clone()))
+            .state(Seen::default())
             .handlers(consumers.iter().copied());
         if let Some((consumer, queue)) = queue {
             builder = builder.handler_queue(consumer, queue);
@@ -286,6 +376,7 @@ async fn an_inbox_never_migrated_stops_the_start_instead_of_dead_lettering_every
         .transport(transport.clone())
         .store(SqliteInbox::new(pool))
         .handlers(["mem.orders"])
+        .state(Seen::default())
         .build()
         .unwrap();
     let error = runtime.run_until(async {}).await.unwrap_err().to_string();
@@ -301,15 +392,14 @@ async fn an_inbox_never_migrated_stops_the_start_instead_of_dead_lettering_every
     assert!(transport.dead_letters("mem-orders").is_empty());
 }
 
-/// Calls per key of the external handler below (its "downstream", counted in process).
-static CALLS: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
+/// The external handler: its "downstream" is the keys it calls with, in `calls`.
 #[idempotent(store = Sqlite, queue = "mem-notify", consumer = "mem.notify", mode = "external", lease = "1s")]
-async fn notify(order: Order, ctx: &idem::Context<'_>) -> Result<String, HandlerError> {
-    CALLS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(ctx.idempotency_key().to_owned());
+async fn notify(
+    order: Order,
+    calls: &Seen,
+    ctx: &idem::Context<'_>,
+) -> Result<String, HandlerError> {
+    calls.first(ctx.idempotency_key());
     if order.panic {
         return Err(HandlerError::permanent("no such recipient"));
     }
@@ -322,10 +412,12 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
     let inbox = SqliteInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
     let transport = MemoryTransport::new();
+    let calls = Seen::default();
     let running = start(
         Runtime::builder()
             .transport(transport.clone())
             .store(inbox)
+            .state(calls.clone())
             .handlers(["mem.notify"])
             .retry(
                 RetryPolicy::new(6, Duration::from_millis(50), 2, Duration::from_millis(800))
@@ -352,7 +444,7 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
     running.shut_down().await;
     let seen = stats.snapshot();
     assert_eq!((seen.processed, seen.dead_lettered), (40, 2), "{seen:?}");
-    let calls = CALLS.lock().unwrap().clone();
+    let calls = calls.all();
     for n in 0..40 {
         let key = format!("n{n}");
         assert_eq!(
@@ -387,6 +479,7 @@ async fn the_runtime_retention_applies_to_handlers_without_their_own() {
             .transport(transport.clone())
             .store(inbox)
             .handlers(["mem.orders"])
+            .state(Seen::default())
             .retention(Duration::from_secs(3600)),
     );
     let stats = running.stats.clone();

@@ -7,7 +7,7 @@ use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
 use idem::{HandlerError, Runtime, idempotent};
 use sqlx::{PgPool, Postgres, Transaction};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The consumer identity of the handler.
@@ -15,12 +15,18 @@ pub const CONSUMER: &str = "bench.orders";
 /// The inbox table idem keeps its markers in during the benchmark.
 pub const TABLE: &str = "bench_idem_inbox";
 
-/// When the handler first ran: the start of the measured interval.
-static FIRST: OnceLock<Instant> = OnceLock::new();
+/// When the handler first ran: the start of the measured interval. Runtime state; clones share
+/// it.
+#[derive(Clone, Default)]
+struct FirstCall(Arc<OnceLock<Instant>>);
 
 #[idempotent(store = Postgres, consumer = "bench.orders", queue = "bench-orders")]
-async fn place_order(tx: &mut Transaction<'_, Postgres>, order: Order) -> Result<(), HandlerError> {
-    FIRST.get_or_init(Instant::now);
+async fn place_order(
+    tx: &mut Transaction<'_, Postgres>,
+    order: Order,
+    first: &FirstCall,
+) -> Result<(), HandlerError> {
+    first.0.get_or_init(Instant::now);
     apply(tx, &order).await?;
     Ok(())
 }
@@ -50,9 +56,11 @@ pub async fn run(
     expect: usize,
     mode: Mode,
 ) -> anyhow::Result<Duration> {
+    let first = FirstCall::default();
     let mut builder = Runtime::builder()
         .transport(RabbitTransport::new(rabbit))
         .store(inbox(pool)?)
+        .state(first.clone())
         .handlers([CONSUMER])
         .handler_queue(CONSUMER, queue)
         .concurrency(mode.concurrency)
@@ -73,7 +81,7 @@ pub async fn run(
         }
         tick.tick().await;
     }
-    let elapsed = FIRST.get().map(Instant::elapsed).unwrap_or_default();
+    let elapsed = first.0.get().map(Instant::elapsed).unwrap_or_default();
     let seen = stats.snapshot();
     if seen.dead_lettered > 0 || seen.retried > 0 {
         bail!("unexpected outcomes: {seen:?}");

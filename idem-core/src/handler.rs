@@ -1,6 +1,7 @@
 //! The contract between `#[idempotent]` and the pipeline.
 
 use crate::model::{Context, Envelope, HandlerError, KeyError, KeySource, RejectReason, Rejection};
+use crate::state::StateType;
 use crate::store::InboxStore;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -52,6 +53,12 @@ pub trait Handler: Send + Sync + 'static {
     const MODE: Mode = Mode::Transactional;
     /// How long this consumer's inbox rows are kept (`None`: the runtime's or the store's).
     const RETENTION: Option<Duration> = None;
+
+    /// The [`State`](crate::State) types the function's parameters ask for; `build()` refuses
+    /// a runtime that lacks one. The function reads them with [`Context::state`].
+    fn state_types() -> Vec<StateType> {
+        Vec::new()
+    }
 
     /// Decodes the body (JSON).
     fn decode(envelope: &Envelope) -> Result<Self::Payload, Rejection> {

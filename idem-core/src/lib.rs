@@ -28,6 +28,7 @@
 //! | [`handler`], [`registry`] | the [`Handler`] trait `#[idempotent]` implements, and the registrations |
 //! | [`pipeline`] | the entry point that picks a handler's mode, and one pipeline per mode |
 //! | [`store`] | the [`InboxStore`] contract the SQL stores implement, and the set of stores |
+//! | [`state`] | the shared values handlers ask for by type |
 //! | [`runtime`] | the actor runtime: mailboxes, workers, settlement, the sweeper |
 //! | [`telemetry`] | the delivery span and the metrics |
 //!
@@ -49,6 +50,7 @@ pub mod registry;
 pub mod runtime;
 #[cfg(feature = "sqlx")]
 mod sqlx_error;
+pub mod state;
 pub mod store;
 pub mod telemetry;
 #[cfg(feature = "testing")]
@@ -68,6 +70,7 @@ pub use runtime::{
     DEFAULT_POISON_LIMIT, Health, Readiness, RetryPolicy, RetryPolicyError, Runtime,
     RuntimeBuilder, RuntimeError, Snapshot, Stats,
 };
+pub use state::{State, StateType};
 pub use store::{
     Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, Lease, LeaseEnd, StoreKind, Stores,
     SweepReport,

@@ -5,6 +5,7 @@ use crate::future::BoxFuture;
 use crate::handler::Mode;
 use crate::model::{Envelope, KeySource, Outcome, StoreError};
 use crate::pipeline::{DispatchError, ErasedHandler, Stages};
+use crate::state::StateType;
 use crate::store::{StoreKind, Stores};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -68,6 +69,16 @@ impl Registration {
     /// Transactional or external.
     pub fn mode(&self) -> Mode {
         self.handler.mode()
+    }
+
+    /// The state types its parameters ask for.
+    pub fn state_types(&self) -> Vec<StateType> {
+        self.handler.state_types()
+    }
+
+    /// The first state type it asks for that `stores` lacks.
+    pub fn missing_state(&self, stores: &Stores) -> Option<StateType> {
+        stores.state().missing(&self.state_types())
     }
 
     /// How long this handler's inbox rows are kept with `stores`: its own retention, else the

@@ -28,6 +28,18 @@ pub enum HarnessError {
     /// The handler panicked, or its store was not given to the harness.
     #[error(transparent)]
     Dispatch(#[from] DispatchError),
+    /// The handler asks for state the harness was not given.
+    #[error(
+        "handler `{handler}` asks for state of type `{state}`: give it with Harness::state(value) (state given: {given})"
+    )]
+    MissingState {
+        /// The handler's function.
+        handler: &'static str,
+        /// The type it asks for.
+        state: &'static str,
+        /// The types given.
+        given: String,
+    },
     /// The payload could not be serialized into a message body.
     #[error("cannot serialize the message: {0}")]
     Serialize(#[from] serde_json::Error),
@@ -84,6 +96,14 @@ impl Harness {
             Duration::from_millis(1),
         )?;
         Ok(self)
+    }
+
+    /// Gives the handlers a state value of type `T`, as [`RuntimeBuilder::state`] does.
+    ///
+    /// [`RuntimeBuilder::state`]: crate::RuntimeBuilder::state
+    pub fn state<T: Send + Sync + 'static>(mut self, value: T) -> Self {
+        self.stores.state_mut().insert(value);
+        self
     }
 
     /// The stores the handlers write to.
@@ -199,18 +219,27 @@ impl Harness {
     }
 
     /// The handler with this consumer identity whose store the harness holds (a consumer may
-    /// have one handler per database, as the runtime allows).
+    /// have one handler per database, as the runtime allows), refused as `build()` would refuse
+    /// it when it asks for state the harness lacks.
     fn find(&self, consumer: &str) -> Result<&'static Registration, HarnessError> {
         let candidates: Vec<_> = registry::handlers()
             .into_iter()
             .filter(|h| h.consumer() == consumer)
             .collect();
-        candidates
+        let handler = candidates
             .iter()
             .find(|h| h.store_available(&self.stores))
             .or(candidates.first())
             .copied()
-            .ok_or_else(|| HarnessError::UnknownHandler(consumer.to_owned()))
+            .ok_or_else(|| HarnessError::UnknownHandler(consumer.to_owned()))?;
+        match handler.missing_state(&self.stores) {
+            Some(missing) => Err(HarnessError::MissingState {
+                handler: handler.name(),
+                state: missing.name(),
+                given: crate::runtime::given_state(&self.stores),
+            }),
+            None => Ok(handler),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<DeadLettered>> {

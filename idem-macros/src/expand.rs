@@ -3,7 +3,7 @@
 
 use crate::args::Args;
 use crate::key::KeySpec;
-use crate::signature::{self, HandlerSig};
+use crate::signature::{self, Extra, HandlerSig};
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
@@ -82,7 +82,7 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
         }
         _ => quote!(_),
     };
-    let ctx_arg = sig.has_ctx.then(|| quote!(, __idem_ctx));
+    let (extract_state, extra_args, state_types) = extras(&krate, sig);
     let into_result =
         quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result);
     // A handler whose future is not `Send` gets its error at the function's name.
@@ -96,13 +96,19 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
             // Spanned at the user's tokens, so type errors point at the parameter at fault.
             let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
             let future = quote_spanned!(func.sig.span()=>
-                async move { #into_result(#name(#tx_arg, __idem_payload #ctx_arg).await) }
+                async move {
+                    #extract_state
+                    #into_result(#name(#tx_arg, __idem_payload #(, #extra_args)*).await)
+                }
             );
             (future, quote!())
         }
         None => {
             let future = quote_spanned!(func.sig.span()=>
-                async move { #into_result(#name(__idem_payload #ctx_arg).await) }
+                async move {
+                    #extract_state
+                    #into_result(#name(__idem_payload #(, #extra_args)*).await)
+                }
             );
             let call = quote! {
                 let _ = (__idem_tx, __idem_payload, __idem_ctx);
@@ -160,6 +166,8 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
                 const MODE: #krate::Mode = #mode;
                 const RETENTION: ::core::option::Option<::core::time::Duration> = #retention;
 
+                #state_types
+
                 fn key(
                     __idem_envelope: &#krate::Envelope,
                     #payload_binding: &Self::Payload,
@@ -181,6 +189,43 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
             #krate::inventory::submit! { #krate::Registration::new(&__IdemHandler) }
         };
     }
+}
+
+/// For the parameters after the payload: the statements that read each state value from the
+/// context, the arguments in order, and the `state_types` function listing the types (none
+/// when no parameter asks for state).
+fn extras(
+    krate: &TokenStream,
+    sig: &HandlerSig<'_>,
+) -> (TokenStream, Vec<TokenStream>, TokenStream) {
+    let mut reads = Vec::new();
+    let mut args = Vec::new();
+    let mut types = Vec::new();
+    for (i, extra) in sig.extras.iter().enumerate() {
+        match extra {
+            Extra::Context => args.push(quote!(__idem_ctx)),
+            Extra::State(ty) => {
+                let binding = quote::format_ident!("__idem_state_{i}");
+                // Spanned at the type, so a type that cannot be state is reported there.
+                reads.push(quote_spanned!(ty.span()=>
+                    let #binding: &#ty = match #krate::extract_state::<#ty>(__idem_ctx) {
+                        ::core::result::Result::Ok(value) => value,
+                        ::core::result::Result::Err(e) => return ::core::result::Result::Err(e),
+                    };
+                ));
+                args.push(quote!(#binding));
+                types.push(quote_spanned!(ty.span()=> #krate::StateType::of::<#ty>()));
+            }
+        }
+    }
+    let state_types = (!types.is_empty()).then(|| {
+        quote! {
+            fn state_types() -> ::std::vec::Vec<#krate::StateType> {
+                ::std::vec![#(#types),*]
+            }
+        }
+    });
+    (quote!(#(#reads)*), args, quote!(#state_types))
 }
 
 #[cfg(test)]
@@ -212,6 +257,42 @@ mod tests {
         );
         assert!(out.contains("module_path"), "{out}");
         assert!(out.contains("inventory :: submit !"), "{out}");
+    }
+
+    #[test]
+    fn reads_state_from_the_context() {
+        let out = expand(
+            quote!(store = Postgres, queue = "orders"),
+            quote!(
+                async fn place(
+                    tx: &mut Tx,
+                    order: Order,
+                    app: &App,
+                    ctx: &Context<'_>,
+                ) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
+        assert!(
+            out.contains("extract_state :: < App > (__idem_ctx)"),
+            "{out}"
+        );
+        assert!(out.contains("fn state_types ()"), "{out}");
+        assert!(out.contains("StateType :: of :: < App > ()"), "{out}");
+        assert!(
+            out.contains("place (__idem_tx , __idem_payload , __idem_state_0 , __idem_ctx)"),
+            "{out}"
+        );
+        let plain = expand(
+            quote!(store = Postgres),
+            quote!(
+                async fn place(tx: &mut Tx, order: Order) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        );
+        assert!(!plain.contains("state_types"), "{plain}");
     }
 
     #[test]

@@ -34,6 +34,10 @@ mod signature;
 /// the function's module path and name), `mode` (`"transactional"` by default, or `"external"`:
 /// the function takes `(payload, ctx)` and no transaction), `lease` (external mode, `"30s"` by
 /// default) and `retention` (how long the inbox keeps this consumer's rows, such as `"30d"`).
+///
+/// Parameters after the payload, in any order: `ctx: &idem::Context<'_>` (the delivery), and
+/// state `name: &S` (the value given to the runtime with `.state(value)`; `build()` refuses a
+/// runtime that lacks one).
 #[proc_macro_attribute]
 pub fn idempotent(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::idempotent(args.into(), item.into()).into()

@@ -13,15 +13,25 @@ pub(crate) struct HandlerSig<'a> {
     pub(crate) tx_ty: Option<&'a Type>,
     pub(crate) payload: &'a Ident,
     pub(crate) payload_ty: &'a Type,
-    pub(crate) has_ctx: bool,
+    /// The parameters after the payload, in order.
+    pub(crate) extras: Vec<Extra<'a>>,
     /// The success type `T` of the `Result<T, E>` (or alias) the function returns.
     pub(crate) output: &'a Type,
     /// The whole return type.
     pub(crate) returns: &'a Type,
 }
 
-const SHAPE: &str = "expected `(tx: &mut sqlx::Transaction<'_, DB>, payload: T)`, optionally followed by `ctx: &idem::Context<'_>`";
-const EXTERNAL_SHAPE: &str = "expected `(payload: T, ctx: &idem::Context<'_>)` (or just `(payload: T)`): an external handler runs outside any transaction, and passes `ctx.idempotency_key()` downstream";
+/// A parameter after the payload.
+pub(crate) enum Extra<'a> {
+    /// `ctx: &idem::Context<'_>`: the delivery.
+    Context,
+    /// `name: &T`: the runtime's state of type `T` (the referent type).
+    State(&'a Type),
+}
+
+const SHAPE: &str = "expected `(tx: &mut sqlx::Transaction<'_, DB>, payload: T)`, optionally followed by `ctx: &idem::Context<'_>` and state parameters `name: &S`";
+const EXTERNAL_SHAPE: &str = "expected `(payload: T, ctx: &idem::Context<'_>)` (or just `(payload: T)`, plus state parameters `name: &S`): an external handler runs outside any transaction, and passes `ctx.idempotency_key()` downstream";
+const EXTRA: &str = "parameters after the payload are `ctx: &idem::Context<'_>` or shared state `name: &S` (a value given with `.state(value)` on the runtime builder)";
 
 /// Checks `sig`; `store` is the parsed store, when the arguments parsed.
 pub(crate) fn check(
@@ -95,7 +105,7 @@ pub(crate) fn check(
             .err()
             .unwrap_or_else(|| syn::Error::new(sig.span(), EXTERNAL_SHAPE)));
     }
-    if !(first + 1..=first + 2).contains(&typed.len()) {
+    if typed.len() < first + 1 {
         errors.push(sig.paren_token.span.join(), shape);
     }
 
@@ -124,16 +134,7 @@ pub(crate) fn check(
         }
     }
 
-    if let Some(t) = typed.get(first + 1)
-        && !matches!(&*t.ty, Type::Reference(r) if r.mutability.is_none())
-    {
-        let message = if external {
-            "the second parameter of an external handler must be `ctx: &idem::Context<'_>` (it takes no transaction)"
-        } else {
-            "the third parameter must be `ctx: &idem::Context<'_>`"
-        };
-        errors.push(t.ty.span(), message);
-    }
+    let extras = extras(typed.get(first + 1..).unwrap_or_default(), &mut errors);
 
     let output = match &sig.output {
         ReturnType::Type(_, ty) => match result_ok_type(ty) {
@@ -156,12 +157,49 @@ pub(crate) fn check(
             tx_ty,
             payload,
             payload_ty,
-            has_ctx: typed.len() == first + 2,
+            extras,
             output,
             returns,
         }),
         _ => Err(syn::Error::new(sig.span(), shape)),
     }
+}
+
+/// Sorts the parameters after the payload into the context (at most once) and state.
+fn extras<'a>(params: &[&'a syn::PatType], errors: &mut Errors) -> Vec<Extra<'a>> {
+    let mut extras = Vec::with_capacity(params.len());
+    let mut has_ctx = false;
+    for param in params {
+        match &*param.ty {
+            Type::Reference(syn::TypeReference {
+                mutability: Some(mutability),
+                ..
+            }) => errors.push(
+                mutability.span(),
+                "state is shared by every delivery in flight: ask for `&S`, not `&mut S` (put a Mutex inside `S` for state that changes)",
+            ),
+            Type::Reference(r) if is_context(&r.elem) => {
+                if has_ctx {
+                    errors.push(r.span(), "a handler takes `&idem::Context<'_>` once");
+                }
+                has_ctx = true;
+                extras.push(Extra::Context);
+            }
+            Type::Reference(r) if matches!(&*r.elem, Type::ImplTrait(_)) => errors.push(
+                r.elem.span(),
+                "state is found by its type: name a concrete type, not `impl Trait`",
+            ),
+            Type::Reference(r) => extras.push(Extra::State(&r.elem)),
+            other => errors.push(other.span(), EXTRA),
+        }
+    }
+    extras
+}
+
+/// Whether `ty` is `Context<..>`, however qualified (`idem::Context<'_>`, `Context<'_>`).
+fn is_context(ty: &Type) -> bool {
+    matches!(ty, Type::Path(p) if p.qself.is_none()
+        && p.path.segments.last().is_some_and(|s| s.ident == "Context"))
 }
 
 /// The transaction parameter must be `&mut` something; when its last generic argument names a
@@ -290,11 +328,58 @@ mod tests {
     }
 
     #[test]
+    fn parameters_after_the_payload() {
+        let extras = |src: &str| {
+            let f: syn::ItemFn = syn::parse_str(src).unwrap();
+            check(&f.sig, Store::named("Postgres"), Mode::Transactional)
+                .map(|s| {
+                    s.extras
+                        .iter()
+                        .map(|e| match e {
+                            Extra::Context => "ctx".to_owned(),
+                            Extra::State(ty) => quote::quote!(#ty).to_string(),
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            extras(
+                "async fn h(tx: &mut T, o: O, a: &App, ctx: &idem::Context<'_>, m: &m::Mailer) -> Result<(), E> {}"
+            ),
+            Ok(vec![
+                "App".to_owned(),
+                "ctx".to_owned(),
+                "m :: Mailer".to_owned()
+            ])
+        );
+        let err = |src: &str| extras(src).unwrap_err();
+        assert!(
+            err("async fn h(tx: &mut T, o: O, a: &mut App) -> Result<(), E> {}")
+                .contains("not `&mut S`")
+        );
+        assert!(
+            err("async fn h(tx: &mut T, o: O, a: App) -> Result<(), E> {}")
+                .contains("shared state `name: &S`")
+        );
+        assert!(
+            err(
+                "async fn h(tx: &mut T, o: O, c: &Context<'_>, d: &Context<'_>) -> Result<(), E> {}"
+            )
+            .contains("once")
+        );
+        assert!(
+            err("async fn h(tx: &mut T, o: O, a: &impl Send) -> Result<(), E> {}")
+                .contains("concrete type")
+        );
+    }
+
+    #[test]
     fn external_handlers_take_no_transaction() {
         let check_external = |src: &str| {
             let f: syn::ItemFn = syn::parse_str(src).unwrap();
             check(&f.sig, Store::named("Postgres"), Mode::External)
-                .map(|s| (s.tx_ty.is_none(), s.has_ctx))
+                .map(|s| (s.tx_ty.is_none(), matches!(s.extras[..], [Extra::Context])))
                 .map_err(|e| e.to_string())
         };
         assert_eq!(

@@ -147,8 +147,9 @@ pub struct Answer {
     pub body: String,
 }
 
-/// Asks the service to charge `amount_cents` under `key`, with extra request headers.
+/// Asks the service at `addr` to charge `amount_cents` under `key`, with extra request headers.
 pub async fn charge(
+    addr: SocketAddr,
     key: &str,
     amount_cents: i64,
     extra: &[(&str, String)],
@@ -163,7 +164,7 @@ pub async fn charge(
     }
     request.push_str("Connection: close\r\n\r\n");
     request.push_str(&body);
-    let mut stream = TcpStream::connect(addr()).await?;
+    let mut stream = TcpStream::connect(addr).await?;
     stream.write_all(request.as_bytes()).await?;
     let mut response = String::new();
     stream.read_to_string(&mut response).await?;

@@ -11,7 +11,7 @@ use idem::transport::{QueueSpec, Transport};
 use idem::{Context, HandlerError, RetryPolicy, Runtime, RuntimeBuilder, idempotent};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub const CONSUMER: &str = "rt.orders";
@@ -37,28 +37,61 @@ pub enum Step {
     WaitThenFail,
 }
 
-pub static SCRIPTS: Mutex<BTreeMap<String, Vec<Step>>> = Mutex::new(BTreeMap::new());
-/// The attempts each key was seen with.
-pub static ATTEMPTS: Mutex<BTreeMap<String, Vec<u32>>> = Mutex::new(BTreeMap::new());
-pub static STARTED: Mutex<Vec<String>> = Mutex::new(Vec::new());
-pub static RELEASED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+/// One test's script for the handler, given to its runtime as state (`.state(script)`): what
+/// the handler does per key, and what it saw. Clones share it.
+#[derive(Clone, Default)]
+pub struct Script(Arc<Mutex<Scripted>>);
 
-/// Locks a test's shared state; a panic in another test must not poison it for this one.
-pub fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
+#[derive(Default)]
+struct Scripted {
+    steps: BTreeMap<String, Vec<Step>>,
+    /// The attempts each key was seen with.
+    attempts: BTreeMap<String, Vec<u32>>,
+    started: Vec<String>,
+    released: Vec<String>,
 }
 
-pub fn script(key: &str, steps: &[Step]) {
-    lock(&SCRIPTS).insert(key.to_owned(), steps.to_vec());
+impl Script {
+    /// Locks it; a panic in a handler must not poison it for the test.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Scripted> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The handler does `steps` for `key`, one per delivery, then succeeds.
+    pub fn set(&self, key: &str, steps: &[Step]) {
+        self.lock().steps.insert(key.to_owned(), steps.to_vec());
+    }
+
+    /// The attempts the handler saw `key` with.
+    pub fn attempts(&self, key: &str) -> Vec<u32> {
+        self.lock().attempts.get(key).cloned().unwrap_or_default()
+    }
+
+    /// Whether the handler started a waiting step for `key`.
+    pub fn started(&self, key: &str) -> bool {
+        self.lock().started.iter().any(|k| k == key)
+    }
+
+    /// Lets the waiting steps of `key` go on.
+    pub fn release(&self, key: &str) {
+        self.lock().released.push(key.to_owned());
+    }
+
+    fn released(&self, key: &str) -> bool {
+        self.lock().released.iter().any(|k| k == key)
+    }
 }
 
 #[idempotent(store = Postgres, queue = "idem-test-overridden", consumer = "rt.orders")]
 async fn record(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     order: Order,
+    script: &Script,
     ctx: &Context<'_>,
 ) -> Result<(), HandlerError> {
-    lock(&ATTEMPTS)
+    script
+        .lock()
+        .attempts
         .entry(order.order_id.clone())
         .or_default()
         .push(ctx.attempt());
@@ -77,33 +110,36 @@ async fn record(
     .execute(&mut **tx)
     .await?;
     let step = {
-        let mut scripts = lock(&SCRIPTS);
-        scripts
+        let mut scripted = script.lock();
+        let step = scripted
+            .steps
             .get_mut(&order.order_id)
-            .and_then(|steps| (!steps.is_empty()).then(|| steps.remove(0)))
+            .and_then(|steps| (!steps.is_empty()).then(|| steps.remove(0)));
+        if matches!(
+            step,
+            Some(Step::WaitForRelease | Step::WaitThenFail | Step::Hang)
+        ) {
+            scripted.started.push(order.order_id.clone());
+        }
+        step
     };
     match step {
         None => Ok(()),
         Some(Step::FailTransient) => Err(HandlerError::transient("scripted: database busy")),
         Some(Step::FailPermanent) => Err(HandlerError::permanent("scripted: refused")),
         Some(Step::WaitForRelease) => {
-            lock(&STARTED).push(order.order_id.clone());
-            while !lock(&RELEASED).contains(&order.order_id) {
+            while !script.released(&order.order_id) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             Ok(())
         }
         Some(Step::WaitThenFail) => {
-            lock(&STARTED).push(order.order_id.clone());
-            while !lock(&RELEASED).contains(&order.order_id) {
+            while !script.released(&order.order_id) {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             Err(HandlerError::transient("scripted: failed after waiting"))
         }
-        Some(Step::Hang) => {
-            lock(&STARTED).push(order.order_id.clone());
-            std::future::pending().await
-        }
+        Some(Step::Hang) => std::future::pending().await,
     }
 }
 
@@ -113,6 +149,8 @@ pub struct Fixture {
     pub publisher: Publisher,
     pub policy: RetryPolicy,
     pub rabbit: RabbitConfig,
+    /// The handler's script, shared with the runtimes this fixture builds.
+    pub script: Script,
 }
 
 pub fn fast_retries() -> RetryPolicy {
@@ -159,6 +197,7 @@ pub async fn fixture(
         publisher,
         policy,
         rabbit,
+        script: Script::default(),
     }
 }
 
@@ -167,6 +206,7 @@ impl Fixture {
         Runtime::builder()
             .transport(RabbitTransport::new(self.rabbit.clone()))
             .store(PgInbox::new(pool))
+            .state(self.script.clone())
             .handlers([CONSUMER])
             .handler_queue(CONSUMER, &self.queue)
             .retry(self.policy.clone())

@@ -1,14 +1,16 @@
 //! What a handler may know about the delivery it is processing.
 
 use super::envelope::{Envelope, HeaderValue};
+use crate::state::{self, State};
 
-/// The delivery a handler is processing, passed as an optional last parameter
-/// (`ctx: &idem::Context<'_>`).
+/// The delivery a handler is processing, passed as an optional parameter after the payload
+/// (`ctx: &idem::Context<'_>`), with the runtime's [`State`].
 #[derive(Debug, Clone, Copy)]
 pub struct Context<'a> {
     envelope: &'a Envelope,
     consumer: &'a str,
     key: &'a str,
+    state: &'a State,
 }
 
 impl<'a> Context<'a> {
@@ -19,7 +21,18 @@ impl<'a> Context<'a> {
             envelope,
             consumer,
             key,
+            state: &state::EMPTY,
         }
+    }
+
+    /// This context with `state` (a context from [`Context::new`] holds none).
+    pub fn with_state(self, state: &'a State) -> Self {
+        Self { state, ..self }
+    }
+
+    /// The runtime's state value of type `T` (what a handler parameter `&T` receives).
+    pub fn state<T: Send + Sync + 'static>(&self) -> Option<&'a T> {
+        self.state.get()
     }
 
     /// The dedup key of this message. Pass it downstream as an idempotency key so the next

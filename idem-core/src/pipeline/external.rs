@@ -21,7 +21,7 @@ pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
     lease: Duration,
-    limits: Limits,
+    limits: Limits<'_>,
 ) -> Outcome {
     let (payload, keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
@@ -43,7 +43,7 @@ pub(crate) async fn process<H: Handler>(
         return outcome;
     }
 
-    let ctx = Context::new(envelope, H::CONSUMER, key);
+    let ctx = Context::new(envelope, H::CONSUMER, key).with_state(limits.state);
     let running = Instant::now();
     let result = H::call_external(payload, &ctx).await;
     telemetry::handler_duration(H::CONSUMER, running.elapsed());

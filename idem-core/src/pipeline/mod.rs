@@ -23,6 +23,7 @@ use crate::future::BoxFuture;
 use crate::handler::{Handler, Mode};
 use crate::model::KeySource;
 use crate::model::{DeadLetterRecord, Envelope, Outcome, StoreError};
+use crate::state::StateType;
 use crate::store::{InboxStore, StoreKind, Stores};
 use futures_util::FutureExt;
 use std::any::Any;
@@ -50,7 +51,7 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
 }
 
 /// The one place the mode is picked, for one delivery.
-async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, limits: Limits) -> Outcome {
+async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, limits: Limits<'_>) -> Outcome {
     match H::MODE {
         Mode::Transactional => transactional::process::<H>(store, envelope, limits).await,
         Mode::External { lease } => external::process::<H>(store, envelope, lease, limits).await,
@@ -64,7 +65,7 @@ async fn run_batch<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
-    limits: Limits,
+    limits: Limits<'_>,
 ) -> Vec<Outcome> {
     let Mode::External { lease } = H::MODE else {
         return batch::process::<H>(store, envelopes, stages, limits).await;
@@ -94,6 +95,8 @@ pub trait ErasedHandler: Send + Sync + 'static {
     fn store(&self) -> StoreKind;
     /// Transactional or external.
     fn mode(&self) -> Mode;
+    /// The state types its parameters ask for.
+    fn state_types(&self) -> Vec<StateType>;
     /// Its own retention, if it sets one.
     fn retention(&self) -> Option<Duration>;
     /// The retention of its store in `stores` (`None`: the store is missing).
@@ -150,6 +153,10 @@ impl<H: Handler> ErasedHandler for H {
         H::MODE
     }
 
+    fn state_types(&self) -> Vec<StateType> {
+        H::state_types()
+    }
+
     fn retention(&self) -> Option<Duration> {
         H::RETENTION
     }
@@ -202,7 +209,8 @@ impl<H: Handler> ErasedHandler for H {
             let limits = Limits {
                 inject_failure: stores.take_injected(),
                 ..Limits::of::<H>(store, stores.retention(), stores.poison_limit())
-            };
+            }
+            .with_state(stores.state());
             unwound(run::<H>(store, envelope, limits)).await
         })
     }
@@ -215,7 +223,8 @@ impl<H: Handler> ErasedHandler for H {
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
-            let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit());
+            let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit())
+                .with_state(stores.state());
             unwound(run_batch::<H>(store, envelopes, stages, limits)).await
         })
     }

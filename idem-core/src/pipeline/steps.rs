@@ -7,6 +7,7 @@ use crate::model::{
     Context, Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, RejectReason, Rejection,
     StoreError, StoredOutput, Transient,
 };
+use crate::state::{self, State};
 use crate::store::{ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::{Duration, Instant};
@@ -50,14 +51,15 @@ pub(crate) fn prepare<H: Handler>(envelope: &Envelope) -> Result<(H::Payload, Ke
     Ok((payload, Keyed { key, fingerprint }))
 }
 
-/// Runs handler `H` on `payload` in the inbox transaction `tx`, timed.
+/// Runs handler `H` on `payload` in the inbox transaction `tx`, with `state`, timed.
 pub(crate) async fn call<H: Handler>(
     tx: &mut <H::Store as InboxStore>::Tx,
     payload: H::Payload,
     envelope: &Envelope,
     key: &str,
+    state: &State,
 ) -> Result<H::Output, HandlerError> {
-    let ctx = Context::new(envelope, H::CONSUMER, key);
+    let ctx = Context::new(envelope, H::CONSUMER, key).with_state(state);
     let running = Instant::now();
     let result = H::call(tx, payload, &ctx).await;
     telemetry::handler_duration(H::CONSUMER, running.elapsed());
@@ -143,13 +145,15 @@ pub(crate) fn failure(class: ErrorClass, message: String, key: &str) -> Outcome 
 
 /// What bounds one handler's rows and deliveries.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits {
+pub(crate) struct Limits<'a> {
     /// How long its rows are kept.
     pub(crate) retention: Duration,
     /// After how many deliveries without a settlement a message is refused as poison.
     pub(crate) poison: Option<u32>,
     /// Whether a test harness injected a transient failure into this delivery's claim.
     pub(crate) inject_failure: bool,
+    /// The state its handler asks for.
+    pub(crate) state: &'a State,
 }
 
 /// The transient database error a test harness injects (see `Stores::inject_transient`).
@@ -161,9 +165,9 @@ pub(crate) fn injected_failure(key: &str) -> Outcome {
     )
 }
 
-impl Limits {
+impl Limits<'static> {
     /// The limits of handler `H`: its own `retention = ...`, else the runtime's, else its
-    /// store's; the runtime's poison limit.
+    /// store's; the runtime's poison limit; no state (see [`Limits::with_state`]).
     pub(crate) fn of<H: Handler>(
         store: &H::Store,
         runtime_retention: Option<Duration>,
@@ -176,7 +180,15 @@ impl Limits {
             retention,
             poison,
             inject_failure: false,
+            state: &state::EMPTY,
         }
+    }
+}
+
+impl Limits<'_> {
+    /// These limits, with the handler reading `state`.
+    pub(crate) fn with_state(self, state: &State) -> Limits<'_> {
+        Limits { state, ..self }
     }
 }
 

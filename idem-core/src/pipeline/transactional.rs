@@ -20,7 +20,7 @@ use std::time::Instant;
 pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
-    limits: Limits,
+    limits: Limits<'_>,
 ) -> Outcome {
     let (payload, keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
@@ -66,7 +66,7 @@ pub(crate) async fn process<H: Handler>(
         }
     }
 
-    let result = call::<H>(&mut tx, payload, envelope, key).await;
+    let result = call::<H>(&mut tx, payload, envelope, key, limits.state).await;
     let output = match encode_result::<H>(store, result, key) {
         Ok(output) => output,
         Err(failed) => {
@@ -222,6 +222,7 @@ mod tests {
             retention: std::time::Duration::from_secs(60),
             poison: None,
             inject_failure: false,
+            state: &crate::state::EMPTY,
         };
         process::<OrderHandler>(store, &Envelope::new(body), limits).await
     }

@@ -84,6 +84,15 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Gives handlers a shared value of type `T` (a client, a configuration, a cache): a handler
+    /// asks for it with a parameter `name: &T` after its payload, in either mode. One value per
+    /// type (a second call with the same type replaces the first); call it once per type. A
+    /// handler asking for a type no call gave is refused by [`Self::build`].
+    pub fn state<T: Send + Sync + 'static>(mut self, value: T) -> Self {
+        self.stores.state_mut().insert(value);
+        self
+    }
+
     /// Runs only the handlers with these consumer identities (default: every registered one).
     pub fn handlers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, consumers: I) -> Self {
         self.handlers = Some(consumers.into_iter().map(Into::into).collect());
@@ -244,6 +253,16 @@ impl RuntimeBuilder {
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let handlers = self.select_handlers()?;
         registry::validate(&handlers)?;
+        for registration in &handlers {
+            if let Some(missing) = registration.missing_state(&self.stores) {
+                return Err(RuntimeError::MissingState {
+                    handler: registration.name(),
+                    consumer: registration.consumer(),
+                    state: missing.name(),
+                    given: given_state(&self.stores),
+                });
+            }
+        }
         let transport = self.transport.clone().ok_or(RuntimeError::NoTransport)?;
         if let Some(sweep) = self.sweep
             && (sweep.batch == 0 || sweep.interval.is_zero())
@@ -419,5 +438,14 @@ impl RuntimeBuilder {
             prefetch,
             batch,
         })
+    }
+}
+
+/// The state types `stores` holds, for a message.
+pub(crate) fn given_state(stores: &Stores) -> String {
+    let names: Vec<_> = stores.state().type_names().collect();
+    match names.is_empty() {
+        true => "none".to_owned(),
+        false => names.join(", "),
     }
 }

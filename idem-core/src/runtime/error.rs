@@ -34,6 +34,20 @@ pub enum RuntimeError {
         /// The store it needs.
         store: StoreKind,
     },
+    /// A handler asks for state that was not given.
+    #[error(
+        "handler `{handler}` (consumer \"{consumer}\") asks for state of type `{state}`, but the runtime has none: give it with .state(value) on the runtime builder (state given: {given})"
+    )]
+    MissingState {
+        /// The handler's function.
+        handler: &'static str,
+        /// Its consumer identity.
+        consumer: &'static str,
+        /// The type it asks for.
+        state: &'static str,
+        /// The types given, for the message.
+        given: String,
+    },
     /// A chosen handler is not registered.
     #[error("no registered handler has consumer = \"{0}\"")]
     UnknownHandler(String),

@@ -15,6 +15,8 @@ mod stats;
 mod sweeper;
 mod worker;
 
+#[cfg_attr(not(feature = "testing"), allow(unused_imports))]
+pub(crate) use builder::given_state;
 pub use builder::{DEFAULT_POISON_LIMIT, RuntimeBuilder};
 pub use error::RuntimeError;
 pub use health::{Health, Readiness};

@@ -1,19 +1,22 @@
-//! The set of inbox stores a runtime holds, one per store type, with their sweepers.
+//! The set of inbox stores a runtime holds, one per store type, with their sweepers and the
+//! state its handlers ask for.
 
 use super::inbox::{InboxStore, StoreKind, SweepReport};
 use crate::future::BoxFuture;
 use crate::model::StoreError;
+use crate::state::State;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The inbox stores available to handlers, one per store type.
+/// The inbox stores available to handlers, one per store type, and the [`State`] they ask for.
 #[derive(Clone, Default)]
 pub struct Stores {
     stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
     sweepers: HashMap<TypeId, Sweeper>,
+    state: State,
     retention: Option<Duration>,
     poison_limit: Option<u32>,
     #[cfg(feature = "testing")]
@@ -61,6 +64,23 @@ impl Stores {
             },
         );
         self.stores.insert(TypeId::of::<S>(), store);
+    }
+
+    /// Adds a state value that handlers ask for with a parameter `&T`, replacing any value of
+    /// the same type.
+    pub fn with_state<T: Send + Sync + 'static>(mut self, value: T) -> Self {
+        self.state.insert(value);
+        self
+    }
+
+    /// The state values held.
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    /// The state values held, to add to.
+    pub fn state_mut(&mut self) -> &mut State {
+        &mut self.state
     }
 
     /// The sweepers of the stores held, one per store.
@@ -128,6 +148,7 @@ impl fmt::Debug for Stores {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Stores")
             .field("count", &self.stores.len())
+            .field("state", &self.state)
             .finish()
     }
 }

@@ -33,7 +33,7 @@ pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
-    limits: Limits,
+    limits: Limits<'_>,
 ) -> Vec<Outcome> {
     let refused = poisoned::<H>(store, envelopes, limits).await;
     let gather::Gathered {
@@ -47,6 +47,7 @@ pub(crate) async fn process<H: Handler>(
             store,
             envelopes,
             retention: limits.retention,
+            state: limits.state,
         };
         let fast = batch
             .pass(&mut items, payloads, &mut outcomes, false, &mut stages)
@@ -71,7 +72,7 @@ pub(crate) async fn process<H: Handler>(
 async fn poisoned<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
-    limits: Limits,
+    limits: Limits<'_>,
 ) -> Vec<Option<Outcome>> {
     let mut refused = vec![None; envelopes.len()];
     if limits.poison.is_none() {

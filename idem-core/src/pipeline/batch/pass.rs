@@ -11,6 +11,7 @@ use crate::handler::Handler;
 use crate::model::{Envelope, ErrorClass, Outcome, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{call, encode_result, existing, failure};
+use crate::state::State;
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::{Duration, Instant};
@@ -29,6 +30,8 @@ pub(super) struct Batch<'a, H: Handler> {
     pub(super) store: &'a H::Store,
     pub(super) envelopes: &'a [Envelope],
     pub(super) retention: Duration,
+    /// The state the handler asks for.
+    pub(super) state: &'a State,
 }
 
 /// The transaction of one pass, and where its outcomes go.
@@ -178,7 +181,7 @@ impl<H: Handler> Run<'_, '_, H> {
                     let Some(payload) = payloads[k].take() else {
                         continue;
                     };
-                    let result = call::<H>(tx, payload, envelope, key).await;
+                    let result = call::<H>(tx, payload, envelope, key, self.batch.state).await;
                     match encode_result::<H>(store, result, key) {
                         Ok(output) => {
                             let key = key.clone();
