@@ -6,7 +6,8 @@
 pub use idem_core::{
     BoxError, Context, DEFAULT_POISON_LIMIT, Envelope, ErrorClass, HandlerError, HeaderValue,
     Headers, Health, Outcome, Readiness, RejectReason, Rejection, RetryPolicy, RetryPolicyError,
-    Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats, StopSignal, Transient,
+    Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stale, Stats, StopSignal, Transient,
+    VersionValue,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;
@@ -79,7 +80,8 @@ pub mod __private {
     pub use idem_core::state::extract as extract_state;
     pub use idem_core::{
         Context, DEFAULT_LEASE, Envelope, Handler, HandlerError, HandlerResult, InboxStore,
-        KeyError, KeySource, Mode, Registration, StateType, field_key,
+        KeyError, KeySource, Mode, Registration, StateType, VersionError, Versioned, field_key,
+        version_value, versioned,
     };
     /// The store types `store = ...` names.
     pub use idem_sqlx::stores;

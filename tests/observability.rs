@@ -67,6 +67,27 @@ async fn extra(
     Ok(())
 }
 
+#[derive(serde::Deserialize)]
+struct StatusUpdate {
+    order_id: String,
+    version: i64,
+}
+
+/// A versioned handler whose inbox rows expire after a second, as `observed`'s do.
+#[idempotent(store = Sqlite, queue = "obs-status", consumer = "obs.status", retention = "1s", version = "update.version", entity = "update.order_id")]
+async fn status(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    update: StatusUpdate,
+) -> Result<(), HandlerError> {
+    let _ = (update.order_id, update.version);
+    Ok(())
+}
+
+fn status_update(version: i64, message_id: &str) -> Envelope {
+    Envelope::new(serde_json::json!({"order_id": "s-1", "version": version}).to_string())
+        .with_message_id(message_id)
+}
+
 #[derive(Clone, Default)]
 struct Logs(Arc<Mutex<Vec<u8>>>);
 
@@ -124,7 +145,7 @@ async fn metrics_spans_and_log_lines() {
         Runtime::builder()
             .transport(transport.clone())
             .store(inbox)
-            .handlers(["obs.orders"])
+            .handlers(["obs.orders", "obs.status"])
             .state(FailedOnce::default())
             .retry(
                 RetryPolicy::new(2, Duration::from_millis(20), 2, Duration::from_millis(50))
@@ -150,10 +171,20 @@ async fn metrics_spans_and_log_lines() {
     ); // rejected
     transport.publish(q, order("o-2", Some("once"), "corr-2")); // retried, then processed
     transport.publish(q, order("o-3", Some("always"), "corr-3")); // retried, then dead-lettered
+    wait_until("the orders settled", Duration::from_secs(20), || async {
+        stats.snapshot().settled() == 6
+    })
+    .await;
+    transport.publish("obs-status", status_update(2, "s-1:2"));
+    wait_until("s-1:2", Duration::from_secs(10), || async {
+        stats.snapshot().processed == 3
+    })
+    .await;
+    transport.publish("obs-status", status_update(1, "s-1:1")); // stale
     wait_until(
         "every delivery settled",
         Duration::from_secs(20),
-        || async { stats.snapshot().settled() == 6 },
+        || async { stats.snapshot().settled() == 8 },
     )
     .await;
     // Both processed rows expire after a second; the sweeper, every 100 ms, deletes them.
@@ -166,11 +197,32 @@ async fn metrics_spans_and_log_lines() {
         .unwrap()
     };
     assert_eq!(rows().await, 2);
+    let status_rows = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM idem_inbox WHERE consumer = 'obs.status'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
     wait_until(
         "the sweeper to delete the expired rows",
         Duration::from_secs(20),
-        || async { rows().await == 0 },
+        || async { rows().await == 0 && status_rows().await == 0 },
     )
+    .await;
+    // The sweeper leaves the entity versions: a late copy of version 1 is still stale.
+    let applied: i64 = sqlx::query_scalar(
+        "SELECT version FROM idem_inbox_versions WHERE consumer = 'obs.status' AND entity = 's-1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(applied, 2);
+    transport.publish("obs-status", status_update(1, "s-1:1:late"));
+    wait_until("the late copy settled", Duration::from_secs(10), || async {
+        stats.snapshot().stale == 2
+    })
     .await;
     let scrape = prometheus.render();
     wait_until(
@@ -194,6 +246,14 @@ async fn metrics_spans_and_log_lines() {
         )
     };
     assert_eq!(outcome("processed"), Some(2.0), "{scrape}");
+    assert_eq!(
+        sample(
+            &scrape,
+            "idem_messages_total{consumer=\"obs.status\",outcome=\"stale\"}"
+        ),
+        Some(2.0),
+        "{scrape}"
+    );
     assert_eq!(outcome("duplicate"), Some(1.0));
     assert_eq!(outcome("conflict"), Some(1.0));
     assert_eq!(outcome("rejected"), Some(1.0));

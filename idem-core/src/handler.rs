@@ -1,6 +1,9 @@
 //! The contract between `#[idempotent]` and the pipeline.
 
-use crate::model::{Context, Envelope, HandlerError, KeyError, KeySource, RejectReason, Rejection};
+use crate::model::{
+    Context, Envelope, HandlerError, KeyError, KeySource, RejectReason, Rejection, VersionError,
+    Versioned,
+};
 use crate::state::StateType;
 use crate::store::InboxStore;
 use serde::Serialize;
@@ -76,6 +79,13 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Reads the dedup key from the envelope or the decoded payload.
     fn key(envelope: &Envelope, payload: &Self::Payload) -> Result<String, KeyError>;
+
+    /// The entity and version of a versioned message (`#[idempotent(version = ..., entity =
+    /// ...)]`); `None` for handlers that keep no versions.
+    fn versioned(payload: &Self::Payload) -> Option<Result<Versioned, VersionError>> {
+        let _ = payload;
+        None
+    }
 
     /// Runs the user's function inside the inbox transaction.
     fn call<'a>(

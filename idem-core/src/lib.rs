@@ -62,7 +62,8 @@ pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
 pub use model::{
     BoxError, Context, DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Fingerprint,
     HandlerError, HeaderValue, Headers, KeyError, KeySource, KeyValue, MAX_KEY_LEN, Outcome,
-    RejectReason, Rejection, StoreError, StoredOutput, Transient, field_key,
+    RejectReason, Rejection, Stale, StoreError, StoredOutput, Transient, VersionError,
+    VersionValue, Versioned, field_key, version_value, versioned,
 };
 pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};

@@ -4,7 +4,7 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `idem_messages_total` | counter | `consumer`, `outcome`: `processed`, `duplicate`, `conflict`, `rejected`, `retried`, `dead_lettered` (retries exhausted) |
+//! | `idem_messages_total` | counter | `consumer`, `outcome`: `processed`, `duplicate`, `stale`, `conflict`, `rejected`, `retried`, `dead_lettered` (retries exhausted) |
 //! | `idem_dead_letters_total` | counter | `consumer`, `reason` (the `x-idem-reason` header) |
 //! | `idem_handler_duration_seconds` | histogram | `consumer` |
 //! | `idem_claim_duration_seconds` | histogram | `consumer` (a claim, a lease, or a batch's claim) |

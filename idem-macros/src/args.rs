@@ -66,10 +66,11 @@ pub(crate) struct Args {
     pub(crate) lease_ms: Option<u64>,
     /// The retention in milliseconds.
     pub(crate) retention_ms: Option<u64>,
+    /// `version = "..."` and `entity = "..."`: the payload fields of a versioned handler.
+    pub(crate) versioned: Option<(LitStr, LitStr)>,
 }
 
-const EXPECTED: &str =
-    "expected one of: `store`, `key`, `queue`, `consumer`, `mode`, `lease`, `retention`";
+const EXPECTED: &str = "expected one of: `store`, `key`, `queue`, `consumer`, `mode`, `lease`, `retention`, `version`, `entity`";
 
 impl Args {
     /// The mode the arguments ask for, read even when they do not parse, so that the signature
@@ -96,6 +97,8 @@ impl Args {
         let mut mode: Option<Mode> = None;
         let mut lease: Option<(u64, LitStr)> = None;
         let mut retention: Option<u64> = None;
+        let mut version: Option<LitStr> = None;
+        let mut entity: Option<LitStr> = None;
         let mut store_mentioned = false;
         let mut errors: Option<syn::Error> = None;
         let mut push = |e: syn::Error| match errors.as_mut() {
@@ -124,11 +127,13 @@ impl Args {
                         }
                     }
                 }
-                "key" | "queue" | "consumer" => {
+                "key" | "queue" | "consumer" | "version" | "entity" => {
                     let lit: LitStr = meta.value()?.parse()?;
                     let slot = match name.as_str() {
                         "key" => &mut key,
                         "queue" => &mut queue,
+                        "version" => &mut version,
+                        "entity" => &mut entity,
                         _ => &mut consumer,
                     };
                     if let Some(e) = duplicate(slot.is_some()) {
@@ -211,6 +216,30 @@ impl Args {
                 "`lease` applies to `mode = \"external\"` only: a transactional handler's claim lasts as long as its transaction",
             ));
         }
+        let versioned = match (version, entity) {
+            (Some(version), Some(entity)) => Some((version, entity)),
+            (Some(version), None) => {
+                push(syn::Error::new(
+                    version.span(),
+                    "`version` needs `entity = \"<payload>.<field>\"`: the entity whose versions it counts (such as \"update.order_id\")",
+                ));
+                None
+            }
+            (None, Some(entity)) => {
+                push(syn::Error::new(
+                    entity.span(),
+                    "`entity` goes with `version = \"<payload>.<field>\"`: the version the message carries",
+                ));
+                None
+            }
+            (None, None) => None,
+        };
+        if let (Some((version, _)), Mode::External) = (&versioned, mode) {
+            push(syn::Error::new(
+                version.span(),
+                "`version` needs the handler's transaction, where the applied version is raised with its writes: use mode = \"transactional\"",
+            ));
+        }
         match (errors, store) {
             (Some(e), _) => Err(e),
             (None, Some(store)) => Ok(Self {
@@ -221,6 +250,7 @@ impl Args {
                 mode,
                 lease_ms: lease.map(|(ms, _)| ms),
                 retention_ms: retention,
+                versioned,
             }),
             (None, None) => Err(syn::Error::new(Span::call_site(), "missing `store`")),
         }
@@ -273,5 +303,22 @@ mod tests {
         assert!(err(quote!(store = Oracle)).contains("unknown store `Oracle`"));
         assert!(err(quote!(store = Postgres, consumer = "")).contains("cannot be empty"));
         assert!(err(quote!(store = Postgres, key = 3)).contains("expected string literal"));
+        assert!(err(quote!(store = Postgres, version = "u.v")).contains("needs `entity"));
+        assert!(err(quote!(store = Postgres, entity = "u.id")).contains("goes with `version"));
+        assert!(
+            err(quote!(
+                store = Postgres,
+                mode = "external",
+                version = "u.v",
+                entity = "u.id"
+            ))
+            .contains("needs the handler's transaction")
+        );
+        let versioned = Args::parse(quote!(store = Sqlite, version = "u.v", entity = "u.id"));
+        let (version, entity) = versioned.unwrap().versioned.unwrap();
+        assert_eq!(
+            (version.value(), entity.value()),
+            ("u.v".into(), "u.id".into())
+        );
     }
 }

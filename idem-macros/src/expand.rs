@@ -2,7 +2,7 @@
 //! implementation and its registration.
 
 use crate::args::Args;
-use crate::key::KeySpec;
+use crate::key::{self, KeySpec};
 use crate::signature::{self, Extra, HandlerSig};
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
@@ -49,10 +49,69 @@ fn generate(args: TokenStream, func: &ItemFn) -> syn::Result<TokenStream> {
         Some(lit) => KeySpec::parse(lit, sig.payload)?,
         None => KeySpec::MessageId,
     };
-    Ok(emit(func, &args, &sig, &key))
+    let versioned = match &args.versioned {
+        Some((version, entity)) => {
+            let paths = (
+                key::field_path(version, sig.payload, "version", ""),
+                key::field_path(entity, sig.payload, "entity", ""),
+            );
+            match paths {
+                (Ok(v), Ok(e)) => Some((v, e)),
+                (Err(mut a), Err(b)) => {
+                    a.combine(b);
+                    return Err(a);
+                }
+                (Err(e), _) | (_, Err(e)) => return Err(e),
+            }
+        }
+        None => None,
+    };
+    let versioned = versioned_fn(&args, &sig, versioned);
+    Ok(emit(func, &args, &sig, &key, versioned))
 }
 
-fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> TokenStream {
+/// The `versioned` function of a versioned handler (`version` and `entity` field paths): the
+/// fields read through real field accesses spanned at their literals, so a typo or a version
+/// that is not an integer is a compile error there.
+fn versioned_fn(
+    args: &Args,
+    sig: &HandlerSig<'_>,
+    fields: Option<(Vec<String>, Vec<String>)>,
+) -> TokenStream {
+    let krate = quote!(::idem::__private);
+    let (Some((version_lit, entity_lit)), Some((version, entity))) = (&args.versioned, fields)
+    else {
+        return TokenStream::new();
+    };
+    let payload = sig.payload;
+    let version_access = key::field_access(payload, &version, version_lit);
+    let entity_access = key::field_access(payload, &entity, entity_lit);
+    let version_value = quote_spanned!(version_lit.span()=>
+        #krate::version_value(#version_access)
+    );
+    quote! {
+        fn versioned(
+            #payload: &Self::Payload,
+        ) -> ::core::option::Option<
+            ::core::result::Result<#krate::Versioned, #krate::VersionError>,
+        > {
+            ::core::option::Option::Some(#krate::versioned(
+                #entity_access,
+                #version_value,
+                #entity_lit,
+                #version_lit,
+            ))
+        }
+    }
+}
+
+fn emit(
+    func: &ItemFn,
+    args: &Args,
+    sig: &HandlerSig<'_>,
+    key: &KeySpec,
+    versioned: TokenStream,
+) -> TokenStream {
     let krate = quote!(::idem::__private);
     let name = sig.name;
     let name_str = name.to_string();
@@ -167,6 +226,8 @@ fn emit(func: &ItemFn, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> Toke
                 const RETENTION: ::core::option::Option<::core::time::Duration> = #retention;
 
                 #state_types
+
+                #versioned
 
                 fn key(
                     __idem_envelope: &#krate::Envelope,

@@ -35,27 +35,13 @@ impl KeySpec {
                 Ok(Self::Header(name.to_owned()))
             };
         }
-        let mut segments = text.split('.');
-        let root = segments.next().unwrap_or_default();
-        if *payload != root {
-            return Err(err(if is_ident(root) {
-                format!(
-                    "`{root}` in `key` is not the payload parameter: write `{payload}.<field>`, or use {FORMS}"
-                )
-            } else {
-                format!("unknown key source {text:?}; expected {FORMS}")
-            }));
-        }
-        let fields: Vec<String> = segments.map(str::to_owned).collect();
-        if let Some(bad) = fields
-            .iter()
-            .find(|f| !is_ident(f) && f.parse::<u32>().is_err())
-        {
+        let root = text.split('.').next().unwrap_or_default();
+        if *payload != root && !is_ident(root) {
             return Err(err(format!(
-                "invalid field {bad:?} in `key`: expected `{payload}.<field>`"
+                "unknown key source {text:?}; expected {FORMS}"
             )));
         }
-        Ok(Self::Field(fields))
+        field_path(lit, payload, "key", &format!(", or use {FORMS}")).map(Self::Field)
     }
 
     /// The `idem::KeySource` value.
@@ -82,22 +68,64 @@ impl KeySpec {
         match self {
             Self::Field(fields) => {
                 let span = lit.map_or_else(Span::call_site, LitStr::span);
-                let root = Ident::new(&payload.to_string(), span);
-                let path = fields.iter().map(|f| match f.parse::<u32>() {
-                    Ok(index) => {
-                        let index = syn::Index { index, span };
-                        quote_spanned!(span=> .#index)
-                    }
-                    Err(_) => {
-                        let field = format_ident!("{}", f, span = span);
-                        quote_spanned!(span=> .#field)
-                    }
-                });
-                quote_spanned!(span=> #krate::field_key(&#root #(#path)*, Self::KEY))
+                let fallback = LitStr::new("", span);
+                let access = field_access(payload, fields, lit.unwrap_or(&fallback));
+                quote_spanned!(span=> #krate::field_key(#access, Self::KEY))
             }
             _ => quote!(Self::KEY.from_envelope(__idem_envelope)),
         }
     }
+}
+
+/// The fields of `<payload>.<field>...` in the literal of argument `arg`; `also` ends the
+/// message when the root is not the payload.
+pub(crate) fn field_path(
+    lit: &LitStr,
+    payload: &Ident,
+    arg: &str,
+    also: &str,
+) -> syn::Result<Vec<String>> {
+    let text = lit.value();
+    let err = |msg: String| syn::Error::new(lit.span(), msg);
+    let mut segments = text.split('.');
+    let root = segments.next().unwrap_or_default();
+    if *payload != root {
+        return Err(err(format!(
+            "`{root}` in `{arg}` is not the payload parameter: write `{payload}.<field>`{also}"
+        )));
+    }
+    let fields: Vec<String> = segments.map(str::to_owned).collect();
+    if fields.is_empty() && arg != "key" {
+        return Err(err(format!(
+            "`{arg}` names a field of the payload: write `{payload}.<field>`"
+        )));
+    }
+    if let Some(bad) = fields
+        .iter()
+        .find(|f| !is_ident(f) && f.parse::<u32>().is_err())
+    {
+        return Err(err(format!(
+            "invalid field {bad:?} in `{arg}`: expected `{payload}.<field>`"
+        )));
+    }
+    Ok(fields)
+}
+
+/// `&payload.a.b`, spanned at `lit` so a typo is a compile error pointing at it.
+pub(crate) fn field_access(payload: &Ident, fields: &[String], lit: &LitStr) -> TokenStream {
+    let span = lit.span();
+    let root = Ident::new(&payload.to_string(), span);
+    let path = fields.iter().map(|f| match f.parse::<u32>() {
+        Ok(index) => {
+            let index = syn::Index { index, span };
+            quote_spanned!(span=> .#index)
+        }
+        Err(_) => {
+            let field = format_ident!("{}", f, span = span);
+            quote_spanned!(span=> .#field)
+        }
+    });
+    quote_spanned!(span=> &#root #(#path)*)
 }
 
 fn is_ident(s: &str) -> bool {

@@ -187,6 +187,16 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
             .map_err(|e| store_error("rollback to savepoint", e))
     }
 
+    async fn advance_version(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        entity: &str,
+        version: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        crate::versions::advance::<DB>(&self.sql, &mut **tx, consumer, entity, version).await
+    }
+
     async fn unclaim(
         &self,
         tx: &mut Self::Tx,

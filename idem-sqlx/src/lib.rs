@@ -57,6 +57,7 @@ pub mod statements;
 #[doc(hidden)]
 pub mod stores;
 mod sweep;
+mod versions;
 
 pub use admin::{DeadLetterCount, InboxRow, InboxStats, KeyReport, Removed, StatusCount};
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};

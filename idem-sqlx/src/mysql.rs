@@ -74,12 +74,24 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             KEY queue (queue, dead_lettered_at)
         ) ENGINE = InnoDB"#],
     ),
+    (
+        5,
+        &[r#"CREATE TABLE IF NOT EXISTS `{table}_versions` (
+            consumer   VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            entity     VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            version    BIGINT       NOT NULL,
+            updated_at DATETIME(6)  NOT NULL,
+            PRIMARY KEY (consumer, entity)
+        ) ENGINE = InnoDB"#],
+    ),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
     i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
-    l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at
-    FROM `{table}` i, `{table}_deliveries` d, `{table}_dead_letters` l WHERE 1 = 0"#;
+    l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
+    v.entity, v.version, v.updated_at
+    FROM `{table}` i, `{table}_deliveries` d, `{table}_dead_letters` l, `{table}_versions` v
+    WHERE 1 = 0"#;
 
 const CLAIM: &str = r#"INSERT IGNORE INTO `{table}`
     (consumer, `key`, fingerprint, status, attempts, created_at, completed_at, expires_at)
@@ -196,6 +208,7 @@ impl Dialect for MySql {
         sweep: SWEEP,
         deliveries: DELIVERIES,
         admin: ADMIN,
+        versions: crate::versions::MYSQL,
         batch: None,
     };
     const MIGRATION: MigrationStatements = MigrationStatements {

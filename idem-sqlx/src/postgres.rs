@@ -74,6 +74,16 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             r#"CREATE INDEX IF NOT EXISTS "{table}_dead_letters_queue" ON "{table}_dead_letters" (queue, dead_lettered_at)"#,
         ],
     ),
+    (
+        5,
+        &[r#"CREATE TABLE IF NOT EXISTS "{table}_versions" (
+            consumer   text        NOT NULL,
+            entity     text        NOT NULL,
+            version    bigint      NOT NULL,
+            updated_at timestamptz NOT NULL,
+            PRIMARY KEY (consumer, entity)
+        )"#],
+    ),
 ];
 
 /// Claims in one round trip: the insert, and for an existing row its fingerprint and result.
@@ -252,6 +262,7 @@ impl Dialect for Postgres {
         sweep: SWEEP,
         deliveries: DELIVERIES,
         admin: ADMIN,
+        versions: crate::versions::POSTGRES,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,
             existing: EXISTING_BATCH,

@@ -80,6 +80,16 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             r#"CREATE INDEX IF NOT EXISTS "{table}_dead_letters_queue" ON "{table}_dead_letters" (queue, dead_lettered_at)"#,
         ],
     ),
+    (
+        5,
+        &[r#"CREATE TABLE IF NOT EXISTS "{table}_versions" (
+            consumer   TEXT        NOT NULL,
+            entity     TEXT        NOT NULL,
+            version    INTEGER     NOT NULL,
+            updated_at INTEGER     NOT NULL,
+            PRIMARY KEY (consumer, entity)
+        ) WITHOUT ROWID"#],
+    ),
 ];
 
 const CLAIM: &str = r#"
@@ -223,6 +233,7 @@ impl Dialect for Sqlite {
         sweep: SWEEP,
         deliveries: DELIVERIES,
         admin: ADMIN,
+        versions: crate::versions::SQLITE,
         batch: None,
     };
     const MIGRATION: MigrationStatements = MigrationStatements {

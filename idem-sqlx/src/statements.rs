@@ -38,6 +38,23 @@ pub struct Statements<S = &'static str> {
     pub admin: AdminStatements<S>,
     /// Set-based batch statements, for a dialect with array parameters (PostgreSQL).
     pub batch: Option<BatchStatements<S>>,
+    /// Entity versions, for versioned handlers.
+    pub versions: VersionStatements<S>,
+}
+
+/// Entity versions (`{table}_versions`): raising the version applied to an entity in the
+/// handler's transaction, only upwards.
+#[derive(Debug, Clone)]
+pub struct VersionStatements<S = &'static str> {
+    /// Raises an entity's version if it is below the given one, inserting it where the dialect
+    /// can in one statement; changes one row when it raised or inserted (consumer, entity,
+    /// version).
+    pub advance: S,
+    /// Inserts the first version of an entity, nothing if it has one; for a dialect whose
+    /// `advance` only updates (same parameters).
+    pub insert: Option<S>,
+    /// Reads the applied `version` with the latest committed row (consumer, entity).
+    pub read: S,
 }
 
 /// The savepoint each message of a batch runs under. No parameters; may hold several
@@ -55,8 +72,10 @@ pub struct SavepointStatements {
 /// The probe of dialects that quote identifiers with double quotes.
 pub const PROBE: &str = r#"SELECT i.consumer, i.key, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
     i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
-    l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at
-    FROM "{table}" i, "{table}_deliveries" d, "{table}_dead_letters" l WHERE 1 = 0"#;
+    l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
+    v.entity, v.version, v.updated_at
+    FROM "{table}" i, "{table}_deliveries" d, "{table}_dead_letters" l, "{table}_versions" v
+    WHERE 1 = 0"#;
 
 /// The savepoints of dialects that release one before starting the next.
 pub const SAVEPOINTS: SavepointStatements = SavepointStatements {
@@ -217,6 +236,11 @@ impl Statements {
                 forget: fill(self.admin.forget),
                 forget_failed: fill(self.admin.forget_failed),
                 forget_deliveries: fill(self.admin.forget_deliveries),
+            },
+            versions: VersionStatements {
+                advance: fill(self.versions.advance),
+                insert: self.versions.insert.map(fill),
+                read: fill(self.versions.read),
             },
             batch: self.batch.as_ref().map(|batch| BatchStatements {
                 claim: fill(batch.claim),

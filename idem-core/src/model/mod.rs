@@ -10,6 +10,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod key;
 pub mod outcome;
+pub mod version;
 
 pub use context::Context;
 pub use dead_letter::{DeadLetter, DeadLetterRecord, stand_in_key};
@@ -17,4 +18,5 @@ pub use envelope::{Envelope, HeaderValue, Headers};
 pub use error::{BoxError, ErrorClass, HandlerError, StoreError};
 pub use fingerprint::Fingerprint;
 pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
-pub use outcome::{Outcome, RejectReason, Rejection, StoredOutput, Transient};
+pub use outcome::{Outcome, RejectReason, Rejection, Stale, StoredOutput, Transient};
+pub use version::{VersionError, VersionValue, Versioned, version_value, versioned};

@@ -32,10 +32,37 @@ pub enum Outcome {
     Rejected(Rejection),
     /// A transient failure: nothing was committed; retry later.
     Retry(Transient),
+    /// A versioned message whose version is at or below the one applied to its entity: nothing
+    /// ran, nothing was written. Ack.
+    Stale(Stale),
+}
+
+/// A stale message: its entity, its version and the version already applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stale {
+    /// The dedup key.
+    pub key: String,
+    /// The entity it updates.
+    pub entity: String,
+    /// Its version.
+    pub version: i64,
+    /// The version applied to the entity, at or above `version`.
+    pub applied: i64,
+}
+
+impl fmt::Display for Stale {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "version {} of entity {:?} is at or below the applied version {}",
+            self.version, self.entity, self.applied
+        )
+    }
 }
 
 impl Outcome {
-    /// A short, stable label: `processed`, `duplicate`, `conflict`, `rejected`, `retry`.
+    /// A short, stable label: `processed`, `duplicate`, `conflict`, `rejected`, `retry`,
+    /// `stale`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Processed { .. } => "processed",
@@ -43,6 +70,7 @@ impl Outcome {
             Self::Conflict { .. } => "conflict",
             Self::Rejected(_) => "rejected",
             Self::Retry(_) => "retry",
+            Self::Stale(_) => "stale",
         }
     }
 
@@ -54,6 +82,7 @@ impl Outcome {
             }
             Self::Rejected(r) => r.key.as_deref(),
             Self::Retry(t) => t.key.as_deref(),
+            Self::Stale(s) => Some(&s.key),
         }
     }
 
@@ -156,6 +185,11 @@ pub enum RejectReason {
     /// The message was delivered the poison limit's number of times without a settlement: its
     /// consumers died on it (or lost their connection) each time.
     Poison,
+    /// A versioned message without a usable entity or version.
+    Version,
+    /// A versioned message at or below the applied version, where the runtime dead-letters
+    /// stale messages instead of acking them.
+    Stale,
 }
 
 impl RejectReason {
@@ -170,6 +204,8 @@ impl RejectReason {
             Self::Store => "store",
             Self::PreviouslyFailed => "previously-failed",
             Self::Poison => "poison",
+            Self::Version => "version",
+            Self::Stale => "stale",
         }
     }
 }

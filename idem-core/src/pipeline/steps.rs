@@ -5,10 +5,10 @@
 use crate::handler::Handler;
 use crate::model::{
     Context, Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, RejectReason, Rejection,
-    StoreError, StoredOutput, Transient,
+    Stale, StoreError, StoredOutput, Transient, Versioned,
 };
 use crate::state::{self, State};
-use crate::store::{ClaimRequest, InboxStore};
+use crate::store::{ClaimRequest, InboxStore, Stores};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 
@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 pub(crate) struct Keyed {
     pub(crate) key: String,
     pub(crate) fingerprint: Fingerprint,
+    /// The entity and version, for a versioned handler.
+    pub(crate) versioned: Option<Versioned>,
 }
 
 impl Keyed {
@@ -47,8 +49,56 @@ pub(crate) fn prepare<H: Handler>(envelope: &Envelope) -> Result<(H::Payload, Ke
             None,
         ))
     })?;
+    let versioned = match H::versioned(&payload).transpose() {
+        Ok(versioned) => versioned,
+        Err(e) => {
+            let rejection = Rejection::new(RejectReason::Version, e.to_string(), Some(key));
+            return Err(Outcome::Rejected(rejection));
+        }
+    };
     let fingerprint = Fingerprint::of(&envelope.body);
-    Ok((payload, Keyed { key, fingerprint }))
+    Ok((
+        payload,
+        Keyed {
+            key,
+            fingerprint,
+            versioned,
+        },
+    ))
+}
+
+/// For a versioned message, raises its entity's applied version in the claim's transaction
+/// `tx` before the handler runs. `Ok(Some(outcome))`: the message is stale (acked, or
+/// dead-lettered where `limits` say so), nothing was written and the handler must not run.
+pub(crate) async fn advance<H: Handler>(
+    store: &H::Store,
+    tx: &mut <H::Store as InboxStore>::Tx,
+    keyed: &Keyed,
+    limits: &Limits<'_>,
+) -> Result<Option<Outcome>, StoreError> {
+    let Some(versioned) = &keyed.versioned else {
+        return Ok(None);
+    };
+    let advanced = store
+        .advance_version(tx, H::CONSUMER, &versioned.entity, versioned.version)
+        .await?;
+    let Some(applied) = advanced else {
+        return Ok(None);
+    };
+    let stale = Stale {
+        key: keyed.key.clone(),
+        entity: versioned.entity.clone(),
+        version: versioned.version,
+        applied,
+    };
+    Ok(Some(match limits.dead_letter_stale {
+        true => Outcome::Rejected(Rejection::new(
+            RejectReason::Stale,
+            stale.to_string(),
+            Some(stale.key),
+        )),
+        false => Outcome::Stale(stale),
+    }))
 }
 
 /// Runs handler `H` on `payload` in the inbox transaction `tx`, with `state`, timed.
@@ -152,6 +202,8 @@ pub(crate) struct Limits<'a> {
     pub(crate) poison: Option<u32>,
     /// Whether a test harness injected a transient failure into this delivery's claim.
     pub(crate) inject_failure: bool,
+    /// Whether a stale message is dead-lettered (reason `stale`) instead of acked.
+    pub(crate) dead_letter_stale: bool,
     /// The state its handler asks for.
     pub(crate) state: &'a State,
 }
@@ -180,15 +232,21 @@ impl Limits<'static> {
             retention,
             poison,
             inject_failure: false,
+            dead_letter_stale: false,
             state: &state::EMPTY,
         }
     }
 }
 
 impl Limits<'_> {
-    /// These limits, with the handler reading `state`.
-    pub(crate) fn with_state(self, state: &State) -> Limits<'_> {
-        Limits { state, ..self }
+    /// These limits, with the handler reading the state of `stores` and stale messages
+    /// handled as they say.
+    pub(crate) fn with_stores(self, stores: &Stores) -> Limits<'_> {
+        Limits {
+            state: stores.state(),
+            dead_letter_stale: stores.dead_letter_stale(),
+            ..self
+        }
     }
 }
 

@@ -5,7 +5,9 @@
 //! row** (its claim); the ack decision is made by whoever reads the returned [`Outcome`]
 //! (`runtime/settle.rs`).
 
-use super::steps::{Limits, call, encode_result, existing, poisoned, prepare, store_failure};
+use super::steps::{
+    Limits, advance, call, encode_result, existing, poisoned, prepare, store_failure,
+};
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::store::{Claim, InboxStore};
@@ -66,6 +68,17 @@ pub(crate) async fn process<H: Handler>(
         }
     }
 
+    match advance::<H>(store, &mut tx, &keyed, &limits).await {
+        Ok(None) => {}
+        Ok(Some(stale)) => {
+            store.rollback(tx).await;
+            return stale;
+        }
+        Err(e) => {
+            store.rollback(tx).await;
+            return store_failure(e, key);
+        }
+    }
     let result = call::<H>(&mut tx, payload, envelope, key, limits.state).await;
     let output = match encode_result::<H>(store, result, key) {
         Ok(output) => output,
@@ -222,6 +235,7 @@ mod tests {
             retention: std::time::Duration::from_secs(60),
             poison: None,
             inject_failure: false,
+            dead_letter_stale: false,
             state: &crate::state::EMPTY,
         };
         process::<OrderHandler>(store, &Envelope::new(body), limits).await

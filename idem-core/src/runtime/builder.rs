@@ -170,6 +170,14 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Dead-letters stale versioned messages with reason `stale` instead of acking them (the
+    /// default acks them and counts them as `stale`): for producers that must never send a
+    /// stale update, so that one is looked at.
+    pub fn dead_letter_stale(mut self) -> Self {
+        self.stores = std::mem::take(&mut self.stores).with_dead_letter_stale(true);
+        self
+    }
+
     /// No poison limit: a message that kills its consumers is delivered again and again.
     pub fn without_poison_limit(mut self) -> Self {
         self.stores = std::mem::take(&mut self.stores).with_poison_limit(None);

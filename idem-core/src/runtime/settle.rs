@@ -20,7 +20,7 @@ const RECORD_RETRY: Duration = Duration::from_secs(1);
 /// What to do with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Settlement {
-    /// Processed or duplicate: ack.
+    /// Processed, duplicate or stale: ack.
     Ack,
     /// Transient failure with attempts left: deliver again after the delay.
     Retry(Duration),
@@ -45,7 +45,9 @@ pub(crate) fn decide(
         })
     };
     match outcome {
-        Outcome::Processed { .. } | Outcome::Duplicate { .. } => Settlement::Ack,
+        Outcome::Processed { .. } | Outcome::Duplicate { .. } | Outcome::Stale(_) => {
+            Settlement::Ack
+        }
         Outcome::Conflict { key } => dead_letter(
             "conflict",
             format!("key {key:?} was processed before with a different payload"),
@@ -83,6 +85,10 @@ pub(crate) async fn settle(
         Settlement::Ack => {
             let (counter, label) = match outcome {
                 Outcome::Duplicate { .. } => (&stats.duplicates, "duplicate"),
+                Outcome::Stale(stale) => {
+                    tracing::info!(key = %stale.key, entity = %stale.entity, version = stale.version, applied = stale.applied, "stale message skipped");
+                    (&stats.stale, "stale")
+                }
                 _ => (&stats.processed, "processed"),
             };
             Stats::add(counter);

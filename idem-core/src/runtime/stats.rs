@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub struct Stats {
     pub(crate) processed: AtomicU64,
     pub(crate) duplicates: AtomicU64,
+    pub(crate) stale: AtomicU64,
     pub(crate) conflicts: AtomicU64,
     pub(crate) rejected: AtomicU64,
     pub(crate) retried: AtomicU64,
@@ -23,6 +24,8 @@ pub struct Snapshot {
     pub processed: u64,
     /// Duplicates skipped and acked.
     pub duplicates: u64,
+    /// Versioned messages at or below their entity's applied version, acked without running.
+    pub stale: u64,
     /// Same key with a different payload (each one also counted in `dead_lettered`).
     pub conflicts: u64,
     /// Permanent refusals (each one also counted in `dead_lettered`).
@@ -49,6 +52,7 @@ impl Stats {
         Snapshot {
             processed: get(&self.processed),
             duplicates: get(&self.duplicates),
+            stale: get(&self.stale),
             conflicts: get(&self.conflicts),
             rejected: get(&self.rejected),
             retried: get(&self.retried),
@@ -63,6 +67,6 @@ impl Snapshot {
     /// Deliveries settled for good: acked or dead-lettered (not counting retries, which come
     /// back).
     pub fn settled(&self) -> u64 {
-        self.processed + self.duplicates + self.dead_lettered
+        self.processed + self.duplicates + self.stale + self.dead_lettered
     }
 }

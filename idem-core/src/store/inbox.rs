@@ -211,6 +211,28 @@ pub trait InboxStore: Send + Sync + 'static {
         tx: &mut Self::Tx,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Raises the version applied to `entity` for `consumer` to `version`, in the caller's
+    /// transaction, unless it is already at or above it. `Ok(None)`: raised (or first seen), the
+    /// message may run; `Ok(Some(applied))`: the message is stale, nothing was written.
+    /// Concurrent transactions on one entity are serialized by its row: the later one sees the
+    /// version the earlier committed. The default refuses: the store keeps no versions.
+    fn advance_version(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        entity: &str,
+        version: i64,
+    ) -> impl Future<Output = Result<Option<i64>, StoreError>> + Send {
+        let _ = (tx, consumer, entity, version);
+        async {
+            Err(StoreError::new(
+                "advance version",
+                ErrorClass::Permanent,
+                "this inbox store keeps no entity versions",
+            ))
+        }
+    }
+
     /// Removes the markers of `keys`, claimed in this transaction by messages that then failed,
     /// so that they are not committed with the rest of the batch.
     fn unclaim(

@@ -19,6 +19,7 @@ pub struct Stores {
     state: State,
     retention: Option<Duration>,
     poison_limit: Option<u32>,
+    dead_letter_stale: bool,
     #[cfg(feature = "testing")]
     injected: Arc<std::sync::atomic::AtomicU32>,
 }
@@ -101,6 +102,18 @@ impl Stores {
     pub fn with_poison_limit(mut self, limit: Option<u32>) -> Self {
         self.poison_limit = limit.map(|l| l.max(1));
         self
+    }
+
+    /// Dead-letters stale versioned messages (reason `stale`) instead of acking them (default:
+    /// ack and count them).
+    pub fn with_dead_letter_stale(mut self, dead_letter: bool) -> Self {
+        self.dead_letter_stale = dead_letter;
+        self
+    }
+
+    /// The choice made with [`Self::with_dead_letter_stale`].
+    pub fn dead_letter_stale(&self) -> bool {
+        self.dead_letter_stale
     }
 
     /// The limit set with [`Self::with_poison_limit`].

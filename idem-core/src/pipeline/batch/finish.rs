@@ -34,6 +34,14 @@ pub(super) fn finish(
                 &stored,
                 Some(output.clone()),
             ),
+            // A copy of a stale message is stale too; a different payload under its key is
+            // retried (the first left no marker to judge it by).
+            (Some(Outcome::Stale(stale)), _) if keyed.fingerprint == first.keyed.fingerprint => {
+                Outcome::Stale(crate::model::Stale {
+                    key: keyed.key,
+                    ..stale.clone()
+                })
+            }
             (Some(Outcome::Conflict { .. }), Some(stored)) => existing(
                 consumer,
                 envelope,

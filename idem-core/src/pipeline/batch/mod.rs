@@ -46,8 +46,7 @@ pub(crate) async fn process<H: Handler>(
         let batch = Batch::<H> {
             store,
             envelopes,
-            retention: limits.retention,
-            state: limits.state,
+            limits,
         };
         let fast = batch
             .pass(&mut items, payloads, &mut outcomes, false, &mut stages)

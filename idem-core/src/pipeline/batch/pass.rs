@@ -10,11 +10,10 @@ use super::gather::Item;
 use crate::handler::Handler;
 use crate::model::{Envelope, ErrorClass, Outcome, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{call, encode_result, existing, failure};
-use crate::state::State;
+use crate::pipeline::steps::{Limits, advance, call, encode_result, existing, failure};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// How a pass over a batch ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,9 +28,8 @@ pub(super) enum Pass {
 pub(super) struct Batch<'a, H: Handler> {
     pub(super) store: &'a H::Store,
     pub(super) envelopes: &'a [Envelope],
-    pub(super) retention: Duration,
-    /// The state the handler asks for.
-    pub(super) state: &'a State,
+    /// Its rows' retention, its state, what becomes of stale messages.
+    pub(super) limits: Limits<'a>,
 }
 
 /// The transaction of one pass, and where its outcomes go.
@@ -96,10 +94,9 @@ impl<H: Handler> Run<'_, '_, H> {
     /// The claims of the items, in order.
     fn requests(&self) -> Vec<ClaimRequest<'_>> {
         let Batch {
-            envelopes,
-            retention,
-            ..
+            envelopes, limits, ..
         } = *self.batch;
+        let retention = limits.retention;
         self.items
             .iter()
             .map(|item| {
@@ -181,7 +178,14 @@ impl<H: Handler> Run<'_, '_, H> {
                     let Some(payload) = payloads[k].take() else {
                         continue;
                     };
-                    let result = call::<H>(tx, payload, envelope, key, self.batch.state).await;
+                    let limits = &self.batch.limits;
+                    if let Some(stale) = advance::<H>(store, tx, &item.keyed, limits).await? {
+                        // Nothing was written for it; its marker goes.
+                        *slot = Some(stale);
+                        failed.push(k);
+                        continue;
+                    }
+                    let result = call::<H>(tx, payload, envelope, key, limits.state).await;
                     match encode_result::<H>(store, result, key) {
                         Ok(output) => {
                             let key = key.clone();
