@@ -219,7 +219,7 @@ pub(crate) fn injected_failure(key: &str) -> Outcome {
 
 impl Limits<'static> {
     /// The limits of handler `H`: its own `retention = ...`, else the runtime's, else its
-    /// store's; the runtime's poison limit; no state (see [`Limits::with_state`]).
+    /// store's; the runtime's poison limit; no state (see [`Limits::with_stores`]).
     pub(crate) fn of<H: Handler>(
         store: &H::Store,
         runtime_retention: Option<Duration>,
