@@ -10,6 +10,7 @@ use idem_core::StoreError;
 
 /// PostgreSQL: one upsert that raises the version only upwards; the row it conflicts on is
 /// locked, so the read after a stale answer sees the latest committed version.
+#[cfg(feature = "postgres")]
 pub(crate) const POSTGRES: VersionStatements = VersionStatements {
     advance: r#"INSERT INTO "{table}_versions" AS v (consumer, entity, version, updated_at)
     VALUES ($1, $2, $3, now())
@@ -21,6 +22,7 @@ pub(crate) const POSTGRES: VersionStatements = VersionStatements {
 };
 
 /// SQLite: the same upsert (the transaction holds the write lock since `BEGIN IMMEDIATE`).
+#[cfg(feature = "sqlite")]
 pub(crate) const SQLITE: VersionStatements = VersionStatements {
     advance: r#"INSERT INTO "{table}_versions" (consumer, entity, version, updated_at)
     VALUES (?1, ?2, ?3, {now})
@@ -35,6 +37,7 @@ pub(crate) const SQLITE: VersionStatements = VersionStatements {
 /// an insert from an unchanged row. A conditional update (a locking read of the latest row)
 /// raises an existing version; when it matched nothing, an insert creates the first one; when
 /// that inserted nothing either, the message is stale.
+#[cfg(feature = "mysql")]
 pub(crate) const MYSQL: VersionStatements = VersionStatements {
     advance: r#"UPDATE `{table}_versions` v
     JOIN (SELECT ? AS consumer, ? AS entity, ? AS version) m
