@@ -5,9 +5,9 @@
 // implements sits in the modules below.
 pub use idem_core::{
     BoxError, Context, DEFAULT_POISON_LIMIT, Envelope, ErrorClass, HandlerError, HeaderValue,
-    Headers, Health, Outcome, Readiness, RejectReason, Rejection, RetryPolicy, RetryPolicyError,
-    Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stale, Stats, StopSignal, Transient,
-    VersionValue,
+    Headers, Health, MAX_PARTITIONS, Outcome, Readiness, RejectReason, Rejection, RetryPolicy,
+    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stale, Stats, StopSignal,
+    Transient, VersionValue,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;
@@ -37,8 +37,8 @@ pub mod store {
 /// The transport contract, and the in-memory transport.
 pub mod transport {
     pub use idem_core::{
-        DeadLetter, DeadLetterLog, Delivery, MemoryTransport, QueueSpec, Settle, Transport,
-        TransportError,
+        DeadLetter, DeadLetterLog, Delivery, MemoryTransport, Partition, QueueSpec, Settle,
+        Transport, TransportError,
     };
 }
 

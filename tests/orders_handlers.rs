@@ -1,5 +1,5 @@
 //! The orders example's handlers under the test harness: `examples/orders/tests.rs`, compiled
-//! beside the example's `handlers.rs` as a test of their own (on in-memory SQLite), and the
+//! beside the example's `handlers.rs` and `status.rs` as a test of their own (on in-memory SQLite), and the
 //! harness over a PostgreSQL pool of the test's own, as a service's tests would use it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests unwrap: a panic is a failure with its message
@@ -8,6 +8,9 @@ mod common;
 #[path = "../examples/orders/handlers.rs"]
 #[allow(dead_code)]
 mod handlers;
+#[path = "../examples/orders/status.rs"]
+#[allow(dead_code)]
+mod status;
 #[path = "../examples/orders/tests.rs"]
 mod tests;
 

@@ -1,7 +1,10 @@
 //! The demo: orders with duplicates (some delivered concurrently), malformed messages and a
-//! reused id, published to the broker, consumed by the runtime, then the books are checked.
+//! reused id, and the status updates of every fourth order (with copies and late copies),
+//! published to the broker, consumed by the runtime, then the books and the statuses are
+//! checked.
 
 use crate::handlers::OrderPlaced;
+use crate::status::{self, StatusUpdate};
 use crate::{Broker, Db, Settings};
 use idem::rabbitmq::Publisher;
 use idem::transport::{MemoryTransport, QueueSpec, Transport};
@@ -49,14 +52,55 @@ impl Rng {
     }
 }
 
+/// The statuses an order goes through, as versions 1, 2, …
+const STATUSES: [&str; 4] = ["placed", "paid", "packed", "shipped"];
+
 /// The messages of one run and what the books must show afterwards.
 struct Workload {
     deliveries: Vec<Envelope>,
+    /// Status updates, routing key = order id, in publish order.
+    statuses: Vec<Envelope>,
+    /// The orders that get status updates.
+    status_orders: Vec<String>,
     reused_id: Envelope,
     expected: BTreeMap<String, i64>,
     orders: usize,
     customer_prefix: String,
     order_prefix: String,
+}
+
+fn status_message(update: &StatusUpdate) -> Envelope {
+    let body = serde_json::to_vec(update).unwrap_or_default();
+    Envelope::new(body)
+        .with_message_id(format!("{}:{}", update.order_id, update.version))
+        .with_content_type("application/json")
+        .with_routing_key(update.order_id.as_str())
+}
+
+/// Every fourth order's updates, each version of every order before the next version of any,
+/// some copied back to back; then late copies of some early versions (duplicates, never
+/// applied over a later version).
+fn status_updates(orders: &[String], rng: &mut Rng, dup_rate: f64) -> Vec<Envelope> {
+    let mut messages = Vec::new();
+    let mut late = Vec::new();
+    for (version, status) in (1..).zip(STATUSES) {
+        for order_id in orders {
+            let update = status_message(&StatusUpdate {
+                order_id: order_id.clone(),
+                status: status.to_owned(),
+                version,
+            });
+            while rng.chance(dup_rate) {
+                messages.push(update.clone());
+            }
+            if version < 3 && rng.chance(dup_rate / 2.0) {
+                late.push(update.clone());
+            }
+            messages.push(update);
+        }
+    }
+    messages.extend(late);
+    messages
 }
 
 fn order_message(order: &OrderPlaced) -> Envelope {
@@ -75,6 +119,11 @@ impl Workload {
         let (customer_prefix, order_prefix) = (format!("customer-{run}-"), format!("order-{run}-"));
         let mut expected = BTreeMap::new();
         let mut bursts = Vec::new();
+        let status_orders: Vec<String> = (0..options.orders)
+            .step_by(4)
+            .map(|n| format!("{order_prefix}{n}"))
+            .collect();
+        let statuses = status_updates(&status_orders, &mut rng, options.dup_rate);
         for n in 0..options.orders {
             let order = OrderPlaced {
                 order_id: format!("{order_prefix}{n}"),
@@ -109,6 +158,8 @@ impl Workload {
         }
         Self {
             deliveries: bursts.into_iter().flatten().collect(),
+            statuses,
+            status_orders,
             reused_id: order_message(&reused),
             expected,
             orders: options.orders,
@@ -141,6 +192,27 @@ impl Sink {
         }
         Ok(())
     }
+
+    /// Publishes `messages` to `exchange`, each with its own routing key.
+    async fn send_routed(&self, exchange: &str, messages: &[Envelope]) -> anyhow::Result<()> {
+        match self {
+            Self::Memory(transport) => messages
+                .iter()
+                .for_each(|m| transport.publish(exchange, m.clone())),
+            Self::Rabbit(publisher) => {
+                for chunk in messages.chunks(500) {
+                    for message in chunk {
+                        let key = message.routing_key.as_deref().unwrap_or_default();
+                        publisher
+                            .publish_unconfirmed_to(exchange, key, message)
+                            .await?;
+                    }
+                    publisher.wait_for_confirms().await?;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Runs the demo and prints the report; fails if the books are wrong.
@@ -153,21 +225,27 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     let builder = crate::runtime(settings, db);
     let mut spec = QueueSpec::new(settings.queue.clone(), "orders");
     spec.retry_delays = RetryPolicy::default().delays();
+    let exchange = status::exchange(&settings.queue);
+    let mut specs = QueueSpec::partitions(&exchange, status::CONSUMER, settings.status_partitions);
+    specs.push(spec);
     let (runtime, sink, transport_name) = match Broker::open(settings).await? {
         Broker::Rabbit(rabbit) => {
             let (transport, publisher) = *rabbit;
-            transport.declare(std::slice::from_ref(&spec)).await?;
+            transport.declare(&specs).await?;
             (
                 builder.transport(transport).build()?,
                 Sink::Rabbit(publisher),
                 "RabbitMQ",
             )
         }
-        Broker::Memory(transport) => (
-            builder.transport(transport.clone()).build()?,
-            Sink::Memory(transport),
-            "in-memory transport",
-        ),
+        Broker::Memory(transport) => {
+            transport.declare(&specs).await?;
+            (
+                builder.transport(transport.clone()).build()?,
+                Sink::Memory(transport),
+                "in-memory transport",
+            )
+        }
     };
     let stats = runtime.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -178,7 +256,8 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     let started = Instant::now();
     let deadline = started + Duration::from_secs(options.timeout_secs);
     sink.send_all(&settings.queue, &workload.deliveries).await?;
-    let total = workload.deliveries.len() as u64;
+    sink.send_routed(&exchange, &workload.statuses).await?;
+    let total = (workload.deliveries.len() + workload.statuses.len()) as u64;
     wait_for(&stats, total, deadline).await?;
     // Once the original is in, a producer reuses its id for other content: a conflict, dead-lettered.
     sink.send_all(&settings.queue, std::slice::from_ref(&workload.reused_id))
@@ -201,6 +280,20 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     let stored_cents: i64 = stored.values().sum();
     let exact =
         wrong == 0 && stored_orders == workload.orders as i64 && stored_cents == expected_cents;
+    let statuses = db.statuses(&workload.order_prefix).await?;
+    let all_versions: Vec<i64> = (1..=STATUSES.len() as i64).collect();
+    let last = (
+        STATUSES[STATUSES.len() - 1].to_owned(),
+        all_versions.len() as i64,
+    );
+    let statuses_wrong = workload
+        .status_orders
+        .iter()
+        .filter(|order| {
+            statuses.current.get(*order) != Some(&last)
+                || statuses.applied.get(*order) != Some(&all_versions)
+        })
+        .count();
 
     println!(
         "transport            {transport_name}, queue {}",
@@ -224,6 +317,17 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     );
     println!("cents booked    {stored_cents:>12}  (expected {expected_cents})");
     println!(
+        "status updates       {:>7}  (orders {}, {} partitions of {exchange}; each order's versions applied once, in order: {})",
+        workload.statuses.len(),
+        workload.status_orders.len(),
+        settings.status_partitions,
+        if statuses_wrong == 0 {
+            "exact".to_owned()
+        } else {
+            format!("WRONG ({statuses_wrong} orders off)")
+        }
+    );
+    println!(
         "balances             {}",
         if exact {
             "exact".to_owned()
@@ -232,6 +336,10 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
         }
     );
     anyhow::ensure!(exact, "the books do not add up");
+    anyhow::ensure!(
+        statuses_wrong == 0,
+        "the status updates were not applied once each in order"
+    );
     Ok(())
 }
 

@@ -1,5 +1,6 @@
 //! The orders example: an order consumer whose non-idempotent writes (an order row and a
-//! balance increment) are made effectively exactly once by idem.
+//! balance increment) are made effectively exactly once by idem, and a status consumer that
+//! applies each order's status updates in order (`status.rs`).
 //!
 //! - `cargo run --example orders` (or `-- demo`): publishes a few thousand orders with ~20%
 //!   duplicates (some concurrent), malformed messages and a reused id, consumes them, and checks
@@ -10,16 +11,17 @@
 //! `--help` lists the configuration; every setting can come from the environment
 //! (`ORDERS_BATCH=200` tries batch mode).
 
+mod db;
 mod demo;
 mod handlers;
 mod http;
+mod status;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
-use idem::rabbitmq::{Publisher, RabbitConfig, RabbitTransport};
+use db::Db;
+use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
 use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
-use idem::sqlx;
-use idem::telemetry::redact_url;
 use idem::transport::MemoryTransport;
 use idem::{Runtime, RuntimeBuilder};
 
@@ -68,10 +70,23 @@ struct Settings {
         global = true
     )]
     database_url: String,
-    /// The queue to consume (its dead letters go to `<queue>.dlq`).
+    /// The queue to consume (its dead letters go to `<queue>.dlq`); status updates come
+    /// through the exchange `<queue>.status`.
     #[arg(long, env = "ORDERS_QUEUE", default_value = "orders", global = true)]
     queue: String,
-    /// Orders processed at once, one transaction each (ignored in batch mode).
+    /// The type of the example's queues.
+    #[arg(long, value_enum, env = "ORDERS_QUEUE_TYPE", default_value_t = QueueKind::Classic, global = true)]
+    queue_type: QueueKind,
+    /// Partition queues of the status updates (`<queue>.status.p0` …), each consumed in order.
+    #[arg(
+        long,
+        env = "ORDERS_STATUS_PARTITIONS",
+        default_value_t = 4,
+        global = true
+    )]
+    status_partitions: usize,
+    /// Orders (and status updates) processed at once, one transaction each (orders: ignored
+    /// in batch mode).
     #[arg(long, env = "ORDERS_CONCURRENCY", default_value_t = 8, global = true)]
     concurrency: usize,
     /// Batch mode: up to this many orders per transaction (0: one transaction per order).
@@ -84,6 +99,25 @@ struct Settings {
     /// Where messages come from: RabbitMQ, or the in-memory transport (demo only).
     #[arg(long, value_enum, env = "ORDERS_TRANSPORT", default_value_t = TransportKind::Auto, global = true)]
     transport: TransportKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum QueueKind {
+    /// Classic queues (one node).
+    Classic,
+    /// Quorum queues (replicated across a cluster).
+    Quorum,
+}
+
+impl Settings {
+    /// The RabbitMQ configuration: `AMQP_URL` and the queue type.
+    fn rabbit(&self) -> RabbitConfig {
+        let queue_type = match self.queue_type {
+            QueueKind::Classic => QueueType::Classic,
+            QueueKind::Quorum => QueueType::Quorum,
+        };
+        RabbitConfig::new(&self.amqp_url).queue_type(queue_type)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -108,6 +142,11 @@ async fn main() -> anyhow::Result<()> {
     anyhow::ensure!(
         settings.concurrency > 0,
         "ORDERS_CONCURRENCY must be at least 1"
+    );
+    anyhow::ensure!(
+        (1..=idem::MAX_PARTITIONS).contains(&settings.status_partitions),
+        "ORDERS_STATUS_PARTITIONS must be 1 to {}",
+        idem::MAX_PARTITIONS
     );
     let db = Db::connect(&settings.database_url, settings.concurrency).await?;
     match cli.command {
@@ -134,7 +173,7 @@ async fn consume(
         ),
         None => None,
     };
-    let transport = RabbitTransport::new(RabbitConfig::new(&settings.amqp_url));
+    let transport = RabbitTransport::new(settings.rabbit());
     let runtime = runtime(settings, db).transport(transport).build()?;
     if let (Some(addr), Some(metrics)) = (metrics_addr, metrics) {
         http::serve(addr, metrics, runtime.health())
@@ -146,18 +185,22 @@ async fn consume(
     Ok(())
 }
 
-/// The runtime for the orders handler on `db`, without a transport yet.
+/// The runtime for the orders and status handlers on `db`, without a transport yet.
 fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
     let builder = Runtime::builder()
-        .handlers(["orders"])
+        .handlers(["orders", status::CONSUMER])
         .handler_queue("orders", &settings.queue)
+        .handler_queue(status::CONSUMER, status::exchange(&settings.queue))
+        .ordered(status::CONSUMER, settings.status_partitions)
+        .handler_concurrency(status::CONSUMER, settings.concurrency)
         .poison_limit(settings.poison_limit);
-    // Batch mode keeps its defaults: one batch in flight, prefetch twice the batch.
+    // Batch mode (orders only; status updates run one transaction each, in order) keeps its
+    // defaults: one batch in flight, prefetch twice the batch.
     let builder = match settings.batch {
         0 => builder
             .concurrency(settings.concurrency)
             .prefetch(u16::try_from(settings.concurrency * 4).unwrap_or(u16::MAX)),
-        size => builder.batch(size),
+        size => builder.handler_batch("orders", size),
     };
     match db {
         Db::Sqlite(pool) => builder.store(SqliteInbox::new(pool.clone())),
@@ -177,7 +220,7 @@ impl Broker {
         if settings.transport == TransportKind::Memory {
             return Ok(Self::Memory(MemoryTransport::new()));
         }
-        let config = RabbitConfig::new(&settings.amqp_url);
+        let config = settings.rabbit();
         match Publisher::connect(&config).await {
             Ok(publisher) => Ok(Self::Rabbit(Box::new((
                 RabbitTransport::new(config),
@@ -219,119 +262,4 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = interrupt.await;
-}
-
-/// The database holding the inbox and the orders.
-pub enum Db {
-    /// The embedded default.
-    Sqlite(sqlx::SqlitePool),
-    /// A PostgreSQL server.
-    Postgres(sqlx::PgPool),
-    /// A MySQL or MariaDB server.
-    MySql(sqlx::MySqlPool),
-}
-
-impl Db {
-    /// Connects, creates the example's tables and migrates the inbox.
-    async fn connect(url: &str, concurrency: usize) -> anyhow::Result<Self> {
-        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            let pool = sqlx::postgres::PgPoolOptions::new()
-                .max_connections(u32::try_from(concurrency + 2).unwrap_or(u32::MAX))
-                .connect(url)
-                .await
-                .with_context(|| {
-                    format!(
-                        "cannot connect to PostgreSQL at DATABASE_URL ({})",
-                        redact_url(url)
-                    )
-                })?;
-            let mut tx = pool.begin().await?;
-            sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.orders.schema'))::text")
-                .execute(&mut *tx)
-                .await?;
-            for statement in handlers::SCHEMA {
-                sqlx::query(statement).execute(&mut *tx).await?;
-            }
-            tx.commit().await?;
-            PgInbox::new(pool.clone()).migrate().await?;
-            Ok(Self::Postgres(pool))
-        } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-            let url = url.replacen("mariadb://", "mysql://", 1);
-            let pool = sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(u32::try_from(concurrency + 2).unwrap_or(u32::MAX))
-                .connect(&url)
-                .await
-                .with_context(|| {
-                    format!(
-                        "cannot connect to MySQL/MariaDB at DATABASE_URL ({})",
-                        redact_url(&url)
-                    )
-                })?;
-            // MySQL runs DDL outside transactions; IF NOT EXISTS makes concurrent starts safe.
-            for statement in handlers::MYSQL_SCHEMA {
-                sqlx::query(statement).execute(&pool).await?;
-            }
-            MySqlInbox::new(pool.clone()).migrate().await?;
-            Ok(Self::MySql(pool))
-        } else if url.starts_with("sqlite:") || !url.contains("://") {
-            let pool = idem::sql::sqlite::pool(url)
-                .await
-                .with_context(|| format!("cannot open SQLite database DATABASE_URL ({url})"))?;
-            SqliteInbox::new(pool.clone()).migrate().await?;
-            for statement in handlers::SCHEMA {
-                sqlx::query(statement).execute(&pool).await?;
-            }
-            Ok(Self::Sqlite(pool))
-        } else {
-            anyhow::bail!(
-                "DATABASE_URL must be a sqlite: URL, a file path, a postgres:// or a mysql:// URL, got {}",
-                redact_url(url)
-            )
-        }
-    }
-
-    /// Each balance whose customer starts with `prefix`, and the number of orders whose id does.
-    async fn books(
-        &self,
-        customer_prefix: &str,
-        order_prefix: &str,
-    ) -> anyhow::Result<(Vec<(String, i64)>, i64)> {
-        const BALANCES: &str = "SELECT customer, cents FROM balances WHERE customer LIKE $1";
-        const ORDERS: &str = "SELECT count(*) FROM orders WHERE order_id LIKE $1";
-        const MYSQL_BALANCES: &str = "SELECT customer, cents FROM balances WHERE customer LIKE ?";
-        const MYSQL_ORDERS: &str = "SELECT count(*) FROM orders WHERE order_id LIKE ?";
-        let (customers, orders) = (format!("{customer_prefix}%"), format!("{order_prefix}%"));
-        Ok(match self {
-            Self::Sqlite(pool) => (
-                sqlx::query_as(BALANCES)
-                    .bind(&customers)
-                    .fetch_all(pool)
-                    .await?,
-                sqlx::query_scalar(ORDERS)
-                    .bind(&orders)
-                    .fetch_one(pool)
-                    .await?,
-            ),
-            Self::Postgres(pool) => (
-                sqlx::query_as(BALANCES)
-                    .bind(&customers)
-                    .fetch_all(pool)
-                    .await?,
-                sqlx::query_scalar(ORDERS)
-                    .bind(&orders)
-                    .fetch_one(pool)
-                    .await?,
-            ),
-            Self::MySql(pool) => (
-                sqlx::query_as(MYSQL_BALANCES)
-                    .bind(&customers)
-                    .fetch_all(pool)
-                    .await?,
-                sqlx::query_scalar(MYSQL_ORDERS)
-                    .bind(&orders)
-                    .fetch_one(pool)
-                    .await?,
-            ),
-        })
-    }
 }

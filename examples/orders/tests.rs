@@ -1,17 +1,22 @@
 //! The orders example's handler tests, under the test harness (`idem::testing`): what a team
 //! writes for its own handlers. An in-memory SQLite database, no broker; copies, a lost ack,
-//! reordering, a transient database error, a conflict and a malformed message. `cargo test`
+//! reordering, a transient database error, a conflict and a malformed message; status updates
+//! applied once each and never older than the applied version. `cargo test`
 //! runs them as `tests/orders_handlers.rs` (the example's binary stays the plain one the other
 //! tests start).
 
 use crate::handlers::{OrderPlaced, SCHEMA};
+use crate::status::{CONSUMER as STATUS, SQLITE_SCHEMA as STATUS_SCHEMA, StatusUpdate};
 use idem::sqlx::{self, SqlitePool};
 use idem::testing::{Harness, json};
 
 async fn harness() -> (Harness, SqlitePool) {
     let (harness, pool) = idem::testing::sqlite().await.expect("in-memory SQLite");
-    for statement in SCHEMA {
-        sqlx::query(statement).execute(&pool).await.expect("schema");
+    for statement in SCHEMA.iter().chain(&STATUS_SCHEMA) {
+        sqlx::query(*statement)
+            .execute(&pool)
+            .await
+            .expect("schema");
     }
     (harness, pool)
 }
@@ -128,4 +133,55 @@ async fn a_reused_id_and_a_malformed_message_are_dead_lettered_with_reasons() {
         ]
     );
     assert_eq!(balance(&pool, "ed").await, 70);
+}
+
+fn status(order_id: &str, status: &str, version: i64) -> idem::Envelope {
+    let update = StatusUpdate {
+        order_id: order_id.to_owned(),
+        status: status.to_owned(),
+        version,
+    };
+    json(&format!("{order_id}:{version}"), &update).expect("serializable")
+}
+
+/// The order's status row and the versions applied to it, in the order applied.
+async fn status_of(pool: &SqlitePool, order_id: &str) -> (Option<(String, i64)>, Vec<i64>) {
+    let current = sqlx::query_as("SELECT status, version FROM order_status WHERE order_id = ?")
+        .bind(order_id)
+        .fetch_optional(pool)
+        .await
+        .expect("status");
+    let applied =
+        sqlx::query_scalar("SELECT version FROM status_log WHERE order_id = ? ORDER BY id")
+            .bind(order_id)
+            .fetch_all(pool)
+            .await
+            .expect("log");
+    (current, applied)
+}
+
+#[tokio::test]
+async fn a_status_update_older_than_the_applied_one_is_stale() {
+    let (harness, pool) = harness().await;
+    let sent = [
+        status("o-4", "placed", 1),
+        status("o-4", "packed", 3),
+        status("o-4", "placed", 1),
+        status("o-4", "paid", 2),
+    ];
+    let outcomes = harness.send_all(STATUS, sent).await.unwrap();
+    assert_eq!(
+        labels(&outcomes),
+        ["processed", "processed", "duplicate", "stale"]
+    );
+    let (current, applied) = status_of(&pool, "o-4").await;
+    assert_eq!(current, Some(("packed".to_owned(), 3)));
+    assert_eq!(applied, [1, 3], "version 2 never applied after 3");
+    // The stale update is neither stored nor dead-lettered: sent again, it is judged again.
+    let again = harness
+        .send(STATUS, status("o-4", "paid", 2))
+        .await
+        .unwrap();
+    assert_eq!(again.label(), "stale");
+    assert!(harness.dead_letters().is_empty());
 }

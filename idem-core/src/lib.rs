@@ -68,8 +68,8 @@ pub use model::{
 pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};
 pub use runtime::{
-    DEFAULT_POISON_LIMIT, Health, Readiness, RetryPolicy, RetryPolicyError, Runtime,
-    RuntimeBuilder, RuntimeError, Snapshot, Stats,
+    DEFAULT_POISON_LIMIT, Health, MAX_PARTITIONS, Readiness, RetryPolicy, RetryPolicyError,
+    Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats,
 };
 pub use state::{State, StateType};
 pub use store::{
@@ -77,6 +77,6 @@ pub use store::{
     SweepReport,
 };
 pub use transport::{
-    DeadLetterLog, Delivery, MemoryTransport, QueueSpec, Settle, StopSignal, Transport,
+    DeadLetterLog, Delivery, MemoryTransport, Partition, QueueSpec, Settle, StopSignal, Transport,
     TransportError,
 };

@@ -281,9 +281,11 @@ impl Consumer {
             redelivered,
             properties,
             data,
+            routing_key,
             ..
         } = delivery;
-        let envelope = envelope(&properties, data, redelivered);
+        let mut envelope = envelope(&properties, data, redelivered);
+        envelope.routing_key = Some(routing_key.to_string());
         let settle = Box::new(RabbitSettle {
             tag: delivery_tag,
             acks: acks.clone(),

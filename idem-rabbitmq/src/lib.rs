@@ -44,5 +44,5 @@ pub use config::{
 };
 pub use envelope::ATTEMPT_HEADER;
 pub use publisher::{PublishError, Publisher};
-pub use topology::{dlq, retry_queue};
+pub use topology::{CONSISTENT_HASH, dlq, retry_queue};
 pub use transport::RabbitTransport;

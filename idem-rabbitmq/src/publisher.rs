@@ -76,7 +76,8 @@ impl Publisher {
     }
 
     /// Publishes `message` to `exchange` with `routing_key` (the queue name on the default
-    /// exchange `""`), persistent and mandatory, and waits for the confirm: a message no queue
+    /// exchange `""`; to an ordered handler's exchange, the partition key), persistent and
+    /// mandatory, and waits for the confirm: a message no queue
     /// takes is [`PublishError::Unroutable`].
     pub async fn publish(
         &self,
@@ -128,10 +129,22 @@ impl Publisher {
         queue: &str,
         message: &Envelope,
     ) -> Result<(), PublishError> {
+        self.publish_unconfirmed_to("", queue, message).await
+    }
+
+    /// Publishes `message` to `exchange` with `routing_key` without waiting for the confirm
+    /// (to an ordered handler's exchange, the routing key is the partition key); call
+    /// [`Publisher::wait_for_confirms`] after a batch.
+    pub async fn publish_unconfirmed_to(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &Envelope,
+    ) -> Result<(), PublishError> {
         self.channel
             .basic_publish(
-                ShortString::from(""),
-                ShortString::from(queue),
+                ShortString::from(exchange),
+                ShortString::from(routing_key),
                 MANDATORY,
                 &message.body,
                 properties(message),
@@ -140,6 +153,7 @@ impl Publisher {
             .map_err(broker)?;
         Ok(())
     }
+
     /// Waits until every message published so far is confirmed; fails if any was refused or
     /// could not be routed.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {

@@ -2,11 +2,18 @@
 
 use crate::config::{QueueType, RabbitConfig};
 use crate::connections::Connections;
-use idem_core::{QueueSpec, TransportError};
+use idem_core::{Partition, QueueSpec, TransportError};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection};
 use std::time::Duration;
+
+/// The exchange type that routes an ordered handler's messages to its partitions, from the
+/// `rabbitmq_consistent_hash_exchange` plugin that ships with RabbitMQ.
+pub const CONSISTENT_HASH: &str = "x-consistent-hash";
+
+/// A partition queue's binding key: its weight on the hash ring (all equal).
+const PARTITION_WEIGHT: &str = "1";
 
 /// The dead-letter queue of `queue`.
 pub fn dlq(queue: &str) -> String {
@@ -93,6 +100,13 @@ async fn declare(
             AMQPValue::LongLongInt(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)),
         );
     }
+    if spec.partition.is_some() {
+        // One consumer at a time across processes: the partition is handled in order.
+        main.insert(
+            ShortString::from("x-single-active-consumer"),
+            AMQPValue::Boolean(true),
+        );
+    }
     let mut queues = vec![
         (dlq(q), queue_arguments(config, None)),
         (q.to_owned(), main),
@@ -122,6 +136,9 @@ async fn declare(
                 source: e.into(),
             })?;
         let _ = channel.close(200, ShortString::from("declared")).await;
+    }
+    if let Some(partition) = &spec.partition {
+        bind_partition(connection, q, partition).await?;
     }
     for binding in config.bindings.iter().filter(|b| b.queue == q) {
         let channel = channel(connection, &binding.exchange).await?;
@@ -155,6 +172,52 @@ async fn declare(
             .map_err(|e| failed("binding the queue", e))?;
         let _ = channel.close(200, ShortString::from("bound")).await;
     }
+    Ok(())
+}
+
+/// Declares an ordered handler's consistent-hash exchange and binds partition queue `queue`
+/// to it with weight 1, so that the partitions share the routing keys evenly.
+async fn bind_partition(
+    connection: &Connection,
+    queue: &str,
+    partition: &Partition,
+) -> Result<(), TransportError> {
+    let exchange = partition.exchange.as_str();
+    let channel = channel(connection, exchange).await?;
+    let failed = |action: &'static str, e: lapin::Error| TransportError::Topology {
+        queue: exchange.to_owned(),
+        action,
+        source: e.into(),
+    };
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .exchange_declare(
+            ShortString::from(exchange),
+            lapin::ExchangeKind::Custom(CONSISTENT_HASH.to_owned()),
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            failed(
+                "declaring the ordered handler's x-consistent-hash exchange (enable the plugin: rabbitmq-plugins enable rabbitmq_consistent_hash_exchange; an exchange of that name and another type must be deleted)",
+                e,
+            )
+        })?;
+    channel
+        .queue_bind(
+            ShortString::from(queue),
+            ShortString::from(exchange),
+            ShortString::from(PARTITION_WEIGHT),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| failed("binding the partition queue", e))?;
+    let _ = channel.close(200, ShortString::from("bound")).await;
     Ok(())
 }
 

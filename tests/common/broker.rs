@@ -160,7 +160,11 @@ pub async fn give_back(queue: &str, deadline: Duration) -> bool {
     given
 }
 
-/// Deletes `queue` and the queues idem declared beside it.
+/// Status partitions the orders example declares beside its queue, unless configured.
+const EXAMPLE_STATUS_PARTITIONS: usize = 4;
+
+/// Deletes `queue` and the queues idem declared beside it (with, when `queue` was the orders
+/// example's, the example's status partitions and exchange).
 pub async fn delete_topology(queue: &str, delays: &[Duration]) {
     let connection = connect().await;
     let mut names = vec![queue.to_owned(), idem::rabbitmq::dlq(queue)];
@@ -169,6 +173,19 @@ pub async fn delete_topology(queue: &str, delays: &[Duration]) {
             .iter()
             .map(|d| idem::rabbitmq::retry_queue(queue, *d)),
     );
+    let status = format!("{queue}.status");
+    for index in 0..EXAMPLE_STATUS_PARTITIONS {
+        let partition = idem::transport::Partition::queue_name(&status, index);
+        names.push(idem::rabbitmq::dlq(&partition));
+        names.push(partition);
+    }
+    let channel = connection.create_channel().await.expect("channel");
+    let _ = channel
+        .exchange_delete(
+            ShortString::from(status.as_str()),
+            lapin::options::ExchangeDeleteOptions::default(),
+        )
+        .await;
     for name in names {
         let channel = connection.create_channel().await.expect("channel");
         let _ = channel
@@ -254,4 +271,36 @@ pub fn unacked(queue: &str) -> usize {
         .find(|(name, _)| *name == queue)
         .and_then(|(_, n)| n.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// Deletes `exchange` (an ordered handler's, after its partition queues).
+pub async fn delete_exchange(exchange: &str) {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    let _ = channel
+        .exchange_delete(
+            ShortString::from(exchange),
+            lapin::options::ExchangeDeleteOptions::default(),
+        )
+        .await;
+    close(connection).await;
+}
+
+/// Declares a durable `direct` exchange named `exchange` (one in the way of an ordered handler).
+pub async fn declare_direct_exchange(exchange: &str) {
+    let connection = connect().await;
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .exchange_declare(
+            ShortString::from(exchange),
+            lapin::ExchangeKind::Direct,
+            lapin::options::ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("declare the exchange");
+    close(connection).await;
 }

@@ -25,6 +25,9 @@ pub struct Envelope {
     pub attempt: u32,
     /// Whether the broker flagged this delivery as a redelivery.
     pub redelivered: bool,
+    /// The routing key the message was published with, when the transport has one: an ordered
+    /// handler's partition key.
+    pub routing_key: Option<String>,
 }
 
 impl Envelope {
@@ -58,6 +61,12 @@ impl Envelope {
     /// Sets the content type.
     pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
         self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Sets the routing key (an ordered handler's partition key).
+    pub fn with_routing_key(mut self, key: impl Into<String>) -> Self {
+        self.routing_key = Some(key.into());
         self
     }
 

@@ -19,6 +19,9 @@ pub(crate) struct Actor {
     pub(crate) workers: usize,
     pub(crate) prefetch: u16,
     pub(crate) batch: Option<BatchSpec>,
+    /// One partition of an ordered handler: deliveries go to workers by routing key, and
+    /// failures are retried in place.
+    pub(crate) ordered: bool,
 }
 
 /// How a handler's deliveries are grouped into transactions.
@@ -38,4 +41,6 @@ pub(crate) struct Shared {
     pub(crate) queue: Arc<str>,
     pub(crate) retry: RetryPolicy,
     pub(crate) stats: Arc<Stats>,
+    /// Retry transient failures in place (ordered handlers) instead of through the transport.
+    pub(crate) in_place: bool,
 }

@@ -1,28 +1,26 @@
 //! [`RuntimeBuilder`]: the configuration of a [`Runtime`], checked when it is built.
 
-use super::actor::{Actor, BatchSpec};
 use super::error::RuntimeError;
 use super::health::Health;
 use super::retry::RetryPolicy;
 use super::run::Runtime;
 use super::stats::Stats;
 use super::sweeper::SweepSettings;
-use crate::handler::Mode;
-use crate::registry::{self, Registration};
+use crate::registry;
 use crate::store::{InboxStore, Stores};
-use crate::transport::{QueueSpec, Transport};
+use crate::transport::Transport;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Deliveries processed at once per handler, one transaction each, unless configured.
-const DEFAULT_CONCURRENCY: usize = 8;
+pub(super) const DEFAULT_CONCURRENCY: usize = 8;
 /// Batches executing at once per handler in batch mode, unless configured.
-const DEFAULT_BATCHES_IN_FLIGHT: usize = 1;
+pub(super) const DEFAULT_BATCHES_IN_FLIGHT: usize = 1;
 /// Unsettled deliveries per handler, one transaction each, unless configured.
-const DEFAULT_PREFETCH: u16 = 32;
+pub(super) const DEFAULT_PREFETCH: u16 = 32;
 /// How long a batch waits for more deliveries after its first, unless configured.
-const DEFAULT_LINGER: Duration = Duration::from_millis(5);
+pub(super) const DEFAULT_LINGER: Duration = Duration::from_millis(5);
 /// Deliveries without a settlement before a message is refused as poison, unless configured.
 pub const DEFAULT_POISON_LIMIT: u32 = 5;
 
@@ -36,19 +34,20 @@ impl Runtime {
 
 /// Builds a [`Runtime`].
 pub struct RuntimeBuilder {
-    transport: Option<Arc<dyn Transport>>,
-    stores: Stores,
-    handlers: Option<Vec<String>>,
-    concurrency: Option<usize>,
-    per_handler: HashMap<String, usize>,
-    queues: HashMap<String, String>,
-    prefetch: Option<u16>,
-    batch: usize,
-    per_handler_batch: HashMap<String, usize>,
-    linger: Duration,
-    retry: RetryPolicy,
-    shutdown_grace: Duration,
-    sweep: Option<SweepSettings>,
+    pub(super) transport: Option<Arc<dyn Transport>>,
+    pub(super) stores: Stores,
+    pub(super) handlers: Option<Vec<String>>,
+    pub(super) concurrency: Option<usize>,
+    pub(super) per_handler: HashMap<String, usize>,
+    pub(super) queues: HashMap<String, String>,
+    pub(super) prefetch: Option<u16>,
+    pub(super) batch: usize,
+    pub(super) per_handler_batch: HashMap<String, usize>,
+    pub(super) linger: Duration,
+    pub(super) retry: RetryPolicy,
+    pub(super) shutdown_grace: Duration,
+    pub(super) sweep: Option<SweepSettings>,
+    pub(super) ordered: HashMap<String, usize>,
 }
 
 impl Default for RuntimeBuilder {
@@ -67,6 +66,7 @@ impl Default for RuntimeBuilder {
             retry: RetryPolicy::default(),
             shutdown_grace: Duration::from_secs(30),
             sweep: Some(SweepSettings::default()),
+            ordered: HashMap::new(),
         }
     }
 }
@@ -117,6 +117,22 @@ impl RuntimeBuilder {
     /// queue its `#[idempotent(queue = ...)]` names (for example from configuration).
     pub fn handler_queue(mut self, consumer: impl Into<String>, queue: impl Into<String>) -> Self {
         self.queues.insert(consumer.into(), queue.into());
+        self
+    }
+
+    /// Consumes the handler with consumer identity `consumer` in order per partition key, over
+    /// `partitions` partition queues (1 to [`MAX_PARTITIONS`](crate::MAX_PARTITIONS)). Its queue name (from
+    /// `#[idempotent(queue = ...)]` or [`Self::handler_queue`]) becomes an exchange that routes
+    /// each message by its routing key, the partition key, to one of the queues
+    /// `<queue>.p0` … (on RabbitMQ, a consistent-hash exchange). One process at a time
+    /// consumes each partition (single active consumer), so that a key's messages are handled
+    /// one at a time and in publish order across processes and restarts. Inside the process,
+    /// the handler's workers (its concurrency) take different keys of a partition at once,
+    /// never two messages of one key. A transient failure is retried in place, after the
+    /// retry policy's delay, holding back the messages of its key behind it; a message out of
+    /// attempts, or rejected, is dead-lettered and its key moves on. Not with batch mode.
+    pub fn ordered(mut self, consumer: impl Into<String>, partitions: usize) -> Self {
+        self.ordered.insert(consumer.into(), partitions);
         self
     }
 
@@ -216,51 +232,11 @@ impl RuntimeBuilder {
         self
     }
 
-    /// The handlers to run: the chosen consumers (or every registered one). A consumer written
-    /// for several stores (one function per database) runs on the store the runtime has.
-    fn select_handlers(&self) -> Result<Vec<&'static Registration>, RuntimeError> {
-        let all = registry::handlers();
-        let consumers: Vec<&str> = match &self.handlers {
-            Some(chosen) => chosen.iter().map(String::as_str).collect(),
-            None => {
-                let mut names: Vec<&str> = all.iter().map(|r| r.consumer()).collect();
-                names.dedup();
-                names
-            }
-        };
-        let mut selected = Vec::new();
-        for consumer in consumers {
-            let candidates: Vec<_> = all
-                .iter()
-                .copied()
-                .filter(|r| r.consumer() == consumer)
-                .collect();
-            let Some(first) = candidates.first() else {
-                return Err(RuntimeError::UnknownHandler(consumer.to_owned()));
-            };
-            let runnable: Vec<_> = candidates
-                .iter()
-                .copied()
-                .filter(|r| r.store_available(&self.stores))
-                .collect();
-            if runnable.is_empty() {
-                return Err(RuntimeError::MissingStore {
-                    consumer: first.consumer(),
-                    store: first.store(),
-                });
-            }
-            selected.extend(runnable);
-        }
-        if selected.is_empty() {
-            return Err(RuntimeError::NoHandlers);
-        }
-        Ok(selected)
-    }
-
     /// Checks the configuration.
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let handlers = self.select_handlers()?;
         registry::validate(&handlers)?;
+        self.check_ordered(&handlers)?;
         for registration in &handlers {
             if let Some(missing) = registration.missing_state(&self.stores) {
                 return Err(RuntimeError::MissingState {
@@ -299,16 +275,17 @@ impl RuntimeBuilder {
         let mut actors = Vec::with_capacity(handlers.len());
         let mut queues = HashMap::new();
         for registration in handlers {
-            let actor = self.actor(registration)?;
-            self.check_windows(&actor, transport.as_ref())?;
-            if let Some(first) = queues.insert(actor.spec.queue.clone(), registration.name()) {
-                return Err(RuntimeError::SharedQueue {
-                    queue: actor.spec.queue,
-                    first,
-                    second: registration.name(),
-                });
+            for actor in self.actors(registration)? {
+                self.check_windows(&actor, transport.as_ref())?;
+                if let Some(first) = queues.insert(actor.spec.queue.clone(), registration.name()) {
+                    return Err(RuntimeError::SharedQueue {
+                        queue: actor.spec.queue,
+                        first,
+                        second: registration.name(),
+                    });
+                }
+                actors.push(actor);
             }
-            actors.push(actor);
         }
         let stores = Arc::new(self.stores);
         let handlers = actors
@@ -325,126 +302,6 @@ impl RuntimeBuilder {
             shutdown_grace: self.shutdown_grace,
             stats: Arc::new(Stats::default()),
             sweep: self.sweep,
-        })
-    }
-
-    /// Refuses windows that would let a copy run twice: a queue TTL longer than the handler's
-    /// retention (a late copy would find no marker), and an external handler's lease at least
-    /// as long as the retry window (a copy waiting for the lease would run out of attempts).
-    fn check_windows(&self, actor: &Actor, transport: &dyn Transport) -> Result<(), RuntimeError> {
-        let consumer = actor.registration.consumer();
-        let queue = &actor.spec.queue;
-        if let (Some(ttl), Some(retention)) = (
-            transport.message_ttl(queue),
-            actor.registration.retention(&self.stores),
-        ) && ttl > retention
-        {
-            return Err(RuntimeError::setting(
-                "message_ttl",
-                format!(
-                    "queue `{queue}` declares a message TTL of {}s, longer than the {}s retention of `{consumer}`'s inbox rows: a message delivered late would find no marker and be processed again; raise the retention (#[idempotent(retention = \"...\")] or RuntimeBuilder::retention) or lower the TTL",
-                    ttl.as_secs(),
-                    retention.as_secs()
-                ),
-            ));
-        }
-        if let Mode::External { lease } = actor.registration.mode() {
-            let window: Duration = self.retry.delays().iter().sum();
-            if lease >= window {
-                return Err(RuntimeError::setting(
-                    "lease",
-                    format!(
-                        "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up after {window:?} of delays: a copy waiting for the lease would be dead-lettered; shorten the lease or lengthen the retry policy"
-                    ),
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// One handler's queue, workers, prefetch and batching.
-    fn actor(&self, registration: &'static Registration) -> Result<Actor, RuntimeError> {
-        let consumer = registration.consumer();
-        let queue = match self.queues.get(consumer) {
-            Some(queue) => queue.as_str(),
-            None => registration
-                .queue()
-                .ok_or(RuntimeError::NoQueue { consumer })?,
-        };
-        if queue.is_empty() || queue.len() > 200 {
-            return Err(RuntimeError::setting(
-                "queue",
-                format!("queue name {queue:?} must be 1 to 200 characters"),
-            ));
-        }
-        let size = self
-            .per_handler_batch
-            .get(consumer)
-            .copied()
-            .unwrap_or(self.batch);
-        let batch = (size > 0).then_some(BatchSpec {
-            size,
-            linger: self.linger,
-        });
-        let workers = self
-            .per_handler
-            .get(consumer)
-            .copied()
-            .or(self.concurrency)
-            .unwrap_or(match batch {
-                Some(_) => DEFAULT_BATCHES_IN_FLIGHT,
-                None => DEFAULT_CONCURRENCY,
-            });
-        if workers == 0 {
-            return Err(RuntimeError::setting(
-                "concurrency",
-                format!("concurrency of `{consumer}` must be at least 1"),
-            ));
-        }
-        let prefetch = match (self.prefetch, batch) {
-            (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
-                return Err(RuntimeError::setting(
-"prefetch", format!(
-                    "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
-                    batch.size,
-                    batch.size.saturating_mul(2).min(usize::from(u16::MAX)),
-                )));
-            }
-            (Some(prefetch), Some(batch)) => {
-                if batch.size * 2 > usize::from(prefetch) {
-                    tracing::warn!(
-                        consumer,
-                        batch = batch.size,
-                        prefetch,
-                        "batch size is above prefetch / 2: the next batch cannot gather while one commits"
-                    );
-                }
-                prefetch
-            }
-            (Some(prefetch), None) => prefetch,
-            (None, Some(batch)) => u16::try_from(batch.size.saturating_mul(2))
-                .map_err(|_| {
-                    RuntimeError::setting(
-"batch", format!(
-                        "`{consumer}` batches {} deliveries; at most {} fit twice in a prefetch",
-                        batch.size,
-                        u16::MAX / 2
-                    ))
-                })?
-                .max(DEFAULT_PREFETCH),
-            (None, None) => DEFAULT_PREFETCH,
-        };
-        Ok(Actor {
-            registration,
-            spec: QueueSpec {
-                queue: queue.to_owned(),
-                consumer: consumer.to_owned(),
-                retry_delays: self.retry.delays(),
-                dead_letters: Default::default(),
-            },
-            workers,
-            prefetch,
-            batch,
         })
     }
 }

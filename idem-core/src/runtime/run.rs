@@ -8,7 +8,7 @@ use super::health::Health;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
 use super::sweeper::{self, SweepSettings};
-use super::{batch_worker, worker};
+use super::{batch_worker, lanes, worker};
 use crate::pipeline::ErasedHandler;
 use crate::store::Stores;
 use crate::transport::{DeadLetterLog, QueueSpec, Transport};
@@ -78,8 +78,19 @@ impl Runtime {
                 queue: Arc::from(actor.spec.queue.as_str()),
                 retry: self.retry.clone(),
                 stats: self.stats.clone(),
+                in_place: actor.ordered,
             });
             match actor.batch {
+                None if actor.ordered => {
+                    let mut lanes = Vec::with_capacity(actor.workers);
+                    for _ in 0..actor.workers {
+                        let (lane_tx, lane) = mpsc::channel(usize::from(actor.prefetch));
+                        lanes.push(lane_tx);
+                        let lane = Arc::new(Mutex::new(lane));
+                        workers.spawn(worker::run(shared.clone(), lane, stop.clone()));
+                    }
+                    workers.spawn(lanes::dispatch(mailbox, lanes));
+                }
                 None => {
                     let mailbox = Arc::new(Mutex::new(mailbox));
                     for _ in 0..actor.workers {
@@ -104,6 +115,7 @@ impl Runtime {
                 workers = actor.workers,
                 prefetch = actor.prefetch,
                 batch = actor.batch.map(|b| b.size),
+                ordered = actor.ordered,
                 "handler started"
             );
         }

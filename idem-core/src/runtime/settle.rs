@@ -119,7 +119,13 @@ pub(crate) async fn settle(
                     .first()
                     .copied()
                     .unwrap_or(RECORD_RETRY);
-                settle.retry(envelope, delay).await
+                if shared.in_place {
+                    // An ordered partition has no delay queues: give it back in its place.
+                    tokio::time::sleep(delay).await;
+                    settle.release().await
+                } else {
+                    settle.retry(envelope, delay).await
+                }
             } else {
                 let label = match outcome {
                     Outcome::Conflict { .. } => {
@@ -144,6 +150,26 @@ pub(crate) async fn settle(
         telemetry::settle_failed(consumer);
         tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will recognise what committed");
     }
+}
+
+/// For an ordered handler (retrying in place), the delay before `outcome` is tried again, when
+/// it is a transient failure with attempts left; counted as a retry.
+pub(crate) fn retried_in_place(
+    shared: &Shared,
+    outcome: &Outcome,
+    envelope: &Envelope,
+) -> Option<Duration> {
+    if !shared.in_place {
+        return None;
+    }
+    let consumer = shared.handler.consumer();
+    let Settlement::Retry(delay) = decide(outcome, envelope, consumer, &shared.retry) else {
+        return None;
+    };
+    tracing::info!(?delay, key = outcome.key(), attempt = envelope.attempt, failure = %describe(outcome), "transient failure; retrying in place");
+    Stats::add(&shared.stats.retried);
+    telemetry::message(consumer, "retried");
+    Some(delay)
 }
 
 /// The outcome of a delivery the pipeline could not process: a handler's panic (counted) or a

@@ -28,24 +28,52 @@ pub(crate) async fn run(
             settle::release(delivery).await;
             continue;
         }
-        handle(&shared, delivery).await;
+        handle(&shared, delivery, &stop).await;
     }
 }
 
 /// Processes and settles one delivery. The settlement is sent only after the pipeline
-/// returned, that is after the inbox transaction committed or rolled back.
-async fn handle(shared: &Shared, delivery: Delivery) {
-    let Delivery { envelope, settle } = delivery;
+/// returned, that is after the inbox transaction committed or rolled back. An ordered
+/// handler's transient failure is retried here, in place, after the policy's delay (a stop
+/// during the delay gives the delivery back instead).
+async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal) {
+    let Delivery {
+        mut envelope,
+        settle,
+    } = delivery;
     let handler = shared.handler;
     let span = telemetry::delivery_span(handler.consumer(), &envelope);
     async {
-        let outcome = match handler.process(&shared.stores, &envelope).await {
-            Ok(outcome) => outcome,
-            Err(failed) => settle::undispatched(shared, failed),
-        };
-        telemetry::record_outcome(&tracing::Span::current(), &outcome);
-        settle::settle(shared, &outcome, &envelope, settle).await;
+        loop {
+            let outcome = match handler.process(&shared.stores, &envelope).await {
+                Ok(outcome) => outcome,
+                Err(failed) => settle::undispatched(shared, failed),
+            };
+            telemetry::record_outcome(&tracing::Span::current(), &outcome);
+            if let Some(delay) = settle::retried_in_place(shared, &outcome, &envelope) {
+                if stopped_within(delay, stop).await {
+                    settle::release(Delivery { envelope, settle }).await;
+                    return;
+                }
+                envelope.attempt = envelope.attempt.saturating_add(1);
+                continue;
+            }
+            settle::settle(shared, &outcome, &envelope, settle).await;
+            return;
+        }
     }
     .instrument(span)
     .await;
+}
+
+/// Waits `delay`; `true` when `stop` was raised first (or already).
+async fn stopped_within(delay: std::time::Duration, stop: &StopSignal) -> bool {
+    let mut stop = stop.clone();
+    if *stop.borrow() {
+        return true;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep(delay) => false,
+        _ = stop.wait_for(|stopped| *stopped) => true,
+    }
 }

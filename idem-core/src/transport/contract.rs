@@ -63,6 +63,38 @@ pub struct QueueSpec {
     /// Where the transport records the dead letters it refuses on its own (see
     /// [`DeadLetterLog`]); the runtime sets it to the handler's store.
     pub dead_letters: DeadLetterLog,
+    /// Set when the queue is one partition of an ordered handler: the transport routes the
+    /// exchange's messages by routing key to the partitions and lets one consumer at a time
+    /// (across processes) consume each.
+    pub partition: Option<Partition>,
+}
+
+/// One partition queue of an ordered handler (see `RuntimeBuilder::ordered`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Partition {
+    /// The exchange producers publish to, with the partition key as routing key.
+    pub exchange: String,
+    /// This partition, from 0.
+    pub index: usize,
+    /// How many partitions the exchange has.
+    pub count: usize,
+}
+
+impl Partition {
+    /// Partition `index` of `count` behind `exchange`.
+    pub fn new(exchange: impl Into<String>, index: usize, count: usize) -> Self {
+        Self {
+            exchange: exchange.into(),
+            index,
+            count,
+        }
+    }
+
+    /// The queue of partition `index` behind `exchange`: `<exchange>.p<index>`.
+    pub fn queue_name(exchange: &str, index: usize) -> String {
+        format!("{exchange}.p{index}")
+    }
 }
 
 impl QueueSpec {
@@ -74,6 +106,18 @@ impl QueueSpec {
             consumer: consumer.into(),
             ..Self::default()
         }
+    }
+
+    /// The specs of an ordered handler's `count` partition queues behind `exchange`
+    /// (`<exchange>.p0` …, no retry queues), for a producer that declares them before it
+    /// publishes.
+    pub fn partitions(exchange: &str, consumer: &str, count: usize) -> Vec<Self> {
+        (0..count)
+            .map(|index| Self {
+                partition: Some(Partition::new(exchange, index, count)),
+                ..Self::new(Partition::queue_name(exchange, index), consumer)
+            })
+            .collect()
     }
 }
 

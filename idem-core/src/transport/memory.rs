@@ -2,7 +2,9 @@
 //! nothing installed: unsettled deliveries come back, duplicates and concurrent copies can be
 //! injected, retries wait their delay, dead letters are kept for inspection.
 
-use super::contract::{Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError};
+use super::contract::{
+    Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
+};
 use crate::future::BoxFuture;
 use crate::model::{DeadLetter, Envelope};
 use std::collections::{HashMap, VecDeque};
@@ -19,6 +21,8 @@ pub struct MemoryTransport {
 #[derive(Default)]
 struct Inner {
     queues: Mutex<HashMap<String, Queue>>,
+    /// Ordered handlers' exchanges and their partition counts.
+    partitioned: Mutex<HashMap<String, usize>>,
     changed: Notify,
 }
 
@@ -47,10 +51,25 @@ impl MemoryTransport {
         self.inner.queues.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Enqueues a message.
+    /// Enqueues a message in `queue`; when `queue` names an ordered handler's exchange (once
+    /// the runtime declared it), in the partition queue of the envelope's routing key.
     pub fn publish(&self, queue: &str, envelope: Envelope) {
+        let partitions = self
+            .inner
+            .partitioned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(queue)
+            .copied();
+        let queue = match partitions {
+            Some(count) => Partition::queue_name(
+                queue,
+                crate::runtime::lane_of(envelope.routing_key.as_deref(), count),
+            ),
+            None => queue.to_owned(),
+        };
         self.queues()
-            .entry(queue.to_owned())
+            .entry(queue)
             .or_default()
             .ready
             .push_back(envelope);
@@ -74,6 +93,11 @@ impl MemoryTransport {
             .get(queue)
             .map(|q| q.dead.clone())
             .unwrap_or_default()
+    }
+
+    /// Whether `queue` was declared or published to.
+    pub fn exists(&self, queue: &str) -> bool {
+        self.queues().contains_key(queue)
     }
 
     /// How many deliveries of `queue` were acked.
@@ -114,6 +138,13 @@ impl Transport for MemoryTransport {
     fn declare<'a>(&'a self, queues: &'a [QueueSpec]) -> BoxFuture<'a, Result<(), TransportError>> {
         for spec in queues {
             self.queues().entry(spec.queue.clone()).or_default();
+            if let Some(partition) = &spec.partition {
+                self.inner
+                    .partitioned
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(partition.exchange.clone(), partition.count);
+            }
         }
         Box::pin(async { Ok(()) })
     }

@@ -6,6 +6,6 @@ pub mod contract;
 pub mod memory;
 
 pub use contract::{
-    DeadLetterLog, Delivery, QueueSpec, Settle, StopSignal, Transport, TransportError,
+    DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };
 pub use memory::MemoryTransport;

@@ -1,0 +1,241 @@
+//! How a [`RuntimeBuilder`] becomes actors: which handlers run, on which queues (one per
+//! partition for an ordered handler), with how many workers and what prefetch, and the
+//! windows that must not let a copy run twice.
+
+use super::actor::{Actor, BatchSpec};
+use super::builder::{
+    DEFAULT_BATCHES_IN_FLIGHT, DEFAULT_CONCURRENCY, DEFAULT_PREFETCH, RuntimeBuilder,
+};
+use super::error::RuntimeError;
+use crate::handler::Mode;
+use crate::registry::{self, Registration};
+use crate::transport::{Partition, QueueSpec, Transport};
+use std::time::Duration;
+
+/// The most partitions an ordered handler may have.
+pub const MAX_PARTITIONS: usize = 1024;
+
+impl RuntimeBuilder {
+    /// The handlers to run: the chosen consumers (or every registered one). A consumer written
+    /// for several stores (one function per database) runs on the store the runtime has.
+    pub(super) fn select_handlers(&self) -> Result<Vec<&'static Registration>, RuntimeError> {
+        let all = registry::handlers();
+        let consumers: Vec<&str> = match &self.handlers {
+            Some(chosen) => chosen.iter().map(String::as_str).collect(),
+            None => {
+                let mut names: Vec<&str> = all.iter().map(|r| r.consumer()).collect();
+                names.dedup();
+                names
+            }
+        };
+        let mut selected = Vec::new();
+        for consumer in consumers {
+            let candidates: Vec<_> = all
+                .iter()
+                .copied()
+                .filter(|r| r.consumer() == consumer)
+                .collect();
+            let Some(first) = candidates.first() else {
+                return Err(RuntimeError::UnknownHandler(consumer.to_owned()));
+            };
+            let runnable: Vec<_> = candidates
+                .iter()
+                .copied()
+                .filter(|r| r.store_available(&self.stores))
+                .collect();
+            if runnable.is_empty() {
+                return Err(RuntimeError::MissingStore {
+                    consumer: first.consumer(),
+                    store: first.store(),
+                });
+            }
+            selected.extend(runnable);
+        }
+        if selected.is_empty() {
+            return Err(RuntimeError::NoHandlers);
+        }
+        Ok(selected)
+    }
+
+    /// Refuses windows that would let a copy run twice: a queue TTL longer than the handler's
+    /// retention (a late copy would find no marker), and an external handler's lease at least
+    /// as long as the retry window (a copy waiting for the lease would run out of attempts).
+    pub(super) fn check_windows(
+        &self,
+        actor: &Actor,
+        transport: &dyn Transport,
+    ) -> Result<(), RuntimeError> {
+        let consumer = actor.registration.consumer();
+        let queue = &actor.spec.queue;
+        if let (Some(ttl), Some(retention)) = (
+            transport.message_ttl(queue),
+            actor.registration.retention(&self.stores),
+        ) && ttl > retention
+        {
+            return Err(RuntimeError::setting(
+                "message_ttl",
+                format!(
+                    "queue `{queue}` declares a message TTL of {}s, longer than the {}s retention of `{consumer}`'s inbox rows: a message delivered late would find no marker and be processed again; raise the retention (#[idempotent(retention = \"...\")] or RuntimeBuilder::retention) or lower the TTL",
+                    ttl.as_secs(),
+                    retention.as_secs()
+                ),
+            ));
+        }
+        if let Mode::External { lease } = actor.registration.mode() {
+            let window: Duration = self.retry.delays().iter().sum();
+            if lease >= window {
+                return Err(RuntimeError::setting(
+                    "lease",
+                    format!(
+                        "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up after {window:?} of delays: a copy waiting for the lease would be dead-lettered; shorten the lease or lengthen the retry policy"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// One handler's actors: its queue, workers, prefetch and batching; an ordered handler has
+    /// one actor per partition queue.
+    pub(super) fn actors(
+        &self,
+        registration: &'static Registration,
+    ) -> Result<Vec<Actor>, RuntimeError> {
+        let consumer = registration.consumer();
+        let queue = match self.queues.get(consumer) {
+            Some(queue) => queue.as_str(),
+            None => registration
+                .queue()
+                .ok_or(RuntimeError::NoQueue { consumer })?,
+        };
+        if queue.is_empty() || queue.len() > 200 {
+            return Err(RuntimeError::setting(
+                "queue",
+                format!("queue name {queue:?} must be 1 to 200 characters"),
+            ));
+        }
+        let size = self
+            .per_handler_batch
+            .get(consumer)
+            .copied()
+            .unwrap_or(self.batch);
+        let batch = (size > 0).then_some(BatchSpec {
+            size,
+            linger: self.linger,
+        });
+        let workers = self
+            .per_handler
+            .get(consumer)
+            .copied()
+            .or(self.concurrency)
+            .unwrap_or(match batch {
+                Some(_) => DEFAULT_BATCHES_IN_FLIGHT,
+                None => DEFAULT_CONCURRENCY,
+            });
+        if workers == 0 {
+            return Err(RuntimeError::setting(
+                "concurrency",
+                format!("concurrency of `{consumer}` must be at least 1"),
+            ));
+        }
+        let prefetch = match (self.prefetch, batch) {
+            (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
+                return Err(RuntimeError::setting(
+"prefetch", format!(
+                    "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
+                    batch.size,
+                    batch.size.saturating_mul(2).min(usize::from(u16::MAX)),
+                )));
+            }
+            (Some(prefetch), Some(batch)) => {
+                if batch.size * 2 > usize::from(prefetch) {
+                    tracing::warn!(
+                        consumer,
+                        batch = batch.size,
+                        prefetch,
+                        "batch size is above prefetch / 2: the next batch cannot gather while one commits"
+                    );
+                }
+                prefetch
+            }
+            (Some(prefetch), None) => prefetch,
+            (None, Some(batch)) => u16::try_from(batch.size.saturating_mul(2))
+                .map_err(|_| {
+                    RuntimeError::setting(
+"batch", format!(
+                        "`{consumer}` batches {} deliveries; at most {} fit twice in a prefetch",
+                        batch.size,
+                        u16::MAX / 2
+                    ))
+                })?
+                .max(DEFAULT_PREFETCH),
+            (None, None) => DEFAULT_PREFETCH,
+        };
+        let spec = QueueSpec {
+            queue: queue.to_owned(),
+            consumer: consumer.to_owned(),
+            retry_delays: self.retry.delays(),
+            dead_letters: Default::default(),
+            partition: None,
+        };
+        let Some(&count) = self.ordered.get(consumer) else {
+            return Ok(vec![Actor {
+                registration,
+                spec,
+                workers,
+                prefetch,
+                batch,
+                ordered: false,
+            }]);
+        };
+        if batch.is_some() {
+            return Err(RuntimeError::setting(
+                "ordered",
+                format!(
+                    "`{consumer}` is ordered and batched: an ordered handler runs one transaction per delivery; drop its batch setting"
+                ),
+            ));
+        }
+        if count == 0 || count > MAX_PARTITIONS {
+            return Err(RuntimeError::setting(
+                "ordered",
+                format!("`{consumer}` asks for {count} partitions: give 1 to {MAX_PARTITIONS}"),
+            ));
+        }
+        // The handler's queue names the exchange; each partition is a queue of its own, with
+        // no retry queues (a failure is retried in place, so that nothing overtakes it).
+        Ok((0..count)
+            .map(|index| Actor {
+                registration,
+                spec: QueueSpec {
+                    queue: Partition::queue_name(queue, index),
+                    retry_delays: Vec::new(),
+                    partition: Some(Partition::new(queue, index, count)),
+                    ..spec.clone()
+                },
+                workers,
+                prefetch,
+                batch: None,
+                ordered: true,
+            })
+            .collect())
+    }
+
+    /// Refuses an ordered handler that is not run.
+    pub(super) fn check_ordered(
+        &self,
+        handlers: &[&'static Registration],
+    ) -> Result<(), RuntimeError> {
+        for consumer in self.ordered.keys() {
+            if !handlers.iter().any(|r| r.consumer() == consumer) {
+                return Err(RuntimeError::setting(
+                    "ordered",
+                    format!(
+                        "no handler run by this runtime has consumer = \"{consumer}\"; name a registered consumer (or add it to .handlers(...))"
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,195 @@
+//! The orders example's status updates, run as a user runs the example:
+//!
+//! - `orders demo` on RabbitMQ and on the in-memory transport checks its books and that every
+//!   order's status versions were applied once each, in order;
+//! - two `orders consume` processes on PostgreSQL with `ORDERS_QUEUE_TYPE=quorum` and
+//!   `ORDERS_STATUS_PARTITIONS=3` declare the status exchange and its partition queues, and
+//!   apply status updates published to `<queue>.status` (routing key = order id) in order per
+//!   order while one of them is killed with SIGKILL and restarted.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use common::broker::{self, amqp_url};
+use common::running::DEADLINE;
+use common::{KillOnDrop, orders_example, unique, wait_until};
+use idem::Envelope;
+use idem::transport::Partition;
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const STATUSES: [&str; 5] = ["placed", "paid", "packed", "shipped", "delivered"];
+
+fn demo(queue: &str, transport: &str, database: &str) -> String {
+    let output = Command::new(orders_example())
+        .args(["demo", "--orders", "400"])
+        .env("AMQP_URL", amqp_url())
+        .env("DATABASE_URL", database)
+        .env("ORDERS_QUEUE", queue)
+        .env("ORDERS_TRANSPORT", transport)
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "the demo failed: {stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+#[tokio::test]
+async fn the_demo_applies_every_status_update_once_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    for transport in ["rabbitmq", "memory"] {
+        let queue = unique("idem-example-demo");
+        let database = dir.path().join(format!("{transport}.db"));
+        let report = demo(&queue, transport, database.to_str().unwrap());
+        let line = report
+            .lines()
+            .find(|l| l.starts_with("status updates"))
+            .unwrap_or_else(|| panic!("no status line in {report}"));
+        assert!(
+            line.contains("orders 100, 4 partitions of") && line.ends_with("in order: exact)"),
+            "{transport}: {line}"
+        );
+        assert!(report.contains("balances             exact"), "{report}");
+        if transport == "rabbitmq" {
+            for index in 0..4 {
+                let partition = Partition::queue_name(&format!("{queue}.status"), index);
+                assert!(broker::exists(&partition).await, "{partition} declared");
+            }
+            broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
+        }
+    }
+}
+
+fn consume(queue: &str) -> KillOnDrop {
+    KillOnDrop(
+        Command::new(orders_example())
+            .arg("consume")
+            .env("AMQP_URL", amqp_url())
+            .env("DATABASE_URL", common::postgres_url())
+            .env("ORDERS_QUEUE", queue)
+            .env("ORDERS_QUEUE_TYPE", "quorum")
+            .env("ORDERS_STATUS_PARTITIONS", "3")
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+fn update(order_id: &str, version: i64) -> Envelope {
+    let status = STATUSES[version as usize - 1];
+    let body = serde_json::json!({"order_id": order_id, "status": status, "version": version});
+    Envelope::new(body.to_string())
+        .with_message_id(format!("{order_id}:{version}"))
+        .with_content_type("application/json")
+}
+
+/// The type of `queue`, from the broker.
+fn queue_type(queue: &str) -> Option<String> {
+    let listed = common::rabbitmqctl()
+        .args(["list_queues", "-q", "name", "type"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|l| l.split_once('\t'))
+        .find(|(name, _)| *name == queue)
+        .map(|(_, kind)| kind.trim().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_consume_applies_status_updates_in_order_across_a_kill() {
+    const ORDERS: usize = 60;
+    let queue = unique("idem-example-status");
+    let exchange = format!("{queue}.status");
+    let pool = common::postgres(2).await;
+    let mut consumers = [consume(&queue), consume(&queue)];
+    wait_until("the status partitions are declared", DEADLINE, || async {
+        broker::exists(&Partition::queue_name(&exchange, 2)).await
+    })
+    .await;
+    assert!(
+        !broker::exists(&Partition::queue_name(&exchange, 3)).await,
+        "ORDERS_STATUS_PARTITIONS=3 makes three partitions"
+    );
+    assert_eq!(
+        queue_type(&Partition::queue_name(&exchange, 0)).as_deref(),
+        Some("quorum")
+    );
+    assert_eq!(queue_type(&queue).as_deref(), Some("quorum"));
+
+    let orders: Vec<String> = (0..ORDERS).map(|n| format!("{queue}-o{n}")).collect();
+    let publisher = broker::publisher().await;
+    let applied = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM status_log WHERE order_id LIKE $1")
+            .bind(format!("{queue}-%"))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    for version in 1..=STATUSES.len() as i64 {
+        for order in &orders {
+            publisher
+                .publish_unconfirmed_to(&exchange, order, &update(order, version))
+                .await
+                .unwrap();
+        }
+        publisher.wait_for_confirms().await.unwrap();
+        if version == 2 {
+            wait_until("some updates applied", DEADLINE, || async {
+                applied().await > 0
+            })
+            .await;
+            let child = &mut consumers[0].0;
+            child.kill().unwrap();
+            assert_eq!(
+                child.wait().unwrap().signal(),
+                Some(9),
+                "killed with SIGKILL"
+            );
+            consumers[0] = consume(&queue);
+        }
+    }
+    let total = (ORDERS * STATUSES.len()) as i64;
+    wait_until("every update applied", Duration::from_secs(120), || async {
+        applied().await >= total
+    })
+    .await;
+
+    let log: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT order_id, version FROM status_log WHERE order_id LIKE $1 ORDER BY id",
+    )
+    .bind(format!("{queue}-%"))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut sequences: HashMap<String, Vec<i64>> = HashMap::new();
+    for (order, version) in log {
+        sequences.entry(order).or_default().push(version);
+    }
+    let expected: Vec<i64> = (1..=STATUSES.len() as i64).collect();
+    for order in &orders {
+        assert_eq!(
+            sequences[order], expected,
+            "the versions of {order}, as applied"
+        );
+        let current: (String, i64) =
+            sqlx::query_as("SELECT status, version FROM order_status WHERE order_id = $1")
+                .bind(order)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(current, ("delivered".to_owned(), 5));
+    }
+    drop(consumers);
+    broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
+}
