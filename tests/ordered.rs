@@ -10,7 +10,8 @@
 //! - An exchange of another type under the handler's queue name stops the start with an error
 //!   that names the plugin and the exchange.
 //! - The builder refuses an ordered handler that is batched, has no partitions or is not run;
-//!   the in-memory transport routes an ordered handler's exchange by routing key too.
+//!   the in-memory transport routes an ordered handler's exchange by routing key too, and the
+//!   partitions share the handler's concurrency.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -26,7 +27,8 @@ use idem::{Envelope, HandlerError, RetryPolicy, Runtime, RuntimeError, idempoten
 use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 const CONSUMER: &str = "ordered.steps";
@@ -39,11 +41,32 @@ struct Step {
     version: i64,
 }
 
-/// Message ids that fail: transiently a number of times, or permanently.
+/// Message ids that fail: transiently a number of times, or permanently; and how many
+/// updates are in the handler at once (the most seen), each taking `work`.
 #[derive(Default)]
 struct Faults {
     transient: Mutex<HashMap<String, u32>>,
     permanent: HashSet<String>,
+    work: Duration,
+    in_handler: AtomicUsize,
+    most_in_handler: Arc<AtomicUsize>,
+}
+
+/// Counts an update in the handler until it is dropped.
+struct InHandler<'a>(&'a Faults);
+
+impl<'a> InHandler<'a> {
+    fn enter(faults: &'a Faults) -> Self {
+        let now = faults.in_handler.fetch_add(1, Ordering::SeqCst) + 1;
+        faults.most_in_handler.fetch_max(now, Ordering::SeqCst);
+        Self(faults)
+    }
+}
+
+impl Drop for InHandler<'_> {
+    fn drop(&mut self) {
+        self.0.in_handler.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[idempotent(store = Postgres, consumer = "ordered.steps", queue = "ordered-steps")]
@@ -53,7 +76,11 @@ async fn apply_step(
     ctx: &idem::Context<'_>,
     faults: &Faults,
 ) -> Result<(), HandlerError> {
+    let _counted = InHandler::enter(faults);
     let id = ctx.envelope().message_id.clone().unwrap_or_default();
+    if !faults.work.is_zero() {
+        tokio::time::sleep(faults.work).await; // the handler's work, not synchronisation
+    }
     if faults.permanent.contains(&id) {
         return Err(HandlerError::permanent("this update is refused"));
     }
@@ -305,6 +332,7 @@ async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key()
     let faults = Faults {
         transient: Mutex::new(keys.iter().map(|k| (format!("{k}:2"), 2)).collect()),
         permanent: HashSet::from([format!("{}:3", keys[0])]),
+        ..Faults::default()
     };
     let running = start(
         Runtime::builder()
@@ -411,13 +439,16 @@ async fn the_builder_refuses_what_cannot_be_ordered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_memory_transport_routes_an_ordered_exchange_by_key() {
-    let pool = setup(4).await;
+    let pool = setup(16).await;
     let run = unique("idem-ordered-memory");
     let transport = MemoryTransport::new();
     let keys: Vec<String> = (0..10).map(|i| format!("{run}-k{i}")).collect();
+    let most_in_handler = Arc::new(AtomicUsize::new(0));
     let faults = Faults {
         transient: Mutex::new(keys.iter().map(|k| (format!("{k}:1"), 1)).collect()),
-        permanent: HashSet::new(),
+        work: Duration::from_millis(5),
+        most_in_handler: most_in_handler.clone(),
+        ..Faults::default()
     };
     let running = start(
         Runtime::builder()
@@ -456,4 +487,9 @@ async fn the_memory_transport_routes_an_ordered_exchange_by_key() {
         .filter(|i| transport.acked(&Partition::queue_name(&run, *i)) > 0)
         .count();
     assert!(used > 1, "ten keys spread over the partitions");
+    let most = most_in_handler.load(Ordering::SeqCst);
+    assert!(
+        (2..=4).contains(&most),
+        "the three partitions share a concurrency of 4: {most} at once"
+    );
 }

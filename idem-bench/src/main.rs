@@ -16,9 +16,9 @@ use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use idem::RetryPolicy;
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
-use idem::transport::QueueSpec;
 use idem::transport::Transport;
-use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use idem::transport::{Partition, QueueSpec};
+use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{FieldTable, ShortString};
 use report::{Sample, Table};
 use std::process::Stdio;
@@ -112,6 +112,10 @@ enum Variant {
     Idem,
     /// idem, batch mode.
     IdemBatch,
+    /// idem, one transaction per message, ordered by order id over 4 partitions.
+    IdemOrdered4,
+    /// idem, one transaction per message, ordered by order id over 16 partitions.
+    IdemOrdered16,
 }
 
 impl Variant {
@@ -121,6 +125,17 @@ impl Variant {
             Self::HandBatch => "handwritten, batched",
             Self::Idem => "idem, per message",
             Self::IdemBatch => "idem, batch mode",
+            Self::IdemOrdered4 => "idem, ordered, 4 partitions",
+            Self::IdemOrdered16 => "idem, ordered, 16 partitions",
+        }
+    }
+
+    /// The partitions of an ordered variant (its queue is then an exchange).
+    fn partitions(self) -> Option<usize> {
+        match self {
+            Self::IdemOrdered4 => Some(4),
+            Self::IdemOrdered16 => Some(16),
+            _ => None,
         }
     }
 
@@ -134,7 +149,7 @@ impl Variant {
     }
 
     fn uses_idem(self) -> bool {
-        matches!(self, Self::Idem | Self::IdemBatch)
+        !matches!(self, Self::Hand | Self::HandBatch)
     }
 }
 
@@ -180,7 +195,7 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
         Variant::HandBatch => {
             handwritten::batched(&b.amqp_url, pool, queue, expect, b.batch, linger).await?
         }
-        Variant::Idem | Variant::IdemBatch => {
+        Variant::Idem | Variant::IdemBatch | Variant::IdemOrdered4 | Variant::IdemOrdered16 => {
             if b.metrics {
                 metrics_exporter_prometheus::PrometheusBuilder::new()
                     .install_recorder()
@@ -198,6 +213,7 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
                     b.workers
                 },
                 prefetch: b.prefetch,
+                partitions: variant.partitions(),
             };
             let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
             with_idem::run(rabbit, pool, queue, expect, mode).await?
@@ -230,15 +246,22 @@ async fn bench(b: Bench) -> anyhow::Result<()> {
         for (column, &variant) in b.variants.iter().enumerate() {
             workload::reset(&pool, with_idem::TABLE).await?;
             let queue = variant.queue();
-            fresh_queue(&b.amqp_url, &queue, variant.uses_idem()).await?;
+            fresh_queue(&b.amqp_url, &queue, variant).await?;
             workload
-                .publish(&RabbitConfig::new(&b.amqp_url), &queue)
+                .publish(
+                    &RabbitConfig::new(&b.amqp_url),
+                    &queue,
+                    variant.partitions().is_some(),
+                )
                 .await?;
             let sample = child(variant, &queue, b.messages).await?;
             workload::verify(&pool, &workload)
                 .await
                 .with_context(|| format!("{} left wrong effects", variant.name()))?;
-            let left = workload::left_in_queue(&b.amqp_url, &queue).await?;
+            let mut left = 0;
+            for queue in queues(&queue, variant) {
+                left += workload::left_in_queue(&b.amqp_url, &queue).await?;
+            }
             if left > 0 {
                 bail!("{} left {left} messages in the queue", variant.name());
             }
@@ -256,28 +279,48 @@ async fn bench(b: Bench) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Deletes `queue` (and idem's queues around it) and declares it anew, empty.
-async fn fresh_queue(url: &str, queue: &str, idem: bool) -> anyhow::Result<()> {
+/// The queues a variant consumes: `queue`, or an ordered variant's partition queues.
+fn queues(queue: &str, variant: Variant) -> Vec<String> {
+    match variant.partitions() {
+        Some(count) => (0..count)
+            .map(|index| Partition::queue_name(queue, index))
+            .collect(),
+        None => vec![queue.to_owned()],
+    }
+}
+
+/// Deletes `queue` (and idem's queues around it; for an ordered variant its partitions and
+/// exchange) and declares it anew, empty.
+async fn fresh_queue(url: &str, queue: &str, variant: Variant) -> anyhow::Result<()> {
     let delays = RetryPolicy::default().delays();
     let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
         .await
         .with_context(|| format!("cannot reach RabbitMQ at {url}"))?;
     let channel = connection.create_channel().await?;
-    let mut names = vec![queue.to_owned(), idem::rabbitmq::dlq(queue)];
-    names.extend(
-        delays
-            .iter()
-            .map(|d| idem::rabbitmq::retry_queue(queue, *d)),
-    );
-    for name in names {
-        channel
-            .queue_delete(
-                ShortString::from(name.as_str()),
-                QueueDeleteOptions::default(),
-            )
-            .await?;
+    for queue in queues(queue, variant) {
+        let mut names = vec![queue.clone(), idem::rabbitmq::dlq(&queue)];
+        names.extend(
+            delays
+                .iter()
+                .map(|d| idem::rabbitmq::retry_queue(&queue, *d)),
+        );
+        for name in names {
+            channel
+                .queue_delete(
+                    ShortString::from(name.as_str()),
+                    QueueDeleteOptions::default(),
+                )
+                .await?;
+        }
     }
-    if idem {
+    if let Some(count) = variant.partitions() {
+        channel
+            .exchange_delete(ShortString::from(queue), ExchangeDeleteOptions::default())
+            .await?;
+        RabbitTransport::new(RabbitConfig::new(url))
+            .declare(&QueueSpec::partitions(queue, with_idem::CONSUMER, count))
+            .await?;
+    } else if variant.uses_idem() {
         let mut spec = QueueSpec::new(queue, with_idem::CONSUMER);
         spec.retry_delays = delays;
         RabbitTransport::new(RabbitConfig::new(url))

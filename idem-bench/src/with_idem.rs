@@ -45,6 +45,8 @@ pub struct Mode {
     pub concurrency: usize,
     /// Prefetch (per message; batch mode uses its default, 2 × batch).
     pub prefetch: u16,
+    /// Ordered over this many partitions (the queue is then their exchange).
+    pub partitions: Option<usize>,
 }
 
 /// Consumes until `expect` deliveries are settled. Returns the time from the first handler call
@@ -67,6 +69,9 @@ pub async fn run(
         .batch(mode.batch);
     if mode.batch == 0 {
         builder = builder.prefetch(mode.prefetch);
+    }
+    if let Some(partitions) = mode.partitions {
+        builder = builder.ordered(CONSUMER, partitions);
     }
     let runtime = builder.build()?;
     let stats = runtime.stats();

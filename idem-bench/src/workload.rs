@@ -81,8 +81,14 @@ impl Workload {
         }
     }
 
-    /// Publishes every message to `queue` (persistent, message id = order id), confirmed.
-    pub async fn publish(&self, rabbit: &RabbitConfig, queue: &str) -> anyhow::Result<()> {
+    /// Publishes every message to `queue` (persistent, message id = order id), confirmed;
+    /// `routed`: to the exchange `queue`, with the order id as routing key.
+    pub async fn publish(
+        &self,
+        rabbit: &RabbitConfig,
+        queue: &str,
+        routed: bool,
+    ) -> anyhow::Result<()> {
         let publisher = Publisher::connect(rabbit).await?;
         for chunk in self.messages.chunks(2000) {
             for order in chunk {
@@ -90,7 +96,13 @@ impl Workload {
                 let message = idem::Envelope::new(body)
                     .with_message_id(order.order_id.as_str())
                     .with_content_type("application/json");
-                publisher.publish_unconfirmed(queue, &message).await?;
+                if routed {
+                    publisher
+                        .publish_unconfirmed_to(queue, &order.order_id, &message)
+                        .await?;
+                } else {
+                    publisher.publish_unconfirmed(queue, &message).await?;
+                }
             }
             publisher.wait_for_confirms().await?;
         }

@@ -9,6 +9,7 @@ use crate::store::Stores;
 use crate::transport::QueueSpec;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::Semaphore;
 
 /// One handler as the runtime runs it: fed by the transport's consumer through a bounded
 /// mailbox, processed by `workers` workers.
@@ -43,4 +44,7 @@ pub(crate) struct Shared {
     pub(crate) stats: Arc<Stats>,
     /// Retry transient failures in place (ordered handlers) instead of through the transport.
     pub(crate) in_place: bool,
+    /// An ordered handler's concurrency, shared by all its partitions in this process: a
+    /// worker holds a permit while it processes a delivery.
+    pub(crate) permits: Option<Arc<Semaphore>>,
 }

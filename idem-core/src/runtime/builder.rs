@@ -127,8 +127,9 @@ impl RuntimeBuilder {
     /// `<queue>.p0` … (on RabbitMQ, a consistent-hash exchange). One process at a time
     /// consumes each partition (single active consumer), so that a key's messages are handled
     /// one at a time and in publish order across processes and restarts. Inside the process,
-    /// the handler's workers (its concurrency) take different keys of a partition at once,
-    /// never two messages of one key. A transient failure is retried in place, after the
+    /// each partition is split into lanes by key, one per worker, and the handler's concurrency
+    /// bounds the deliveries in progress across all its partitions: different keys run at
+    /// once, never two messages of one key. A transient failure is retried in place, after the
     /// retry policy's delay, holding back the messages of its key behind it; a message out of
     /// attempts, or rejected, is dead-lettered and its key moves on. Not with batch mode.
     pub fn ordered(mut self, consumer: impl Into<String>, partitions: usize) -> Self {

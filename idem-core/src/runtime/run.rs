@@ -12,10 +12,11 @@ use super::{batch_worker, lanes, worker};
 use crate::pipeline::ErasedHandler;
 use crate::store::Stores;
 use crate::transport::{DeadLetterLog, QueueSpec, Transport};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{Mutex, mpsc, watch};
+use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
 /// How long closing the transport may take at shutdown.
@@ -63,6 +64,8 @@ impl Runtime {
         let (stop_tx, stop) = watch::channel(false);
         let mut consumers = JoinSet::new();
         let mut workers = JoinSet::new();
+        // An ordered handler's partitions share its concurrency.
+        let mut permits: HashMap<&str, Arc<Semaphore>> = HashMap::new();
         for actor in &self.actors {
             let (mailbox_tx, mailbox) = mpsc::channel(usize::from(actor.prefetch));
             let handler = actor.registration.handler();
@@ -79,6 +82,12 @@ impl Runtime {
                 retry: self.retry.clone(),
                 stats: self.stats.clone(),
                 in_place: actor.ordered,
+                permits: actor.ordered.then(|| {
+                    permits
+                        .entry(handler.consumer())
+                        .or_insert_with(|| Arc::new(Semaphore::new(actor.workers)))
+                        .clone()
+                }),
             });
             match actor.batch {
                 None if actor.ordered => {

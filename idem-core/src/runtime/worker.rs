@@ -45,10 +45,15 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal) {
     let span = telemetry::delivery_span(handler.consumer(), &envelope);
     async {
         loop {
+            let permit = match &shared.permits {
+                Some(permits) => permits.acquire().await.ok(),
+                None => None,
+            };
             let outcome = match handler.process(&shared.stores, &envelope).await {
                 Ok(outcome) => outcome,
                 Err(failed) => settle::undispatched(shared, failed),
             };
+            drop(permit);
             telemetry::record_outcome(&tracing::Span::current(), &outcome);
             if let Some(delay) = settle::retried_in_place(shared, &outcome, &envelope) {
                 if stopped_within(delay, stop).await {
