@@ -5,6 +5,10 @@
 //! Afterwards every unique order is stored exactly once, every balance is exact and every
 //! malformed message is in the dead-letter queue exactly once.
 //!
+//! It runs on the machine's broker with classic queues, and once more on the 3-node cluster of
+//! `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the consumers given
+//! every node's address.
+//!
 //! The default is a short run (`cargo test --workspace` includes it). The long run:
 //! `IDEM_CHAOS_ORDERS=20000 IDEM_CHAOS_PROCESSES=4 cargo test --release --test chaos -- --nocapture`.
 
@@ -13,7 +17,9 @@
 mod common;
 
 use common::broker::{self, amqp_url};
+use common::cluster::Cluster;
 use idem::RetryPolicy;
+use idem::rabbitmq::QueueType;
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
@@ -52,9 +58,26 @@ impl Rng {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
+    chaos(&amqp_url(), QueueType::Classic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_with_quorum_queues() {
+    let Some(cluster) = Cluster::up().await else {
+        return;
+    };
+    chaos(&cluster.urls, QueueType::Quorum).await;
+}
+
+/// The chaos run against the broker(s) at `urls`, the queues of type `queue_type`.
+async fn chaos(urls: &str, queue_type: QueueType) {
     let orders = setting("IDEM_CHAOS_ORDERS", 2000);
     let processes = setting("IDEM_CHAOS_PROCESSES", 3);
     let malformed = 10;
+    let queue_type_name = match queue_type {
+        QueueType::Quorum => "quorum",
+        _ => "classic",
+    };
     let binary = common::faulty_orders::build();
 
     let queue = common::unique("idem-chaos");
@@ -63,8 +86,8 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let mut rng = Rng((u64::from(std::process::id()) * 0x9E37_79B9) | 1);
 
     // Topology as the consumers declare it, then the workload.
-    broker::declare_orders_queue(&queue).await;
-    let publisher = broker::publisher().await;
+    broker::declare_orders_queue_on(urls, &queue, queue_type).await;
+    let publisher = broker::publisher_on(urls).await;
     let mut expected: HashMap<String, i64> = HashMap::new();
     let mut deliveries = 0;
     for n in 0..orders {
@@ -106,7 +129,8 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let spawn = || -> Child {
         Command::new(&binary)
             .arg("consume")
-            .env("AMQP_URL", amqp_url())
+            .env("AMQP_URL", urls)
+            .env("ORDERS_QUEUE_TYPE", queue_type_name)
             .env("DATABASE_URL", &database_url)
             .env("ORDERS_QUEUE", &queue)
             .env("ORDERS_CONCURRENCY", "4")
@@ -133,7 +157,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
             .await
             .unwrap_or(0)
     };
-    let dead = || async { broker::count(&idem::rabbitmq::dlq(&queue)).await };
+    let dead = || async { broker::count_on(urls, &idem::rabbitmq::dlq(&queue)).await };
     loop {
         // Keep every slot running: count the faults (self-aborts), restart the dead.
         for child in &mut children.0 {
@@ -185,7 +209,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
         .iter()
         .filter(|(c, cents)| balances.get(*c) != Some(cents))
         .count();
-    let dead = broker::drain(&idem::rabbitmq::dlq(&queue)).await;
+    let dead = broker::drain_on(urls, &idem::rabbitmq::dlq(&queue)).await;
     let dead_letters = dead.len();
     let records = idem::sql::PgInbox::new(pool.clone())
         .dead_letters(&queue)
@@ -202,7 +226,7 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     let violations =
         orders.abs_diff(per_order.len()) + wrong_balances + malformed.abs_diff(dead_letters);
     eprintln!(
-        "chaos: messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
+        "chaos ({queue_type_name} queues): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
          violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, dead letters {dead_letters}, recorded {reasons}), {:.1} s",
         deliveries - orders - malformed,
         per_order.len(),
@@ -211,5 +235,5 @@ async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
     assert_eq!(violations, 0);
     assert_eq!(reasons, dead_letters, "a dead letter without its record");
     assert!(kills > 0, "nothing was killed; the run proves nothing");
-    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+    broker::delete_topology_on(urls, &queue, &RetryPolicy::default().delays()).await;
 }

@@ -5,7 +5,8 @@
 //! - two `orders consume` processes on PostgreSQL with `ORDERS_QUEUE_TYPE=quorum` and
 //!   `ORDERS_STATUS_PARTITIONS=3` declare the status exchange and its partition queues, and
 //!   apply status updates published to `<queue>.status` (routing key = order id) in order per
-//!   order while one of them is killed with SIGKILL and restarted.
+//!   order while one of them is killed with SIGKILL and restarted; their `AMQP_URL` lists a
+//!   broker that refuses connections before the real one.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -72,7 +73,11 @@ fn consume(queue: &str) -> KillOnDrop {
     KillOnDrop(
         Command::new(orders_example())
             .arg("consume")
-            .env("AMQP_URL", amqp_url())
+            // A broker that refuses first: the example fails over to the next address.
+            .env(
+                "AMQP_URL",
+                format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", amqp_url()),
+            )
             .env("DATABASE_URL", common::postgres_url())
             .env("ORDERS_QUEUE", queue)
             .env("ORDERS_QUEUE_TYPE", "quorum")

@@ -53,7 +53,7 @@ enum Command {
 /// Settings shared by both commands.
 #[derive(Debug, clap::Args)]
 struct Settings {
-    /// The RabbitMQ broker.
+    /// The RabbitMQ broker, or several separated by commas (failover order).
     #[arg(
         long,
         env = "AMQP_URL",

@@ -1,5 +1,7 @@
 //! Connection and topology settings.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 /// The RabbitMQ queue type of the handler queues (and their DLQ and retry queues).
@@ -60,7 +62,10 @@ pub struct Binding {
 /// Settings of a [`crate::RabbitTransport`]. Its `Debug` shows the URL without its password.
 #[derive(Clone)]
 pub struct RabbitConfig {
-    pub(crate) url: String,
+    /// The brokers, in failover order.
+    pub(crate) urls: Vec<String>,
+    /// The broker that last took a connection: tried first next time. Clones share it.
+    pub(crate) preferred: Arc<AtomicUsize>,
     pub(crate) queue_type: QueueType,
     pub(crate) delivery_limit: Option<u32>,
     pub(crate) name: String,
@@ -81,10 +86,24 @@ pub const DEFAULT_MAX_BODY: usize = 16 << 20;
 pub const DEFAULT_MAX_HEADERS: usize = 64 << 10;
 
 impl RabbitConfig {
-    /// Settings for the broker at `url` (`amqp://` or `amqps://`).
+    /// Settings for the broker at `url` (`amqp://` or `amqps://`), or for several brokers (the
+    /// nodes of a cluster) listed in `url` separated by commas, in failover order: a connection
+    /// goes to the broker that last took one, else to the next in the list that answers
+    /// (each given 10 s to connect). A comma inside a URL is written `%2C`.
     pub fn new(url: impl Into<String>) -> Self {
+        let url = url.into();
+        let mut urls: Vec<String> = url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if urls.is_empty() {
+            urls.push(url);
+        }
         Self {
-            url: url.into(),
+            urls,
+            preferred: Arc::default(),
             queue_type: QueueType::Classic,
             delivery_limit: None,
             name: "idem".to_owned(),
@@ -174,9 +193,29 @@ impl RabbitConfig {
         self
     }
 
-    /// The broker URL with any password hidden, for logs and errors.
+    /// The broker URLs with any password hidden, for logs and errors.
     pub(crate) fn redacted_url(&self) -> String {
-        idem_core::telemetry::redact_url(&self.url)
+        self.urls
+            .iter()
+            .map(|u| idem_core::telemetry::redact_url(u))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The brokers in the order to try them: the one that last took a connection first, then
+    /// the others in list order after it. Each comes with its index, for [`Self::worked`].
+    pub(crate) fn brokers(&self) -> impl Iterator<Item = (usize, &str)> {
+        let count = self.urls.len();
+        let first = self.preferred.load(Ordering::Relaxed) % count.max(1);
+        (0..count).map(move |k| {
+            let index = (first + k) % count;
+            (index, self.urls[index].as_str())
+        })
+    }
+
+    /// Records that broker `index` took a connection.
+    pub(crate) fn worked(&self, index: usize) {
+        self.preferred.store(index, Ordering::Relaxed);
     }
 }
 
@@ -220,5 +259,18 @@ mod tests {
             RabbitConfig::new("amqp://h:5672").redacted_url(),
             "amqp://h:5672"
         );
+        assert_eq!(
+            RabbitConfig::new("amqp://u:p1@a:5672, amqp://u:p2@b:5673,").redacted_url(),
+            "amqp://u:***@a:5672,amqp://u:***@b:5673"
+        );
+    }
+
+    #[test]
+    fn brokers_are_tried_from_the_one_that_last_worked() {
+        let config = RabbitConfig::new("amqp://a,amqp://b,amqp://c");
+        let order = |c: &RabbitConfig| c.brokers().map(|(_, u)| u.to_owned()).collect::<Vec<_>>();
+        assert_eq!(order(&config), ["amqp://a", "amqp://b", "amqp://c"]);
+        config.clone().worked(1);
+        assert_eq!(order(&config), ["amqp://b", "amqp://c", "amqp://a"]);
     }
 }

@@ -7,7 +7,11 @@ use lapin::types::{LongString, ShortString};
 use lapin::{Connection, ConnectionProperties};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tokio::task::JoinHandle;
+
+/// How long one broker of the list is given to take a connection before the next is tried.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The connections opened so far, closed together at shutdown, and the channels' settlement
 /// tasks, which shutdown lets finish first.
@@ -17,6 +21,42 @@ pub(crate) struct Connections {
     settlers: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// The queues whose consumer is consuming now.
     consuming: Arc<Mutex<HashSet<String>>>,
+}
+
+/// A connection to the first broker of `config` that takes one, in failover order.
+async fn connect_first(
+    config: &RabbitConfig,
+    properties: ConnectionProperties,
+    tls: OwnedTLSConfig,
+) -> Result<Connection, lapin::Error> {
+    let count = config.urls.len();
+    let mut failed: Option<lapin::Error> = None;
+    for (tried, (index, url)) in config.brokers().enumerate() {
+        let runtime = lapin::runtime::default_runtime()?;
+        let connecting =
+            Connection::connect_with_config(url, properties.clone(), tls.clone(), runtime);
+        let error = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+            Ok(Ok(connection)) => {
+                config.worked(index);
+                return Ok(connection);
+            }
+            Ok(Err(e)) => e,
+            Err(_) => std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no connection within {CONNECT_TIMEOUT:?}"),
+            )
+            .into(),
+        };
+        if tried + 1 < count {
+            tracing::warn!(
+                broker = %idem_core::telemetry::redact_url(url),
+                error = %error,
+                "broker did not take the connection; trying the next"
+            );
+        }
+        failed = Some(error);
+    }
+    Err(failed.unwrap_or_else(|| std::io::Error::other("no broker configured").into()))
 }
 
 impl Connections {
@@ -33,9 +73,7 @@ impl Connections {
             identity: None,
             cert_chain: config.tls_ca.as_deref().map(str::to_owned),
         };
-        let runtime = lapin::runtime::default_runtime()?;
-        let connection = Connection::connect_with_config(&config.url, properties, tls, runtime);
-        let connection = Arc::new(connection.await?);
+        let connection = Arc::new(connect_first(config, properties, tls).await?);
         let mut all = self.open.lock().unwrap_or_else(|e| e.into_inner());
         all.retain(|c| c.status().connected());
         all.push(connection.clone());

@@ -54,7 +54,7 @@ pub(crate) async fn run(
     spec: &QueueSpec,
     window: u16,
 ) -> Result<usize, QuarantineError> {
-    let mut raw = RawConnection::open(&config.url, config.tls_ca.as_deref()).await?;
+    let mut raw = raw_connection(config).await?;
     let mut qos = 0u32.to_be_bytes().to_vec();
     qos.extend_from_slice(&window.to_be_bytes());
     qos.push(0);
@@ -194,6 +194,21 @@ fn message_id(payload: &[u8]) -> Option<Vec<u8>> {
         }
     }
     None
+}
+
+/// A raw connection to the first broker that answers, in failover order.
+async fn raw_connection(config: &RabbitConfig) -> std::io::Result<RawConnection> {
+    let mut failed = None;
+    for (index, url) in config.brokers() {
+        match RawConnection::open(url, config.tls_ca.as_deref()).await {
+            Ok(raw) => {
+                config.worked(index);
+                return Ok(raw);
+            }
+            Err(e) => failed = Some(e),
+        }
+    }
+    Err(failed.unwrap_or_else(|| std::io::Error::other("no broker configured")))
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ pub(crate) const AVAILABLE: bool = cfg!(any(feature = "tls-rustls", feature = "t
 /// Refuses an `amqps://` broker when this build has no TLS backend (`available`), before any
 /// connection is tried, with the features to enable.
 pub(crate) fn check(config: &crate::RabbitConfig, available: bool) -> Result<(), TransportError> {
-    if available || !config.url.starts_with("amqps:") {
+    if available || !config.urls.iter().any(|u| u.starts_with("amqps:")) {
         return Ok(());
     }
     Err(TransportError::Connection {

@@ -14,8 +14,13 @@ pub fn amqp_url() -> String {
 
 /// A confirmed publisher, or a failure saying how to start RabbitMQ.
 pub async fn publisher() -> Publisher {
-    Publisher::connect(&RabbitConfig::new(amqp_url())).await.unwrap_or_else(|e| {
-        panic!("RabbitMQ is not reachable at {}: {e}\nstart it (`docker compose up -d` starts one), or point AMQP_URL at one", amqp_url())
+    publisher_on(&amqp_url()).await
+}
+
+/// A confirmed publisher to the broker(s) at `url`.
+pub async fn publisher_on(url: &str) -> Publisher {
+    Publisher::connect(&RabbitConfig::new(url)).await.unwrap_or_else(|e| {
+        panic!("RabbitMQ is not reachable at {url}: {e}\nstart it (`docker compose up -d` starts one), or point AMQP_URL at one")
     })
 }
 
@@ -75,20 +80,39 @@ async fn close(connection: Connection) {
 }
 
 async fn connect() -> Connection {
-    Connection::connect(&amqp_url(), ConnectionProperties::default())
-        .await
-        .expect("connect to RabbitMQ")
+    connect_to(&amqp_url()).await
+}
+
+/// A connection to the first broker of the comma-separated `urls` that takes one.
+async fn connect_to(urls: &str) -> Connection {
+    let mut failed = None;
+    for url in urls.split(',') {
+        match Connection::connect(url.trim(), ConnectionProperties::default()).await {
+            Ok(connection) => return connection,
+            Err(e) => failed = Some(e),
+        }
+    }
+    panic!("connect to RabbitMQ at {urls}: {failed:?}")
 }
 
 /// Declares `queue` as the orders example declares it (consumer `orders`, the default retry
 /// delays), so that nothing published before the example starts is dropped.
 pub async fn declare_orders_queue(queue: &str) {
+    declare_orders_queue_on(&amqp_url(), queue, idem::rabbitmq::QueueType::Classic).await;
+}
+
+/// [`declare_orders_queue`] on the broker(s) at `url`, of type `queue_type`.
+pub async fn declare_orders_queue_on(
+    url: &str,
+    queue: &str,
+    queue_type: idem::rabbitmq::QueueType,
+) {
     use idem::transport::Transport;
     let mut spec = idem::transport::QueueSpec::default();
     spec.queue = queue.to_owned();
     spec.consumer = "orders".into();
     spec.retry_delays = idem::RetryPolicy::default().delays();
-    let rabbit = idem::rabbitmq::RabbitConfig::new(amqp_url());
+    let rabbit = idem::rabbitmq::RabbitConfig::new(url).queue_type(queue_type);
     idem::rabbitmq::RabbitTransport::new(rabbit)
         .declare(&[spec])
         .await
@@ -105,7 +129,12 @@ pub fn amqp_address() -> String {
 
 /// Takes every message now in `queue`.
 pub async fn drain(queue: &str) -> Vec<Got> {
-    let connection = connect().await;
+    drain_on(&amqp_url(), queue).await
+}
+
+/// [`drain`] on the broker(s) at `url`.
+pub async fn drain_on(url: &str, queue: &str) -> Vec<Got> {
+    let connection = connect_to(url).await;
     let channel = connection.create_channel().await.expect("channel");
     let mut got = Vec::new();
     while let Some(message) = channel
@@ -166,7 +195,12 @@ const EXAMPLE_STATUS_PARTITIONS: usize = 4;
 /// Deletes `queue` and the queues idem declared beside it (with, when `queue` was the orders
 /// example's, the example's status partitions and exchange).
 pub async fn delete_topology(queue: &str, delays: &[Duration]) {
-    let connection = connect().await;
+    delete_topology_on(&amqp_url(), queue, delays).await
+}
+
+/// [`delete_topology`] on the broker(s) at `url`.
+pub async fn delete_topology_on(url: &str, queue: &str, delays: &[Duration]) {
+    let connection = connect_to(url).await;
     let mut names = vec![queue.to_owned(), idem::rabbitmq::dlq(queue)];
     names.extend(
         delays
@@ -224,9 +258,14 @@ pub fn close_connections(name: &str) -> usize {
 
 /// How many messages are ready in `queue` (a passive declare; not counting unacked ones).
 pub async fn count(queue: &str) -> usize {
+    count_on(&amqp_url(), queue).await
+}
+
+/// [`count`] on the broker(s) at `url`.
+pub async fn count_on(url: &str, queue: &str) -> usize {
     use lapin::options::QueueDeclareOptions;
     use lapin::types::FieldTable;
-    let connection = connect().await;
+    let connection = connect_to(url).await;
     let channel = connection.create_channel().await.expect("channel");
     let declared = channel
         .queue_declare(

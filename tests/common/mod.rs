@@ -173,6 +173,7 @@ where
 
 pub mod broker;
 pub mod charges;
+pub mod cluster;
 pub mod faulty_orders;
 pub mod proxy;
 pub mod raw_amqp;

@@ -1,7 +1,7 @@
 //! A TCP proxy the tests can cut and restore, to take a real service away from a client.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -10,6 +10,7 @@ use tokio::task::AbortHandle;
 pub struct Proxy {
     addr: SocketAddr,
     open: Arc<AtomicBool>,
+    accepted: Arc<AtomicUsize>,
     pipes: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
 }
@@ -22,12 +23,14 @@ impl Proxy {
         let open = Arc::new(AtomicBool::new(true));
         let pipes: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
         let target = target.to_owned();
-        let (o, p) = (open.clone(), pipes.clone());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (o, p, a) = (open.clone(), pipes.clone(), accepted.clone());
         let accept = tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 if !o.load(Ordering::SeqCst) {
                     continue; // dropped: the client sees the connection closed
                 }
+                a.fetch_add(1, Ordering::SeqCst);
                 let target = target.clone();
                 let pipe = tokio::spawn(async move {
                     if let Ok(mut server) = TcpStream::connect(&target).await {
@@ -41,6 +44,7 @@ impl Proxy {
         Proxy {
             addr,
             open,
+            accepted,
             pipes,
             accept,
         }
@@ -49,6 +53,11 @@ impl Proxy {
     /// The port clients connect to.
     pub fn port(&self) -> u16 {
         self.addr.port()
+    }
+
+    /// How many connections it has forwarded (not counting those refused while cut).
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     /// Breaks every open connection and refuses new ones.

@@ -1,0 +1,203 @@
+//! A 3-node RabbitMQ cluster (`scripts/rabbitmq-cluster`) with quorum queues replicated on every
+//! node, consumed by two `orders consume` processes given the three nodes' addresses (the
+//! example's `AMQP_URL` list) while the cluster loses the node that leads the queue (and that
+//! the consumers are connected to), or restarts as a whole: every order takes effect once,
+//! processing resumes within seconds, and nothing is lost from the queue or the dead-letter
+//! queue.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use common::broker;
+use common::cluster::Cluster;
+use common::{KillOnDrop, orders_example, unique, wait_until};
+use idem::rabbitmq::QueueType;
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ORDERS: usize = 4000;
+const MALFORMED: usize = 10;
+
+/// What happens to the cluster under load.
+#[derive(Debug, Clone, Copy)]
+enum Disruption {
+    /// `rabbitmqctl stop_app` on the node that leads the queue, later `start_app`.
+    LeaderStops,
+    /// Every node stopped, then all started again.
+    WholeClusterRestarts,
+}
+
+async fn stored(pool: &sqlx::PgPool, queue: &str) -> usize {
+    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE order_id LIKE $1")
+        .bind(format!("{queue}-%"))
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0) as usize
+}
+
+async fn survive(disruption: Disruption) {
+    let Some(cluster) = Cluster::up().await else {
+        return;
+    };
+    let queue = unique("idem-cluster");
+    let pool = common::postgres(4).await;
+    // Declared through node 1, which leads the queue (the broker places a quorum queue's leader
+    // on the node its declaring client is connected to).
+    broker::declare_orders_queue_on(&cluster.urls, &queue, QueueType::Quorum).await;
+    assert_eq!(
+        cluster.members(&queue),
+        [1, 2, 3],
+        "a replica on every node"
+    );
+    assert_eq!(cluster.leader(&queue, 1), Some(1));
+
+    let publisher = broker::publisher_on(&cluster.urls).await;
+    let mut expected: HashMap<String, i64> = HashMap::new();
+    for n in 0..ORDERS {
+        let (id, customer, cents) = (
+            format!("{queue}-{n}"),
+            format!("{queue}-c{}", n % 31),
+            (n % 89) as i64 + 1,
+        );
+        *expected.entry(customer.clone()).or_default() += cents;
+        let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents})
+            .to_string();
+        let message = idem::Envelope::new(body).with_message_id(id.as_str());
+        for _ in 0..(1 + n % 3 / 2) {
+            publisher
+                .publish_unconfirmed(&queue, &message)
+                .await
+                .unwrap();
+        }
+        if n == ORDERS / 2 {
+            for bad in 0..MALFORMED {
+                let message =
+                    idem::Envelope::new("{not json").with_message_id(format!("{queue}-bad-{bad}"));
+                publisher
+                    .publish_unconfirmed(&queue, &message)
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+    publisher.wait_for_confirms().await.unwrap();
+    drop(publisher);
+
+    let consume = || {
+        KillOnDrop(
+            Command::new(orders_example())
+                .arg("consume")
+                .env("AMQP_URL", &cluster.urls)
+                .env("DATABASE_URL", common::postgres_url())
+                .env("ORDERS_QUEUE", &queue)
+                .env("ORDERS_QUEUE_TYPE", "quorum")
+                .env("ORDERS_CONCURRENCY", "4")
+                .env("RUST_LOG", "error")
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let consumers = [consume(), consume()];
+    wait_until("some progress", Duration::from_secs(60), || async {
+        stored(&pool, &queue).await >= 300
+    })
+    .await;
+    let leader = 1;
+    let disrupted = Instant::now();
+    match disruption {
+        Disruption::LeaderStops => cluster.stop_app(leader).await,
+        Disruption::WholeClusterRestarts => cluster.restart().await,
+    }
+    let (took, before) = (disrupted.elapsed(), stored(&pool, &queue).await);
+    assert!(
+        before < ORDERS,
+        "every order was stored before the disruption ended; the test proves nothing"
+    );
+    let resumed = Instant::now();
+    wait_until(
+        "processing resumed on a surviving node",
+        Duration::from_secs(30),
+        || async { stored(&pool, &queue).await >= before + 100 },
+    )
+    .await;
+    eprintln!(
+        "{disruption:?}: done in {:.1} s with {before} of {ORDERS} orders stored; 100 more \
+         stored {:.1} s later",
+        took.as_secs_f64(),
+        resumed.elapsed().as_secs_f64()
+    );
+    if let Disruption::LeaderStops = disruption {
+        let new_leader = cluster.leader(&queue, if leader == 2 { 3 } else { 2 });
+        assert!(
+            new_leader.is_some_and(|n| n != leader),
+            "{new_leader:?} leads"
+        );
+    }
+    let dlq = idem::rabbitmq::dlq(&queue);
+    wait_until("every order stored", Duration::from_secs(120), || async {
+        stored(&pool, &queue).await >= ORDERS
+            && broker::count_on(&cluster.urls, &dlq).await >= MALFORMED
+    })
+    .await;
+    if let Disruption::LeaderStops = disruption {
+        cluster.start_app(leader).await;
+    }
+    for mut consumer in consumers {
+        let _ = Command::new("kill")
+            .args(["-TERM", &consumer.0.id().to_string()])
+            .status();
+        let _ = consumer.0.wait();
+    }
+
+    let balances: HashMap<String, i64> =
+        sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
+            .bind(format!("{queue}-c%"))
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    assert_eq!(stored(&pool, &queue).await, ORDERS);
+    assert_eq!(balances, expected, "every order's amount added once");
+    let dead = broker::drain_on(&cluster.urls, &dlq).await;
+    let records = idem::sql::PgInbox::new(pool.clone())
+        .dead_letters(&queue)
+        .await
+        .unwrap();
+    assert_eq!(
+        dead.len(),
+        MALFORMED,
+        "each malformed message dead-lettered once"
+    );
+    assert!(
+        dead.iter().all(|m| records
+            .iter()
+            .any(|r| r.describes(m.message_id().as_deref(), &m.body))),
+        "a dead letter without its record"
+    );
+    let left = broker::drain_on(&cluster.urls, &queue).await;
+    assert!(
+        left.iter()
+            .all(|m| m.message_id().is_some_and(|id| !id.contains("-bad-"))),
+        "only copies of stored orders may be left: {left:?}"
+    );
+    broker::delete_topology_on(
+        &cluster.urls,
+        &queue,
+        &idem::RetryPolicy::default().delays(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_node_leading_a_quorum_queue_stops_under_load() {
+    survive(Disruption::LeaderStops).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_whole_cluster_restarts_under_load() {
+    survive(Disruption::WholeClusterRestarts).await;
+}

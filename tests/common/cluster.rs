@@ -1,0 +1,126 @@
+//! The 3-node RabbitMQ cluster of `scripts/rabbitmq-cluster`, started if it is down, for the
+//! tests that stop and restart its nodes.
+#![allow(dead_code)]
+
+use std::process::Command;
+
+/// The repository's cluster script.
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rabbitmq-cluster");
+
+/// Only one test at a time may stop nodes of the cluster.
+static IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The cluster, held by one test at a time.
+pub struct Cluster {
+    /// The three nodes' AMQP URLs, comma-separated, node 1 first.
+    pub urls: String,
+    _held: tokio::sync::MutexGuard<'static, ()>,
+}
+
+fn script(args: &[&str]) -> String {
+    let out = Command::new(SCRIPT)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {SCRIPT}: {e}"));
+    assert!(
+        out.status.success(),
+        "{SCRIPT} {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl Cluster {
+    /// The cluster with all three nodes running (started and joined if they are not), or
+    /// `None`, said on stderr, when this machine cannot start RabbitMQ nodes of its own.
+    pub async fn up() -> Option<Cluster> {
+        if !super::tls_node::can_start_nodes() {
+            eprintln!("skipped: starting RabbitMQ nodes needs rabbitmq-server on the PATH");
+            return None;
+        }
+        let held = IN_USE.lock().await;
+        let urls = tokio::task::spawn_blocking(|| script(&["start"]))
+            .await
+            .unwrap()
+            .trim()
+            .to_owned();
+        Some(Cluster { urls, _held: held })
+    }
+
+    /// Node `n`'s AMQP URL.
+    pub fn url(&self, n: usize) -> &str {
+        self.urls.split(',').nth(n - 1).expect("nodes 1 to 3")
+    }
+
+    /// `rabbitmqctl` against node `n`, its output.
+    pub fn ctl(&self, n: usize, args: &[&str]) -> String {
+        let mut all = vec!["ctl", ["1", "2", "3"][n - 1]];
+        all.extend_from_slice(args);
+        script(&all)
+    }
+
+    /// The node (1 to 3) that leads quorum queue `queue`, as node `asked` sees it.
+    pub fn leader(&self, queue: &str, asked: usize) -> Option<usize> {
+        let listed = self.ctl(asked, &["list_queues", "name", "leader"]);
+        let leader = listed
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .find(|(name, _)| *name == queue)?
+            .1
+            .trim()
+            .to_owned();
+        (1..=3).find(|n| leader == format!("idem-cluster-{n}@localhost"))
+    }
+
+    /// The nodes (1 to 3) that hold a replica of quorum queue `queue`.
+    pub fn members(&self, queue: &str) -> Vec<usize> {
+        let listed = self.ctl(1, &["list_queues", "name", "members"]);
+        let members = listed
+            .lines()
+            .filter_map(|l| l.split_once('\t'))
+            .find(|(name, _)| *name == queue)
+            .map(|(_, m)| m.to_owned())
+            .unwrap_or_default();
+        (1..=3)
+            .filter(|n| members.contains(&format!("idem-cluster-{n}@localhost")))
+            .collect()
+    }
+
+    /// Stops the RabbitMQ application on node `n` (the Erlang node stays; its clients are
+    /// disconnected and its port refuses connections).
+    pub async fn stop_app(&self, n: usize) {
+        let node = ["1", "2", "3"][n - 1];
+        tokio::task::spawn_blocking(move || script(&["ctl", node, "stop_app"]))
+            .await
+            .unwrap();
+    }
+
+    /// Starts node `n`'s application again and waits for it.
+    pub async fn start_app(&self, n: usize) {
+        let node = ["1", "2", "3"][n - 1];
+        tokio::task::spawn_blocking(move || {
+            script(&["ctl", node, "start_app"]);
+            script(&["ctl", node, "await_startup"]);
+        })
+        .await
+        .unwrap();
+    }
+
+    /// Stops every node, then starts them all again and waits for them (a whole-cluster restart).
+    pub async fn restart(&self) {
+        tokio::task::spawn_blocking(|| {
+            script(&["stop"]);
+            script(&["start"]);
+        })
+        .await
+        .unwrap();
+    }
+}
+
+impl Drop for Cluster {
+    /// Leaves every node running for the next test, whatever this one did.
+    fn drop(&mut self) {
+        let _ = Command::new(SCRIPT).arg("start").output();
+    }
+}

@@ -1,0 +1,111 @@
+//! `RabbitConfig` with several broker addresses: the runtime connects to the first that takes a
+//! connection and, when the broker it uses goes away under load, reconnects to the next one,
+//! every message taking effect once.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+#[path = "common/runtime_fixture.rs"]
+mod runtime_fixture;
+
+use common::broker::amqp_url;
+use common::proxy::Proxy;
+use common::running::*;
+use common::wait_until;
+use idem::rabbitmq::{QueueType, RabbitConfig};
+use runtime_fixture::*;
+use std::time::Duration;
+
+/// An address nothing listens on: a connection to it is refused at once.
+const REFUSING: &str = "amqp://guest:guest@127.0.0.1:1/%2f";
+
+/// `AMQP_URL` with its host:port replaced by the proxy's.
+fn through(proxy: &Proxy) -> String {
+    let url = amqp_url();
+    let target = url
+        .split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .expect("host:port in AMQP_URL");
+    url.replace(target, &format!("127.0.0.1:{}", proxy.port()))
+}
+
+/// The node's host:port, for the proxies.
+fn node() -> String {
+    let url = amqp_url();
+    url.split('@')
+        .nth(1)
+        .and_then(|h| h.split('/').next())
+        .expect("host:port in AMQP_URL")
+        .to_owned()
+}
+
+/// Three addresses: one that refuses, then two proxies in front of the node. The runtime
+/// connects through the first proxy; when that proxy is cut under load (its connections broken,
+/// new ones refused, as when a node dies), the runtime reconnects through the second within
+/// seconds and every order takes effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broker_lost_under_load_fails_over_to_the_next_address() {
+    let mut f = fixture("failover", fast_retries(), QueueType::Classic, None).await;
+    let (first, second) = (Proxy::start(&node()).await, Proxy::start(&node()).await);
+    f.rabbit = RabbitConfig::new(format!(
+        "{REFUSING}, {}, {}",
+        through(&first),
+        through(&second)
+    ))
+    .connection_name(format!("idem-test:{}", f.queue));
+    const ORDERS: usize = 1500;
+    for n in 0..ORDERS {
+        for _ in 0..(n % 2 + 1) {
+            f.publish_order(n, 4).await;
+        }
+    }
+    let running = start(f.runtime().concurrency(2).prefetch(8));
+    wait_until("some progress", DEADLINE, || async {
+        running.now().processed >= 50
+    })
+    .await;
+    assert!(
+        first.accepted() >= 1,
+        "nothing went through the first proxy"
+    );
+    assert_eq!(second.accepted(), 0, "the second proxy was used too early");
+    first.cut();
+    let before = running.now().processed;
+    assert!(
+        (before as usize) < ORDERS,
+        "all work was done before the broker went away; the test proves nothing"
+    );
+    wait_until(
+        "processing resumed through the next broker",
+        Duration::from_secs(20),
+        || async { running.now().processed > before + 50 },
+    )
+    .await;
+    assert!(
+        second.accepted() >= 1,
+        "nothing went through the second proxy"
+    );
+    wait_until("every order applied", DEADLINE, || async {
+        f.effects().await.len() == ORDERS
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 0);
+    f.assert_exactly_once(ORDERS, |_| 4).await;
+    f.cleanup().await;
+}
+
+/// Every address refuses: the start fails with an error that names them all, passwords hidden.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_broker_answering_stops_the_start_naming_every_address() {
+    let mut f = fixture("failover-none", fast_retries(), QueueType::Classic, None).await;
+    f.rabbit = RabbitConfig::new(format!("{REFUSING},amqp://guest:secret@127.0.0.1:2/%2f"));
+    let ran = f.runtime().build().unwrap().run_until(async {}).await;
+    let text = ran.expect_err("the start fails").to_string();
+    assert!(
+        text.contains("127.0.0.1:1") && text.contains("127.0.0.1:2") && !text.contains("secret"),
+        "{text}"
+    );
+    f.cleanup().await;
+}
