@@ -8,7 +8,7 @@ use clap::{Args, Parser, Subcommand};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
-    /// The RabbitMQ broker.
+    /// The RabbitMQ broker, or several separated by commas (tried in order).
     #[arg(
         long,
         env = "AMQP_URL",

@@ -95,6 +95,25 @@ struct Broker {
     dlq: String,
 }
 
+/// A connection to the first broker of `urls` (comma-separated, in failover order) that takes
+/// one.
+async fn connect_first(urls: &str, tls: OwnedTLSConfig) -> Result<Connection, CliError> {
+    let mut failed = None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let runtime = lapin::runtime::default_runtime()
+            .map_err(|e| CliError::Broker(format!("cannot start a connection: {e}")))?;
+        let properties = ConnectionProperties::default();
+        match Connection::connect_with_config(url, properties, tls.clone(), runtime).await {
+            Ok(connection) => return Ok(connection),
+            Err(e) => failed = Some(format!("{}: {e}", redact_url(url))),
+        }
+    }
+    Err(CliError::Broker(format!(
+        "cannot reach {}",
+        failed.unwrap_or_else(|| "any broker: AMQP_URL is empty".to_owned())
+    )))
+}
+
 impl Broker {
     async fn open(cli: &Cli, queue: &str) -> Result<Self, CliError> {
         let cert_chain = match &cli.amqp_tls_ca {
@@ -108,13 +127,7 @@ impl Broker {
             identity: None,
             cert_chain,
         };
-        let unreachable =
-            |e| CliError::Broker(format!("cannot reach {}: {e}", redact_url(&cli.amqp_url)));
-        let runtime = lapin::runtime::default_runtime().map_err(unreachable)?;
-        let properties = ConnectionProperties::default();
-        let connection = Connection::connect_with_config(&cli.amqp_url, properties, tls, runtime)
-            .await
-            .map_err(unreachable)?;
+        let connection = connect_first(&cli.amqp_url, tls).await?;
         let channel = connection
             .create_channel()
             .await

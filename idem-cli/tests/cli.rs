@@ -234,7 +234,8 @@ impl Fixture {
     fn idem(&self, args: &[&str]) -> (bool, String, String) {
         let out = Command::new(env!("CARGO_BIN_EXE_idem"))
             .args(args)
-            .env("AMQP_URL", amqp_url())
+            // A broker that refuses first: the tool tries the next one, as a cluster's list.
+            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", amqp_url()))
             .env("DATABASE_URL", postgres_url())
             .env("IDEM_QUEUE", &self.queue)
             .env_remove("IDEM_INBOX_TABLE")
