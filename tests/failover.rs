@@ -109,3 +109,78 @@ async fn no_broker_answering_stops_the_start_naming_every_address() {
     );
     f.cleanup().await;
 }
+
+/// A publisher given two brokers publishes batches (unconfirmed, then `wait_for_confirms`) and
+/// single confirmed messages, retrying whatever is not confirmed; its broker goes away half-way
+/// (a proxy cut). It carries on through the second broker, and every message it was told was
+/// confirmed is in the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publisher_fails_over_and_every_confirmed_message_arrives() {
+    use idem::rabbitmq::Publisher;
+    let f = fixture(
+        "publisher-failover",
+        fast_retries(),
+        QueueType::Classic,
+        None,
+    )
+    .await;
+    let (first, second) = (Proxy::start(&node()).await, Proxy::start(&node()).await);
+    let config = RabbitConfig::new(format!("{},{}", through(&first), through(&second)));
+    let publisher = Publisher::connect(&config).await.unwrap();
+    let message = |id: String| idem::Envelope::new("{}").with_message_id(id);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let mut confirmed = Vec::new();
+    for batch in 0..20 {
+        if batch == 10 {
+            first.cut();
+        }
+        let ids: Vec<String> = (0..10).map(|n| format!("batch-{batch}-{n}")).collect();
+        loop {
+            let mut sent = true;
+            for id in &ids {
+                sent &= publisher
+                    .publish_unconfirmed(&f.queue, &message(id.clone()))
+                    .await
+                    .is_ok();
+            }
+            if publisher.wait_for_confirms().await.is_ok() && sent {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "batch {batch} never confirmed"
+            );
+        }
+        confirmed.extend(ids);
+        let single = format!("single-{batch}");
+        while publisher
+            .publish("", &f.queue, &message(single.clone()))
+            .await
+            .is_err()
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{single} never confirmed"
+            );
+        }
+        confirmed.push(single);
+    }
+    assert!(
+        second.accepted() >= 1,
+        "nothing went through the second broker"
+    );
+    let arrived: std::collections::HashSet<String> = common::broker::drain(&f.queue)
+        .await
+        .iter()
+        .filter_map(|m| m.message_id())
+        .collect();
+    let missing: Vec<&String> = confirmed
+        .iter()
+        .filter(|id| !arrived.contains(*id))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "confirmed but not in the queue: {missing:?}"
+    );
+    f.cleanup().await;
+}

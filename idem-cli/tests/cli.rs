@@ -235,7 +235,10 @@ impl Fixture {
         let out = Command::new(env!("CARGO_BIN_EXE_idem"))
             .args(args)
             // A broker that refuses first: the tool tries the next one, as a cluster's list.
-            .env("AMQP_URL", format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", amqp_url()))
+            .env(
+                "AMQP_URL",
+                format!("amqp://guest:guest@127.0.0.1:1/%2f,{}", amqp_url()),
+            )
             .env("DATABASE_URL", postgres_url())
             .env("IDEM_QUEUE", &self.queue)
             .env_remove("IDEM_INBOX_TABLE")

@@ -8,6 +8,8 @@ use lapin::Channel;
 use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 
 /// Every publish asks the broker to return a message no queue takes.
 const MANDATORY: BasicPublishOptions = BasicPublishOptions {
@@ -50,29 +52,96 @@ fn broker(error: lapin::Error) -> PublishError {
 ///
 /// A message is an [`Envelope`]: its body, message id, correlation id, content type and
 /// headers are sent (persistent, `mandatory`); `attempt` and `redelivered` are not.
+///
+/// When its connection is lost, the next publish connects again, to the brokers of its
+/// [`RabbitConfig`] in failover order; a publish that was under way when the connection went
+/// fails, and is the caller's to retry. Unconfirmed publishes are never silently lost: after a
+/// lost connection, [`Publisher::wait_for_confirms`] fails for them before anything is
+/// published on a new connection.
 #[derive(Debug, Clone)]
 pub struct Publisher {
-    channel: Channel,
-    _connections: Connections,
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: RabbitConfig,
+    connections: Connections,
+    /// The confirm-mode channel in use.
+    channel: RwLock<Channel>,
+    /// Serializes reconnections.
+    reconnecting: tokio::sync::Mutex<()>,
+    /// Unconfirmed publishes were made on the current channel since the last
+    /// [`Publisher::wait_for_confirms`].
+    unconfirmed: AtomicBool,
+}
+
+/// A confirm-mode channel on a new connection of `connections`.
+async fn confirm_channel(
+    config: &RabbitConfig,
+    connections: &Connections,
+) -> Result<Channel, PublishError> {
+    let connection = connections
+        .open(config, "publisher")
+        .await
+        .map_err(broker)?;
+    let channel = connection.create_channel().await.map_err(broker)?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(broker)?;
+    Ok(channel)
 }
 
 impl Publisher {
-    /// Connects to the broker of `config` and opens a confirm-mode channel.
+    /// Connects to the broker of `config` (the first of its brokers that takes a connection)
+    /// and opens a confirm-mode channel.
     pub async fn connect(config: &RabbitConfig) -> Result<Self, PublishError> {
         let connections = Connections::default();
-        let connection = connections
-            .open(config, "publisher")
-            .await
-            .map_err(broker)?;
-        let channel = connection.create_channel().await.map_err(broker)?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(broker)?;
+        let channel = confirm_channel(config, &connections).await?;
         Ok(Self {
-            channel,
-            _connections: connections,
+            inner: Arc::new(Inner {
+                config: config.clone(),
+                connections,
+                channel: RwLock::new(channel),
+                reconnecting: tokio::sync::Mutex::new(()),
+                unconfirmed: AtomicBool::new(false),
+            }),
         })
+    }
+
+    /// The channel in use, or a new one when its connection is gone and no unconfirmed
+    /// publish is waiting to be reported.
+    async fn channel(&self) -> Result<Channel, PublishError> {
+        let current = self.current();
+        if current.status().connected() {
+            return Ok(current);
+        }
+        let _turn = self.inner.reconnecting.lock().await;
+        let current = self.current();
+        if current.status().connected() {
+            return Ok(current); // another publish reconnected meanwhile
+        }
+        if self.inner.unconfirmed.load(Ordering::SeqCst) {
+            return Err(PublishError::Broker(
+                "the connection was lost with unconfirmed publishes; wait_for_confirms reports them before the publisher connects again".into(),
+            ));
+        }
+        let channel = confirm_channel(&self.inner.config, &self.inner.connections).await?;
+        *self
+            .inner
+            .channel
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = channel.clone();
+        Ok(channel)
+    }
+
+    fn current(&self) -> Channel {
+        self.inner
+            .channel
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Publishes `message` to `exchange` with `routing_key` (the queue name on the default
@@ -86,7 +155,8 @@ impl Publisher {
         message: &Envelope,
     ) -> Result<(), PublishError> {
         let confirm = self
-            .channel
+            .channel()
+            .await?
             .basic_publish(
                 ShortString::from(exchange),
                 ShortString::from(routing_key),
@@ -141,7 +211,9 @@ impl Publisher {
         routing_key: &str,
         message: &Envelope,
     ) -> Result<(), PublishError> {
-        self.channel
+        let channel = self.channel().await?;
+        self.inner.unconfirmed.store(true, Ordering::SeqCst);
+        channel
             .basic_publish(
                 ShortString::from(exchange),
                 ShortString::from(routing_key),
@@ -157,7 +229,17 @@ impl Publisher {
     /// Waits until every message published so far is confirmed; fails if any was refused or
     /// could not be routed.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {
-        let returned = self.channel.wait_for_confirms().await.map_err(broker)?;
+        let channel = self.current();
+        let waited = channel.wait_for_confirms().await;
+        // Reported either way: the next publish may connect again.
+        let unconfirmed = self.inner.unconfirmed.swap(false, Ordering::SeqCst);
+        let returned = waited.map_err(broker)?;
+        if unconfirmed && !channel.status().connected() {
+            return Err(PublishError::Broker(
+                "the connection was lost before every publish was confirmed; publish them again"
+                    .into(),
+            ));
+        }
         match returned.first() {
             None => Ok(()),
             Some(message) => Err(PublishError::Unroutable {
