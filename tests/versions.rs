@@ -151,7 +151,7 @@ macro_rules! versions_suite {
                 let id = |v: u32| format!("{entity}:{v}");
                 let mut labels = Vec::new();
                 for (version, message) in [(2, id(2)), (1, id(1)), (4, id(4)), (3, id(3)), (4, id(4)), (2, id(2)), (5, id(5)), (3, format!("{entity}:3:again"))] {
-                    labels.push(run(&stores, &update(&entity, version, &message)).await);
+                    labels.push(settle(&stores, &update(&entity, version, &message)).await);
                 }
                 let names: Vec<_> = labels.iter().map(Outcome::label).collect();
                 assert_eq!(
@@ -163,15 +163,15 @@ macro_rules! versions_suite {
                 assert_eq!(stale.key, id(3));
                 assert_eq!(status(&pool, &entity).await, (Some(5), Some(3)), "versions 2, 4, 5 applied once each");
                 // A stale message leaves no marker: delivered again, it is judged again.
-                assert_eq!(run(&stores, &update(&entity, 1, &id(1))).await.label(), "stale");
+                assert_eq!(settle(&stores, &update(&entity, 1, &id(1))).await.label(), "stale");
 
                 // Another entity's versions are its own.
                 let other = unique("order");
-                assert_eq!(run(&stores, &update(&other, 1, &format!("{other}:1"))).await.label(), "processed");
+                assert_eq!(settle(&stores, &update(&other, 1, &format!("{other}:1"))).await.label(), "processed");
 
                 // A message without its version is dead-lettered with reason `version`.
                 let body = serde_json::json!({"order_id": entity, "version": null});
-                let missing = run(&stores, &Envelope::new(body.to_string()).with_message_id(unique("m"))).await;
+                let missing = settle(&stores, &Envelope::new(body.to_string()).with_message_id(unique("m"))).await;
                 assert!(
                     matches!(&missing, Outcome::Rejected(r) if r.reason == RejectReason::Version && r.message.contains("version field `update.version` is absent")),
                     "{missing:?}"
@@ -183,8 +183,8 @@ macro_rules! versions_suite {
                 let (stores, _pool, _dir) = stores(1).await;
                 let stores = stores.with_dead_letter_stale(true);
                 let entity = unique("order");
-                assert_eq!(run(&stores, &update(&entity, 7, &format!("{entity}:7"))).await.label(), "processed");
-                let stale = run(&stores, &update(&entity, 6, &format!("{entity}:6"))).await;
+                assert_eq!(settle(&stores, &update(&entity, 7, &format!("{entity}:7"))).await.label(), "processed");
+                let stale = settle(&stores, &update(&entity, 6, &format!("{entity}:6"))).await;
                 assert!(
                     matches!(&stale, Outcome::Rejected(r) if r.reason == RejectReason::Stale && r.message.contains("version 6") && r.message.contains("applied version 7")),
                     "{stale:?}"
