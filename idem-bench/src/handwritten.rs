@@ -1,6 +1,7 @@
 //! The consumers a user would write by hand with lapin + sqlx: insert-first inbox row and the
 //! business writes in one transaction, ack after the commit. Kept honest and reasonably tuned:
-//! prepared statements, a pool per worker, concurrent workers or batches with one multiple ack.
+//! prepared statements, a pool per worker, concurrent workers or batches with one multiple ack,
+//! and a lean per-message consumer whose workers each hold their own connection.
 
 use crate::workload::{Order, apply};
 use anyhow::Context as _;
@@ -10,8 +11,9 @@ use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties};
 use sqlx::PgPool;
+use sqlx::{Connection as _, PgConnection};
 use std::collections::HashSet;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 const CONSUMER: &str = "handwritten";
@@ -166,6 +168,68 @@ async fn process_batch(pool: &PgPool, deliveries: &[Delivery]) -> anyhow::Result
         if new.remove(key) {
             apply(&mut tx, order).await?;
         }
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The lean per-message consumer: `workers` tasks, each holding its own PostgreSQL connection
+/// for the whole run and taking deliveries from one shared consumer; a narrow inbox row
+/// (consumer, key, received_at; an index on received_at for cleanup), one transaction per
+/// message, the ack awaited after the commit.
+pub async fn lean_per_message(
+    url: &str,
+    database_url: &str,
+    queue: &str,
+    expect: usize,
+    workers: usize,
+    prefetch: u16,
+) -> anyhow::Result<Duration> {
+    let (connection, _channel, consumer) = channel(url, queue, prefetch).await?;
+    let consumer = Arc::new(tokio::sync::Mutex::new(consumer.take(expect)));
+    let first = Arc::new(OnceLock::new());
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..workers {
+        let mut db = PgConnection::connect(database_url).await?;
+        let (consumer, first) = (consumer.clone(), first.clone());
+        tasks.spawn(async move {
+            loop {
+                let next = consumer.lock().await.next().await;
+                let Some(delivery) = next else {
+                    return anyhow::Ok(());
+                };
+                let delivery = delivery?;
+                first.get_or_init(Instant::now);
+                while let Err(e) = process_lean(&mut db, &delivery).await {
+                    tracing::warn!(error = %e, "retrying");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                delivery.ack(BasicAckOptions::default()).await?;
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done??;
+    }
+    let elapsed = first.get().map(Instant::elapsed).unwrap_or_default();
+    let _ = connection.close(200, ShortString::from("done")).await;
+    Ok(elapsed)
+}
+
+async fn process_lean(db: &mut PgConnection, delivery: &Delivery) -> anyhow::Result<()> {
+    let (key, order) = parse(delivery)?;
+    let mut tx = db.begin().await?;
+    let claimed = sqlx::query(
+        "INSERT INTO bench_lean_inbox (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+    )
+    .bind(CONSUMER)
+    .bind(&key)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1;
+    if claimed {
+        apply(&mut tx, &order).await?;
     }
     tx.commit().await?;
     Ok(())

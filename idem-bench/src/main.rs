@@ -108,6 +108,9 @@ enum Variant {
     Hand,
     /// Handwritten, batched, multiple ack.
     HandBatch,
+    /// Handwritten, one transaction per message, N workers each holding its own connection,
+    /// a narrow inbox with an arrival-time index.
+    HandLean,
     /// idem, one transaction per message.
     Idem,
     /// idem, batch mode.
@@ -123,6 +126,7 @@ impl Variant {
         match self {
             Self::Hand => "handwritten, per message",
             Self::HandBatch => "handwritten, batched",
+            Self::HandLean => "handwritten, lean per message",
             Self::Idem => "idem, per message",
             Self::IdemBatch => "idem, batch mode",
             Self::IdemOrdered4 => "idem, ordered, 4 partitions",
@@ -149,7 +153,7 @@ impl Variant {
     }
 
     fn uses_idem(self) -> bool {
-        !matches!(self, Self::Hand | Self::HandBatch)
+        !matches!(self, Self::Hand | Self::HandBatch | Self::HandLean)
     }
 }
 
@@ -194,6 +198,18 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
         }
         Variant::HandBatch => {
             handwritten::batched(&b.amqp_url, pool, queue, expect, b.batch, linger).await?
+        }
+        Variant::HandLean => {
+            drop(pool);
+            handwritten::lean_per_message(
+                &b.amqp_url,
+                &b.database_url,
+                queue,
+                expect,
+                b.workers,
+                b.prefetch,
+            )
+            .await?
         }
         Variant::Idem | Variant::IdemBatch | Variant::IdemOrdered4 | Variant::IdemOrdered16 => {
             if b.metrics {

@@ -110,11 +110,14 @@ impl Workload {
     }
 }
 
-/// The business tables and the handwritten consumers' inbox.
-const SCHEMA: [&str; 3] = [
+/// The business tables and the handwritten consumers' inboxes (the lean consumer's with the
+/// arrival time its cleanup would use, and that index).
+const SCHEMA: [&str; 5] = [
     "CREATE TABLE IF NOT EXISTS bench_orders (order_id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS bench_balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS bench_inbox (consumer TEXT NOT NULL, key TEXT NOT NULL, PRIMARY KEY (consumer, key))",
+    "CREATE TABLE IF NOT EXISTS bench_lean_inbox (consumer TEXT NOT NULL, key TEXT NOT NULL, received_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (consumer, key))",
+    "CREATE INDEX IF NOT EXISTS bench_lean_inbox_received_at ON bench_lean_inbox (received_at)",
 ];
 
 /// The business writes of one order, the same in every consumer: the order row, then the
@@ -148,7 +151,9 @@ pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {
     for statement in SCHEMA {
         sqlx::query(statement).execute(pool).await?;
     }
-    let truncate = format!("TRUNCATE bench_orders, bench_balances, bench_inbox, \"{idem_table}\"");
+    let truncate = format!(
+        "TRUNCATE bench_orders, bench_balances, bench_inbox, bench_lean_inbox, \"{idem_table}\""
+    );
     sqlx::raw_sql(sqlx::AssertSqlSafe(truncate))
         .execute(pool)
         .await?;
