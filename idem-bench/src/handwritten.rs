@@ -86,21 +86,36 @@ pub async fn per_message(
 }
 
 async fn process_one(pool: &PgPool, delivery: &Delivery) -> anyhow::Result<()> {
-    let (key, order) = parse(delivery)?;
     let mut tx = pool.begin().await?;
-    let claimed = sqlx::query(
-        "INSERT INTO bench_inbox (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-    )
-    .bind(CONSUMER)
-    .bind(&key)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected()
+    claim_and_apply(&mut tx, CLAIM, delivery).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The pooled consumer's claim: its inbox holds the key alone.
+const CLAIM: &str =
+    "INSERT INTO bench_inbox (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+/// The lean consumer's claim: its inbox row also gets the arrival time (a column default).
+const CLAIM_LEAN: &str =
+    "INSERT INTO bench_lean_inbox (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+
+/// Claims the delivery's key with `claim` and, when it is new, applies the order, in `tx`.
+async fn claim_and_apply(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    claim: &'static str,
+    delivery: &Delivery,
+) -> anyhow::Result<()> {
+    let (key, order) = parse(delivery)?;
+    let claimed = sqlx::query(claim)
+        .bind(CONSUMER)
+        .bind(&key)
+        .execute(&mut **tx)
+        .await?
+        .rows_affected()
         == 1;
     if claimed {
-        apply(&mut tx, &order).await?;
+        apply(tx, &order).await?;
     }
-    tx.commit().await?;
     Ok(())
 }
 
@@ -217,20 +232,8 @@ pub async fn lean_per_message(
 }
 
 async fn process_lean(db: &mut PgConnection, delivery: &Delivery) -> anyhow::Result<()> {
-    let (key, order) = parse(delivery)?;
     let mut tx = db.begin().await?;
-    let claimed = sqlx::query(
-        "INSERT INTO bench_lean_inbox (consumer, key) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-    )
-    .bind(CONSUMER)
-    .bind(&key)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected()
-        == 1;
-    if claimed {
-        apply(&mut tx, &order).await?;
-    }
+    claim_and_apply(&mut tx, CLAIM_LEAN, delivery).await?;
     tx.commit().await?;
     Ok(())
 }
