@@ -184,3 +184,36 @@ async fn a_publisher_fails_over_and_every_confirmed_message_arrives() {
     );
     f.cleanup().await;
 }
+
+/// The first address accepts TCP connections and then never answers, as a hung node does: each
+/// connection gives it up after its 10 s and goes to the next address, and every order is
+/// processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_broker_that_never_answers_is_given_up_for_the_next() {
+    let mut f = fixture("failover-hung", fast_retries(), QueueType::Classic, None).await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let hold = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            held.push(socket); // open, and silent
+        }
+    });
+    f.rabbit = RabbitConfig::new(format!(
+        "amqp://guest:guest@127.0.0.1:{port}/%2f,{}",
+        amqp_url()
+    ))
+    .connection_name(format!("idem-test:{}", f.queue));
+    for n in 0..20 {
+        f.publish_order(n, 2).await;
+    }
+    let running = start(f.runtime());
+    wait_until("every order applied", Duration::from_secs(60), || async {
+        f.effects().await.len() == 20
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(20, |_| 2).await;
+    hold.abort();
+    f.cleanup().await;
+}
