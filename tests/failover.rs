@@ -8,7 +8,7 @@ mod common;
 #[path = "common/runtime_fixture.rs"]
 mod runtime_fixture;
 
-use common::broker::amqp_url;
+use common::broker::{amqp_address, amqp_url};
 use common::proxy::Proxy;
 use common::running::*;
 use common::wait_until;
@@ -21,23 +21,7 @@ const REFUSING: &str = "amqp://guest:guest@127.0.0.1:1/%2f";
 
 /// `AMQP_URL` with its host:port replaced by the proxy's.
 fn through(proxy: &Proxy) -> String {
-    let url = amqp_url();
-    let target = url
-        .split('@')
-        .nth(1)
-        .and_then(|h| h.split('/').next())
-        .expect("host:port in AMQP_URL");
-    url.replace(target, &format!("127.0.0.1:{}", proxy.port()))
-}
-
-/// The node's host:port, for the proxies.
-fn node() -> String {
-    let url = amqp_url();
-    url.split('@')
-        .nth(1)
-        .and_then(|h| h.split('/').next())
-        .expect("host:port in AMQP_URL")
-        .to_owned()
+    amqp_url().replace(&amqp_address(), &format!("127.0.0.1:{}", proxy.port()))
 }
 
 /// Three addresses: one that refuses, then two proxies in front of the node. The runtime
@@ -47,7 +31,10 @@ fn node() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broker_lost_under_load_fails_over_to_the_next_address() {
     let mut f = fixture("failover", fast_retries(), QueueType::Classic, None).await;
-    let (first, second) = (Proxy::start(&node()).await, Proxy::start(&node()).await);
+    let (first, second) = (
+        Proxy::start(&amqp_address()).await,
+        Proxy::start(&amqp_address()).await,
+    );
     f.rabbit = RabbitConfig::new(format!(
         "{REFUSING}, {}, {}",
         through(&first),
@@ -124,7 +111,10 @@ async fn a_publisher_fails_over_and_every_confirmed_message_arrives() {
         None,
     )
     .await;
-    let (first, second) = (Proxy::start(&node()).await, Proxy::start(&node()).await);
+    let (first, second) = (
+        Proxy::start(&amqp_address()).await,
+        Proxy::start(&amqp_address()).await,
+    );
     let config = RabbitConfig::new(format!("{},{}", through(&first), through(&second)));
     let publisher = Publisher::connect(&config).await.unwrap();
     let message = |id: String| idem::Envelope::new("{}").with_message_id(id);
