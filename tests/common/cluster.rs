@@ -107,14 +107,23 @@ impl Cluster {
         .unwrap();
     }
 
-    /// Stops every node, then starts them all again and waits for them (a whole-cluster restart).
-    pub async fn restart(&self) {
-        tokio::task::spawn_blocking(|| {
-            script(&["stop"]);
-            script(&["start"]);
-        })
-        .await
-        .unwrap();
+    /// Stops every node at once (the Erlang nodes exit; no node of the cluster is left to
+    /// connect to) and returns when all three are down.
+    pub async fn stop_all(&self) {
+        let stops: Vec<_> = ["1", "2", "3"]
+            .into_iter()
+            .map(|node| tokio::task::spawn_blocking(move || script(&["stop", node])))
+            .collect();
+        for stop in stops {
+            stop.await.unwrap();
+        }
+    }
+
+    /// Starts every node again and waits for them (after [`Cluster::stop_all`]).
+    pub async fn start_all(&self) {
+        tokio::task::spawn_blocking(|| script(&["start"]))
+            .await
+            .unwrap();
     }
 }
 
