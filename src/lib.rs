@@ -4,7 +4,7 @@
 // What a handler author uses sits at the root; what a store, a transport or a test harness
 // implements sits in the modules below.
 pub use idem_core::{
-    BoxError, Context, DEFAULT_POISON_LIMIT, Envelope, ErrorClass, HandlerError, HeaderValue,
+    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT, Envelope, ErrorClass, HandlerError, HeaderValue,
     Headers, Health, MAX_PARTITIONS, Outcome, Readiness, RejectReason, Rejection, RetryPolicy,
     RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stale, Stats, StopSignal,
     Transient, VersionValue,
@@ -20,7 +20,7 @@ pub use sqlx;
 pub mod prelude {
     pub use crate::sqlx::{self, Transaction};
     pub use crate::{
-        Context, HandlerError, Outcome, RejectReason, RetryPolicy, Runtime, idempotent,
+        Batch, BatchError, Context, HandlerError, Outcome, RejectReason, RetryPolicy, Runtime, idempotent,
     };
 }
 
@@ -79,7 +79,7 @@ pub mod testing;
 pub mod __private {
     pub use idem_core::state::extract as extract_state;
     pub use idem_core::{
-        Context, DEFAULT_LEASE, Envelope, Handler, HandlerError, HandlerResult, InboxStore,
+        Batch, BatchError, BatchOutput, BatchResult, Context, DEFAULT_LEASE, Envelope, Handler, HandlerError, HandlerResult, InboxStore,
         KeyError, KeySource, Mode, Registration, StateType, VersionError, Versioned, field_key,
         version_value, versioned,
     };

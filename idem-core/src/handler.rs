@@ -1,7 +1,7 @@
 //! The contract between `#[idempotent]` and the pipeline.
 
 use crate::model::{
-    Context, Envelope, HandlerError, KeyError, KeySource, RejectReason, Rejection, VersionError,
+    Batch, BatchError, Context, Envelope, HandlerError, KeyError, KeySource, RejectReason, Rejection, VersionError,
     Versioned,
 };
 use crate::state::StateType;
@@ -56,6 +56,12 @@ pub trait Handler: Send + Sync + 'static {
     const MODE: Mode = Mode::Transactional;
     /// How long this consumer's inbox rows are kept (`None`: the runtime's or the store's).
     const RETENTION: Option<Duration> = None;
+    /// Whether the function takes the new messages of a batch at once ([`Handler::call_batch`],
+    /// a parameter `idem::Batch<T>`) instead of one message ([`Handler::call`]).
+    const TAKES_BATCH: bool = false;
+    /// The deliveries per batch the handler asks for (`batch = N`), unless the runtime builder
+    /// sets the handler's batch.
+    const BATCH_SIZE: Option<usize> = None;
 
     /// The [`State`](crate::State) types the function's parameters ask for; `build()` refuses
     /// a runtime that lacks one. The function reads them with [`Context::state`].
@@ -93,6 +99,22 @@ pub trait Handler: Send + Sync + 'static {
         payload: Self::Payload,
         ctx: &'a Context<'a>,
     ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a;
+
+    /// Runs a batch handler's function ([`Handler::TAKES_BATCH`]) on the new messages of a batch,
+    /// in the inbox transaction; one result per message. `ctx` is the first message's (it
+    /// carries the runtime's state). Single-message handlers keep this default, which refuses.
+    fn call_batch<'a>(
+        tx: &'a mut <Self::Store as InboxStore>::Tx,
+        batch: Batch<Self::Payload>,
+        ctx: &'a Context<'a>,
+    ) -> impl Future<Output = Result<Vec<Self::Output>, BatchError>> + Send + 'a {
+        let _ = (tx, batch, ctx);
+        async {
+            Err(BatchError::Batch(HandlerError::permanent(
+                "this handler takes one message at a time",
+            )))
+        }
+    }
 
     /// Runs the user's function outside any transaction ([`Mode::External`]). Handlers of the
     /// transactional mode keep this default, which refuses.

@@ -90,6 +90,11 @@ impl Registration {
             .or_else(|| self.handler.store_retention(stores))
     }
 
+    /// The batch size the handler asks for (`batch = N`), if any.
+    pub fn batch_size(&self) -> Option<usize> {
+        self.handler.batch_size()
+    }
+
     /// Processes one delivery with this handler, using its store from `stores`.
     pub fn invoke<'a>(
         &'a self,

@@ -68,9 +68,11 @@ pub(crate) struct Args {
     pub(crate) retention_ms: Option<u64>,
     /// `version = "..."` and `entity = "..."`: the payload fields of a versioned handler.
     pub(crate) versioned: Option<(LitStr, LitStr)>,
+    /// `batch = N`: the deliveries per batch.
+    pub(crate) batch: Option<usize>,
 }
 
-const EXPECTED: &str = "expected one of: `store`, `key`, `queue`, `consumer`, `mode`, `lease`, `retention`, `version`, `entity`";
+const EXPECTED: &str = "expected one of: `store`, `key`, `queue`, `consumer`, `mode`, `lease`, `retention`, `version`, `entity`, `batch`";
 
 impl Args {
     /// The mode the arguments ask for, read even when they do not parse, so that the signature
@@ -99,6 +101,7 @@ impl Args {
         let mut retention: Option<u64> = None;
         let mut version: Option<LitStr> = None;
         let mut entity: Option<LitStr> = None;
+        let mut batch: Option<usize> = None;
         let mut store_mentioned = false;
         let mut errors: Option<syn::Error> = None;
         let mut push = |e: syn::Error| match errors.as_mut() {
@@ -145,6 +148,20 @@ impl Args {
                         ));
                     } else {
                         *slot = Some(lit);
+                    }
+                }
+                "batch" => {
+                    let lit: syn::LitInt = meta.value()?.parse()?;
+                    if let Some(e) = duplicate(batch.is_some()) {
+                        push(e);
+                    } else {
+                        match lit.base10_parse::<usize>() {
+                            Ok(size @ 1..=32_767) => batch = Some(size),
+                            _ => push(syn::Error::new(
+                                lit.span(),
+                                "`batch` is the deliveries per batch: 1 to 32767 (twice it must fit in a prefetch)",
+                            )),
+                        }
                     }
                 }
                 "mode" => {
@@ -251,6 +268,7 @@ impl Args {
                 lease_ms: lease.map(|(ms, _)| ms),
                 retention_ms: retention,
                 versioned,
+                batch,
             }),
             (None, None) => Err(syn::Error::new(Span::call_site(), "missing `store`")),
         }
@@ -313,6 +331,14 @@ mod tests {
                 entity = "u.id"
             ))
             .contains("needs the handler's transaction")
+        );
+        assert!(err(quote!(store = Postgres, batch = 0)).contains("1 to 32767"));
+        assert!(err(quote!(store = Postgres, batch = "9")).contains("expected integer literal"));
+        assert_eq!(
+            Args::parse(quote!(store = Postgres, batch = 500))
+                .unwrap()
+                .batch,
+            Some(500)
         );
         let versioned = Args::parse(quote!(store = Sqlite, version = "u.v", entity = "u.id"));
         let (version, entity) = versioned.unwrap().versioned.unwrap();

@@ -117,7 +117,16 @@ fn emit(
     let name_str = name.to_string();
     let store = &args.store.1;
     let payload_ty = sig.payload_ty;
-    let output = sig.output;
+    let output = match sig.batch {
+        true => {
+            let ok = sig.output;
+            quote_spanned!(ok.span()=> <#ok as #krate::BatchOutput>::Item)
+        }
+        false => {
+            let ok = sig.output;
+            quote!(#ok)
+        }
+    };
     let returns = sig.returns;
     let consumer = match &args.consumer {
         Some(lit) => quote!(#lit),
@@ -151,6 +160,45 @@ fn emit(
         > + ::core::marker::Send + '__idem
     );
     let (call, call_external) = match sig.tx_ty {
+        Some(tx_ty) if sig.batch => {
+            let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
+            let into_batch = quote_spanned!(returns.span()=>
+                <#returns as #krate::BatchResult>::into_batch_result
+            );
+            let batch_future = quote_spanned!(name.span()=>
+                impl ::core::future::Future<
+                    Output = ::core::result::Result<
+                        ::std::vec::Vec<Self::Output>,
+                        #krate::BatchError,
+                    >,
+                > + ::core::marker::Send + '__idem
+            );
+            let future = quote_spanned!(func.sig.span()=>
+                async move {
+                    #extract_state
+                    let __idem_len = __idem_payload.len();
+                    #into_batch(#name(#tx_arg, __idem_payload #(, #extra_args)*).await, __idem_len)
+                }
+            );
+            let call = quote! {
+                let _ = (__idem_tx, __idem_payload, __idem_ctx);
+                async move {
+                    ::core::result::Result::Err(#krate::HandlerError::permanent(
+                        "a batch handler takes the new messages of a batch at once",
+                    ))
+                }
+            };
+            let call_batch = quote! {
+                fn call_batch<'__idem>(
+                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx,
+                    __idem_payload: #krate::Batch<Self::Payload>,
+                    __idem_ctx: &'__idem #krate::Context<'__idem>,
+                ) -> #batch_future {
+                    #future
+                }
+            };
+            (call, call_batch)
+        }
         Some(tx_ty) => {
             // Spanned at the user's tokens, so type errors point at the parameter at fault.
             let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
@@ -199,6 +247,10 @@ fn emit(
             quote!(#krate::Mode::External { lease: #lease })
         }
     };
+    let batching = sig.batch.then(|| quote!(const TAKES_BATCH: bool = true;));
+    let batch_size = args
+        .batch
+        .map(|size| quote!(const BATCH_SIZE: ::core::option::Option<usize> = ::core::option::Option::Some(#size);));
     let retention = match args.retention_ms {
         Some(ms) => {
             let duration = millis(ms);
@@ -224,6 +276,8 @@ fn emit(
                 const KEY: #krate::KeySource = #source;
                 const MODE: #krate::Mode = #mode;
                 const RETENTION: ::core::option::Option<::core::time::Duration> = #retention;
+                #batching
+                #batch_size
 
                 #state_types
 
@@ -271,7 +325,9 @@ fn extras(
                 reads.push(quote_spanned!(ty.span()=>
                     let #binding: &#ty = match #krate::extract_state::<#ty>(__idem_ctx) {
                         ::core::result::Result::Ok(value) => value,
-                        ::core::result::Result::Err(e) => return ::core::result::Result::Err(e),
+                        ::core::result::Result::Err(e) => {
+                            return ::core::result::Result::Err(::core::convert::Into::into(e));
+                        }
                     };
                 ));
                 args.push(quote!(#binding));

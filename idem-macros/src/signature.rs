@@ -12,7 +12,10 @@ pub(crate) struct HandlerSig<'a> {
     /// The transaction parameter's type (transactional mode only).
     pub(crate) tx_ty: Option<&'a Type>,
     pub(crate) payload: &'a Ident,
+    /// One message's type: `T` of a payload `T`, or of a batch payload `idem::Batch<T>`.
     pub(crate) payload_ty: &'a Type,
+    /// Whether the payload parameter is a batch (`idem::Batch<T>`).
+    pub(crate) batch: bool,
     /// The parameters after the payload, in order.
     pub(crate) extras: Vec<Extra<'a>>,
     /// The success type `T` of the `Result<T, E>` (or alias) the function returns.
@@ -133,8 +136,23 @@ pub(crate) fn check(
             errors.push(r.span(), "the payload must be an owned type: it is decoded from the message body (serde `DeserializeOwned`)");
         }
     }
+    let batch = payload.and_then(|(_, ty)| batch_item(ty));
+    if let (Some(_), Some((_, ty))) = (batch, payload)
+        && external
+    {
+        errors.push(
+            ty.span(),
+            "a batch handler writes its messages' effects in the inbox transaction: it cannot be `mode = \"external\"`",
+        );
+    }
+    // A batch handler's `Payload` is one message: the `T` of `Batch<T>`.
+    let payload = payload.map(|(name, ty)| (name, batch.unwrap_or(ty)));
 
-    let extras = extras(typed.get(first + 1..).unwrap_or_default(), &mut errors);
+    let extras = extras(
+        typed.get(first + 1..).unwrap_or_default(),
+        batch.is_some(),
+        &mut errors,
+    );
 
     let output = match &sig.output {
         ReturnType::Type(_, ty) => match result_ok_type(ty) {
@@ -157,6 +175,7 @@ pub(crate) fn check(
             tx_ty,
             payload,
             payload_ty,
+            batch: batch.is_some(),
             extras,
             output,
             returns,
@@ -165,8 +184,26 @@ pub(crate) fn check(
     }
 }
 
-/// Sorts the parameters after the payload into the context (at most once) and state.
-fn extras<'a>(params: &[&'a syn::PatType], errors: &mut Errors) -> Vec<Extra<'a>> {
+/// `T` when `ty` is `Batch<T>`, however qualified (`idem::Batch<T>`): a batch handler's
+/// payload.
+fn batch_item(ty: &Type) -> Option<&Type> {
+    let Type::Path(path) = ty else { return None };
+    let last = path.path.segments.last()?;
+    if path.qself.is_some() || last.ident != "Batch" {
+        return None;
+    }
+    let PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.iter().collect::<Vec<_>>()[..] {
+        [GenericArgument::Type(item)] => Some(item),
+        _ => None,
+    }
+}
+
+/// Sorts the parameters after the payload into the context (at most once; never for a batch
+/// handler) and state.
+fn extras<'a>(params: &[&'a syn::PatType], batch: bool, errors: &mut Errors) -> Vec<Extra<'a>> {
     let mut extras = Vec::with_capacity(params.len());
     let mut has_ctx = false;
     for param in params {
@@ -177,6 +214,10 @@ fn extras<'a>(params: &[&'a syn::PatType], errors: &mut Errors) -> Vec<Extra<'a>
             }) => errors.push(
                 mutability.span(),
                 "state is shared by every delivery in flight: ask for `&S`, not `&mut S` (put a Mutex inside `S` for state that changes)",
+            ),
+            Type::Reference(r) if is_context(&r.elem) && batch => errors.push(
+                r.span(),
+                "a batch handler has no single delivery for a `Context`: each message's dedup key is in `Batch::keys()`",
             ),
             Type::Reference(r) if is_context(&r.elem) => {
                 if has_ctx {

@@ -3,6 +3,7 @@
 //! ([`HandlerError`], [`StoreError`]) and what a handler may know about it ([`Context`]) and what is kept of a dead letter
 //! ([`DeadLetterRecord`]).
 
+pub mod batch;
 pub mod context;
 pub mod dead_letter;
 pub mod envelope;
@@ -12,6 +13,7 @@ pub mod key;
 pub mod outcome;
 pub mod version;
 
+pub use batch::{Batch, BatchError, BatchOutput, BatchResult};
 pub use context::Context;
 pub use dead_letter::{DeadLetter, DeadLetterRecord, stand_in_key};
 pub use envelope::{Envelope, HeaderValue, Headers};

@@ -52,6 +52,17 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
 
 /// The one place the mode is picked, for one delivery.
 async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, limits: Limits<'_>) -> Outcome {
+    if H::TAKES_BATCH {
+        // A batch handler given one delivery runs it as a batch of one.
+        let envelopes = std::slice::from_ref(envelope);
+        let outcomes = batch::process::<H>(store, envelopes, Stages::default(), limits).await;
+        return outcomes.into_iter().next().unwrap_or_else(|| {
+            Outcome::Retry(crate::model::Transient {
+                message: "a batch of one gave no outcome".to_owned(),
+                key: None,
+            })
+        });
+    }
     match H::MODE {
         Mode::Transactional => transactional::process::<H>(store, envelope, limits).await,
         Mode::External { lease } => external::process::<H>(store, envelope, lease, limits).await,
@@ -99,6 +110,8 @@ pub trait ErasedHandler: Send + Sync + 'static {
     fn state_types(&self) -> Vec<StateType>;
     /// Its own retention, if it sets one.
     fn retention(&self) -> Option<Duration>;
+    /// The batch size it asks for (`batch = N`), if any.
+    fn batch_size(&self) -> Option<usize>;
     /// The retention of its store in `stores` (`None`: the store is missing).
     fn store_retention(&self, stores: &Stores) -> Option<Duration>;
     /// Whether `stores` holds its store.
@@ -159,6 +172,10 @@ impl<H: Handler> ErasedHandler for H {
 
     fn retention(&self) -> Option<Duration> {
         H::RETENTION
+    }
+
+    fn batch_size(&self) -> Option<usize> {
+        H::BATCH_SIZE
     }
 
     fn store_retention(&self, stores: &Stores) -> Option<Duration> {

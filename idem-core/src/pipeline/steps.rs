@@ -157,7 +157,9 @@ pub(crate) fn encode_result<H: Handler>(
     }
 }
 
-fn handler_failure(error: HandlerError, key: &str) -> Outcome {
+/// The outcome of a handler's failure `error`, classified (dead-lettered if permanent, else
+/// retried).
+pub(crate) fn handler_failure(error: HandlerError, key: &str) -> Outcome {
     let message = error.to_string();
     match error.class() {
         Some(ErrorClass::Permanent) => Outcome::Rejected(Rejection::new(

@@ -118,6 +118,7 @@ impl RuntimeBuilder {
             .per_handler_batch
             .get(consumer)
             .copied()
+            .or(registration.batch_size())
             .unwrap_or(self.batch);
         let batch = (size > 0).then_some(BatchSpec {
             size,

@@ -75,17 +75,18 @@ pub(super) fn gather<H: Handler>(
     gathered
 }
 
-/// The items' payloads decoded anew, for a second pass.
+/// The payloads of the `members` of `items` decoded anew, for another pass (by item; `None`
+/// for the others).
 pub(super) fn decode_again<H: Handler>(
     items: &[Item],
+    members: &[usize],
     envelopes: &[Envelope],
 ) -> Vec<Option<H::Payload>> {
-    items
-        .iter()
-        .map(|item| {
-            prepare::<H>(&envelopes[item.index])
-                .ok()
-                .map(|(payload, _)| payload)
-        })
-        .collect()
+    let mut payloads: Vec<Option<H::Payload>> = items.iter().map(|_| None).collect();
+    for &k in members {
+        payloads[k] = prepare::<H>(&envelopes[items[k].index])
+            .ok()
+            .map(|(payload, _)| payload);
+    }
+    payloads
 }

@@ -12,16 +12,22 @@
 //!    savepoint, commit: the database went away) leaves nothing committed, and every message
 //!    whose outcome depended on it is retried;
 //! 3. [`finish`]: the outcomes of the copies and of every delivery.
+//!
+//! A batch handler ([`Handler::TAKES_BATCH`]) runs once per pass on every new message
+//! ([`set`]); a pass that fails one message runs again without it, one that fails permanently
+//! with no culprit runs again in halves.
 
 mod finish;
 mod gather;
 mod pass;
+mod set;
 
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{Limits, prepare};
-use pass::{Batch, Pass};
+use pass::{Batch, How, Pass};
+use std::collections::VecDeque;
 
 /// Processes `envelopes` with handler `H` in one transaction of `store`, within `limits`; one
 /// outcome per envelope, in order. Overlaps with the batches before and after
@@ -48,22 +54,79 @@ pub(crate) async fn process<H: Handler>(
             envelopes,
             limits,
         };
-        let fast = batch
-            .pass(&mut items, payloads, &mut outcomes, false, &mut stages)
-            .await;
-        if fast == Pass::NeedsIsolation {
-            // A handler failed in the fast pass, which was rolled back: run the batch again
-            // with every message under its own savepoint. The payloads are decoded anew.
-            let payloads = gather::decode_again::<H>(&items, envelopes);
-            for item in &items {
-                outcomes[item.index] = None;
-            }
+        let all: Vec<usize> = (0..items.len()).collect();
+        if H::TAKES_BATCH {
             batch
-                .pass(&mut items, payloads, &mut outcomes, true, &mut stages)
+                .passes(&mut items, all, payloads, &mut outcomes, &mut stages)
                 .await;
+        } else {
+            let (items, outcomes) = (&mut items, &mut outcomes);
+            let fast = batch
+                .pass(items, &all, payloads, outcomes, How::Fast, &mut stages)
+                .await;
+            if fast == Pass::NeedsIsolation {
+                // A handler failed in the fast pass, which was rolled back: run the batch
+                // again with every message under its own savepoint. The payloads are decoded
+                // anew.
+                let payloads = gather::decode_again::<H>(items, &all, envelopes);
+                for item in items.iter() {
+                    outcomes[item.index] = None;
+                }
+                let how = How::Isolated;
+                batch
+                    .pass(items, &all, payloads, outcomes, how, &mut stages)
+                    .await;
+            }
         }
     }
     finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes)
+}
+
+impl<H: Handler> Batch<'_, H> {
+    /// Runs the batch handler over `members` (their payloads in `payloads`), again without a
+    /// message it failed, and in halves after a permanent failure with no culprit, until every
+    /// member has its outcome.
+    async fn passes(
+        &self,
+        items: &mut [gather::Item],
+        members: Vec<usize>,
+        payloads: Vec<Option<H::Payload>>,
+        outcomes: &mut [Option<Outcome>],
+        stages: &mut Stages,
+    ) {
+        let mut pending = VecDeque::from([members]);
+        let mut payloads = Some(payloads);
+        while let Some(members) = pending.pop_front() {
+            let decoded = match payloads.take() {
+                Some(payloads) => payloads,
+                None => gather::decode_again::<H>(items, &members, self.envelopes),
+            };
+            let ended = self
+                .pass(items, &members, decoded, outcomes, How::Set, stages)
+                .await;
+            if ended == Pass::Done {
+                continue;
+            }
+            // Rolled back: every member is judged again in the next pass.
+            for &k in &members {
+                outcomes[items[k].index] = None;
+            }
+            match ended {
+                Pass::Exclude(excluded, outcome) => {
+                    outcomes[items[excluded].index] = Some(outcome);
+                    let rest: Vec<usize> = members.into_iter().filter(|&k| k != excluded).collect();
+                    if !rest.is_empty() {
+                        pending.push_front(rest);
+                    }
+                }
+                _ => {
+                    let (first, second) = members.split_at(members.len() / 2);
+                    pending.push_front(second.to_vec());
+                    pending.push_front(first.to_vec());
+                }
+            }
+        }
+    }
 }
 
 /// The outcomes of the redelivered envelopes that reached the poison limit (each redelivery is

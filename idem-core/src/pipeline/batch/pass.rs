@@ -2,26 +2,45 @@
 //! run the handler of each new message; store the results, remove the markers of messages that
 //! failed; commit.
 //!
-//! Without `isolate`, handlers run back to back (no extra round trip per message), and the
-//! first handler failure rolls everything back and asks for an isolated pass; with it, each new
-//! message runs under its own savepoint, and a failure undoes that message only.
+//! [`How::Fast`]: handlers run back to back (no extra round trip per message), and the first
+//! handler failure rolls everything back and asks for an isolated pass; [`How::Isolated`]: each
+//! new message runs under its own savepoint, and a failure undoes that message only;
+//! [`How::Set`]: a batch handler runs once on every new message (see [`super::set`]).
 
 use super::gather::Item;
 use crate::handler::Handler;
 use crate::model::{Envelope, ErrorClass, Outcome, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{Limits, advance, call, encode_result, existing, failure};
+use super::set::{self, SetEnd};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
 
-/// How a pass over a batch ended.
+/// How a pass runs the handler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum How {
+    /// Each new message's handler, back to back.
+    Fast,
+    /// Each new message's handler under its own savepoint.
+    Isolated,
+    /// The batch handler, once, on every new message.
+    Set,
+}
+
+/// How a pass over a batch ended.
+#[derive(Debug, PartialEq)]
 pub(super) enum Pass {
-    /// Every item has its outcome (committed, or failed as a whole).
+    /// Every member has its outcome (committed, or failed as a whole).
     Done,
-    /// A handler failed without savepoints; the transaction was rolled back.
+    /// A handler failed in a fast pass; the transaction was rolled back.
     NeedsIsolation,
+    /// The batch handler failed the item at this index with this outcome; the transaction
+    /// was rolled back, and the others are to run again without it.
+    Exclude(usize, Outcome),
+    /// The batch handler failed permanently without naming a culprit; the transaction was
+    /// rolled back, and the members are to run again in halves.
+    Split,
 }
 
 /// What every pass of a batch works on.
@@ -33,49 +52,68 @@ pub(super) struct Batch<'a, H: Handler> {
 }
 
 /// The transaction of one pass, and where its outcomes go.
-struct Run<'a, 'b, H: Handler> {
-    batch: &'b Batch<'a, H>,
-    items: &'b mut [Item],
-    outcomes: &'b mut [Option<Outcome>],
+pub(super) struct Run<'a, 'b, H: Handler> {
+    pub(super) batch: &'b Batch<'a, H>,
+    pub(super) items: &'b mut [Item],
+    /// The items this pass works on (indices into `items`), in order.
+    pub(super) members: &'b [usize],
+    pub(super) outcomes: &'b mut [Option<Outcome>],
 }
 
 impl<H: Handler> Batch<'_, H> {
-    /// Runs one pass over `items` (their payloads in `payloads`), filling `outcomes` for every
-    /// item unless it asks for an isolated pass.
+    /// Runs one pass over the `members` of `items` (their payloads in `payloads`, by item),
+    /// filling `outcomes` for every member when it ends [`Pass::Done`].
     pub(super) async fn pass(
         &self,
         items: &mut [Item],
+        members: &[usize],
         payloads: Vec<Option<H::Payload>>,
         outcomes: &mut [Option<Outcome>],
-        isolate: bool,
+        how: How,
         stages: &mut Stages,
     ) -> Pass {
         let mut run = Run {
             batch: self,
             items,
+            members,
             outcomes,
         };
         let store = self.store;
         let (mut tx, claims) = match run.claim().await {
             Ok(claimed) => claimed,
-            Err(e) => return run.abort(e),
+            Err(e) => return run.abort_store(e),
         };
         // The keys are ours; the handlers wait for the previous batch's commit.
         stages.wait_for_previous().await;
-        let failed = match run.handle(&mut tx, claims, payloads, isolate).await {
-            Ok(Some(failed)) => failed,
-            Ok(None) => {
+        let handled = match how {
+            How::Set => set::handle(&mut run, &mut tx, claims, payloads).await,
+            How::Fast | How::Isolated => {
+                let handled = run.handle(&mut tx, claims, payloads, how == How::Isolated);
+                match handled.await {
+                    Ok(Some(failed)) => Ok(SetEnd::Failed(failed)),
+                    Ok(None) => Ok(SetEnd::Again(Pass::NeedsIsolation)),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let failed = match handled {
+            Ok(SetEnd::Failed(failed)) => failed,
+            Ok(SetEnd::Again(again)) => {
                 store.rollback(tx).await;
-                return Pass::NeedsIsolation;
+                return again;
+            }
+            Ok(SetEnd::Abort(class, message)) => {
+                store.rollback(tx).await;
+                return run.abort(class, message);
             }
             Err(e) => {
                 store.rollback(tx).await;
-                return run.abort(e);
+                return run.abort_store(e);
             }
         };
         if let Err(e) = run.complete(&mut tx, &failed).await {
             store.rollback(tx).await;
-            return run.abort(e);
+            return run.abort_store(e);
         }
         #[cfg(feature = "fault-injection")]
         crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
@@ -84,22 +122,23 @@ impl<H: Handler> Batch<'_, H> {
         stages.fire_committed();
         if let Err(e) = committed {
             // It may or may not have committed; the retries find out (duplicates if it did).
-            return run.abort(e);
+            return run.abort_store(e);
         }
         Pass::Done
     }
 }
 
 impl<H: Handler> Run<'_, '_, H> {
-    /// The claims of the items, in order.
+    /// The claims of the members, in order.
     fn requests(&self) -> Vec<ClaimRequest<'_>> {
         let Batch {
             envelopes, limits, ..
         } = *self.batch;
         let retention = limits.retention;
-        self.items
+        self.members
             .iter()
-            .map(|item| {
+            .map(|&k| {
+                let item = &self.items[k];
                 item.keyed
                     .request(H::CONSUMER, &envelopes[item.index], retention)
             })
@@ -118,7 +157,7 @@ impl<H: Handler> Run<'_, '_, H> {
             claimed
         };
         match claimed {
-            Ok(claims) if claims.len() == self.items.len() => Ok((tx, claims)),
+            Ok(claims) if claims.len() == self.members.len() => Ok((tx, claims)),
             Ok(_) => {
                 store.rollback(tx).await;
                 Err(StoreError::new(
@@ -149,7 +188,7 @@ impl<H: Handler> Run<'_, '_, H> {
         } = *self.batch;
         let mut first = true;
         let mut failed = Vec::new();
-        for (k, claim) in claims.into_iter().enumerate() {
+        for (&k, claim) in self.members.iter().zip(claims) {
             let item = &mut self.items[k];
             let envelope = &envelopes[item.index];
             let slot = &mut self.outcomes[item.index];
@@ -214,7 +253,7 @@ impl<H: Handler> Run<'_, '_, H> {
         let requests = self.requests();
         let completed: Vec<(ClaimRequest<'_>, &StoredOutput)> = requests
             .iter()
-            .zip(self.items.iter())
+            .zip(self.members.iter().map(|&k| &self.items[k]))
             .filter_map(|(request, item)| match &self.outcomes[item.index] {
                 Some(Outcome::Processed { output, .. }) if !output.is_null() => {
                     Some((*request, output))
@@ -233,14 +272,19 @@ impl<H: Handler> Run<'_, '_, H> {
         Ok(())
     }
 
-    /// The pass failed as a whole: every item whose outcome is not settled by committed data
-    /// fails with `error`.
-    fn abort(&mut self, error: StoreError) -> Pass {
-        let message = error.to_string();
-        for item in self.items.iter() {
+    /// The pass failed in its store: see [`Run::abort`].
+    fn abort_store(&mut self, error: StoreError) -> Pass {
+        self.abort(error.class(), error.to_string())
+    }
+
+    /// The pass failed as a whole: every member whose outcome is not settled by committed data
+    /// fails with `message`, as `class` says.
+    fn abort(&mut self, class: ErrorClass, message: String) -> Pass {
+        for &k in self.members {
+            let item = &self.items[k];
             let slot = &mut self.outcomes[item.index];
             if matches!(slot, None | Some(Outcome::Processed { .. })) {
-                *slot = Some(failure(error.class(), message.clone(), &item.keyed.key));
+                *slot = Some(failure(class, message.clone(), &item.keyed.key));
             }
         }
         Pass::Done

@@ -1,0 +1,128 @@
+//! The pass of a batch handler ([`Handler::TAKES_BATCH`]): the claims judged and the versions
+//! advanced as for single handlers, then the user's function once on every new message, and
+//! its results, or its failure, sorted out per message.
+//!
+//! A failure of one message ([`BatchError::Item`]) rolls the pass back and leaves that message
+//! out of the next one (dead-lettered or retried as its error says). A permanent failure with
+//! no culprit rolls back and splits the members in halves, so the message that fails alone is
+//! found and only it is dead-lettered; a transient one retries every member.
+
+use super::pass::{Batch, Pass, Run};
+use crate::handler::Handler;
+use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, StoreError};
+use crate::pipeline::steps::{advance, encode_result, existing, handler_failure};
+use crate::store::{Claim, InboxStore};
+use crate::telemetry;
+use std::time::Instant;
+
+/// How the handler part of a pass ended.
+pub(super) enum SetEnd {
+    /// The handlers ran; the markers of these items go (they failed, or are stale).
+    Failed(Vec<usize>),
+    /// Roll back, and end the pass with this.
+    Again(Pass),
+    /// Roll back; every unsettled member fails with this message, as the class says.
+    Abort(ErrorClass, String),
+}
+
+/// Judges the members' claims and runs the batch handler once on the new ones.
+pub(super) async fn handle<H: Handler>(
+    run: &mut Run<'_, '_, H>,
+    tx: &mut <H::Store as InboxStore>::Tx,
+    claims: Vec<Claim>,
+    mut payloads: Vec<Option<H::Payload>>,
+) -> Result<SetEnd, StoreError> {
+    let Batch {
+        store,
+        envelopes,
+        limits,
+    } = *run.batch;
+    let mut fresh = Vec::with_capacity(claims.len());
+    let mut stale = Vec::new();
+    for (&k, claim) in run.members.iter().zip(claims) {
+        let item = &mut run.items[k];
+        let envelope = &envelopes[item.index];
+        match claim {
+            Claim::Existing {
+                fingerprint: stored,
+                output,
+            } => {
+                item.stored = Some(stored);
+                let (key, fingerprint) = (item.keyed.key.clone(), &item.keyed.fingerprint);
+                let outcome = existing(H::CONSUMER, envelope, key, fingerprint, &stored, output);
+                run.outcomes[item.index] = Some(outcome);
+            }
+            Claim::Claimed => {
+                let Some(payload) = payloads[k].take() else {
+                    continue;
+                };
+                if let Some(outcome) = advance::<H>(store, tx, &item.keyed, &limits).await? {
+                    // Stale: nothing is written for it, and its marker goes.
+                    run.outcomes[item.index] = Some(outcome);
+                    stale.push(k);
+                    continue;
+                }
+                fresh.push((k, payload));
+            }
+        }
+    }
+    let Some(&(first, _)) = fresh.first() else {
+        return Ok(SetEnd::Failed(stale));
+    };
+    let fresh_items: Vec<usize> = fresh.iter().map(|(k, _)| *k).collect();
+    let batch = crate::model::Batch::new(
+        fresh
+            .into_iter()
+            .map(|(k, payload)| (run.items[k].keyed.key.clone(), payload)),
+    );
+    let result = {
+        let first = &run.items[first];
+        let ctx = Context::new(&envelopes[first.index], H::CONSUMER, &first.keyed.key)
+            .with_state(limits.state);
+        let running = Instant::now();
+        let result = H::call_batch(tx, batch, &ctx).await;
+        telemetry::handler_duration(H::CONSUMER, running.elapsed());
+        result
+    };
+    let error = match result {
+        Ok(outputs) if outputs.len() == fresh_items.len() => {
+            for (&k, output) in fresh_items.iter().zip(outputs) {
+                let item = &run.items[k];
+                let key = &item.keyed.key;
+                match encode_result::<H>(store, Ok(output), key) {
+                    Ok(output) => {
+                        let key = key.clone();
+                        run.outcomes[item.index] = Some(Outcome::Processed { key, output });
+                    }
+                    Err(failure) => return Ok(SetEnd::Again(Pass::Exclude(k, failure))),
+                }
+            }
+            return Ok(SetEnd::Failed(stale));
+        }
+        Ok(outputs) => HandlerError::permanent(format!(
+            "the batch handler returned {} results for {} messages",
+            outputs.len(),
+            fresh_items.len()
+        )),
+        Err(BatchError::Item { index, error }) => match fresh_items.get(index) {
+            Some(&k) => {
+                let error = error.classify(|e| store.classify(e));
+                let outcome = handler_failure(error, &run.items[k].keyed.key);
+                return Ok(SetEnd::Again(Pass::Exclude(k, outcome)));
+            }
+            None => HandlerError::permanent(format!(
+                "the batch handler failed message {index} of a batch of {}: {error}",
+                fresh_items.len()
+            )),
+        },
+        Err(BatchError::Batch(error)) => error.classify(|e| store.classify(e)),
+    };
+    Ok(match (error.class(), &fresh_items[..]) {
+        (Some(ErrorClass::Permanent), [only]) => {
+            let outcome = handler_failure(error, &run.items[*only].keyed.key);
+            SetEnd::Again(Pass::Exclude(*only, outcome))
+        }
+        (Some(ErrorClass::Permanent), _) => SetEnd::Again(Pass::Split),
+        _ => SetEnd::Abort(ErrorClass::Transient, error.to_string()),
+    })
+}

@@ -1,0 +1,360 @@
+//! Batch handlers (`orders: idem::Batch<T>`): the function runs once on the new messages of a
+//! batch and writes their effects set-based. Against real databases (PostgreSQL, MariaDB,
+//! SQLite) and, through `build()`, on RabbitMQ: duplicates inside one batch and across
+//! batches, per-message results stored and replayed to duplicates, one message failed by the
+//! handler among 200 (only it is dead-lettered), a message failing transiently (retried
+//! alone), a permanent failure that names no culprit (the batch is split until the message that
+//! fails alone is found), a panic (the batch is retried).
+//!
+//! The handler reacts to its orders' ids: `…-poison` is failed by index (permanent),
+//! `…-flaky` is failed by index (transient) the first time it is seen, `…-whole` fails the
+//! whole batch (permanent, no culprit named), `…-panic` panics the first time it is seen.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, serde::Deserialize)]
+struct Order {
+    order_id: String,
+    customer: String,
+    amount_cents: i64,
+}
+
+/// What the handlers saw: the size of every batch they were called with, and the keys seen.
+#[derive(Clone, Default)]
+struct Seen(Arc<Mutex<(Vec<usize>, HashSet<String>)>>);
+
+impl Seen {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<usize>, HashSet<String>)> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records a call with `len` messages.
+    fn called(&self, len: usize) {
+        self.lock().0.push(len);
+    }
+
+    /// Whether `key` is seen for the first time.
+    fn first(&self, key: &str) -> bool {
+        self.lock().1.insert(key.to_owned())
+    }
+
+    fn largest_batch(&self) -> usize {
+        self.lock().0.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// Plays the script of the orders' ids; `Ok` when every order may be written.
+fn script(orders: &idem::Batch<Order>, seen: &Seen) -> Result<(), idem::BatchError> {
+    seen.called(orders.len());
+    for (i, order) in orders.iter().enumerate() {
+        let id = order.order_id.as_str();
+        let first = seen.first(id);
+        if id.ends_with("-poison") {
+            return Err(idem::BatchError::item(
+                i,
+                idem::HandlerError::permanent("scripted: refused"),
+            ));
+        }
+        if id.ends_with("-flaky") && first {
+            return Err(idem::BatchError::item(
+                i,
+                idem::HandlerError::transient("scripted: busy"),
+            ));
+        }
+        if id.ends_with("-whole") {
+            return Err(idem::HandlerError::permanent("scripted: the batch is refused").into());
+        }
+        if id.ends_with("-panic") && first {
+            panic!("scripted panic");
+        }
+    }
+    Ok(())
+}
+
+/// Each customer's total in `orders`.
+fn totals(orders: &idem::Batch<Order>) -> Vec<(&str, i64)> {
+    let mut totals: HashMap<&str, i64> = HashMap::new();
+    for order in orders.iter() {
+        *totals.entry(order.customer.as_str()).or_default() += order.amount_cents;
+    }
+    totals.into_iter().collect()
+}
+
+const TABLES: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS idem_bh_orders (order_id VARCHAR(191) NOT NULL, customer VARCHAR(191) NOT NULL, amount_cents BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS idem_bh_balances (customer VARCHAR(191) PRIMARY KEY, cents BIGINT NOT NULL)",
+];
+
+macro_rules! batch_suite {
+    ($module:ident, $store:ident, $db:ty, $inbox:ty, $pool:expr, $upsert:literal, $applied:literal, $balances:literal) => {
+        mod $module {
+            use super::*;
+            use crate::common::broker::{self, amqp_url};
+            use crate::common::running::{DEADLINE, start};
+            use crate::common::{unique, wait_until};
+            use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+            use idem::transport::{QueueSpec, Transport};
+            use idem::{Batch, BatchError, Envelope, Outcome, RetryPolicy, Runtime, idempotent};
+            use std::time::Duration;
+
+            /// Writes the batch set-based: one multi-row insert of the orders, one multi-row
+            /// upsert of the customers' totals. Its result per order: ten times the amount.
+            #[idempotent(
+                store = $store,
+                key = "orders.order_id",
+                queue = "idem-test-batch-handlers-unset",
+                batch = 200
+            )]
+            async fn place(
+                tx: &mut sqlx::Transaction<'_, $db>,
+                orders: Batch<Order>,
+                seen: &Seen,
+            ) -> Result<Vec<i64>, BatchError> {
+                script(&orders, seen)?;
+                let mut insert = sqlx::QueryBuilder::<$db>::new(
+                    "INSERT INTO idem_bh_orders (order_id, customer, amount_cents) ",
+                );
+                insert.push_values(orders.iter(), |mut row, order| {
+                    row.push_bind(order.order_id.as_str())
+                        .push_bind(order.customer.as_str())
+                        .push_bind(order.amount_cents);
+                });
+                insert.build().execute(&mut **tx).await?;
+                let mut upsert =
+                    sqlx::QueryBuilder::<$db>::new("INSERT INTO idem_bh_balances (customer, cents) ");
+                upsert.push_values(totals(&orders), |mut row, (customer, cents)| {
+                    row.push_bind(customer).push_bind(cents);
+                });
+                upsert.push($upsert);
+                upsert.build().execute(&mut **tx).await?;
+                Ok(orders.iter().map(|o| o.amount_cents * 10).collect())
+            }
+
+            fn registration() -> &'static idem::registry::Registration {
+                idem::registry::find(concat!(module_path!(), "::place")).unwrap()
+            }
+
+            fn order(id: &str, customer: &str, cents: i64) -> Envelope {
+                let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents});
+                Envelope::new(body.to_string()).with_message_id(id)
+            }
+
+            async fn applied(pool: &sqlx::Pool<$db>, prefix: &str) -> HashMap<String, i64> {
+                sqlx::query_as::<_, (String, i64)>($applied)
+                .bind(format!("{prefix}%"))
+                .fetch_all(pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect()
+            }
+
+            async fn balances(pool: &sqlx::Pool<$db>, prefix: &str) -> HashMap<String, i64> {
+                sqlx::query_as::<_, (String, i64)>($balances)
+                .bind(format!("{prefix}%"))
+                .fetch_all(pool)
+                .await
+                .unwrap()
+                .into_iter()
+                .collect()
+            }
+
+            /// One batch through the pipeline: copies inside it are duplicates of their first
+            /// delivery with its result; the whole batch again gets every stored result back.
+            #[tokio::test]
+            async fn results_are_stored_per_message_and_replayed_to_duplicates() {
+                let (pool, _dir) = $pool;
+                let stores = idem::store::Stores::new()
+                    .with(<$inbox>::new(pool.clone()))
+                    .with_state(Seen::default());
+                let prefix = unique("bh-r");
+                let batch: Vec<Envelope> = [1, 2, 1, 3, 2]
+                    .iter()
+                    .map(|n| order(&format!("{prefix}-{n}"), &format!("{prefix}-c"), *n))
+                    .collect();
+                let outcomes = registration().invoke_batch(&stores, &batch).await.unwrap();
+                let labels: Vec<_> = outcomes.iter().map(Outcome::label).collect();
+                assert_eq!(labels, ["processed", "processed", "duplicate", "processed", "duplicate"]);
+                let again = registration().invoke_batch(&stores, &batch).await.unwrap();
+                let results: Vec<(&str, Option<i64>)> = again
+                    .iter()
+                    .map(|o| match o {
+                        Outcome::Duplicate { output, .. } => ("duplicate", output.decode::<i64>().ok()),
+                        other => (other.label(), None),
+                    })
+                    .collect();
+                assert_eq!(
+                    results,
+                    [1, 2, 1, 3, 2].map(|n| ("duplicate", Some(n * 10))),
+                    "each duplicate gets its own message's stored result"
+                );
+                let applied = applied(&pool, &prefix).await;
+                assert_eq!(applied.len(), 3);
+                assert!(applied.values().all(|n| *n == 1), "{applied:?}");
+                assert_eq!(balances(&pool, &prefix).await, HashMap::from([(format!("{prefix}-c"), 6)]));
+            }
+
+            /// Through `build()` on RabbitMQ: 600 orders (copies inside batches and across
+            /// them), one failed by index, one failing transiently once, one failing the batch
+            /// with no culprit, one panicking once.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn only_the_failing_messages_of_a_batch_are_dead_lettered() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-bh");
+                let policy =
+                    RetryPolicy::new(5, Duration::from_millis(100), 2, Duration::from_secs(1)).unwrap();
+                let rabbit = RabbitConfig::new(amqp_url()).connection_name(format!("idem-test:{queue}"));
+                let consumer = registration().consumer();
+                let mut spec = QueueSpec::new(queue.clone(), consumer);
+                spec.retry_delays = policy.delays();
+                RabbitTransport::new(rabbit.clone()).declare(&[spec]).await.unwrap();
+                let seen = Seen::default();
+                let publisher = broker::publisher().await;
+                let prefix = queue.clone();
+                let id = |n: usize| match n {
+                    17 => format!("{prefix}-{n}-poison"),
+                    230 => format!("{prefix}-{n}-flaky"),
+                    321 => format!("{prefix}-{n}-whole"),
+                    480 => format!("{prefix}-{n}-panic"),
+                    n => format!("{prefix}-{n}"),
+                };
+                let customer = |n: usize| format!("{prefix}-c{}", n % 13);
+                let mut sent = Vec::new();
+                for n in 0..600 {
+                    sent.push(n);
+                    if n % 10 == 0 {
+                        sent.push(n); // a copy right behind: inside the same batch
+                    }
+                }
+                sent.extend(0..50); // copies of the first batch's orders, in a later one
+                for &n in &sent {
+                    let envelope = order(&id(n), &customer(n), (n % 7) as i64 + 1);
+                    broker::publish(&publisher, &queue, Some(&id(n)), &envelope.body).await;
+                }
+                let running = start(
+                    Runtime::builder()
+                        .transport(RabbitTransport::new(rabbit))
+                        .store(<$inbox>::new(pool.clone()))
+                        .state(seen.clone())
+                        .handlers([consumer])
+                        .handler_queue(consumer, &queue)
+                        .retry(policy.clone())
+                        .concurrency(2),
+                );
+                wait_until("every delivery settled", DEADLINE, || async {
+                    let now = running.now();
+                    now.processed + now.duplicates + now.dead_lettered >= sent.len() as u64
+                })
+                .await;
+                let stats = running.shut_down().await;
+                // Order 17 is sent twice (its copy in a later batch is refused again: a
+                // dead-lettered message leaves no marker).
+                assert_eq!(stats.dead_lettered, 3, "{stats:?}");
+                assert_eq!(stats.processed, 598, "{stats:?}");
+                assert_eq!(stats.duplicates, 60 + 49, "{stats:?}");
+                assert!(stats.panics >= 1, "{stats:?}");
+                assert!(
+                    seen.largest_batch() > 100,
+                    "the handler ran on whole batches (largest {})",
+                    seen.largest_batch()
+                );
+                let applied = applied(&pool, &prefix).await;
+                let expected: HashSet<String> =
+                    (0..600).filter(|n| ![17, 321].contains(n)).map(id).collect();
+                assert_eq!(applied.keys().cloned().collect::<HashSet<_>>(), expected);
+                assert!(applied.values().all(|n| *n == 1), "an order applied twice");
+                let mut totals: HashMap<String, i64> = HashMap::new();
+                for n in (0..600).filter(|n| ![17, 321].contains(n)) {
+                    *totals.entry(customer(n)).or_default() += (n % 7) as i64 + 1;
+                }
+                assert_eq!(balances(&pool, &format!("{prefix}-c")).await, totals);
+                let dead = broker::drain(&idem::rabbitmq::dlq(&queue)).await;
+                let mut dead_ids: Vec<String> = dead.iter().filter_map(|m| m.message_id()).collect();
+                dead_ids.sort();
+                assert_eq!(dead_ids, [id(17), id(17), id(321)]);
+                let records = <$inbox>::new(pool.clone()).dead_letters(&queue).await.unwrap();
+                assert!(
+                    dead.iter().all(|m| records.iter().any(|r| r.reason == "handler"
+                        && r.describes(m.message_id().as_deref(), &m.body))),
+                    "each dead letter recorded with reason `handler`: {records:?}"
+                );
+                broker::delete_topology(&queue, &policy.delays()).await;
+            }
+        }
+    };
+}
+
+async fn postgres() -> (sqlx::PgPool, Option<tempfile::TempDir>) {
+    let pool = common::postgres(8).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for table in TABLES {
+        sqlx::query(table).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    idem::sql::PgInbox::new(pool.clone()).migrate().await.unwrap();
+    (pool, None)
+}
+
+async fn mysql() -> (sqlx::MySqlPool, Option<tempfile::TempDir>) {
+    let pool = common::mysql(8).await;
+    for table in TABLES {
+        sqlx::query(table).execute(&pool).await.unwrap();
+    }
+    idem::sql::MySqlInbox::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    (pool, None)
+}
+
+async fn sqlite() -> (sqlx::SqlitePool, Option<tempfile::TempDir>) {
+    let (pool, dir) = common::sqlite(4).await;
+    for table in TABLES {
+        sqlx::query(table).execute(&pool).await.unwrap();
+    }
+    idem::sql::SqliteInbox::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    (pool, Some(dir))
+}
+
+batch_suite!(
+    postgres,
+    Postgres,
+    sqlx::Postgres,
+    idem::sql::PgInbox,
+    postgres().await,
+    " ON CONFLICT (customer) DO UPDATE SET cents = idem_bh_balances.cents + excluded.cents",
+    "SELECT order_id, count(*) FROM idem_bh_orders WHERE order_id LIKE $1 GROUP BY order_id",
+    "SELECT customer, cents FROM idem_bh_balances WHERE customer LIKE $1"
+);
+batch_suite!(
+    mysql,
+    MySql,
+    sqlx::MySql,
+    idem::sql::MySqlInbox,
+    mysql().await,
+    " ON DUPLICATE KEY UPDATE cents = cents + VALUES(cents)",
+    "SELECT order_id, CAST(count(*) AS SIGNED) FROM idem_bh_orders WHERE order_id LIKE ? GROUP BY order_id",
+    "SELECT customer, cents FROM idem_bh_balances WHERE customer LIKE ?"
+);
+batch_suite!(
+    sqlite,
+    Sqlite,
+    sqlx::Sqlite,
+    idem::sql::SqliteInbox,
+    sqlite().await,
+    " ON CONFLICT (customer) DO UPDATE SET cents = idem_bh_balances.cents + excluded.cents",
+    "SELECT order_id, count(*) FROM idem_bh_orders WHERE order_id LIKE ? GROUP BY order_id",
+    "SELECT customer, cents FROM idem_bh_balances WHERE customer LIKE ?"
+);
