@@ -4,10 +4,10 @@
 // What a handler author uses sits at the root; what a store, a transport or a test harness
 // implements sits in the modules below.
 pub use idem_core::{
-    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT, Envelope, ErrorClass, HandlerError, HeaderValue,
-    Headers, Health, MAX_PARTITIONS, Outcome, Readiness, RejectReason, Rejection, RetryPolicy,
-    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stale, Stats, StopSignal,
-    Transient, VersionValue,
+    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT, Envelope,
+    ErrorClass, HandlerError, HeaderValue, Headers, Health, MAX_PARTITIONS, Outcome, Readiness,
+    RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError,
+    Snapshot, Stale, Stats, StopSignal, Transient, VersionValue,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;
@@ -20,7 +20,8 @@ pub use sqlx;
 pub mod prelude {
     pub use crate::sqlx::{self, Transaction};
     pub use crate::{
-        Batch, BatchError, Context, HandlerError, Outcome, RejectReason, RetryPolicy, Runtime, idempotent,
+        Batch, BatchError, Context, HandlerError, Outcome, RejectReason, RetryPolicy, Runtime,
+        idempotent,
     };
 }
 
@@ -79,9 +80,9 @@ pub mod testing;
 pub mod __private {
     pub use idem_core::state::extract as extract_state;
     pub use idem_core::{
-        Batch, BatchError, BatchOutput, BatchResult, Context, DEFAULT_LEASE, Envelope, Handler, HandlerError, HandlerResult, InboxStore,
-        KeyError, KeySource, Mode, Registration, StateType, VersionError, Versioned, field_key,
-        version_value, versioned,
+        Batch, BatchError, BatchOutput, BatchResult, Context, DEFAULT_LEASE, Envelope, Handler,
+        HandlerError, HandlerResult, InboxStore, KeyError, KeySource, Mode, Registration,
+        StateType, VersionError, Versioned, field_key, version_value, versioned,
     };
     /// The store types `store = ...` names.
     pub use idem_sqlx::stores;

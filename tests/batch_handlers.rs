@@ -300,7 +300,10 @@ async fn postgres() -> (sqlx::PgPool, Option<tempfile::TempDir>) {
         sqlx::query(table).execute(&mut *tx).await.unwrap();
     }
     tx.commit().await.unwrap();
-    idem::sql::PgInbox::new(pool.clone()).migrate().await.unwrap();
+    idem::sql::PgInbox::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
     (pool, None)
 }
 

@@ -1,8 +1,8 @@
 //! The contract between `#[idempotent]` and the pipeline.
 
 use crate::model::{
-    Batch, BatchError, Context, Envelope, HandlerError, KeyError, KeySource, RejectReason, Rejection, VersionError,
-    Versioned,
+    Batch, BatchError, Context, Envelope, HandlerError, KeyError, KeySource, RejectReason,
+    Rejection, VersionError, Versioned,
 };
 use crate::state::StateType;
 use crate::store::InboxStore;

@@ -60,10 +60,10 @@ pub mod transport;
 pub use future::BoxFuture;
 pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
 pub use model::{
-    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Fingerprint,
-    HandlerError, HeaderValue, Headers, KeyError, KeySource, KeyValue, MAX_KEY_LEN, Outcome,
-    RejectReason, Rejection, Stale, StoreError, StoredOutput, Transient, VersionError,
-    VersionValue, Versioned, field_key, version_value, versioned,
+    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DeadLetter, DeadLetterRecord,
+    Envelope, ErrorClass, Fingerprint, HandlerError, HeaderValue, Headers, KeyError, KeySource,
+    KeyValue, MAX_KEY_LEN, Outcome, RejectReason, Rejection, Stale, StoreError, StoredOutput,
+    Transient, VersionError, VersionValue, Versioned, field_key, version_value, versioned,
 };
 pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};

@@ -247,7 +247,11 @@ fn emit(
             quote!(#krate::Mode::External { lease: #lease })
         }
     };
-    let batching = sig.batch.then(|| quote!(const TAKES_BATCH: bool = true;));
+    let batching = sig.batch.then(|| {
+        quote!(
+            const TAKES_BATCH: bool = true;
+        )
+    });
     let batch_size = args
         .batch
         .map(|size| quote!(const BATCH_SIZE: ::core::option::Option<usize> = ::core::option::Option::Some(#size);));

@@ -216,7 +216,7 @@ fn extras<'a>(params: &[&'a syn::PatType], batch: bool, errors: &mut Errors) -> 
                 "state is shared by every delivery in flight: ask for `&S`, not `&mut S` (put a Mutex inside `S` for state that changes)",
             ),
             Type::Reference(r) if is_context(&r.elem) && batch => errors.push(
-                r.span(),
+                r.elem.span(),
                 "a batch handler has no single delivery for a `Context`: each message's dedup key is in `Batch::keys()`",
             ),
             Type::Reference(r) if is_context(&r.elem) => {
@@ -413,6 +413,46 @@ mod tests {
             err("async fn h(tx: &mut T, o: O, a: &impl Send) -> Result<(), E> {}")
                 .contains("concrete type")
         );
+    }
+
+    #[test]
+    fn batch_payloads() {
+        let check_batch = |src: &str, mode: Mode| {
+            let f: syn::ItemFn = syn::parse_str(src).unwrap();
+            check(&f.sig, Store::named("Postgres"), mode)
+                .map(|s| {
+                    let ty = s.payload_ty;
+                    (s.batch, quote::quote!(#ty).to_string())
+                })
+                .map_err(|e| e.to_string())
+        };
+        let transactional = Mode::Transactional;
+        assert_eq!(
+            check_batch(
+                "async fn h(tx: &mut T, o: idem::Batch<Order>) -> Result<(), E> {}",
+                transactional
+            ),
+            Ok((true, "Order".to_owned()))
+        );
+        assert_eq!(
+            check_batch(
+                "async fn h(tx: &mut T, o: Order) -> Result<(), E> {}",
+                transactional
+            ),
+            Ok((false, "Order".to_owned()))
+        );
+        let err = check_batch(
+            "async fn h(tx: &mut T, o: Batch<O>, c: &Context<'_>) -> Result<(), E> {}",
+            transactional,
+        )
+        .unwrap_err();
+        assert!(err.contains("Batch::keys()"), "{err}");
+        let err = check_batch(
+            "async fn h(o: Batch<O>) -> Result<(), E> {}",
+            Mode::External,
+        )
+        .unwrap_err();
+        assert!(err.contains("cannot be `mode = \"external\"`"), "{err}");
     }
 
     #[test]

@@ -178,7 +178,10 @@ mod tests {
         assert_eq!(unit.into_batch_result(3).unwrap().len(), 3);
         let short: Result<Vec<u8>, BatchError> = Ok(vec![1]);
         let err = short.into_batch_result(2).unwrap_err();
-        assert!(err.to_string().contains("1 results for 2 messages"), "{err}");
+        assert!(
+            err.to_string().contains("1 results for 2 messages"),
+            "{err}"
+        );
         let failed: Result<(), HandlerError> = Err(HandlerError::transient("db gone"));
         assert!(matches!(
             failed.into_batch_result(1),

@@ -8,11 +8,11 @@
 //! [`How::Set`]: a batch handler runs once on every new message (see [`super::set`]).
 
 use super::gather::Item;
+use super::set::{self, SetEnd};
 use crate::handler::Handler;
 use crate::model::{Envelope, ErrorClass, Outcome, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{Limits, advance, call, encode_result, existing, failure};
-use super::set::{self, SetEnd};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
