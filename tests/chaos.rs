@@ -5,9 +5,10 @@
 //! Afterwards every unique order is stored exactly once, every balance is exact and every
 //! malformed message is in the dead-letter queue exactly once.
 //!
-//! It runs on the machine's broker with classic queues, and once more on the 3-node cluster of
-//! `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the consumers given
-//! every node's address.
+//! It runs on the machine's broker with classic queues, once more with the orders booked by the
+//! batch handler (`ORDERS_BATCH_HANDLER=1`, batches of 50), and once more on the 3-node
+//! cluster of `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the
+//! consumers given every node's address.
 //!
 //! The default is a short run (`cargo test --workspace` includes it). The long run:
 //! `IDEM_CHAOS_ORDERS=20000 IDEM_CHAOS_PROCESSES=4 cargo test --release --test chaos -- --nocapture`.
@@ -58,7 +59,13 @@ impl Rng {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
-    chaos(&amqp_url(), QueueType::Classic).await;
+    chaos(&amqp_url(), QueueType::Classic, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_batch_handler() {
+    let batch_handler = [("ORDERS_BATCH_HANDLER", "1"), ("ORDERS_BATCH", "50")];
+    chaos(&amqp_url(), QueueType::Classic, &batch_handler).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -66,11 +73,12 @@ async fn on_a_cluster_with_quorum_queues() {
     let Some(cluster) = Cluster::up().await else {
         return;
     };
-    chaos(&cluster.urls, QueueType::Quorum).await;
+    chaos(&cluster.urls, QueueType::Quorum, &[]).await;
 }
 
-/// The chaos run against the broker(s) at `urls`, the queues of type `queue_type`.
-async fn chaos(urls: &str, queue_type: QueueType) {
+/// The chaos run against the broker(s) at `urls`, the queues of type `queue_type`, the
+/// consumers given the settings `env` besides.
+async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     let orders = setting("IDEM_CHAOS_ORDERS", 2000);
     let processes = setting("IDEM_CHAOS_PROCESSES", 3);
     let malformed = 10;
@@ -142,6 +150,7 @@ async fn chaos(urls: &str, queue_type: QueueType) {
                 "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3",
             )
             .env("RUST_LOG", "error")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -226,8 +235,13 @@ async fn chaos(urls: &str, queue_type: QueueType) {
     let violations =
         orders.abs_diff(per_order.len()) + wrong_balances + malformed.abs_diff(dead_letters);
     eprintln!(
-        "chaos ({queue_type_name} queues): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
+        "chaos ({queue_type_name} queues{}): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
          violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, dead letters {dead_letters}, recorded {reasons}), {:.1} s",
+        if env.is_empty() {
+            String::new()
+        } else {
+            format!(", {env:?}")
+        },
         deliveries - orders - malformed,
         per_order.len(),
         started.elapsed().as_secs_f64()

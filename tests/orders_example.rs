@@ -6,7 +6,10 @@
 //!   `ORDERS_STATUS_PARTITIONS=3` declare the status exchange and its partition queues, and
 //!   apply status updates published to `<queue>.status` (routing key = order id) in order per
 //!   order while one of them is killed with SIGKILL and restarted; their `AMQP_URL` lists a
-//!   broker that refuses connections before the real one.
+//!   broker that refuses connections before the real one;
+//! - `ORDERS_BATCH_HANDLER=1`: the demo's books are exact on SQLite, PostgreSQL and MariaDB,
+//!   and orders booked one at a time are duplicates to the batch handler afterwards (the two
+//!   share the consumer's inbox rows).
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -25,8 +28,13 @@ use std::time::Duration;
 const STATUSES: [&str; 5] = ["placed", "paid", "packed", "shipped", "delivered"];
 
 fn demo(queue: &str, transport: &str, database: &str) -> String {
+    demo_with(queue, transport, database, &[])
+}
+
+fn demo_with(queue: &str, transport: &str, database: &str, env: &[(&str, &str)]) -> String {
     let output = Command::new(orders_example())
         .args(["demo", "--orders", "400"])
+        .envs(env.iter().copied())
         .env("AMQP_URL", amqp_url())
         .env("DATABASE_URL", database)
         .env("ORDERS_QUEUE", queue)
@@ -67,6 +75,104 @@ async fn the_demo_applies_every_status_update_once_in_order() {
             broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
         }
     }
+}
+
+#[tokio::test]
+async fn the_batch_handler_keeps_the_same_books_on_every_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let sqlite = dir.path().join("batch.db");
+    for database in [
+        sqlite.to_str().unwrap().to_owned(),
+        common::postgres_url(),
+        common::mysql_url(),
+    ] {
+        let queue = unique("idem-example-batch-handler");
+        let report = demo_with(
+            &queue,
+            "rabbitmq",
+            &database,
+            &[("ORDERS_BATCH_HANDLER", "1")],
+        );
+        assert!(report.contains("balances             exact"), "{report}");
+        assert!(
+            report.contains("orders stored            400  (expected 400)"),
+            "{report}"
+        );
+        assert!(report.contains("(rejected 3, conflict 1;"), "{report}");
+        broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
+    }
+}
+
+/// Orders booked one at a time by `orders consume`, then sent again to `orders consume` with
+/// the batch handler: every copy is a duplicate, nothing is booked twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn orders_booked_one_at_a_time_are_duplicates_to_the_batch_handler() {
+    let queue = unique("idem-example-switch");
+    let pool = common::postgres(2).await;
+    broker::declare_orders_queue(&queue).await;
+    let publisher = broker::publisher().await;
+    let publish_all = || async {
+        for n in 0..300 {
+            let id = format!("{queue}-{n}");
+            let body = serde_json::json!({"order_id": id, "customer": format!("{queue}-c{}", n % 7), "amount_cents": n + 1});
+            broker::publish(&publisher, &queue, Some(&id), body.to_string().as_bytes()).await;
+        }
+    };
+    let booked = || async {
+        sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT sum(cents)::bigint FROM balances WHERE customer LIKE $1",
+        )
+        .bind(format!("{queue}-c%"))
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let orders = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE order_id LIKE $1")
+            .bind(format!("{queue}-%"))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    publish_all().await;
+    let consumer = |batch_handler: &str| {
+        KillOnDrop(
+            Command::new(orders_example())
+                .arg("consume")
+                .env("AMQP_URL", amqp_url())
+                .env("DATABASE_URL", common::postgres_url())
+                .env("ORDERS_QUEUE", &queue)
+                .env("ORDERS_BATCH_HANDLER", batch_handler)
+                .env("RUST_LOG", "error")
+                .stdout(Stdio::null())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .unwrap(),
+        )
+    };
+    let single = consumer("0");
+    wait_until("300 orders booked one at a time", DEADLINE, || async {
+        orders().await == 300
+    })
+    .await;
+    drop(single);
+    publish_all().await;
+    let batched = consumer("1");
+    wait_until("the copies consumed", DEADLINE, || async {
+        broker::count(&queue).await == 0 && broker::unacked(&queue) == 0
+    })
+    .await;
+    drop(batched);
+    assert_eq!(orders().await, 300);
+    assert_eq!(
+        booked().await,
+        Some((1..=300).sum::<i64>()),
+        "every amount booked once"
+    );
+    // Had the batch handler its own key space, each copy would have reached it (and failed
+    // on the orders' primary key).
+    assert_eq!(broker::count(&idem::rabbitmq::dlq(&queue)).await, 0);
+    broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
 }
 
 fn consume(queue: &str) -> KillOnDrop {

@@ -94,6 +94,9 @@ impl RuntimeBuilder {
     }
 
     /// Runs only the handlers with these consumer identities (default: every registered one).
+    /// A name that is no consumer identity picks the handler functions of that name: the way
+    /// to choose between two handlers of one consumer (a batch handler and a single one share
+    /// the consumer's key space, so switching between them never runs a message twice).
     pub fn handlers<I: IntoIterator<Item = S>, S: Into<String>>(mut self, consumers: I) -> Self {
         self.handlers = Some(consumers.into_iter().map(Into::into).collect());
         self

@@ -17,7 +17,9 @@ pub const MAX_PARTITIONS: usize = 1024;
 
 impl RuntimeBuilder {
     /// The handlers to run: the chosen consumers (or every registered one). A consumer written
-    /// for several stores (one function per database) runs on the store the runtime has.
+    /// for several stores (one function per database) runs on the store the runtime has. A
+    /// name that is no consumer identity chooses the functions of that name (to pick one of
+    /// two handlers sharing a consumer, such as a batch handler and a single one).
     pub(super) fn select_handlers(&self) -> Result<Vec<&'static Registration>, RuntimeError> {
         let all = registry::handlers();
         let consumers: Vec<&str> = match &self.handlers {
@@ -30,11 +32,18 @@ impl RuntimeBuilder {
         };
         let mut selected = Vec::new();
         for consumer in consumers {
-            let candidates: Vec<_> = all
+            let mut candidates: Vec<_> = all
                 .iter()
                 .copied()
                 .filter(|r| r.consumer() == consumer)
                 .collect();
+            if candidates.is_empty() {
+                candidates = all
+                    .iter()
+                    .copied()
+                    .filter(|r| r.name() == consumer)
+                    .collect();
+            }
             let Some(first) = candidates.first() else {
                 return Err(RuntimeError::UnknownHandler(consumer.to_owned()));
             };
