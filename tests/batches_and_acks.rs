@@ -1,6 +1,7 @@
 //! Batch mode and coalesced acks against real RabbitMQ and PostgreSQL: an ack never covers a
 //! delivery whose transaction has not committed; batches take effect once through duplicates,
-//! handler failures, a closed broker connection and a database outage.
+//! handler failures, a closed broker connection and a database outage, with the handler run
+//! per message in batch mode and with the consumer's batch handler.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -61,8 +62,35 @@ async fn an_ack_never_covers_an_uncommitted_delivery() {
     f.cleanup().await;
 }
 
+/// Which function of the fixture's consumer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Function {
+    /// `record`: one message at a time, in batch mode.
+    PerMessage,
+    /// `record_batch`: the batch handler.
+    BatchHandler,
+}
+
+impl Function {
+    fn runtime(self, f: &Fixture, pool: sqlx::PgPool) -> idem::RuntimeBuilder {
+        match self {
+            Self::PerMessage => f.runtime_with(pool),
+            Self::BatchHandler => f.batch_handler_runtime_with(pool),
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batches_take_effect_once_through_duplicates_failures_and_a_closed_connection() {
+    through_failures_and_a_closed_connection(Function::PerMessage).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_handlers_take_effect_once_through_duplicates_failures_and_a_closed_connection() {
+    through_failures_and_a_closed_connection(Function::BatchHandler).await;
+}
+
+async fn through_failures_and_a_closed_connection(function: Function) {
     let f = fixture("batches", fast_retries(), QueueType::Classic, None).await;
     const ORDERS: usize = 1500;
     // Two orders fail transiently once: their batches run again with a savepoint per message
@@ -82,7 +110,8 @@ async fn batches_take_effect_once_through_duplicates_failures_and_a_closed_conne
         }
     }
     let running = start(
-        f.runtime()
+        function
+            .runtime(&f, f.pool.clone())
             .batch(50)
             .prefetch(100)
             .concurrency(1)
@@ -115,6 +144,15 @@ async fn batches_take_effect_once_through_duplicates_failures_and_a_closed_conne
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_outage_under_batches_loses_and_doubles_nothing() {
+    database_outage(Function::PerMessage).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_outage_under_batch_handlers_loses_and_doubles_nothing() {
+    database_outage(Function::BatchHandler).await;
+}
+
+async fn database_outage(function: Function) {
     let policy =
         RetryPolicy::new(30, Duration::from_millis(50), 2, Duration::from_millis(500)).unwrap();
     let f = fixture("batch-db-outage", policy, QueueType::Classic, None).await;
@@ -126,7 +164,8 @@ async fn a_database_outage_under_batches_loses_and_doubles_nothing() {
     // One batch in flight (the fixture's runtime has four workers): these orders share seven
     // balance rows, which concurrent batches lock in different orders (see the README).
     let running = start(
-        f.runtime_with(proxied)
+        function
+            .runtime(&f, proxied)
             .batch(40)
             .prefetch(120)
             .concurrency(1),

@@ -558,6 +558,52 @@ use idem::store::{Stores};
                 }
             }
 
+            /// Two batches sharing 150 keys, run at once on separate connections, the second
+            /// in the opposite order: every key is claimed by one of them (the other sees a
+            /// duplicate, or retries), and every order is applied once. On MySQL and SQLite
+            /// this is the multi-row claim; on PostgreSQL the array claim.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn overlapping_batches_on_two_connections_claim_each_key_once() {
+                let f = Arc::new(fixture(4).await);
+                let customer = unique("c");
+                let ids: Vec<String> = (0..450).map(|_| unique("o")).collect();
+                let first: Vec<Envelope> = ids[..300].iter().map(|id| order(id, &customer, 1)).collect();
+                let mut second: Vec<Envelope> = ids[150..].iter().map(|id| order(id, &customer, 1)).collect();
+                second.reverse();
+                let runs = [first, second].map(|mut batch| {
+                    let f = f.clone();
+                    tokio::spawn(async move {
+                        let registration = idem::registry::find(&consumer("record")).unwrap();
+                        let mut processed = 0;
+                        while !batch.is_empty() {
+                            let outcomes = registration.invoke_batch(&f.stores, &batch).await.unwrap();
+                            processed += outcomes.iter().filter(|o| o.label() == "processed").count();
+                            assert!(
+                                outcomes.iter().all(|o| ["processed", "duplicate", "retry"].contains(&o.label())),
+                                "{outcomes:?}"
+                            );
+                            batch = batch
+                                .into_iter()
+                                .zip(&outcomes)
+                                .filter(|(_, o)| o.label() == "retry")
+                                .map(|(envelope, _)| envelope)
+                                .collect();
+                        }
+                        processed
+                    })
+                });
+                let mut processed = 0;
+                for run in runs {
+                    processed += run.await.unwrap();
+                }
+                assert_eq!(processed, 450, "each key processed by one batch");
+                for id in &ids {
+                    assert_eq!(effects(&f.pool, "record", id).await, 1, "effects of {id}");
+                    assert_eq!(inbox_rows(&f.pool, "record", id).await, 1, "marker of {id}");
+                }
+                assert_eq!(balance(&f.pool, &customer).await, Some(450));
+            }
+
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn transaction_dropped_before_commit_records_nothing() {
                 let f = Arc::new(fixture(2).await);

@@ -767,7 +767,7 @@ async fn two_subscribers_of_one_exchange_each_process_every_message_once() {
             .transport(RabbitTransport::new(rabbit))
             .store(PgInbox::new(f.pool.clone()))
             .state(f.script.clone())
-            .handlers([CONSUMER, "rt.audit"])
+            .handlers(["record", "rt.audit"])
             .handler_queue(CONSUMER, &f.queue)
             .handler_queue("rt.audit", &audit_queue)
             .retry(f.policy.clone()),
@@ -809,7 +809,7 @@ async fn existing_topology_with_other_arguments_stops_the_start() {
         .transport(RabbitTransport::new(quorum))
         .store(PgInbox::new(f.pool.clone()))
         .state(f.script.clone())
-        .handlers([CONSUMER])
+        .handlers(["record"])
         .handler_queue(CONSUMER, &f.queue)
         .retry(f.policy.clone())
         .build()

@@ -3,7 +3,7 @@
 //! prepared statements, a pool per worker, concurrent workers or batches with one multiple ack,
 //! and a lean per-message consumer whose workers each hold their own connection.
 
-use crate::workload::{Order, apply};
+use crate::workload::{Order, apply, apply_set};
 use anyhow::Context as _;
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -119,8 +119,18 @@ async fn claim_and_apply(
     Ok(())
 }
 
+/// How a batched consumer writes the new orders of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Writes {
+    /// Each order's two statements.
+    PerOrder,
+    /// One multi-row insert and one aggregated balance update for the batch.
+    SetBased,
+}
+
 /// Up to `batch` messages per transaction (or what arrives within `linger`), keys claimed with
-/// one multi-row insert, then one `basic.ack(multiple)` after the commit. One batch at a time.
+/// one multi-row insert, the new orders written as `writes` says, then one
+/// `basic.ack(multiple)` after the commit. One batch at a time.
 pub async fn batched(
     url: &str,
     pool: PgPool,
@@ -128,6 +138,7 @@ pub async fn batched(
     expect: usize,
     batch: usize,
     linger: Duration,
+    writes: Writes,
 ) -> anyhow::Result<Duration> {
     let prefetch = u16::try_from(batch * 2).unwrap_or(u16::MAX);
     let (connection, channel, mut consumer) = channel(url, queue, prefetch).await?;
@@ -144,7 +155,7 @@ pub async fn batched(
                 Ok(None) | Err(_) => break,
             }
         }
-        while let Err(e) = process_batch(&pool, &deliveries).await {
+        while let Err(e) = process_batch(&pool, &deliveries, writes).await {
             tracing::warn!(error = %e, "retrying the batch");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -162,7 +173,11 @@ pub async fn batched(
     Ok(elapsed)
 }
 
-async fn process_batch(pool: &PgPool, deliveries: &[Delivery]) -> anyhow::Result<()> {
+async fn process_batch(
+    pool: &PgPool,
+    deliveries: &[Delivery],
+    writes: Writes,
+) -> anyhow::Result<()> {
     let parsed = deliveries
         .iter()
         .map(parse)
@@ -178,11 +193,20 @@ async fn process_batch(pool: &PgPool, deliveries: &[Delivery]) -> anyhow::Result
     .fetch_all(&mut *tx)
     .await?;
     let mut new: HashSet<String> = claimed.into_iter().collect();
-    for (key, order) in &parsed {
-        // A key twice in the batch: only its first copy was claimed.
-        if new.remove(key) {
-            apply(&mut tx, order).await?;
+    // A key twice in the batch: only its first copy was claimed.
+    let fresh: Vec<&Order> = parsed
+        .iter()
+        .filter(|(key, _)| new.remove(key))
+        .map(|(_, order)| order)
+        .collect();
+    match writes {
+        Writes::PerOrder => {
+            for order in fresh {
+                apply(&mut tx, order).await?;
+            }
         }
+        Writes::SetBased if fresh.is_empty() => {}
+        Writes::SetBased => apply_set(&mut tx, &fresh).await?,
     }
     tx.commit().await?;
     Ok(())

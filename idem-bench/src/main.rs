@@ -108,6 +108,8 @@ enum Variant {
     Hand,
     /// Handwritten, batched, multiple ack.
     HandBatch,
+    /// Handwritten, batched, the batch's orders written set-based, multiple ack.
+    HandSet,
     /// Handwritten, one transaction per message, N workers each holding its own connection,
     /// a narrow inbox with an arrival-time index.
     HandLean,
@@ -115,6 +117,8 @@ enum Variant {
     Idem,
     /// idem, batch mode.
     IdemBatch,
+    /// idem, batch mode, a batch handler writing set-based.
+    IdemSet,
     /// idem, one transaction per message, ordered by order id over 4 partitions.
     IdemOrdered4,
     /// idem, one transaction per message, ordered by order id over 16 partitions.
@@ -126,9 +130,11 @@ impl Variant {
         match self {
             Self::Hand => "handwritten, per message",
             Self::HandBatch => "handwritten, batched",
+            Self::HandSet => "handwritten, set-based batches",
             Self::HandLean => "handwritten, lean per message",
             Self::Idem => "idem, per message",
             Self::IdemBatch => "idem, batch mode",
+            Self::IdemSet => "idem, batch handler",
             Self::IdemOrdered4 => "idem, ordered, 4 partitions",
             Self::IdemOrdered16 => "idem, ordered, 16 partitions",
         }
@@ -153,7 +159,10 @@ impl Variant {
     }
 
     fn uses_idem(self) -> bool {
-        !matches!(self, Self::Hand | Self::HandBatch | Self::HandLean)
+        !matches!(
+            self,
+            Self::Hand | Self::HandBatch | Self::HandSet | Self::HandLean
+        )
     }
 }
 
@@ -196,8 +205,12 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
             handwritten::per_message(&b.amqp_url, pool, queue, expect, b.workers, b.prefetch)
                 .await?
         }
-        Variant::HandBatch => {
-            handwritten::batched(&b.amqp_url, pool, queue, expect, b.batch, linger).await?
+        Variant::HandBatch | Variant::HandSet => {
+            let writes = match variant {
+                Variant::HandSet => handwritten::Writes::SetBased,
+                _ => handwritten::Writes::PerOrder,
+            };
+            handwritten::batched(&b.amqp_url, pool, queue, expect, b.batch, linger, writes).await?
         }
         Variant::HandLean => {
             drop(pool);
@@ -211,25 +224,27 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
             )
             .await?
         }
-        Variant::Idem | Variant::IdemBatch | Variant::IdemOrdered4 | Variant::IdemOrdered16 => {
+        Variant::Idem
+        | Variant::IdemBatch
+        | Variant::IdemSet
+        | Variant::IdemOrdered4
+        | Variant::IdemOrdered16 => {
             if b.metrics {
                 metrics_exporter_prometheus::PrometheusBuilder::new()
                     .install_recorder()
                     .context("installing the metrics recorder")?;
             }
+            let batched = matches!(variant, Variant::IdemBatch | Variant::IdemSet);
             let mode = with_idem::Mode {
-                batch: if variant == Variant::IdemBatch {
-                    b.batch
-                } else {
-                    0
-                },
-                concurrency: if variant == Variant::IdemBatch {
+                batch: if batched { b.batch } else { 0 },
+                concurrency: if batched {
                     b.batches_in_flight
                 } else {
                     b.workers
                 },
                 prefetch: b.prefetch,
                 partitions: variant.partitions(),
+                batch_handler: variant == Variant::IdemSet,
             };
             let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
             with_idem::run(rabbit, pool, queue, expect, mode).await?

@@ -1,11 +1,11 @@
 //! The same work with idem: one `#[idempotent]` handler, the runtime per message or in batch
 //! mode.
 
-use crate::workload::{Order, apply};
+use crate::workload::{Order, apply, apply_set};
 use anyhow::bail;
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
-use idem::{HandlerError, Runtime, idempotent};
+use idem::{Batch, BatchError, HandlerError, Runtime, idempotent};
 use sqlx::{PgPool, Postgres, Transaction};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -31,6 +31,20 @@ async fn place_order(
     Ok(())
 }
 
+/// The same work as a batch handler: the new orders of a batch written set-based. It shares
+/// the consumer (and so the inbox) with `place_order`; the runtime runs the one it is given.
+#[idempotent(store = Postgres, consumer = "bench.orders", queue = "bench-orders")]
+async fn place_orders(
+    tx: &mut Transaction<'_, Postgres>,
+    orders: Batch<Order>,
+    first: &FirstCall,
+) -> Result<(), BatchError> {
+    first.0.get_or_init(Instant::now);
+    let orders: Vec<&Order> = orders.iter().collect();
+    apply_set(tx, &orders).await?;
+    Ok(())
+}
+
 /// The inbox of the benchmark.
 pub fn inbox(pool: PgPool) -> anyhow::Result<PgInbox> {
     Ok(PgInbox::new(pool).table(TABLE)?)
@@ -47,6 +61,8 @@ pub struct Mode {
     pub prefetch: u16,
     /// Ordered over this many partitions (the queue is then their exchange).
     pub partitions: Option<usize>,
+    /// The batch handler (set-based writes) instead of the per-message one.
+    pub batch_handler: bool,
 }
 
 /// Consumes until `expect` deliveries are settled. Returns the time from the first handler call
@@ -63,7 +79,11 @@ pub async fn run(
         .transport(RabbitTransport::new(rabbit))
         .store(inbox(pool)?)
         .state(first.clone())
-        .handlers([CONSUMER])
+        .handlers([if mode.batch_handler {
+            "place_orders"
+        } else {
+            "place_order"
+        }])
         .handler_queue(CONSUMER, queue)
         .concurrency(mode.concurrency)
         .batch(mode.batch);

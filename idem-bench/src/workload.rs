@@ -146,6 +146,37 @@ pub async fn apply(
     Ok(())
 }
 
+/// The business writes of a batch of new orders, set-based: one multi-row insert of the orders
+/// and one update of each customer's balance by its total in the batch.
+pub async fn apply_set(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    orders: &[&Order],
+) -> Result<(), sqlx::Error> {
+    let ids: Vec<&str> = orders.iter().map(|o| o.order_id.as_str()).collect();
+    let customers: Vec<&str> = orders.iter().map(|o| o.customer.as_str()).collect();
+    let amounts: Vec<i64> = orders.iter().map(|o| o.amount_cents).collect();
+    sqlx::query(
+        "INSERT INTO bench_orders (order_id, customer, amount_cents)
+         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",
+    )
+    .bind(&ids)
+    .bind(&customers)
+    .bind(&amounts)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "UPDATE bench_balances b SET cents = b.cents + t.cents
+         FROM (SELECT customer, sum(cents)::bigint AS cents
+               FROM unnest($1::text[], $2::bigint[]) AS u(customer, cents) GROUP BY customer) t
+         WHERE b.customer = t.customer",
+    )
+    .bind(&customers)
+    .bind(&amounts)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
 /// Creates the tables and empties them, with every balance at 0.
 pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {
     for statement in SCHEMA {

@@ -52,14 +52,18 @@ pub trait Dialect: Sql {
         async move { Self::claim(sql, conn, request).await.map(Some) }
     }
 
-    /// Claims a batch's distinct keys, answering in `requests`' order. The default claims one
-    /// by one (in process, as SQLite is, that costs no round trips).
+    /// Claims a batch's distinct keys, answering in `requests`' order. The default claims
+    /// with multi-row statements where the dialect has them (`claim::claim_rows`), else one
+    /// by one.
     fn claim_batch<'a>(
         sql: &'a Prepared,
         conn: &'a mut Self::Connection,
         requests: &'a [ClaimRequest<'a>],
     ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send + 'a {
         async move {
+            if let Some(rows) = &sql.rows {
+                return claim::claim_rows::<Self>(rows, conn, requests).await;
+            }
             let mut claims = Vec::with_capacity(requests.len());
             for request in requests {
                 claims.push(Self::claim(sql, &mut *conn, request).await?);

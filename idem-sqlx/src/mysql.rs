@@ -14,8 +14,8 @@ use crate::dialect::Dialect;
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, SavepointStatements,
-    Statements, SweepStatements,
+    AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, RowStatements,
+    SavepointStatements, Statements, SweepStatements,
 };
 use idem_core::{ClaimRequest, ErrorClass, StoreError, StoreKind};
 use sqlx::MySql;
@@ -104,6 +104,19 @@ const EXISTING: &str = r#"SELECT fingerprint, outcome FROM `{table}` WHERE consu
 const COMPLETE: &str = r#"UPDATE `{table}` SET outcome = ? WHERE consumer = ? AND `key` = ?"#;
 
 const UNCLAIM: &str = r#"DELETE FROM `{table}` WHERE consumer = ? AND `key` = ?"#;
+
+/// A batch's multi-row claim; see [`RowStatements`]. The read locks, so it sees the latest
+/// committed rows.
+const ROWS: RowStatements = RowStatements {
+    insert: r#"INSERT IGNORE INTO `{table}`
+    (consumer, `key`, fingerprint, status, attempts, created_at, completed_at, expires_at, owner)
+    VALUES "#,
+    row: "(?, ?, ?, 'completed', ?, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL ? SECOND, ?)",
+    insert_end: "",
+    read: r#"SELECT `key`, fingerprint, outcome, CAST(COALESCE(owner = ?, 0) AS SIGNED) AS ours
+    FROM `{table}` WHERE consumer = ? AND `key` IN ("#,
+    read_end: ") LOCK IN SHARE MODE",
+};
 
 /// External mode's statements; see [`LeaseStatements`] for their bind order.
 const LEASE: LeaseStatements = LeaseStatements {
@@ -210,6 +223,7 @@ impl Dialect for MySql {
         admin: ADMIN,
         versions: crate::versions::MYSQL,
         batch: None,
+        rows: Some(ROWS),
     };
     const MIGRATION: MigrationStatements = MigrationStatements {
         steps: MIGRATIONS,

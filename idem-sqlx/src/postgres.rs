@@ -263,6 +263,7 @@ impl Dialect for Postgres {
         deliveries: DELIVERIES,
         admin: ADMIN,
         versions: crate::versions::POSTGRES,
+        rows: None,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,
             existing: EXISTING_BATCH,

@@ -9,8 +9,8 @@ use crate::dialect::Dialect;
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
-    AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, PROBE, SAVEPOINTS,
-    Statements, SweepStatements,
+    AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, PROBE,
+    RowStatements, SAVEPOINTS, Statements, SweepStatements,
 };
 use idem_core::StoreKind;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteQueryResult};
@@ -106,6 +106,19 @@ const EXISTING: &str =
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = ?1 WHERE consumer = ?2 AND key = ?3"#;
 
 const UNCLAIM: &str = r#"DELETE FROM "{table}" WHERE consumer = ?1 AND key = ?2"#;
+
+/// A batch's multi-row claim; see [`RowStatements`]. The transaction holds the write lock
+/// (`BEGIN IMMEDIATE`), so the read sees every committed row.
+const ROWS: RowStatements = RowStatements {
+    insert: r#"INSERT INTO "{table}"
+    (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at, owner)
+    VALUES "#,
+    row: "(?, ?, ?, 'completed', ?, {now}, {now}, {now} + ? * 1000, ?)",
+    insert_end: " ON CONFLICT (consumer, key) DO NOTHING",
+    read: r#"SELECT key, fingerprint, outcome, COALESCE(owner = ?, 0) AS ours
+    FROM "{table}" WHERE consumer = ? AND key IN ("#,
+    read_end: ")",
+};
 
 /// External mode's statements; see [`LeaseStatements`] for their bind order. `{now}` is the time
 /// in Unix milliseconds.
@@ -235,6 +248,7 @@ impl Dialect for Sqlite {
         admin: ADMIN,
         versions: crate::versions::SQLITE,
         batch: None,
+        rows: Some(ROWS),
     };
     const MIGRATION: MigrationStatements = MigrationStatements {
         steps: MIGRATIONS,

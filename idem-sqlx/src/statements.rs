@@ -38,6 +38,8 @@ pub struct Statements<S = &'static str> {
     pub admin: AdminStatements<S>,
     /// Set-based batch statements, for a dialect with array parameters (PostgreSQL).
     pub batch: Option<BatchStatements<S>>,
+    /// Multi-row batch claims, for the dialects without array parameters (MySQL, SQLite).
+    pub rows: Option<RowStatements<S>>,
     /// Entity versions, for versioned handlers.
     pub versions: VersionStatements<S>,
 }
@@ -175,6 +177,26 @@ pub struct BatchStatements<S = &'static str> {
     pub complete: S,
 }
 
+/// A batch's claim in two multi-row statements, put together per batch from these pieces (see
+/// `claim::claim_rows`): the markers inserted, each naming the batch's claim token in `owner`,
+/// existing keys skipped; then every key of the batch read with a locking read, the rows that
+/// carry the token being the ones this claim inserted.
+#[derive(Debug, Clone)]
+pub struct RowStatements<S = &'static str> {
+    /// The insert, up to `VALUES`.
+    pub insert: S,
+    /// One row of the insert (consumer, key, fingerprint, attempt, retention in seconds, claim
+    /// token).
+    pub row: S,
+    /// After the rows: what makes the insert skip the keys that exist.
+    pub insert_end: S,
+    /// The read of `key`, `fingerprint`, `outcome` and `ours` (1 where the row carries the
+    /// token), up to the keys' list (claim token, consumer, then the keys).
+    pub read: S,
+    /// After the keys' placeholders.
+    pub read_end: S,
+}
+
 /// The schema of the inbox table and the statements that keep its version.
 #[derive(Debug, Clone, Copy)]
 pub struct MigrationStatements {
@@ -246,6 +268,13 @@ impl Statements {
                 claim: fill(batch.claim),
                 existing: fill(batch.existing),
                 complete: fill(batch.complete),
+            }),
+            rows: self.rows.as_ref().map(|rows| RowStatements {
+                insert: fill(rows.insert),
+                row: fill(rows.row),
+                insert_end: fill(rows.insert_end),
+                read: fill(rows.read),
+                read_end: fill(rows.read_end),
             }),
         }
     }

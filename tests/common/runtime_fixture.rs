@@ -8,7 +8,9 @@ use crate::common::unique;
 use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
 use idem::transport::{QueueSpec, Transport};
-use idem::{Context, HandlerError, RetryPolicy, Runtime, RuntimeBuilder, idempotent};
+use idem::{
+    Batch, BatchError, Context, HandlerError, RetryPolicy, Runtime, RuntimeBuilder, idempotent,
+};
 use serde::Deserialize;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -109,37 +111,84 @@ async fn record(
     .bind(order.amount_cents)
     .execute(&mut **tx)
     .await?;
-    let step = {
-        let mut scripted = script.lock();
-        let step = scripted
-            .steps
-            .get_mut(&order.order_id)
-            .and_then(|steps| (!steps.is_empty()).then(|| steps.remove(0)));
-        if matches!(
-            step,
-            Some(Step::WaitForRelease | Step::WaitThenFail | Step::Hang)
-        ) {
-            scripted.started.push(order.order_id.clone());
-        }
-        step
-    };
-    match step {
-        None => Ok(()),
-        Some(Step::FailTransient) => Err(HandlerError::transient("scripted: database busy")),
-        Some(Step::FailPermanent) => Err(HandlerError::permanent("scripted: refused")),
-        Some(Step::WaitForRelease) => {
-            while !script.released(&order.order_id) {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+    script.play(&order.order_id).await
+}
+
+/// The same work as a batch handler sharing the consumer (and its inbox rows): each order's
+/// script played in order (a failure fails that order by its index), then the batch's effects
+/// written set-based. Run by `Fixture::batch_handler_runtime`.
+#[idempotent(store = Postgres, queue = "idem-test-overridden", consumer = "rt.orders")]
+async fn record_batch(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    orders: Batch<Order>,
+    script: &Script,
+) -> Result<(), BatchError> {
+    for (i, order) in orders.iter().enumerate() {
+        script
+            .play(&order.order_id)
+            .await
+            .map_err(|e| BatchError::item(i, e))?;
+    }
+    let keys: Vec<&str> = orders.iter().map(|o| o.order_id.as_str()).collect();
+    let customers: Vec<&str> = orders.iter().map(|o| o.customer.as_str()).collect();
+    let cents: Vec<i64> = orders.iter().map(|o| o.amount_cents).collect();
+    sqlx::query(
+        "INSERT INTO idem_rt_effects (key, customer, amount_cents)
+         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",
+    )
+    .bind(&keys)
+    .bind(&customers)
+    .bind(&cents)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO idem_rt_balances (customer, cents)
+         SELECT customer, sum(cents)::bigint FROM unnest($1::text[], $2::bigint[]) AS u(customer, cents)
+         GROUP BY customer ORDER BY customer
+         ON CONFLICT (customer) DO UPDATE SET cents = idem_rt_balances.cents + excluded.cents",
+    )
+    .bind(&customers)
+    .bind(&cents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+impl Script {
+    /// Plays the next step scripted for `key` (none: success).
+    async fn play(&self, key: &str) -> Result<(), HandlerError> {
+        let step = {
+            let mut scripted = self.lock();
+            let step = scripted
+                .steps
+                .get_mut(key)
+                .and_then(|steps| (!steps.is_empty()).then(|| steps.remove(0)));
+            if matches!(
+                step,
+                Some(Step::WaitForRelease | Step::WaitThenFail | Step::Hang)
+            ) {
+                scripted.started.push(key.to_owned());
             }
-            Ok(())
-        }
-        Some(Step::WaitThenFail) => {
-            while !script.released(&order.order_id) {
-                tokio::time::sleep(Duration::from_millis(5)).await;
+            step
+        };
+        match step {
+            None => Ok(()),
+            Some(Step::FailTransient) => Err(HandlerError::transient("scripted: database busy")),
+            Some(Step::FailPermanent) => Err(HandlerError::permanent("scripted: refused")),
+            Some(Step::WaitForRelease) => {
+                while !self.released(key) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Ok(())
             }
-            Err(HandlerError::transient("scripted: failed after waiting"))
+            Some(Step::WaitThenFail) => {
+                while !self.released(key) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(HandlerError::transient("scripted: failed after waiting"))
+            }
+            Some(Step::Hang) => std::future::pending().await,
         }
-        Some(Step::Hang) => std::future::pending().await,
     }
 }
 
@@ -203,11 +252,21 @@ pub async fn fixture(
 
 impl Fixture {
     pub fn runtime_with(&self, pool: sqlx::PgPool) -> RuntimeBuilder {
+        self.runtime_of("record", pool)
+    }
+
+    /// The runtime with the batch handler of the consumer (`record_batch`).
+    pub fn batch_handler_runtime_with(&self, pool: sqlx::PgPool) -> RuntimeBuilder {
+        self.runtime_of("record_batch", pool)
+    }
+
+    /// The runtime with the consumer's function `function`.
+    fn runtime_of(&self, function: &str, pool: sqlx::PgPool) -> RuntimeBuilder {
         Runtime::builder()
             .transport(RabbitTransport::new(self.rabbit.clone()))
             .store(PgInbox::new(pool))
             .state(self.script.clone())
-            .handlers([CONSUMER])
+            .handlers([function])
             .handler_queue(CONSUMER, &self.queue)
             .retry(self.policy.clone())
             .concurrency(4)
