@@ -193,10 +193,17 @@ macro_rules! batch_suite {
                     [1, 2, 1, 3, 2].map(|n| ("duplicate", Some(n * 10))),
                     "each duplicate gets its own message's stored result"
                 );
+                // One delivery on its own (a runtime without batching): a batch of one.
+                let single = order(&format!("{prefix}-4"), &format!("{prefix}-c"), 4);
+                let outcome = registration().invoke(&stores, &single).await.unwrap();
+                assert_eq!(outcome.label(), "processed", "{outcome:?}");
+                let again = registration().invoke(&stores, &single).await.unwrap();
+                let Outcome::Duplicate { output, .. } = &again else { panic!("{again:?}") };
+                assert_eq!(output.decode::<i64>().unwrap(), 40);
                 let applied = applied(&pool, &prefix).await;
-                assert_eq!(applied.len(), 3);
+                assert_eq!(applied.len(), 4);
                 assert!(applied.values().all(|n| *n == 1), "{applied:?}");
-                assert_eq!(balances(&pool, &prefix).await, HashMap::from([(format!("{prefix}-c"), 6)]));
+                assert_eq!(balances(&pool, &prefix).await, HashMap::from([(format!("{prefix}-c"), 10)]));
             }
 
             /// Through `build()` on RabbitMQ: 600 orders (copies inside batches and across
