@@ -214,6 +214,8 @@ macro_rules! batch_suite {
             async fn only_the_failing_messages_of_a_batch_are_dead_lettered() {
                 let stats = failing_messages(false).await;
                 assert_eq!(stats.retried, 1, "only the transient failure: {stats:?}");
+                assert_eq!(stats.processed, 598, "{stats:?}");
+                assert_eq!(stats.duplicates, 60 + 49, "{stats:?}");
                 assert_eq!(stats.panics, 0, "{stats:?}");
             }
 
@@ -279,8 +281,9 @@ macro_rules! batch_suite {
                 // Order 17 is sent twice (its copy in a later batch is refused again: a
                 // dead-lettered message leaves no marker).
                 assert_eq!(stats.dead_lettered, 3, "{stats:?}");
-                assert_eq!(stats.processed, 598, "{stats:?}");
-                assert_eq!(stats.duplicates, 60 + 49, "{stats:?}");
+                // A panic retries its whole batch, also the messages of passes that committed
+                // before it (a batch split in halves): they come back as duplicates.
+                assert_eq!(stats.processed + stats.duplicates, 598 + 60 + 49, "{stats:?}");
                 assert!(
                     seen.largest_batch() > 100,
                     "the handler ran on whole batches (largest {})",
