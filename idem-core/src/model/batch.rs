@@ -1,7 +1,7 @@
 //! What a batch handler receives ([`Batch`]), returns ([`BatchOutput`]) and fails with
 //! ([`BatchError`]).
 
-use crate::model::HandlerError;
+use super::error::HandlerError;
 use std::ops::Deref;
 
 /// The new messages of a batch, in delivery order: what a batch handler

@@ -20,13 +20,14 @@
 mod finish;
 mod gather;
 mod pass;
+mod run;
 mod set;
 
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{Limits, prepare};
-use pass::{Batch, How, Pass};
+use run::{Batch, How, Pass};
 use std::collections::VecDeque;
 
 /// Processes `envelopes` with handler `H` in one transaction of `store`, within `limits`; one

@@ -8,57 +8,15 @@
 //! [`How::Set`]: a batch handler runs once on every new message (see [`super::set`]).
 
 use super::gather::Item;
-use super::set::{self, SetEnd};
+use super::run::{Batch, How, Pass, Run, SetEnd};
+use super::set;
 use crate::handler::Handler;
-use crate::model::{Envelope, ErrorClass, Outcome, StoreError, StoredOutput};
+use crate::model::{ErrorClass, Outcome, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{Limits, advance, call, encode_result, existing, failure};
+use crate::pipeline::steps::{advance, call, encode_result, existing, failure};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
-
-/// How a pass runs the handler.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum How {
-    /// Each new message's handler, back to back.
-    Fast,
-    /// Each new message's handler under its own savepoint.
-    Isolated,
-    /// The batch handler, once, on every new message.
-    Set,
-}
-
-/// How a pass over a batch ended.
-#[derive(Debug, PartialEq)]
-pub(super) enum Pass {
-    /// Every member has its outcome (committed, or failed as a whole).
-    Done,
-    /// A handler failed in a fast pass; the transaction was rolled back.
-    NeedsIsolation,
-    /// The batch handler failed the item at this index with this outcome; the transaction
-    /// was rolled back, and the others are to run again without it.
-    Exclude(usize, Outcome),
-    /// The batch handler failed permanently without naming a culprit; the transaction was
-    /// rolled back, and the members are to run again in halves.
-    Split,
-}
-
-/// What every pass of a batch works on.
-pub(super) struct Batch<'a, H: Handler> {
-    pub(super) store: &'a H::Store,
-    pub(super) envelopes: &'a [Envelope],
-    /// Its rows' retention, its state, what becomes of stale messages.
-    pub(super) limits: Limits<'a>,
-}
-
-/// The transaction of one pass, and where its outcomes go.
-pub(super) struct Run<'a, 'b, H: Handler> {
-    pub(super) batch: &'b Batch<'a, H>,
-    pub(super) items: &'b mut [Item],
-    /// The items this pass works on (indices into `items`), in order.
-    pub(super) members: &'b [usize],
-    pub(super) outcomes: &'b mut [Option<Outcome>],
-}
 
 impl<H: Handler> Batch<'_, H> {
     /// Runs one pass over the `members` of `items` (their payloads in `payloads`, by item),

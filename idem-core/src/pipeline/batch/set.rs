@@ -7,23 +7,13 @@
 //! no culprit rolls back and splits the members in halves, so the message that fails alone is
 //! found and only it is dead-lettered; a transient one retries every member.
 
-use super::pass::{Batch, Pass, Run};
+use super::run::{Batch, Pass, Run, SetEnd};
 use crate::handler::Handler;
 use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, StoreError};
 use crate::pipeline::steps::{advance, encode_result, existing, handler_failure};
 use crate::store::{Claim, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
-
-/// How the handler part of a pass ended.
-pub(super) enum SetEnd {
-    /// The handlers ran; the markers of these items go (they failed, or are stale).
-    Failed(Vec<usize>),
-    /// Roll back, and end the pass with this.
-    Again(Pass),
-    /// Roll back; every unsettled member fails with this message, as the class says.
-    Abort(ErrorClass, String),
-}
 
 /// Judges the members' claims and runs the batch handler once on the new ones.
 pub(super) async fn handle<H: Handler>(

@@ -1,0 +1,60 @@
+//! What a pass over a batch works on and how it ends: shared by the pass (`pass.rs`) and a
+//! batch handler's part of it (`set.rs`).
+
+use super::gather::Item;
+use crate::handler::Handler;
+use crate::model::{Envelope, ErrorClass, Outcome};
+use crate::pipeline::steps::Limits;
+
+/// How a pass runs the handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum How {
+    /// Each new message's handler, back to back.
+    Fast,
+    /// Each new message's handler under its own savepoint.
+    Isolated,
+    /// The batch handler, once, on every new message.
+    Set,
+}
+
+/// How a pass over a batch ended.
+#[derive(Debug, PartialEq)]
+pub(super) enum Pass {
+    /// Every member has its outcome (committed, or failed as a whole).
+    Done,
+    /// A handler failed in a fast pass; the transaction was rolled back.
+    NeedsIsolation,
+    /// The batch handler failed the item at this index with this outcome; the transaction
+    /// was rolled back, and the others are to run again without it.
+    Exclude(usize, Outcome),
+    /// The batch handler failed permanently without naming a culprit; the transaction was
+    /// rolled back, and the members are to run again in halves.
+    Split,
+}
+
+/// What every pass of a batch works on.
+pub(super) struct Batch<'a, H: Handler> {
+    pub(super) store: &'a H::Store,
+    pub(super) envelopes: &'a [Envelope],
+    /// Its rows' retention, its state, what becomes of stale messages.
+    pub(super) limits: Limits<'a>,
+}
+
+/// The transaction of one pass, and where its outcomes go.
+pub(super) struct Run<'a, 'b, H: Handler> {
+    pub(super) batch: &'b Batch<'a, H>,
+    pub(super) items: &'b mut [Item],
+    /// The items this pass works on (indices into `items`), in order.
+    pub(super) members: &'b [usize],
+    pub(super) outcomes: &'b mut [Option<Outcome>],
+}
+
+/// How the handler part of a pass ended.
+pub(super) enum SetEnd {
+    /// The handlers ran; the markers of these items go (they failed, or are stale).
+    Failed(Vec<usize>),
+    /// Roll back, and end the pass with this.
+    Again(Pass),
+    /// Roll back; every unsettled member fails with this message, as the class says.
+    Abort(ErrorClass, String),
+}
