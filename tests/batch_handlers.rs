@@ -6,6 +6,8 @@
 //! alone, the batch running again without it), a permanent failure that names no culprit (the
 //! batch is split until the message that fails alone is found), a panic (the batch is retried).
 //!
+//! On MariaDB also a broker connection closed and a database outage under batch handlers.
+//!
 //! The handler reacts to its orders' ids: `…-poison` is failed by index (permanent),
 //! `…-flaky` is failed by index (transient) the first time it is seen, `…-whole` fails the
 //! whole batch (permanent, no culprit named), `…-panic` panics the first time it is seen.
@@ -388,3 +390,100 @@ batch_suite!(
     "SELECT order_id, count(*) FROM idem_bh_orders WHERE order_id LIKE ? GROUP BY order_id",
     "SELECT customer, cents FROM idem_bh_balances WHERE customer LIKE ?"
 );
+
+/// On MariaDB, under the batch handler: the broker connection closed under load, then the
+/// database cut off (a TCP proxy in front of it) and restored: every order takes effect once,
+/// nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_mariadb_a_closed_connection_and_an_outage_lose_and_double_nothing() {
+    use common::broker::{self, amqp_url};
+    use common::running::{DEADLINE, start};
+    use common::{unique, wait_until};
+    use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+    use idem::transport::{QueueSpec, Transport};
+    use std::time::Duration;
+
+    let (direct, _) = mysql().await;
+    let (proxy, proxied) = common::proxy::mysql().await;
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(4)
+        .connect(&proxied)
+        .await
+        .unwrap();
+    let consumer = "batch_handlers::mysql::place";
+    let queue = unique("idem-test-bh-outage");
+    let policy =
+        idem::RetryPolicy::new(30, Duration::from_millis(50), 2, Duration::from_millis(500))
+            .unwrap();
+    let rabbit = RabbitConfig::new(amqp_url()).connection_name(format!("idem-test:{queue}"));
+    let mut spec = QueueSpec::new(queue.clone(), consumer);
+    spec.retry_delays = policy.delays();
+    RabbitTransport::new(rabbit.clone())
+        .declare(&[spec])
+        .await
+        .unwrap();
+    const ORDERS: usize = 1000;
+    let publisher = broker::publisher().await;
+    for n in 0..ORDERS {
+        let id = format!("{queue}-{n}");
+        let body = serde_json::json!({"order_id": id, "customer": format!("{queue}-c{}", n % 7), "amount_cents": 3});
+        broker::publish(&publisher, &queue, Some(&id), body.to_string().as_bytes()).await;
+    }
+    let running = start(
+        idem::Runtime::builder()
+            .transport(RabbitTransport::new(rabbit))
+            .store(idem::sql::MySqlInbox::new(pool))
+            .state(Seen::default())
+            .handlers([consumer])
+            .handler_queue(consumer, &queue)
+            .retry(policy.clone())
+            .batch(50)
+            .concurrency(1),
+    );
+    wait_until("some progress", DEADLINE, || async {
+        running.now().processed >= 100
+    })
+    .await;
+    assert!(broker::close_connections(&format!("idem-test:{queue}")) >= 1);
+    wait_until(
+        "progress after the broker connection closed",
+        DEADLINE,
+        || async { running.now().processed >= 300 },
+    )
+    .await;
+    proxy.cut();
+    wait_until("whole batches retried", DEADLINE, || async {
+        running.now().retried >= 50
+    })
+    .await;
+    proxy.restore();
+    let count = || async {
+        sqlx::query_as::<_, (i64, i64)>(
+            "SELECT CAST(count(*) AS SIGNED), CAST(count(DISTINCT order_id) AS SIGNED) FROM idem_bh_orders WHERE order_id LIKE ?",
+        )
+        .bind(format!("{queue}-%"))
+        .fetch_one(&direct)
+        .await
+        .unwrap()
+    };
+    wait_until("every order applied", DEADLINE, || async {
+        count().await.1 == ORDERS as i64
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 0, "{seen:?}");
+    assert_eq!(
+        count().await,
+        (ORDERS as i64, ORDERS as i64),
+        "each order once"
+    );
+    let cents: i64 = sqlx::query_scalar(
+        "SELECT CAST(COALESCE(sum(cents), 0) AS SIGNED) FROM idem_bh_balances WHERE customer LIKE ?",
+    )
+    .bind(format!("{queue}-c%"))
+    .fetch_one(&direct)
+    .await
+    .unwrap();
+    assert_eq!(cents, 3 * ORDERS as i64, "every amount added once");
+    broker::delete_topology(&queue, &policy.delays()).await;
+}

@@ -76,12 +76,23 @@ impl Proxy {
 
 /// A proxy in front of the tests' PostgreSQL (`DATABASE_URL`), and the URL that goes through it.
 pub async fn postgres() -> (Proxy, String) {
-    let url = crate::common::postgres_url();
+    in_front_of(crate::common::postgres_url()).await
+}
+
+/// A proxy in front of the tests' MariaDB (`MYSQL_URL`), and the URL that goes through it.
+#[allow(dead_code)]
+pub async fn mysql() -> (Proxy, String) {
+    in_front_of(crate::common::mysql_url()).await
+}
+
+/// A proxy in front of the server of `url` (`scheme://user@host:port/db`), and the URL that
+/// goes through it.
+async fn in_front_of(url: String) -> (Proxy, String) {
     let target = url
         .split('@')
         .nth(1)
         .and_then(|h| h.split('/').next())
-        .expect("host:port in DATABASE_URL")
+        .expect("host:port in the database URL")
         .to_owned();
     let proxy = Proxy::start(&target).await;
     let proxied_url = url.replace(&target, &format!("127.0.0.1:{}", proxy.port()));
