@@ -57,6 +57,9 @@ struct Bench {
     /// Batches in flight in idem's batch mode.
     #[arg(long, default_value_t = 1)]
     batches_in_flight: usize,
+    /// Tokio worker threads of every process (default: one per core).
+    #[arg(long)]
+    runtime_threads: Option<usize>,
     /// Install a Prometheus recorder in idem's consumers, so that its metrics are recorded
     /// (and their cost measured).
     #[arg(long)]
@@ -174,9 +177,11 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = cli.bench.runtime_threads {
+        builder.worker_threads(threads);
+    }
+    let runtime = builder.enable_all().build()?;
     match cli.command {
         None => runtime.block_on(bench(cli.bench)),
         Some(Command::Consume {
