@@ -424,11 +424,19 @@ async fn on_mariadb_a_closed_connection_and_an_outage_lose_and_double_nothing() 
         .unwrap();
     const ORDERS: usize = 1000;
     let publisher = broker::publisher().await;
-    for n in 0..ORDERS {
-        let id = format!("{queue}-{n}");
-        let body = serde_json::json!({"order_id": id, "customer": format!("{queue}-c{}", n % 7), "amount_cents": 3});
-        broker::publish(&publisher, &queue, Some(&id), body.to_string().as_bytes()).await;
-    }
+    let publish = |range: std::ops::Range<usize>| {
+        let (publisher, queue) = (&publisher, &queue);
+        async move {
+            for n in range {
+                let id = format!("{queue}-{n}");
+                let body = serde_json::json!({"order_id": id, "customer": format!("{queue}-c{}", n % 7), "amount_cents": 3});
+                broker::publish(publisher, queue, Some(&id), body.to_string().as_bytes()).await;
+            }
+        }
+    };
+    // The second half is published once the database is cut off, so that it meets the outage
+    // however fast the first half went.
+    publish(0..ORDERS / 2).await;
     let running = start(
         idem::Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
@@ -452,6 +460,7 @@ async fn on_mariadb_a_closed_connection_and_an_outage_lose_and_double_nothing() 
     )
     .await;
     proxy.cut();
+    publish(ORDERS / 2..ORDERS).await;
     wait_until("whole batches retried", DEADLINE, || async {
         running.now().retried >= 50
     })
