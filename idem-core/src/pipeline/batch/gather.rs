@@ -2,8 +2,8 @@
 //! key; a key's later copies in the batch wait for the first one's outcome.
 
 use crate::handler::Handler;
-use crate::model::{Envelope, Fingerprint, Outcome};
-use crate::pipeline::steps::{Keyed, prepare};
+use crate::model::{Envelope, Fingerprint, Outcome, StoredOutput};
+use crate::pipeline::steps::{Keyed, existing, prepare};
 use std::collections::HashMap;
 
 /// One distinct key of a batch (its payload is kept apart: payloads need not be `Sync`).
@@ -13,6 +13,31 @@ pub(super) struct Item {
     pub(super) keyed: Keyed,
     /// The fingerprint of the committed row this key matched, when it existed before.
     pub(super) stored: Option<Fingerprint>,
+}
+
+impl Item {
+    /// This item's outcome when its key existed, committed with `stored` and `output` (kept
+    /// for the key's later copies in the batch): a duplicate, or a conflict.
+    pub(super) fn existed(
+        &mut self,
+        consumer: &str,
+        envelope: &Envelope,
+        stored: Fingerprint,
+        output: Option<StoredOutput>,
+    ) -> Outcome {
+        self.stored = Some(stored);
+        let Keyed {
+            key, fingerprint, ..
+        } = &self.keyed;
+        existing(
+            consumer,
+            envelope,
+            key.clone(),
+            fingerprint,
+            &stored,
+            output,
+        )
+    }
 }
 
 /// A later delivery of a key that occurs earlier in the same batch.

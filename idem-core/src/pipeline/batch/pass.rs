@@ -13,7 +13,7 @@ use super::set;
 use crate::handler::Handler;
 use crate::model::{ErrorClass, Outcome, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{advance, call, encode_result, existing, failure};
+use crate::pipeline::steps::{advance, call, encode_result, failure};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
@@ -150,23 +150,12 @@ impl<H: Handler> Run<'_, '_, H> {
             let item = &mut self.items[k];
             let envelope = &envelopes[item.index];
             let slot = &mut self.outcomes[item.index];
-            let (key, fingerprint) = (&item.keyed.key, &item.keyed.fingerprint);
+            let key = &item.keyed.key;
             match claim {
                 Claim::Existing {
                     fingerprint: stored,
                     output,
-                } => {
-                    item.stored = Some(stored);
-                    let outcome = existing(
-                        H::CONSUMER,
-                        envelope,
-                        key.clone(),
-                        fingerprint,
-                        &stored,
-                        output,
-                    );
-                    *slot = Some(outcome);
-                }
+                } => *slot = Some(item.existed(H::CONSUMER, envelope, stored, output)),
                 Claim::Claimed => {
                     if isolate {
                         store.savepoint(tx, first).await?;

@@ -10,7 +10,7 @@
 use super::run::{Batch, Pass, Run, SetEnd};
 use crate::handler::Handler;
 use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, StoreError};
-use crate::pipeline::steps::{advance, encode_result, existing, handler_failure};
+use crate::pipeline::steps::{advance, encode_result, handler_failure};
 use crate::store::{Claim, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
@@ -37,10 +37,8 @@ pub(super) async fn handle<H: Handler>(
                 fingerprint: stored,
                 output,
             } => {
-                item.stored = Some(stored);
-                let (key, fingerprint) = (item.keyed.key.clone(), &item.keyed.fingerprint);
-                let outcome = existing(H::CONSUMER, envelope, key, fingerprint, &stored, output);
-                run.outcomes[item.index] = Some(outcome);
+                run.outcomes[item.index] =
+                    Some(item.existed(H::CONSUMER, envelope, stored, output));
             }
             Claim::Claimed => {
                 let Some(payload) = payloads[k].take() else {
