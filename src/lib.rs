@@ -5,9 +5,9 @@
 // implements sits in the modules below.
 pub use idem_core::{
     Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT, Envelope,
-    ErrorClass, HandlerError, HeaderValue, Headers, Health, MAX_PARTITIONS, Outcome, Readiness,
-    RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError,
-    Snapshot, Stale, Stats, StopSignal, Transient, VersionValue,
+    ErrorClass, HandlerError, HeaderValue, Headers, Health, MAX_PARTITIONS, Outcome, Outgoing,
+    Readiness, RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder,
+    RuntimeError, Snapshot, Stale, Stats, StopSignal, Transient, VersionValue,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;
@@ -20,26 +20,35 @@ pub use sqlx;
 pub mod prelude {
     pub use crate::sqlx::{self, Transaction};
     pub use crate::{
-        Batch, BatchError, Context, HandlerError, Outcome, RejectReason, RetryPolicy, Runtime,
-        idempotent,
+        Batch, BatchError, Context, HandlerError, Outcome, Outgoing, RejectReason, RetryPolicy,
+        Runtime, idempotent,
     };
+}
+
+/// The transactional outbox: messages a handler stages in its transaction
+/// ([`stage`](outbox::stage)), published once it commits.
+pub mod outbox {
+    pub use idem_core::model::{CAUSATION_HEADER, TRACEPARENT_HEADER};
+    pub use idem_core::{Outgoing, outbox_message_id};
+    pub use idem_sqlx::outbox::stage;
 }
 
 /// The inbox store contract, for implementing a store or driving one by hand.
 pub mod store {
-    pub use idem_core::store::{SweepFn, Sweeper, owner_token};
+    pub use idem_core::store::{Dispatch, Relay, RelayFn, SweepFn, Sweeper, owner_token};
     pub use idem_core::{
         Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterRecord, Fingerprint, InboxStore,
-        KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, StoreError, StoreKind, StoredOutput, Stores,
-        SweepReport,
+        KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, OutboxSelect, RelayReport, StoreError, StoreKind,
+        StoredOutput, Stores, SweepReport,
     };
 }
 
 /// The transport contract, and the in-memory transport.
 pub mod transport {
+    pub use idem_core::BoxFuture;
     pub use idem_core::{
-        DeadLetter, DeadLetterLog, Delivery, MemoryTransport, Partition, QueueSpec, Settle,
-        Transport, TransportError,
+        DeadLetter, DeadLetterLog, Delivery, MemoryTransport, Outbound, OutboundError, Partition,
+        QueueSpec, Settle, Transport, TransportError,
     };
 }
 

@@ -13,6 +13,10 @@ pub enum Point {
     BeforeCommit,
     /// After the COMMIT, before the ack.
     AfterCommit,
+    /// After a COMMIT that staged outbox messages, before they are dispatched.
+    AfterCommitBeforeDispatch,
+    /// After an outbox message was published and confirmed, before its row is removed.
+    AfterPublishBeforeMark,
     /// Half-way through dead-lettering: after the reason is recorded, before the message is
     /// moved to the dead-letter queue.
     InDeadLetter,
@@ -23,6 +27,8 @@ struct Faults {
     before_commit: f64,
     after_commit: f64,
     in_dead_letter: f64,
+    after_commit_before_dispatch: f64,
+    after_publish_before_mark: f64,
 }
 
 fn faults() -> &'static Faults {
@@ -41,9 +47,13 @@ fn faults() -> &'static Faults {
                 Some(("before_commit", p)) => faults.before_commit = p,
                 Some(("after_commit", p)) => faults.after_commit = p,
                 Some(("in_dead_letter", p)) => faults.in_dead_letter = p,
+                Some(("after_commit_before_dispatch", p)) => {
+                    faults.after_commit_before_dispatch = p;
+                }
+                Some(("after_publish_before_mark", p)) => faults.after_publish_before_mark = p,
                 _ => tracing::error!(
                     part,
-                    "IDEM_FAULT: expected before_commit=<p>, after_commit=<p> or in_dead_letter=<p>"
+                    "IDEM_FAULT: expected before_commit=<p>, after_commit=<p>, in_dead_letter=<p>, after_commit_before_dispatch=<p> or after_publish_before_mark=<p>"
                 ),
             }
         }
@@ -57,6 +67,8 @@ pub fn maybe_crash(point: Point) {
         Point::BeforeCommit => faults().before_commit,
         Point::AfterCommit => faults().after_commit,
         Point::InDeadLetter => faults().in_dead_letter,
+        Point::AfterCommitBeforeDispatch => faults().after_commit_before_dispatch,
+        Point::AfterPublishBeforeMark => faults().after_publish_before_mark,
     };
     if p > 0.0 && random() < p {
         tracing::error!(?point, "fault injection: aborting the process");
@@ -81,4 +93,21 @@ fn random() -> f64 {
         s.set(x);
         (x >> 11) as f64 / (1u64 << 53) as f64
     })
+}
+
+/// A publisher that may crash after a confirmed publish, before the outbox row is removed
+/// ([`Point::AfterPublishBeforeMark`]).
+pub(crate) struct Crashing(pub(crate) std::sync::Arc<dyn crate::transport::Outbound>);
+
+impl crate::transport::Outbound for Crashing {
+    fn publish<'a>(
+        &'a self,
+        message: &'a crate::model::Outgoing,
+    ) -> crate::future::BoxFuture<'a, Result<(), crate::transport::OutboundError>> {
+        Box::pin(async move {
+            self.0.publish(message).await?;
+            maybe_crash(Point::AfterPublishBeforeMark);
+            Ok(())
+        })
+    }
 }

@@ -62,8 +62,9 @@ pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
 pub use model::{
     Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DeadLetter, DeadLetterRecord,
     Envelope, ErrorClass, Fingerprint, HandlerError, HeaderValue, Headers, KeyError, KeySource,
-    KeyValue, MAX_KEY_LEN, Outcome, RejectReason, Rejection, Stale, StoreError, StoredOutput,
-    Transient, VersionError, VersionValue, Versioned, field_key, version_value, versioned,
+    KeyValue, MAX_KEY_LEN, Outcome, Outgoing, RejectReason, Rejection, Stale, StoreError,
+    StoredOutput, Transient, VersionError, VersionValue, Versioned, field_key, outbox_message_id,
+    version_value, versioned,
 };
 pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};
@@ -73,10 +74,10 @@ pub use runtime::{
 };
 pub use state::{State, StateType};
 pub use store::{
-    Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, Lease, LeaseEnd, StoreKind, Stores,
-    SweepReport,
+    Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, Lease, LeaseEnd, OutboxSelect, RelayReport,
+    StoreKind, Stores, SweepReport,
 };
 pub use transport::{
-    DeadLetterLog, Delivery, MemoryTransport, Partition, QueueSpec, Settle, StopSignal, Transport,
-    TransportError,
+    DeadLetterLog, Delivery, MemoryTransport, Outbound, OutboundError, Partition, QueueSpec,
+    Settle, StopSignal, Transport, TransportError,
 };

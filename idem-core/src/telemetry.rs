@@ -15,6 +15,9 @@
 //! | `idem_mailbox_depth` | gauge | `consumer`: deliveries waiting in the handler's mailbox |
 //! | `idem_broker_connected` | gauge | `queue`: 1 while its consumer is consuming, else 0 |
 //! | `idem_reconnects_total` | counter | `queue`: lost connections or channels of its consumer |
+//! | `idem_outbox_published_total` | counter | `store`, `by`: `dispatch` (right after the commit) or `relay` |
+//! | `idem_outbox_unroutable_total` | counter | `store`: outbox messages the broker could not route (kept, retried) |
+//! | `idem_outbox_lag_seconds` | gauge | `store`: how long the oldest row a relay pass took had waited |
 //!
 //! The delivery span carries the W3C trace context of a message's `traceparent` header as the
 //! fields `trace_id` and `parent_span_id` (propagation only: no OpenTelemetry exporter is
@@ -128,6 +131,13 @@ pub const BROKER_CONNECTED: &str = "idem_broker_connected";
 /// Lost connections or channels of a queue's consumer.
 pub const RECONNECTS: &str = "idem_reconnects_total";
 
+/// Outbox messages published and removed.
+pub const OUTBOX_PUBLISHED: &str = "idem_outbox_published_total";
+/// Outbox messages the broker could not route.
+pub const OUTBOX_UNROUTABLE: &str = "idem_outbox_unroutable_total";
+/// How long the oldest outbox row a relay pass took had waited.
+pub const OUTBOX_LAG: &str = "idem_outbox_lag_seconds";
+
 /// Describes every metric to the installed recorder (units and help texts).
 pub fn describe() {
     use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
@@ -162,6 +172,30 @@ pub fn describe() {
         RECONNECTS,
         "Lost connections or channels of the queue's consumer"
     );
+    describe_counter!(OUTBOX_PUBLISHED, "Outbox messages published and removed");
+    describe_counter!(
+        OUTBOX_UNROUTABLE,
+        "Outbox messages the broker could not route (kept and retried)"
+    );
+    describe_gauge!(
+        OUTBOX_LAG,
+        Unit::Seconds,
+        "How long the oldest outbox row a relay pass took had waited"
+    );
+}
+
+/// Counts what one outbox pass (`by`: `dispatch` or `relay`) of `store` did.
+pub(crate) fn relayed(store: &'static str, by: &'static str, report: &crate::store::RelayReport) {
+    if report.published > 0 {
+        metrics::counter!(OUTBOX_PUBLISHED, "store" => store, "by" => by)
+            .increment(report.published);
+    }
+    if report.unroutable > 0 {
+        metrics::counter!(OUTBOX_UNROUTABLE, "store" => store).increment(report.unroutable);
+    }
+    if let Some(oldest) = report.oldest.filter(|_| by == "relay") {
+        metrics::gauge!(OUTBOX_LAG, "store" => store).set(oldest.as_secs_f64());
+    }
 }
 
 pub(crate) fn message(consumer: &'static str, outcome: &'static str) {

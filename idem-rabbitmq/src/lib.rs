@@ -29,6 +29,7 @@ mod config;
 mod connections;
 mod consume;
 mod envelope;
+mod outbound;
 mod publisher;
 mod quarantine;
 mod republish;

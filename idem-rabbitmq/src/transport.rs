@@ -3,8 +3,10 @@
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::consume::Consumer;
+use crate::outbound::RabbitOutbound;
 use crate::topology;
-use idem_core::{BoxFuture, Delivery, QueueSpec, StopSignal, Transport, TransportError};
+use idem_core::{BoxFuture, Delivery, Outbound, QueueSpec, StopSignal, Transport, TransportError};
+use std::sync::Arc;
 use tokio::sync::mpsc;
 
 /// RabbitMQ through lapin: one connection per consumed queue, reopened with backoff.
@@ -58,6 +60,11 @@ impl Transport for RabbitTransport {
 
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(self.connections.close_all())
+    }
+
+    /// A confirm-mode publisher of its own, connected on first use.
+    fn outbound(&self) -> Option<Arc<dyn Outbound>> {
+        Some(Arc::new(RabbitOutbound::new(self.config.clone())))
     }
 
     fn connected(&self, queue: &str) -> bool {

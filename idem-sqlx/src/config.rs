@@ -45,6 +45,15 @@ impl TableName {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// The name of the outbox beside this inbox: `_inbox` at the end becomes `_outbox`
+    /// (`idem_inbox` → `idem_outbox`), any other name gets `_outbox` appended.
+    pub fn outbox(&self) -> String {
+        match self.0.strip_suffix("_inbox") {
+            Some(stem) => format!("{stem}_outbox"),
+            None => format!("{}_outbox", self.0),
+        }
+    }
 }
 
 impl Default for TableName {

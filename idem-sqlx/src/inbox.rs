@@ -8,8 +8,8 @@ use crate::error::{classify_error, store_error};
 use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
 use idem_core::{
-    Claim, ClaimRequest, DeadLetterRecord, ErrorClass, InboxStore, Lease, LeaseEnd, StoreError,
-    StoreKind, StoredOutput, SweepReport,
+    Claim, ClaimRequest, DeadLetterRecord, ErrorClass, InboxStore, Lease, LeaseEnd, Outbound,
+    OutboxSelect, RelayReport, StoreError, StoreKind, StoredOutput, SweepReport,
 };
 use sqlx::{Pool, Transaction};
 use std::fmt;
@@ -23,6 +23,8 @@ pub struct SqlInbox<DB: Dialect> {
     pub(crate) pool: Pool<DB>,
     pub(crate) config: InboxConfig,
     pub(crate) sql: Arc<Prepared>,
+    /// The outbox table beside the inbox table.
+    outbox: String,
     /// Set while this process's sweeper of this inbox works, where
     /// [`Dialect::LOCAL_SWEEP_LOCK`].
     sweeping: Arc<AtomicBool>,
@@ -39,6 +41,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let sql = Arc::new(DB::STATEMENTS.fill(&config.table, DB::NOW));
         Self {
             pool,
+            outbox: config.table.outbox(),
             config,
             sql,
             sweeping: Arc::default(),
@@ -243,6 +246,18 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.sweep_expired(batch, max_batches).await
     }
 
+    fn outbox_table(&self) -> Option<&str> {
+        Some(&self.outbox)
+    }
+
+    async fn relay(
+        &self,
+        select: &OutboxSelect,
+        publish: &dyn Outbound,
+    ) -> Result<RelayReport, StoreError> {
+        self.relay_rows(select, publish).await
+    }
+
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
         tx.commit().await.map_err(|e| store_error("commit", e))
     }
@@ -262,6 +277,7 @@ impl<DB: Dialect> Clone for SqlInbox<DB> {
             pool: self.pool.clone(),
             config: self.config.clone(),
             sql: self.sql.clone(),
+            outbox: self.outbox.clone(),
             sweeping: self.sweeping.clone(),
         }
     }

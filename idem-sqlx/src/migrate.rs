@@ -9,7 +9,7 @@ use crate::statements::fill;
 use sqlx::{Connection, Pool, Transaction};
 
 /// The current inbox schema version.
-pub const SCHEMA_VERSION: i32 = 5;
+pub const SCHEMA_VERSION: i32 = 6;
 
 /// The table recording which schema version each inbox table has.
 pub const SCHEMA_TABLE: &str = "idem_schema_version";
@@ -151,7 +151,9 @@ async fn upgrade<DB: Dialect>(
 }
 
 /// Starts a transaction on `conn` the way the dialect's inbox transactions start.
-async fn begin<DB: Dialect>(conn: &mut DB::Connection) -> Result<Transaction<'_, DB>, sqlx::Error> {
+pub(crate) async fn begin<DB: Dialect>(
+    conn: &mut DB::Connection,
+) -> Result<Transaction<'_, DB>, sqlx::Error> {
     match DB::BEGIN {
         Some(begin) => conn.begin_with(sqlx::SqlStr::from_static(begin)).await,
         None => conn.begin().await,

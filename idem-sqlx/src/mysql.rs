@@ -84,13 +84,16 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             PRIMARY KEY (consumer, entity)
         ) ENGINE = InnoDB"#],
     ),
+    (6, crate::outbox::MYSQL_TABLE),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
     i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
     l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
-    v.entity, v.version, v.updated_at
-    FROM `{table}` i, `{table}_deliveries` d, `{table}_dead_letters` l, `{table}_versions` v
+    v.entity, v.version, v.updated_at, o.seq, o.message_id, o.consumer, o.`key`, o.exchange,
+    o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at
+    FROM `{table}` i, `{table}_deliveries` d, `{table}_dead_letters` l, `{table}_versions` v,
+    `{outbox}` o
     WHERE 1 = 0"#;
 
 const CLAIM: &str = r#"INSERT IGNORE INTO `{table}`
@@ -222,6 +225,7 @@ impl Dialect for MySql {
         deliveries: DELIVERIES,
         admin: ADMIN,
         versions: crate::versions::MYSQL,
+        outbox: crate::outbox::MYSQL,
         batch: None,
         rows: Some(ROWS),
     };

@@ -84,6 +84,7 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             PRIMARY KEY (consumer, entity)
         )"#],
     ),
+    (6, crate::outbox::POSTGRES_TABLE),
 ];
 
 /// Claims in one round trip: the insert, and for an existing row its fingerprint and result.
@@ -263,6 +264,7 @@ impl Dialect for Postgres {
         deliveries: DELIVERIES,
         admin: ADMIN,
         versions: crate::versions::POSTGRES,
+        outbox: crate::outbox::POSTGRES,
         rows: None,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,

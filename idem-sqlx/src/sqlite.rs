@@ -90,6 +90,7 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             PRIMARY KEY (consumer, entity)
         ) WITHOUT ROWID"#],
     ),
+    (6, crate::outbox::SQLITE_TABLE),
 ];
 
 const CLAIM: &str = r#"
@@ -247,6 +248,7 @@ impl Dialect for Sqlite {
         deliveries: DELIVERIES,
         admin: ADMIN,
         versions: crate::versions::SQLITE,
+        outbox: crate::outbox::SQLITE,
         batch: None,
         rows: Some(ROWS),
     };

@@ -42,6 +42,29 @@ pub struct Statements<S = &'static str> {
     pub rows: Option<RowStatements<S>>,
     /// Entity versions, for versioned handlers.
     pub versions: VersionStatements<S>,
+    /// The outbox (`{outbox}`).
+    pub outbox: OutboxStatements<S>,
+}
+
+/// The outbox (`{outbox}`, named after the inbox: `idem_outbox` beside `idem_inbox`): staging
+/// in the caller's transaction, and the relay's passes.
+#[derive(Debug, Clone)]
+pub struct OutboxStatements<S = &'static str> {
+    /// Inserts a staged message (message id, consumer, key, exchange, routing key, body,
+    /// headers as JSON, correlation id, content type; empty text for none).
+    pub stage: S,
+    /// Takes the rows of one run, in the order staged, skipping rows another pass holds
+    /// (consumer, key): `seq`, `message_id`, `consumer`, `key`, `exchange`, `routing_key`,
+    /// `body`, `headers`, `correlation_id`, `content_type`, `age_ms`.
+    pub run: S,
+    /// Takes the oldest rows staged longer ago than the given milliseconds (milliseconds, the
+    /// number of rows), with the columns of `run`.
+    pub older: S,
+    /// Removes rows by `seq`; `{seqs}` stands for their comma-separated list, written into the
+    /// text (integers), no parameters.
+    pub delete: S,
+    /// Runs on the relay's connection before its transaction begins.
+    pub prelude: Option<&'static str>,
 }
 
 /// Entity versions (`{table}_versions`): raising the version applied to an entity in the
@@ -75,8 +98,10 @@ pub struct SavepointStatements {
 pub const PROBE: &str = r#"SELECT i.consumer, i.key, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
     i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
     l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
-    v.entity, v.version, v.updated_at
-    FROM "{table}" i, "{table}_deliveries" d, "{table}_dead_letters" l, "{table}_versions" v
+    v.entity, v.version, v.updated_at, o.seq, o.message_id, o.consumer, o.key, o.exchange,
+    o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at
+    FROM "{table}" i, "{table}_deliveries" d, "{table}_dead_letters" l, "{table}_versions" v,
+    "{outbox}" o
     WHERE 1 = 0"#;
 
 /// The savepoints of dialects that release one before starting the next.
@@ -269,6 +294,13 @@ impl Statements {
                 existing: fill(batch.existing),
                 complete: fill(batch.complete),
             }),
+            outbox: OutboxStatements {
+                stage: fill(self.outbox.stage),
+                run: fill(self.outbox.run),
+                older: fill(self.outbox.older),
+                delete: fill(self.outbox.delete),
+                prelude: self.outbox.prelude,
+            },
             rows: self.rows.as_ref().map(|rows| RowStatements {
                 insert: fill(rows.insert),
                 row: fill(rows.row),
@@ -285,6 +317,7 @@ impl Statements {
 pub(crate) fn fill(template: &str, table: &TableName, now: &str) -> Arc<str> {
     template
         .replace("{now}", now)
+        .replace("{outbox}", &table.outbox())
         .replace("{table}", table.as_str())
         .into()
 }

@@ -1,16 +1,30 @@
 //! What a handler may know about the delivery it is processing.
 
 use super::envelope::{Envelope, HeaderValue};
+use super::outgoing::{CAUSATION_HEADER, Outgoing, TRACEPARENT_HEADER, outbox_message_id};
 use crate::state::{self, State};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The delivery a handler is processing, passed as an optional parameter after the payload
-/// (`ctx: &idem::Context<'_>`), with the runtime's [`State`].
-#[derive(Debug, Clone, Copy)]
+/// (`ctx: &idem::Context<'_>`), with the runtime's [`State`] and the outbox its store keeps.
+#[derive(Debug)]
 pub struct Context<'a> {
     envelope: &'a Envelope,
     consumer: &'a str,
     key: &'a str,
     state: &'a State,
+    outbox: Option<&'a str>,
+    /// Messages stamped by [`Context::outgoing`] so far: the next one's ordinal.
+    staged: AtomicU32,
+}
+
+impl Clone for Context<'_> {
+    fn clone(&self) -> Self {
+        Self {
+            staged: AtomicU32::new(self.staged()),
+            ..*self
+        }
+    }
 }
 
 impl<'a> Context<'a> {
@@ -22,12 +36,66 @@ impl<'a> Context<'a> {
             consumer,
             key,
             state: &state::EMPTY,
+            outbox: None,
+            staged: AtomicU32::new(0),
         }
     }
 
     /// This context with `state` (a context from [`Context::new`] holds none).
     pub fn with_state(self, state: &'a State) -> Self {
         Self { state, ..self }
+    }
+
+    /// This context with the outbox table of the handler's store, where
+    /// [`Context::outgoing`] messages are staged (a context from [`Context::new`] names none:
+    /// the store's default is used).
+    pub fn with_outbox(self, table: Option<&'a str>) -> Self {
+        Self {
+            outbox: table,
+            ..self
+        }
+    }
+
+    /// The outbox table of the handler's store, when the runtime named one.
+    pub fn outbox_table(&self) -> Option<&'a str> {
+        self.outbox
+    }
+
+    /// `message`, stamped as a message caused by this delivery, for the outbox: without a
+    /// message id it gets [`outbox_message_id`]`(consumer, key, n)` for the n-th message
+    /// stamped in this run (so a re-run after a rollback stamps the same ids); without a
+    /// correlation id, this delivery's correlation id, else its message id; the header
+    /// `causation_id` is this delivery's message id, and `traceparent` is copied when this
+    /// delivery has one.
+    pub fn outgoing(&self, message: Outgoing) -> Outgoing {
+        let ordinal = self.staged.fetch_add(1, Ordering::Relaxed);
+        let mut message = message;
+        let envelope = &mut message.envelope;
+        if envelope.message_id.is_none() {
+            envelope.message_id = Some(outbox_message_id(self.consumer, self.key, ordinal));
+        }
+        if envelope.correlation_id.is_none() {
+            envelope.correlation_id = self
+                .correlation_id()
+                .or(self.message_id())
+                .map(str::to_owned);
+        }
+        if let Some(cause) = self.message_id()
+            && envelope.headers.get(CAUSATION_HEADER).is_none()
+        {
+            envelope.headers.insert(CAUSATION_HEADER, cause);
+        }
+        if let Some(trace) = self.header(TRACEPARENT_HEADER)
+            && envelope.headers.get(TRACEPARENT_HEADER).is_none()
+        {
+            envelope.headers.insert(TRACEPARENT_HEADER, trace.clone());
+        }
+        message
+    }
+
+    /// How many messages [`Context::outgoing`] stamped in this run.
+    pub fn staged(&self) -> u32 {
+        self.staged.load(Ordering::Relaxed)
     }
 
     /// The runtime's state value of type `T` (what a handler parameter `&T` receives).

@@ -97,6 +97,17 @@ impl From<serde_json::Error> for HandlerError {
     }
 }
 
+/// A store failure in a handler (staging an outbox message): transient or permanent as the
+/// store classified it.
+impl From<StoreError> for HandlerError {
+    fn from(error: StoreError) -> Self {
+        match error.class() {
+            ErrorClass::Transient => Self::Transient(error.into()),
+            ErrorClass::Permanent => Self::Permanent(error.into()),
+        }
+    }
+}
+
 /// A failure of the inbox store itself (begin, claim, complete, commit).
 #[derive(Debug, thiserror::Error)]
 #[error("inbox {operation} failed ({class}): {source}")]

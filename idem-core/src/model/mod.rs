@@ -11,6 +11,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod key;
 pub mod outcome;
+pub mod outgoing;
 pub mod version;
 
 pub use batch::{Batch, BatchError, BatchOutput, BatchResult};
@@ -21,4 +22,5 @@ pub use error::{BoxError, ErrorClass, HandlerError, StoreError};
 pub use fingerprint::Fingerprint;
 pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
 pub use outcome::{Outcome, RejectReason, Rejection, Stale, StoredOutput, Transient};
+pub use outgoing::{CAUSATION_HEADER, Outgoing, TRACEPARENT_HEADER, outbox_message_id};
 pub use version::{VersionError, VersionValue, Versioned, version_value, versioned};

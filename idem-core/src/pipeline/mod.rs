@@ -227,7 +227,7 @@ impl<H: Handler> ErasedHandler for H {
                 inject_failure: stores.take_injected(),
                 ..Limits::of::<H>(store, stores.retention(), stores.poison_limit())
             }
-            .with_stores(stores);
+            .with_stores::<H::Store>(stores);
             unwound(run::<H>(store, envelope, limits)).await
         })
     }
@@ -241,7 +241,7 @@ impl<H: Handler> ErasedHandler for H {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
             let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit())
-                .with_stores(stores);
+                .with_stores::<H::Store>(stores);
             unwound(run_batch::<H>(store, envelopes, stages, limits)).await
         })
     }

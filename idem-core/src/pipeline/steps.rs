@@ -8,7 +8,7 @@ use crate::model::{
     Stale, StoreError, StoredOutput, Transient, Versioned,
 };
 use crate::state::{self, State};
-use crate::store::{ClaimRequest, InboxStore, Stores};
+use crate::store::{ClaimRequest, Dispatch, InboxStore, Stores};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 
@@ -103,17 +103,29 @@ pub(crate) async fn advance<H: Handler>(
 
 /// Runs handler `H` on `payload` in the inbox transaction `tx`, with `state`, timed.
 pub(crate) async fn call<H: Handler>(
+    store: &H::Store,
     tx: &mut <H::Store as InboxStore>::Tx,
     payload: H::Payload,
     envelope: &Envelope,
     key: &str,
     state: &State,
-) -> Result<H::Output, HandlerError> {
-    let ctx = Context::new(envelope, H::CONSUMER, key).with_state(state);
+) -> Called<H::Output> {
+    let ctx = Context::new(envelope, H::CONSUMER, key)
+        .with_state(state)
+        .with_outbox(store.outbox_table());
     let running = Instant::now();
     let result = H::call(tx, payload, &ctx).await;
     telemetry::handler_duration(H::CONSUMER, running.elapsed());
-    result
+    Called {
+        result,
+        staged: ctx.staged(),
+    }
+}
+
+/// What a handler's run returned, and how many messages it staged in the outbox.
+pub(crate) struct Called<T> {
+    pub(crate) result: Result<T, HandlerError>,
+    pub(crate) staged: u32,
 }
 
 /// The outcome of a message whose key was committed before: a duplicate when the payload is
@@ -208,6 +220,8 @@ pub(crate) struct Limits<'a> {
     pub(crate) dead_letter_stale: bool,
     /// The state its handler asks for.
     pub(crate) state: &'a State,
+    /// What publishes the messages its handler stages, once they are committed.
+    pub(crate) dispatch: Option<Dispatch<'a>>,
 }
 
 /// The transient database error a test harness injects (see `Stores::inject_transient`).
@@ -236,6 +250,7 @@ impl Limits<'static> {
             inject_failure: false,
             dead_letter_stale: false,
             state: &state::EMPTY,
+            dispatch: None,
         }
     }
 }
@@ -243,9 +258,10 @@ impl Limits<'static> {
 impl Limits<'_> {
     /// These limits, with the handler reading the state of `stores` and stale messages
     /// handled as they say.
-    pub(crate) fn with_stores(self, stores: &Stores) -> Limits<'_> {
+    pub(crate) fn with_stores<S: InboxStore>(self, stores: &Stores) -> Limits<'_> {
         Limits {
             state: stores.state(),
+            dispatch: stores.dispatch::<S>(),
             dead_letter_stale: stores.dead_letter_stale(),
             ..self
         }

@@ -79,8 +79,8 @@ pub(crate) async fn process<H: Handler>(
             return store_failure(e, key);
         }
     }
-    let result = call::<H>(&mut tx, payload, envelope, key, limits.state).await;
-    let output = match encode_result::<H>(store, result, key) {
+    let called = call::<H>(store, &mut tx, payload, envelope, key, limits.state).await;
+    let output = match encode_result::<H>(store, called.result, key) {
         Ok(output) => output,
         Err(failed) => {
             store.rollback(tx).await;
@@ -96,10 +96,19 @@ pub(crate) async fn process<H: Handler>(
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
     match store.commit(tx).await {
-        Ok(()) => Outcome::Processed {
-            key: key.clone(),
-            output,
-        },
+        Ok(()) => {
+            if called.staged > 0
+                && let Some(dispatch) = limits.dispatch
+            {
+                #[cfg(feature = "fault-injection")]
+                crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
+                dispatch.after_commit(H::CONSUMER, key);
+            }
+            Outcome::Processed {
+                key: key.clone(),
+                output,
+            }
+        }
         // The commit may or may not have happened; a retry finds out (it is a duplicate if it
         // did). Retrying is safe either way, acking is not.
         Err(e) => store_failure(e, key),
@@ -237,6 +246,7 @@ mod tests {
             inject_failure: false,
             dead_letter_stale: false,
             state: &crate::state::EMPTY,
+            dispatch: None,
         };
         process::<OrderHandler>(store, &Envelope::new(body), limits).await
     }

@@ -2,6 +2,7 @@
 
 use super::error::RuntimeError;
 use super::health::Health;
+use super::relay::RelaySettings;
 use super::retry::RetryPolicy;
 use super::run::Runtime;
 use super::stats::Stats;
@@ -47,6 +48,7 @@ pub struct RuntimeBuilder {
     pub(super) retry: RetryPolicy,
     pub(super) shutdown_grace: Duration,
     pub(super) sweep: Option<SweepSettings>,
+    pub(super) relay: Option<RelaySettings>,
     pub(super) ordered: HashMap<String, usize>,
 }
 
@@ -66,6 +68,7 @@ impl Default for RuntimeBuilder {
             retry: RetryPolicy::default(),
             shutdown_grace: Duration::from_secs(30),
             sweep: Some(SweepSettings::default()),
+            relay: Some(RelaySettings::default()),
             ordered: HashMap::new(),
         }
     }
@@ -223,6 +226,27 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Relays outbox rows that no dispatch took (their process crashed before or while it
+    /// published them, or the broker was away): every `interval` (default 500 ms) the relay
+    /// takes rows staged more than `age` ago (default 2 s; the process that staged a row
+    /// publishes it right after its commit), oldest first. Relays of several processes skip
+    /// each other's rows.
+    pub fn relay(mut self, interval: Duration, age: Duration) -> Self {
+        self.relay = Some(RelaySettings {
+            interval,
+            age,
+            ..RelaySettings::default()
+        });
+        self
+    }
+
+    /// Runs no outbox relay in this process (another process runs one). Messages staged here
+    /// are still published right after their commit.
+    pub fn without_relay(mut self) -> Self {
+        self.relay = None;
+        self
+    }
+
     /// How transient failures are retried.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
@@ -260,6 +284,14 @@ impl RuntimeBuilder {
                 "the sweeper needs a batch of at least 1 row and a non-zero interval; use without_sweeper() to run none",
             ));
         }
+        if let Some(relay) = self.relay
+            && relay.interval.is_zero()
+        {
+            return Err(RuntimeError::setting(
+                "relay",
+                "the outbox relay needs a non-zero interval; use without_relay() to run none",
+            ));
+        }
         if self.prefetch == Some(0) {
             return Err(RuntimeError::setting(
                 "prefetch",
@@ -291,7 +323,11 @@ impl RuntimeBuilder {
                 actors.push(actor);
             }
         }
-        let stores = Arc::new(self.stores);
+        let mut stores = self.stores;
+        if let Some(outbound) = transport.outbound() {
+            stores = stores.with_outbound(outbound);
+        }
+        let stores = Arc::new(stores);
         let handlers = actors
             .iter()
             .map(|a| (a.registration, a.spec.queue.clone()))
@@ -306,6 +342,7 @@ impl RuntimeBuilder {
             shutdown_grace: self.shutdown_grace,
             stats: Arc::new(Stats::default()),
             sweep: self.sweep,
+            relay: self.relay,
         })
     }
 }

@@ -10,6 +10,7 @@ mod error;
 mod health;
 mod lanes;
 mod plan;
+mod relay;
 pub mod retry;
 mod run;
 pub(crate) mod settle;

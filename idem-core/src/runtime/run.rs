@@ -5,6 +5,7 @@
 use super::actor::{Actor, Shared};
 use super::error::RuntimeError;
 use super::health::Health;
+use super::relay::{self, RelaySettings};
 use super::retry::RetryPolicy;
 use super::stats::Stats;
 use super::sweeper::{self, SweepSettings};
@@ -31,6 +32,7 @@ pub struct Runtime {
     pub(crate) shutdown_grace: Duration,
     pub(crate) stats: Arc<Stats>,
     pub(crate) sweep: Option<SweepSettings>,
+    pub(crate) relay: Option<RelaySettings>,
     pub(crate) health: Arc<Health>,
 }
 
@@ -135,6 +137,12 @@ impl Runtime {
                 sweepers.spawn(sweeper::run(sweeper.clone(), settings, stop.clone()));
             }
         }
+        if let (Some(settings), Some(outbound)) = (self.relay, self.stores.outbound()) {
+            for store in self.stores.relays() {
+                let pass = relay::run(store.clone(), outbound.clone(), settings, stop.clone());
+                sweepers.spawn(pass);
+            }
+        }
         crate::telemetry::describe();
         self.health.set_consuming(true);
 
@@ -143,7 +151,9 @@ impl Runtime {
         tracing::info!("shutting down: no new deliveries; finishing those in flight");
         let _ = stop_tx.send(true);
         // A sweep in progress is dropped: each batch is its own statement, and a session that
-        // holds the sweeper lock is closed rather than returned to the pool.
+        // holds the sweeper lock is closed rather than returned to the pool. A relay pass in
+        // progress is dropped too: its transaction rolls back, and its rows stay for a later
+        // pass (those it had published go out again, with the same ids).
         sweepers.abort_all();
         let drained = tokio::time::timeout(self.shutdown_grace, async {
             while consumers.join_next().await.is_some() {}

@@ -2,7 +2,9 @@
 //! dead-letter records and sweeps.
 
 use super::lease::{Lease, LeaseEnd};
+use super::relay::{OutboxSelect, RelayReport};
 use crate::model::{DeadLetterRecord, ErrorClass, Fingerprint, StoreError, StoredOutput};
+use crate::transport::Outbound;
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
@@ -316,6 +318,25 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<SweepReport, StoreError>> + Send {
         let _ = (batch, max_batches);
         async { Ok(SweepReport::default()) }
+    }
+
+    /// The table the store's handlers stage outgoing messages in ([`crate::Context::outgoing`]);
+    /// `None` (the default): the store keeps no outbox.
+    fn outbox_table(&self) -> Option<&str> {
+        None
+    }
+
+    /// Publishes the committed outbox rows `select` names through `publish`, in the order they
+    /// were staged, and removes those the broker confirmed, in a transaction of its own that
+    /// keeps other passes (of this or other processes) off the rows it holds. Stops at the
+    /// first failure; the rest stay for a later pass. The default has no rows.
+    fn relay<'a>(
+        &'a self,
+        select: &'a OutboxSelect,
+        publish: &'a dyn Outbound,
+    ) -> impl Future<Output = Result<RelayReport, StoreError>> + Send + 'a {
+        let _ = (select, publish);
+        async { Ok(RelayReport::default()) }
     }
 
     /// Commits the transaction.

@@ -3,8 +3,10 @@
 
 pub mod inbox;
 pub mod lease;
+pub mod relay;
 pub mod set;
 
 pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
 pub use lease::{Lease, LeaseEnd, owner_token};
-pub use set::{Stores, SweepFn, Sweeper};
+pub use relay::{OutboxSelect, RelayReport};
+pub use set::{Dispatch, Relay, RelayFn, Stores, SweepFn, Sweeper};

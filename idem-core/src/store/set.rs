@@ -2,9 +2,11 @@
 //! state its handlers ask for.
 
 use super::inbox::{InboxStore, StoreKind, SweepReport};
+use super::relay::{OutboxSelect, RelayReport};
 use crate::future::BoxFuture;
 use crate::model::StoreError;
 use crate::state::State;
+use crate::transport::Outbound;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
@@ -16,6 +18,8 @@ use std::time::Duration;
 pub struct Stores {
     stores: HashMap<TypeId, Arc<dyn Any + Send + Sync>>,
     sweepers: HashMap<TypeId, Sweeper>,
+    relays: HashMap<TypeId, Relay>,
+    outbound: Option<Arc<dyn Outbound>>,
     state: State,
     retention: Option<Duration>,
     poison_limit: Option<u32>,
@@ -35,6 +39,60 @@ pub struct Sweeper {
     pub kind: StoreKind,
     /// Runs one sweep.
     pub sweep: SweepFn,
+}
+
+/// One store's [`InboxStore::relay`], type-erased.
+pub type RelayFn = Arc<
+    dyn Fn(OutboxSelect, Arc<dyn Outbound>) -> BoxFuture<'static, Result<RelayReport, StoreError>>
+        + Send
+        + Sync,
+>;
+
+/// A store's outbox relay, as the runtime runs it: after a commit that staged messages, and
+/// on an interval for the rows a crash left.
+#[derive(Clone)]
+pub struct Relay {
+    /// The database.
+    pub kind: StoreKind,
+    /// Runs one relay pass.
+    pub relay: RelayFn,
+}
+
+impl fmt::Debug for Relay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay").field("kind", &self.kind).finish()
+    }
+}
+
+/// What dispatches a handler's staged messages right after its transaction commits: its
+/// store's relay and the transport's publisher.
+#[derive(Clone, Copy, Debug)]
+pub struct Dispatch<'a> {
+    relay: &'a Relay,
+    outbound: &'a Arc<dyn Outbound>,
+}
+
+impl Dispatch<'_> {
+    /// Publishes, in the background, the rows `consumer` staged while processing `key`, once
+    /// their transaction committed; the rows a failure leaves are the relay's.
+    pub fn after_commit(&self, consumer: &str, key: &str) {
+        let select = OutboxSelect::Run {
+            consumer: consumer.to_owned(),
+            key: key.to_owned(),
+        };
+        let pass = (self.relay.relay)(select, self.outbound.clone());
+        let store = self.relay.kind.label();
+        tokio::spawn(async move {
+            match pass.await {
+                Ok(report) => crate::telemetry::relayed(store, "dispatch", &report),
+                Err(e) => tracing::warn!(
+                    store,
+                    error = %e,
+                    "dispatching staged messages failed; the relay publishes them"
+                ),
+            }
+        });
+    }
 }
 
 impl Stores {
@@ -64,7 +122,50 @@ impl Stores {
                 sweep,
             },
         );
+        if store.outbox_table().is_none() {
+            self.relays.remove(&TypeId::of::<S>());
+            self.stores.insert(TypeId::of::<S>(), store);
+            return;
+        }
+        let relaying = store.clone();
+        let relay: RelayFn = Arc::new(move |select, outbound| {
+            let store = relaying.clone();
+            Box::pin(async move { store.relay(&select, outbound.as_ref()).await })
+        });
+        self.relays.insert(
+            TypeId::of::<S>(),
+            Relay {
+                kind: S::KIND,
+                relay,
+            },
+        );
         self.stores.insert(TypeId::of::<S>(), store);
+    }
+
+    /// Publishes outbox messages through `outbound` (the runtime sets its transport's).
+    pub fn with_outbound(mut self, outbound: Arc<dyn Outbound>) -> Self {
+        #[cfg(feature = "fault-injection")]
+        let outbound: Arc<dyn Outbound> = Arc::new(crate::fault::Crashing(outbound));
+        self.outbound = Some(outbound);
+        self
+    }
+
+    /// The publisher set with [`Self::with_outbound`].
+    pub fn outbound(&self) -> Option<&Arc<dyn Outbound>> {
+        self.outbound.as_ref()
+    }
+
+    /// The relays of the stores held that keep an outbox, one per store.
+    pub fn relays(&self) -> impl Iterator<Item = &Relay> {
+        self.relays.values()
+    }
+
+    /// What dispatches the messages staged in store `S`'s transactions, when a publisher is
+    /// set.
+    pub fn dispatch<S: InboxStore>(&self) -> Option<Dispatch<'_>> {
+        let outbound = self.outbound.as_ref()?;
+        let relay = self.relays.get(&TypeId::of::<S>())?;
+        Some(Dispatch { relay, outbound })
     }
 
     /// Adds a state value that handlers ask for with a parameter `&T`, replacing any value of

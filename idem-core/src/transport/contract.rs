@@ -4,6 +4,7 @@
 //! is where a delivery enters); the runtime decides each one's settlement (`runtime/settle.rs`)
 //! and sends it exactly once through its [`Settle`]: ack, retry later, dead-letter or release.
 
+use super::outbound::Outbound;
 use crate::future::BoxFuture;
 use crate::model::{BoxError, DeadLetter, DeadLetterRecord, Envelope, StoreError};
 use std::fmt;
@@ -188,6 +189,12 @@ pub trait Transport: Send + Sync + 'static {
     fn connected(&self, queue: &str) -> bool {
         let _ = queue;
         true
+    }
+
+    /// What publishes the messages handlers stage in the outbox (default `None`: a
+    /// transport that cannot publish; staged messages then wait in the outbox).
+    fn outbound(&self) -> Option<Arc<dyn Outbound>> {
+        None
     }
 
     /// The message TTL `queue` is declared with, if any: a message may wait that long before

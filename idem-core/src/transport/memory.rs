@@ -5,8 +5,9 @@
 use super::contract::{
     Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };
+use super::outbound::{Outbound, OutboundError};
 use crate::future::BoxFuture;
-use crate::model::{DeadLetter, Envelope};
+use crate::model::{DeadLetter, Envelope, Outgoing};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -134,7 +135,43 @@ impl MemoryTransport {
     }
 }
 
+impl Outbound for MemoryTransport {
+    /// Enqueues the message in the queue its routing key names (default exchange) or in the
+    /// ordered handler's exchange it names; a queue nobody declared or published to makes it
+    /// unroutable, as `mandatory` does on a broker.
+    fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>> {
+        let target = match message.exchange.as_str() {
+            "" => message.routing_key.as_str(),
+            exchange => exchange,
+        };
+        let known = self.exists(target)
+            || self
+                .inner
+                .partitioned
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(target);
+        let result = match known {
+            true => {
+                let mut envelope = message.envelope.clone();
+                envelope.routing_key = Some(message.routing_key.clone());
+                self.publish(target, envelope);
+                Ok(())
+            }
+            false => Err(OutboundError::Unroutable {
+                exchange: message.exchange.clone(),
+                routing_key: message.routing_key.clone(),
+            }),
+        };
+        Box::pin(std::future::ready(result))
+    }
+}
+
 impl Transport for MemoryTransport {
+    fn outbound(&self) -> Option<Arc<dyn Outbound>> {
+        Some(Arc::new(self.clone()))
+    }
+
     fn declare<'a>(&'a self, queues: &'a [QueueSpec]) -> BoxFuture<'a, Result<(), TransportError>> {
         for spec in queues {
             self.queues().entry(spec.queue.clone()).or_default();

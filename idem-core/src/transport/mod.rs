@@ -4,8 +4,10 @@
 
 pub mod contract;
 pub mod memory;
+pub mod outbound;
 
 pub use contract::{
     DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };
 pub use memory::MemoryTransport;
+pub use outbound::{Outbound, OutboundError};

@@ -35,6 +35,7 @@ impl<H: Handler> Batch<'_, H> {
             items,
             members,
             outcomes,
+            staged: Vec::new(),
         };
         let store = self.store;
         let (mut tx, claims) = match run.claim().await {
@@ -82,6 +83,7 @@ impl<H: Handler> Batch<'_, H> {
             // It may or may not have committed; the retries find out (duplicates if it did).
             return run.abort_store(e);
         }
+        run.dispatch();
         Pass::Done
     }
 }
@@ -171,9 +173,12 @@ impl<H: Handler> Run<'_, '_, H> {
                         failed.push(k);
                         continue;
                     }
-                    let result = call::<H>(tx, payload, envelope, key, limits.state).await;
-                    match encode_result::<H>(store, result, key) {
+                    let called = call::<H>(store, tx, payload, envelope, key, limits.state).await;
+                    match encode_result::<H>(store, called.result, key) {
                         Ok(output) => {
+                            if called.staged > 0 {
+                                self.staged.push(k);
+                            }
                             let key = key.clone();
                             *slot = Some(Outcome::Processed { key, output });
                         }
@@ -217,6 +222,24 @@ impl<H: Handler> Run<'_, '_, H> {
             store.unclaim(tx, H::CONSUMER, &keys).await?;
         }
         Ok(())
+    }
+
+    /// After the commit: publishes the messages the processed members staged (a member rolled
+    /// back to its savepoint staged nothing that committed).
+    fn dispatch(&self) {
+        let Some(dispatch) = self.batch.limits.dispatch else {
+            return;
+        };
+        if !self.staged.is_empty() {
+            #[cfg(feature = "fault-injection")]
+            crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
+        }
+        for &k in &self.staged {
+            let item = &self.items[k];
+            if let Some(Outcome::Processed { .. }) = &self.outcomes[item.index] {
+                dispatch.after_commit(H::CONSUMER, &item.keyed.key);
+            }
+        }
     }
 
     /// The pass failed in its store: see [`Run::abort`].

@@ -47,6 +47,9 @@ pub(super) struct Run<'a, 'b, H: Handler> {
     /// The items this pass works on (indices into `items`), in order.
     pub(super) members: &'b [usize],
     pub(super) outcomes: &'b mut [Option<Outcome>],
+    /// The items whose run staged outbox messages (for a batch handler, the first item: its
+    /// context stages them all).
+    pub(super) staged: Vec<usize>,
 }
 
 /// How the handler part of a pass ended.

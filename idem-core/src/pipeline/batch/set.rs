@@ -64,12 +64,17 @@ pub(super) async fn handle<H: Handler>(
             .map(|(k, payload)| (run.items[k].keyed.key.clone(), payload)),
     );
     let result = {
+        let first_index = first;
         let first = &run.items[first];
         let ctx = Context::new(&envelopes[first.index], H::CONSUMER, &first.keyed.key)
-            .with_state(limits.state);
+            .with_state(limits.state)
+            .with_outbox(store.outbox_table());
         let running = Instant::now();
         let result = H::call_batch(tx, batch, &ctx).await;
         telemetry::handler_duration(H::CONSUMER, running.elapsed());
+        if ctx.staged() > 0 {
+            run.staged.push(first_index);
+        }
         result
     };
     let error = match result {

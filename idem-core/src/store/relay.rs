@@ -1,0 +1,41 @@
+//! The outbox rows a relay pass publishes ([`OutboxSelect`]) and what it did ([`RelayReport`]).
+
+use std::time::Duration;
+
+/// Which committed outbox rows one relay pass takes (rows another pass holds are skipped).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OutboxSelect {
+    /// The rows staged while `consumer` processed `key`: the dispatch right after that
+    /// transaction committed.
+    Run {
+        /// The consumer identity.
+        consumer: String,
+        /// The dedup key.
+        key: String,
+    },
+    /// At most `limit` rows staged longer than `age` ago, oldest first: what a crash or a
+    /// failed dispatch left behind.
+    Older {
+        /// How long a row waits for its own dispatch before the relay takes it.
+        age: Duration,
+        /// Rows per pass.
+        limit: u32,
+    },
+}
+
+/// What one relay pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayReport {
+    /// Rows published, confirmed and removed.
+    pub published: u64,
+    /// Rows taken and published, but left for a later pass because the broker could not route
+    /// one of them (this one, or one staged before it in the same pass).
+    pub unroutable: u64,
+    /// Why the pass stopped before the end of its rows, if it did: the rows from there on stay
+    /// for a later pass.
+    pub failure: Option<String>,
+    /// How long the oldest row taken had waited, when any was.
+    pub oldest: Option<Duration>,
+}

@@ -1,0 +1,40 @@
+//! What the outbox needs from a transport: publishing one message and waiting for the broker's
+//! confirm ([`Outbound`]).
+
+use crate::future::BoxFuture;
+use crate::model::{BoxError, Outgoing};
+
+/// Publishes outbox messages. A message counts as sent only once the broker confirmed it; a
+/// message no queue takes is an error ([`OutboundError::Unroutable`]), never a silent drop.
+pub trait Outbound: Send + Sync {
+    /// Publishes `message` (persistent, mandatory) and waits for the broker's confirm.
+    fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>>;
+}
+
+/// A publish the broker did not confirm.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OutboundError {
+    /// No queue is bound for the message: the broker returned it.
+    #[error(
+        "the broker could not route the message to `{exchange}` with routing key `{routing_key}`: no queue is bound"
+    )]
+    Unroutable {
+        /// The exchange (`""`: the default exchange).
+        exchange: String,
+        /// The routing key.
+        routing_key: String,
+    },
+    /// The broker refused the message (nack).
+    #[error("the broker refused the message")]
+    Refused,
+    /// Connecting or publishing failed.
+    #[error("publish failed: {0}")]
+    Broker(#[source] BoxError),
+}
+
+impl std::fmt::Debug for dyn Outbound {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Outbound")
+    }
+}

@@ -1,0 +1,286 @@
+//! The transactional outbox (`{outbox}`: `idem_outbox` beside `idem_inbox`): messages staged in
+//! the caller's transaction ([`stage`], [`SqlInbox::stage`]), published once it committed, and
+//! removed once the broker confirmed them ([`SqlInbox::relay_rows`]). Each dialect's
+//! statements and table are here.
+
+use crate::config::TableName;
+use crate::dialect::Dialect;
+use crate::error::store_error;
+use crate::exec::Param;
+use crate::inbox::SqlInbox;
+use crate::statements::OutboxStatements;
+use idem_core::model::outgoing::{headers_from_json, headers_to_json};
+use idem_core::transport::{Outbound, OutboundError};
+use idem_core::{Context, Envelope, ErrorClass, OutboxSelect, Outgoing, RelayReport, StoreError};
+use sqlx::Transaction;
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// PostgreSQL: rows taken with `FOR UPDATE SKIP LOCKED`.
+#[cfg(feature = "postgres")]
+pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
+    stage: r#"INSERT INTO "{outbox}" (message_id, consumer, key, exchange, routing_key, body, headers,
+        correlation_id, content_type, created_at)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())"#,
+    run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
+        content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
+    FROM "{outbox}" WHERE consumer = $1 AND key = $2 ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    older: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
+        content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
+    FROM "{outbox}" WHERE created_at < now() - $1 * interval '1 millisecond'
+    ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED"#,
+    delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
+    prelude: None,
+};
+
+/// PostgreSQL's outbox table.
+#[cfg(feature = "postgres")]
+pub(crate) const POSTGRES_TABLE: &[&str] = &[
+    r#"CREATE TABLE IF NOT EXISTS "{outbox}" (
+            seq            bigserial   PRIMARY KEY,
+            message_id     text        NOT NULL UNIQUE,
+            consumer       text        NOT NULL,
+            key            text        NOT NULL,
+            exchange       text        NOT NULL,
+            routing_key    text        NOT NULL,
+            body           bytea       NOT NULL,
+            headers        text        NOT NULL,
+            correlation_id text        NOT NULL,
+            content_type   text        NOT NULL,
+            created_at     timestamptz NOT NULL
+        )"#,
+    r#"CREATE INDEX IF NOT EXISTS "{outbox}_run" ON "{outbox}" (consumer, key)"#,
+];
+
+/// MySQL and MariaDB: rows taken with `FOR UPDATE SKIP LOCKED`, in a READ COMMITTED
+/// transaction (no gap locks to hold up the handlers staging new rows).
+#[cfg(feature = "mysql")]
+pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
+    stage: r#"INSERT INTO `{outbox}` (message_id, consumer, `key`, exchange, routing_key, body, headers,
+        correlation_id, content_type, created_at)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6))"#,
+    run: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
+        content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
+    FROM `{outbox}` WHERE consumer = ? AND `key` = ? ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    older: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
+        content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
+    FROM `{outbox}` WHERE created_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
+    ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"#,
+    // Driven by the list, one primary-key lookup per row: a plain `IN` list may be planned as
+    // a scan, which waits on (and deadlocks with) the rows other passes hold.
+    delete: r#"DELETE o FROM JSON_TABLE('[{seqs}]', '$[*]' COLUMNS (seq BIGINT PATH '$')) AS j
+    STRAIGHT_JOIN `{outbox}` o ON o.seq = j.seq"#,
+    prelude: Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"),
+};
+
+/// MySQL's outbox table.
+#[cfg(feature = "mysql")]
+pub(crate) const MYSQL_TABLE: &[&str] = &[r#"CREATE TABLE IF NOT EXISTS `{outbox}` (
+            seq            BIGINT       NOT NULL AUTO_INCREMENT PRIMARY KEY,
+            message_id     VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            consumer       VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            `key`          VARCHAR(191) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            exchange       VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            routing_key    VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL,
+            body           LONGBLOB     NOT NULL,
+            headers        LONGTEXT     NOT NULL,
+            correlation_id VARCHAR(255) NOT NULL,
+            content_type   VARCHAR(255) NOT NULL,
+            created_at     DATETIME(6)  NOT NULL,
+            UNIQUE KEY message_id (message_id),
+            KEY run (consumer, `key`)
+        ) ENGINE = InnoDB"#];
+
+/// SQLite: a relay pass holds the write lock (`BEGIN IMMEDIATE`), so passes take turns.
+#[cfg(feature = "sqlite")]
+pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
+    stage: r#"INSERT INTO "{outbox}" (message_id, consumer, key, exchange, routing_key, body, headers,
+        correlation_id, content_type, created_at)
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, {now})"#,
+    run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
+        content_type, {now} - created_at AS age_ms
+    FROM "{outbox}" WHERE consumer = ?1 AND key = ?2 ORDER BY seq"#,
+    older: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
+        content_type, {now} - created_at AS age_ms
+    FROM "{outbox}" WHERE created_at < {now} - ?1 ORDER BY seq LIMIT ?2"#,
+    delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
+    prelude: None,
+};
+
+/// SQLite's outbox table (`AUTOINCREMENT`: a sequence number is never reused, so the order
+/// staged holds across deletes).
+#[cfg(feature = "sqlite")]
+pub(crate) const SQLITE_TABLE: &[&str] = &[
+    r#"CREATE TABLE IF NOT EXISTS "{outbox}" (
+            seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+            message_id     TEXT    NOT NULL UNIQUE,
+            consumer       TEXT    NOT NULL,
+            key            TEXT    NOT NULL,
+            exchange       TEXT    NOT NULL,
+            routing_key    TEXT    NOT NULL,
+            body           BLOB    NOT NULL,
+            headers        TEXT    NOT NULL,
+            correlation_id TEXT    NOT NULL,
+            content_type   TEXT    NOT NULL,
+            created_at     INTEGER NOT NULL
+        )"#,
+    r#"CREATE INDEX IF NOT EXISTS "{outbox}_run" ON "{outbox}" (consumer, key)"#,
+];
+
+/// Stages `message` in the outbox of the handler's store, in the handler's transaction `tx`:
+/// it is published once `tx` commits, and never if it rolls back. The message is stamped by
+/// [`Context::outgoing`] first (its id derived from the consumer, the key and its ordinal in
+/// this run; correlation and causation from the message being processed). Returns its
+/// message id.
+pub async fn stage<DB: Dialect>(
+    tx: &mut Transaction<'_, DB>,
+    ctx: &Context<'_>,
+    message: Outgoing,
+) -> Result<String, StoreError> {
+    let message = ctx.outgoing(message);
+    let table = match ctx.outbox_table() {
+        Some(table) => table.to_owned(),
+        None => TableName::default().outbox(),
+    };
+    insert::<DB>(tx, &table, ctx.consumer(), ctx.idempotency_key(), &message).await
+}
+
+impl<DB: Dialect> SqlInbox<DB> {
+    /// Stages `message` in this inbox's outbox in `tx`, a transaction of the caller's own (an
+    /// HTTP handler producing an event): it is published once `tx` commits, by the relay of a
+    /// runtime using this inbox, and never if `tx` rolls back. The message needs its own id,
+    /// which the outbox holds once (a second staging of it fails); returns it.
+    pub async fn stage(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        message: Outgoing,
+    ) -> Result<String, StoreError> {
+        let Some(id) = message.message_id() else {
+            return Err(StoreError::new(
+                "stage",
+                ErrorClass::Permanent,
+                "a message staged outside a handler needs a message id (Outgoing::with_message_id)",
+            ));
+        };
+        let id = id.to_owned();
+        insert::<DB>(tx, &self.config.table.outbox(), "", &id, &message).await
+    }
+
+    /// One relay pass: takes the rows `select` names (skipping rows another pass holds),
+    /// publishes them in the order staged, and removes those confirmed, in one transaction. A
+    /// row the broker cannot route holds back the later rows of its run; a broker failure ends
+    /// the pass.
+    pub(crate) async fn relay_rows(
+        &self,
+        select: &OutboxSelect,
+        publish: &dyn Outbound,
+    ) -> Result<RelayReport, StoreError> {
+        let fail = |e| store_error("relay", e);
+        let sql = &self.sql.outbox;
+        let mut conn = self.pool.acquire().await.map_err(fail)?;
+        if let Some(prelude) = DB::STATEMENTS.outbox.prelude {
+            DB::execute_raw(&mut *conn, prelude).await.map_err(fail)?;
+        }
+        let mut tx = crate::migrate::begin::<DB>(&mut *conn)
+            .await
+            .map_err(fail)?;
+        let rows = match select {
+            OutboxSelect::Run { consumer, key } => {
+                let params = [Param::Text(consumer), Param::Text(key)];
+                DB::fetch_all(&mut *tx, &sql.run, &params).await
+            }
+            OutboxSelect::Older { age, limit } => {
+                let age = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
+                let params = [Param::Int(age), Param::Int(i64::from(*limit))];
+                DB::fetch_all(&mut *tx, &sql.older, &params).await
+            }
+            _ => Ok(Vec::new()),
+        }
+        .map_err(fail)?;
+        let mut report = RelayReport::default();
+        let mut done = Vec::with_capacity(rows.len());
+        let mut held: HashSet<(String, String)> = HashSet::new();
+        for row in &rows {
+            let run = (DB::text(row, "consumer"), DB::text(row, "key"));
+            let run = (run.0.map_err(fail)?, run.1.map_err(fail)?);
+            let age = Duration::from_millis(DB::int(row, "age_ms").map_err(fail)?.max(0) as u64);
+            report.oldest = report.oldest.max(Some(age));
+            if held.contains(&run) {
+                continue;
+            }
+            let message = message::<DB>(row).map_err(fail)?;
+            match publish.publish(&message).await {
+                Ok(()) => done.push(DB::int(row, "seq").map_err(fail)?),
+                Err(e @ OutboundError::Unroutable { .. }) => {
+                    report.unroutable += 1;
+                    report.failure = Some(e.to_string());
+                    held.insert(run);
+                }
+                Err(e) => {
+                    report.failure = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        if !done.is_empty() {
+            // Integers written into the text: a primary-key lookup per row, in every dialect.
+            let seqs: Vec<String> = done.iter().map(i64::to_string).collect();
+            let delete: std::sync::Arc<str> = sql.delete.replace("{seqs}", &seqs.join(",")).into();
+            DB::execute(&mut *tx, &delete, &[]).await.map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        report.published = done.len() as u64;
+        Ok(report)
+    }
+}
+
+/// Inserts `message` (stamped, with its id) into `table` in `tx`, as staged by `consumer`
+/// processing `key`.
+async fn insert<DB: Dialect>(
+    tx: &mut Transaction<'_, DB>,
+    table: &str,
+    consumer: &str,
+    key: &str,
+    message: &Outgoing,
+) -> Result<String, StoreError> {
+    let envelope = &message.envelope;
+    let id = envelope.message_id.clone().unwrap_or_default();
+    let headers = headers_to_json(&envelope.headers);
+    let template = DB::STATEMENTS.outbox.stage;
+    let sql: std::sync::Arc<str> = template
+        .replace("{outbox}", table)
+        .replace("{now}", DB::NOW)
+        .into();
+    let params = [
+        Param::Text(&id),
+        Param::Text(consumer),
+        Param::Text(key),
+        Param::Text(&message.exchange),
+        Param::Text(&message.routing_key),
+        Param::Bytes(&envelope.body),
+        Param::Text(&headers),
+        Param::Text(envelope.correlation_id.as_deref().unwrap_or_default()),
+        Param::Text(envelope.content_type.as_deref().unwrap_or_default()),
+    ];
+    DB::execute(&mut **tx, &sql, &params)
+        .await
+        .map_err(|e| store_error("stage", e))?;
+    Ok(id)
+}
+
+/// The message of an outbox row.
+fn message<DB: Dialect>(row: &DB::Row) -> Result<Outgoing, sqlx::Error> {
+    let mut envelope = Envelope::new(DB::bytes(row, "body")?);
+    envelope.message_id = Some(DB::text(row, "message_id")?);
+    envelope.correlation_id = Some(DB::text(row, "correlation_id")?).filter(|c| !c.is_empty());
+    envelope.content_type = Some(DB::text(row, "content_type")?).filter(|c| !c.is_empty());
+    envelope.headers = headers_from_json(&DB::text(row, "headers")?)
+        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+    let mut message = Outgoing::new(
+        DB::text(row, "exchange")?,
+        DB::text(row, "routing_key")?,
+        Vec::new(),
+    );
+    message.envelope = envelope;
+    Ok(message)
+}

@@ -1,0 +1,416 @@
+//! The transactional outbox, against real RabbitMQ and PostgreSQL, MariaDB, SQLite: a handler
+//! stages a message in its transaction (`idem::outbox::stage`); it is published once the
+//! transaction commits (through `build()`), never when it rolls back, with an id derived from
+//! the consumer, the key and its ordinal, and the incoming message's correlation, causation
+//! and trace context. Rows a crash left are published by the relay; several relays at once
+//! publish each row once (counted by confirms).
+//!
+//! Each suite uses an inbox table of its own (`idem_ob_inbox`, so the outbox `idem_ob_outbox`):
+//! the relays of other tests' runtimes never see these rows.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use idem::transport::{Outbound, OutboundError};
+use idem::{BoxError, Outgoing};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct Order {
+    order_id: String,
+    customer: String,
+    amount_cents: i64,
+}
+
+/// Where the handlers send what they stage.
+struct Target(String);
+
+/// The inbox table of these tests.
+const TABLE: &str = "idem_ob_inbox";
+
+/// Publishes through a confirmed publisher and counts, per message id, the confirms it got.
+struct Counting {
+    publisher: idem::rabbitmq::Publisher,
+    confirmed: Mutex<HashMap<String, u32>>,
+}
+
+impl Outbound for Counting {
+    fn publish<'a>(
+        &'a self,
+        message: &'a Outgoing,
+    ) -> idem::transport::BoxFuture<'a, Result<(), OutboundError>> {
+        Box::pin(async move {
+            self.publisher
+                .publish(&message.exchange, &message.routing_key, &message.envelope)
+                .await
+                .map_err(|e| OutboundError::Broker(BoxError::from(e)))?;
+            let id = message.message_id().unwrap_or_default().to_owned();
+            *self.confirmed.lock().unwrap().entry(id).or_default() += 1;
+            Ok(())
+        })
+    }
+}
+
+macro_rules! outbox_suite {
+    ($module:ident, $store:ident, $db:ty, $inbox:ty, $pool:expr, $count:literal) => {
+        mod $module {
+            use super::*;
+            use crate::common::broker::{self, amqp_url};
+            use crate::common::running::{DEADLINE, start};
+            use crate::common::{unique, wait_until};
+            use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+            use idem::store::OutboxSelect;
+            use idem::transport::{QueueSpec, Transport};
+            use idem::{Context, Envelope, HandlerError, RetryPolicy, Runtime, idempotent};
+            use std::time::Duration;
+
+            /// Bills an order: stages `Billed` to the target queue, twice for a customer
+            /// named `…-twice`; refuses an order named `…-refused` after staging.
+            #[idempotent(store = $store, key = "order.order_id", queue = "idem-test-outbox-unset")]
+            async fn bill(
+                tx: &mut sqlx::Transaction<'_, $db>,
+                order: Order,
+                ctx: &Context<'_>,
+                target: &Target,
+            ) -> Result<(), HandlerError> {
+                let copies = if order.customer.ends_with("-twice") {
+                    2
+                } else {
+                    1
+                };
+                for _ in 0..copies {
+                    let billed = Outgoing::to_queue(&target.0, &order)?;
+                    idem::outbox::stage(tx, ctx, billed).await?;
+                }
+                if order.order_id.ends_with("-refused") {
+                    return Err(HandlerError::permanent("refused after staging"));
+                }
+                Ok(())
+            }
+
+            fn consumer() -> &'static str {
+                idem::registry::find(concat!(module_path!(), "::bill"))
+                    .unwrap()
+                    .consumer()
+            }
+
+            fn inbox(pool: &sqlx::Pool<$db>) -> $inbox {
+                <$inbox>::new(pool.clone()).table(TABLE).unwrap()
+            }
+
+            async fn outbox_rows(pool: &sqlx::Pool<$db>, like: &str) -> i64 {
+                sqlx::query_scalar::<_, i64>($count)
+                    .bind(format!("{like}%"))
+                    .fetch_one(pool)
+                    .await
+                    .unwrap()
+            }
+
+            /// Through `build()` on RabbitMQ: every committed order publishes its `Billed`
+            /// (two for one customer, in the order staged), a refused order publishes
+            /// nothing, a duplicate publishes nothing again; each message carries the id
+            /// derived from (consumer, key, ordinal), the incoming correlation (else its
+            /// message id), the causation id and the incoming `traceparent`.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn staged_messages_go_out_after_the_commit_and_never_after_a_rollback() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob");
+                let billed = format!("{queue}.billed");
+                let rabbit =
+                    RabbitConfig::new(amqp_url()).connection_name(format!("idem-test:{queue}"));
+                let policy =
+                    RetryPolicy::new(3, Duration::from_millis(50), 2, Duration::from_millis(200))
+                        .unwrap();
+                let mut spec = QueueSpec::new(queue.clone(), consumer());
+                spec.retry_delays = policy.delays();
+                let transport = RabbitTransport::new(rabbit.clone());
+                transport
+                    .declare(&[spec, QueueSpec::new(billed.clone(), "billed")])
+                    .await
+                    .unwrap();
+                let publisher = broker::publisher().await;
+                let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+                let order = |n: usize| Order {
+                    order_id: match n {
+                        7 => format!("{queue}-{n}-refused"),
+                        n => format!("{queue}-{n}"),
+                    },
+                    customer: match n {
+                        3 => format!("{queue}-c-twice"),
+                        _ => format!("{queue}-c"),
+                    },
+                    amount_cents: n as i64,
+                };
+                for n in (0..20).chain([4, 5]) {
+                    let order = order(n);
+                    let mut envelope = Envelope::new(serde_json::to_vec(&order).unwrap())
+                        .with_message_id(format!("m-{}", order.order_id));
+                    if n == 1 {
+                        envelope = envelope.with_correlation_id("corr-1");
+                    }
+                    if n == 2 {
+                        envelope = envelope.with_header("traceparent", traceparent);
+                    }
+                    publisher.publish("", &queue, &envelope).await.unwrap();
+                }
+                let running = start(
+                    Runtime::builder()
+                        .transport(transport)
+                        .store(inbox(&pool))
+                        .state(Target(billed.clone()))
+                        .handlers([consumer()])
+                        .handler_queue(consumer(), &queue)
+                        .retry(policy.clone()),
+                );
+                wait_until("every delivery settled", DEADLINE, || async {
+                    let now = running.now();
+                    now.processed + now.duplicates + now.dead_lettered >= 22
+                })
+                .await;
+                wait_until("the outbox drained", DEADLINE, || async {
+                    outbox_rows(&pool, &queue).await == 0
+                })
+                .await;
+                let stats = running.shut_down().await;
+                assert_eq!(
+                    (stats.processed, stats.duplicates, stats.dead_lettered),
+                    (19, 2, 1),
+                    "{stats:?}"
+                );
+                let got = broker::drain(&billed).await;
+                // 18 orders once, order 3 twice; nothing of the refused order 7.
+                let got_ids: Vec<_> = got.iter().map(|m| m.message_id()).collect();
+                assert_eq!(got.len(), 20, "{got_ids:?}");
+                let mut ids: HashMap<String, Vec<String>> = HashMap::new();
+                for message in &got {
+                    let body: Order = serde_json::from_slice(&message.body).unwrap();
+                    ids.entry(body.order_id)
+                        .or_default()
+                        .push(message.message_id().unwrap());
+                }
+                assert!(
+                    !ids.contains_key(&order(7).order_id),
+                    "the refused order's message was published"
+                );
+                for n in (0..20).filter(|n| *n != 7) {
+                    let key = order(n).order_id;
+                    let expected: Vec<String> = (0..if n == 3 { 2 } else { 1 })
+                        .map(|i| idem::outbox::outbox_message_id(consumer(), &key, i))
+                        .collect();
+                    assert_eq!(
+                        ids[&key], expected,
+                        "order {n}: one message per staging, in order, with derived ids"
+                    );
+                }
+                let of = |n: usize| {
+                    let id = idem::outbox::outbox_message_id(consumer(), &order(n).order_id, 0);
+                    got.iter()
+                        .find(|m| m.message_id().as_deref() == Some(id.as_str()))
+                        .unwrap()
+                };
+                let causation = |n: usize| format!("m-{}", order(n).order_id);
+                assert_eq!(
+                    of(0)
+                        .properties
+                        .correlation_id()
+                        .as_ref()
+                        .map(|c| c.to_string()),
+                    Some(causation(0))
+                );
+                assert_eq!(
+                    of(1)
+                        .properties
+                        .correlation_id()
+                        .as_ref()
+                        .map(|c| c.to_string())
+                        .as_deref(),
+                    Some("corr-1")
+                );
+                assert_eq!(of(0).header("causation_id"), Some(causation(0)));
+                assert_eq!(of(2).header("traceparent").as_deref(), Some(traceparent));
+                assert_eq!(of(0).header("traceparent"), None);
+                broker::delete_topology(&queue, &policy.delays()).await;
+                broker::delete_topology(&billed, &[]).await;
+            }
+
+            /// Rows staged in a transaction of the caller's own (no consumer): a rollback
+            /// leaves none; committed rows, which no dispatch takes (as after a crash between
+            /// commit and dispatch), are published by a runtime's relay, with their ids.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_relay_publishes_what_no_dispatch_took() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-relay");
+                let billed = format!("{queue}.billed");
+                let transport = RabbitTransport::new(RabbitConfig::new(amqp_url()));
+                let spec = QueueSpec::new(queue.clone(), consumer());
+                transport
+                    .declare(&[spec, QueueSpec::new(billed.clone(), "billed")])
+                    .await
+                    .unwrap();
+                let inbox = inbox(&pool);
+                let message = |n: usize| {
+                    let order = Order {
+                        order_id: format!("{queue}-{n}"),
+                        customer: "c".into(),
+                        amount_cents: 1,
+                    };
+                    Outgoing::to_queue(&billed, &order)
+                        .unwrap()
+                        .with_message_id(format!("{queue}-{n}"))
+                };
+                let mut tx = pool.begin().await.unwrap();
+                inbox.stage(&mut tx, message(0)).await.unwrap();
+                tx.rollback().await.unwrap();
+                let mut tx = pool.begin().await.unwrap();
+                for n in 1..=5 {
+                    inbox.stage(&mut tx, message(n)).await.unwrap();
+                }
+                let again = inbox.stage(&mut tx, message(1)).await;
+                assert!(again.is_err(), "a message id is staged once");
+                drop(tx); // that failed statement aborted the transaction on PostgreSQL
+                let mut tx = pool.begin().await.unwrap();
+                for n in 1..=5 {
+                    inbox.stage(&mut tx, message(n)).await.unwrap();
+                }
+                tx.commit().await.unwrap();
+                assert_eq!(outbox_rows(&pool, &queue).await, 5);
+                let running = start(
+                    Runtime::builder()
+                        .transport(transport)
+                        .store(inbox.clone())
+                        .state(Target(billed.clone()))
+                        .handlers([consumer()])
+                        .handler_queue(consumer(), &queue)
+                        .relay(Duration::from_millis(50), Duration::ZERO),
+                );
+                wait_until("the relay drained the outbox", DEADLINE, || async {
+                    outbox_rows(&pool, &queue).await == 0
+                })
+                .await;
+                running.shut_down().await;
+                let ids: Vec<String> = broker::drain(&billed)
+                    .await
+                    .iter()
+                    .filter_map(|m| m.message_id())
+                    .collect();
+                let expected: Vec<String> = (1..=5).map(|n| format!("{queue}-{n}")).collect();
+                assert_eq!(ids, expected, "published once each, in the order staged");
+                broker::delete_topology(&queue, &[]).await;
+                broker::delete_topology(&billed, &[]).await;
+            }
+
+            /// Three relays on connections of their own take passes over 600 rows at once:
+            /// each row is published and confirmed once, and the queue holds 600 messages.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn several_relays_publish_each_row_once() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-relays");
+                broker::declare_orders_queue(&queue).await;
+                let inbox = inbox(&pool);
+                let mut tx = pool.begin().await.unwrap();
+                for n in 0..600 {
+                    let message = Outgoing::new("", &queue, format!("{n}"))
+                        .with_message_id(format!("{queue}-{n}"));
+                    inbox.stage(&mut tx, message).await.unwrap();
+                }
+                tx.commit().await.unwrap();
+                let counting = Arc::new(Counting {
+                    publisher: broker::publisher().await,
+                    confirmed: Mutex::default(),
+                });
+                let mut relays = Vec::new();
+                for _ in 0..3 {
+                    let (own, _own_dir) = $pool;
+                    let relay = <$inbox>::new(own).table(TABLE).unwrap();
+                    let counting = counting.clone();
+                    let pool = pool.clone();
+                    let like = queue.clone();
+                    relays.push(tokio::spawn(async move {
+                        let select = OutboxSelect::Older {
+                            age: Duration::ZERO,
+                            limit: 50,
+                        };
+                        let mut passes = 0;
+                        while outbox_rows(&pool, &like).await > 0 {
+                            use idem::store::InboxStore;
+                            relay.relay(&select, counting.as_ref()).await.unwrap();
+                            passes += 1;
+                            assert!(passes < 10_000, "the relays made no progress");
+                        }
+                        drop(_own_dir);
+                    }));
+                }
+                for relay in relays {
+                    relay.await.unwrap();
+                }
+                let confirmed = counting.confirmed.lock().unwrap().clone();
+                let ours: Vec<_> = confirmed
+                    .iter()
+                    .filter(|(id, _)| id.starts_with(&queue))
+                    .collect();
+                assert_eq!(ours.len(), 600);
+                assert!(ours.iter().all(|(_, n)| **n == 1), "a row published twice");
+                wait_until("600 messages in the queue", DEADLINE, || async {
+                    broker::count(&queue).await == 600
+                })
+                .await;
+                broker::delete_topology(&queue, &[]).await;
+            }
+        }
+    };
+}
+
+async fn postgres() -> (sqlx::PgPool, Option<tempfile::TempDir>) {
+    let pool = common::postgres(8).await;
+    let inbox = idem::sql::PgInbox::new(pool.clone()).table(TABLE).unwrap();
+    inbox.migrate().await.unwrap();
+    (pool, None)
+}
+
+async fn mysql() -> (sqlx::MySqlPool, Option<tempfile::TempDir>) {
+    let pool = common::mysql(8).await;
+    let inbox = idem::sql::MySqlInbox::new(pool.clone())
+        .table(TABLE)
+        .unwrap();
+    inbox.migrate().await.unwrap();
+    (pool, None)
+}
+
+/// One SQLite file per suite run: the relays of one test share it through pools of their own.
+async fn sqlite() -> (sqlx::SqlitePool, Option<tempfile::TempDir>) {
+    static FILE: std::sync::OnceLock<tempfile::TempDir> = std::sync::OnceLock::new();
+    let dir = FILE.get_or_init(|| tempfile::tempdir().unwrap());
+    let pool = common::sqlite_at(&dir.path().join("outbox.db"), 4).await;
+    let inbox = idem::sql::SqliteInbox::new(pool.clone())
+        .table(TABLE)
+        .unwrap();
+    inbox.migrate().await.unwrap();
+    (pool, None)
+}
+
+outbox_suite!(
+    postgres,
+    Postgres,
+    sqlx::Postgres,
+    idem::sql::PgInbox,
+    postgres().await,
+    "SELECT count(*) FROM idem_ob_outbox WHERE key LIKE $1"
+);
+outbox_suite!(
+    mysql,
+    MySql,
+    sqlx::MySql,
+    idem::sql::MySqlInbox,
+    mysql().await,
+    "SELECT CAST(count(*) AS SIGNED) FROM idem_ob_outbox WHERE `key` LIKE ?"
+);
+outbox_suite!(
+    sqlite,
+    Sqlite,
+    sqlx::Sqlite,
+    idem::sql::SqliteInbox,
+    sqlite().await,
+    "SELECT count(*) FROM idem_ob_outbox WHERE key LIKE ?1"
+);
