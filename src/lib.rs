@@ -30,7 +30,7 @@ pub mod prelude {
 pub mod outbox {
     pub use idem_core::model::{CAUSATION_HEADER, TRACEPARENT_HEADER};
     pub use idem_core::{Outgoing, outbox_message_id};
-    pub use idem_sqlx::outbox::stage;
+    pub use idem_sqlx::outbox::{stage, stage_all};
 }
 
 /// The inbox store contract, for implementing a store or driving one by hand.

@@ -4,15 +4,32 @@
 //! multi-row insert and one upsert of each customer's total, in the transaction that holds
 //! their inbox rows. It shares the consumer `orders` and its key source (the message id) with
 //! the one-order handlers, and so their inbox rows: switching between the two never books an
-//! order twice.
+//! order twice. Each order's `OrderBilled` event is staged with one multi-row insert, stamped
+//! by that order's context (`ctx.item(i)`): the same message ids as the one-order handlers.
 
-use crate::handlers::OrderPlaced;
+use crate::handlers::{Billing, OrderPlaced};
+use idem::sql::Dialect;
 use idem::sqlx::{self, MySql, Postgres, QueryBuilder, Sqlite, Transaction};
-use idem::{Batch, BatchError, idempotent};
+use idem::{Batch, BatchError, Context, idempotent};
 use std::collections::BTreeMap;
 
 /// Rows per statement on MySQL and SQLite (three placeholders a row, well under their limits).
 const ROWS_PER_STATEMENT: usize = 1_000;
+
+/// Stages every order's `OrderBilled` event, each caused by its own order.
+async fn stage_events<DB: Dialect>(
+    tx: &mut Transaction<'_, DB>,
+    orders: &Batch<OrderPlaced>,
+    ctx: &Context<'_>,
+    billing: &Billing,
+) -> Result<(), BatchError> {
+    let mut events = Vec::with_capacity(orders.len());
+    for (i, order) in orders.iter().enumerate() {
+        events.push((i, billing.event(order)?));
+    }
+    idem::outbox::stage_all(tx, ctx, events).await?;
+    Ok(())
+}
 
 /// Each customer's total in `orders`, by customer: rows are locked in the same order by every
 /// batch, so concurrent batches wait for each other instead of deadlocking.
@@ -28,6 +45,8 @@ fn totals(orders: &Batch<OrderPlaced>) -> BTreeMap<&str, i64> {
 pub async fn place_orders_batch_postgres(
     tx: &mut Transaction<'_, Postgres>,
     orders: Batch<OrderPlaced>,
+    ctx: &Context<'_>,
+    billing: &Billing,
 ) -> Result<(), BatchError> {
     let ids: Vec<&str> = orders.iter().map(|o| o.order_id.as_str()).collect();
     let customers: Vec<&str> = orders.iter().map(|o| o.customer.as_str()).collect();
@@ -51,13 +70,15 @@ pub async fn place_orders_batch_postgres(
     .bind(&cents)
     .execute(&mut **tx)
     .await?;
-    Ok(())
+    stage_events(tx, &orders, ctx, billing).await
 }
 
 #[idempotent(queue = "orders", consumer = "orders", store = MySql)]
 pub async fn place_orders_batch_mysql(
     tx: &mut Transaction<'_, MySql>,
     orders: Batch<OrderPlaced>,
+    ctx: &Context<'_>,
+    billing: &Billing,
 ) -> Result<(), BatchError> {
     for chunk in orders.chunks(ROWS_PER_STATEMENT) {
         let mut insert =
@@ -78,13 +99,15 @@ pub async fn place_orders_batch_mysql(
         upsert.push(" ON DUPLICATE KEY UPDATE cents = cents + VALUES(cents)");
         upsert.build().execute(&mut **tx).await?;
     }
-    Ok(())
+    stage_events(tx, &orders, ctx, billing).await
 }
 
 #[idempotent(queue = "orders", consumer = "orders", store = Sqlite)]
 pub async fn place_orders_batch_sqlite(
     tx: &mut Transaction<'_, Sqlite>,
     orders: Batch<OrderPlaced>,
+    ctx: &Context<'_>,
+    billing: &Billing,
 ) -> Result<(), BatchError> {
     for chunk in orders.chunks(ROWS_PER_STATEMENT) {
         let mut insert =
@@ -106,5 +129,5 @@ pub async fn place_orders_batch_sqlite(
             .push(" ON CONFLICT (customer) DO UPDATE SET cents = balances.cents + excluded.cents");
         upsert.build().execute(&mut **tx).await?;
     }
-    Ok(())
+    stage_events(tx, &orders, ctx, billing).await
 }

@@ -1,7 +1,7 @@
 //! The example's database: connecting (SQLite, PostgreSQL or MySQL/MariaDB), its tables, and
 //! the queries the demo checks its results with.
 
-use crate::{handlers, status};
+use crate::{handlers, shipping, status};
 use anyhow::Context as _;
 use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
 use idem::sqlx;
@@ -35,7 +35,11 @@ impl Db {
             sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.orders.schema'))::text")
                 .execute(&mut *tx)
                 .await?;
-            for statement in handlers::SCHEMA.iter().chain(&status::POSTGRES_SCHEMA) {
+            for statement in handlers::SCHEMA
+                .iter()
+                .chain(&shipping::SCHEMA)
+                .chain(&status::POSTGRES_SCHEMA)
+            {
                 sqlx::query(*statement).execute(&mut *tx).await?;
             }
             tx.commit().await?;
@@ -54,7 +58,11 @@ impl Db {
                     )
                 })?;
             // MySQL runs DDL outside transactions; IF NOT EXISTS makes concurrent starts safe.
-            for statement in handlers::MYSQL_SCHEMA.iter().chain(&status::MYSQL_SCHEMA) {
+            for statement in handlers::MYSQL_SCHEMA
+                .iter()
+                .chain(&shipping::MYSQL_SCHEMA)
+                .chain(&status::MYSQL_SCHEMA)
+            {
                 sqlx::query(*statement).execute(&pool).await?;
             }
             MySqlInbox::new(pool.clone()).migrate().await?;
@@ -64,7 +72,11 @@ impl Db {
                 .await
                 .with_context(|| format!("cannot open SQLite database DATABASE_URL ({url})"))?;
             SqliteInbox::new(pool.clone()).migrate().await?;
-            for statement in handlers::SCHEMA.iter().chain(&status::SQLITE_SCHEMA) {
+            for statement in handlers::SCHEMA
+                .iter()
+                .chain(&shipping::SCHEMA)
+                .chain(&status::SQLITE_SCHEMA)
+            {
                 sqlx::query(*statement).execute(&pool).await?;
             }
             Ok(Self::Sqlite(pool))
@@ -162,6 +174,84 @@ impl Db {
                     .fetch_one(pool)
                     .await?,
             ),
+        })
+    }
+}
+
+/// The second hop's books: shipments, parcels per customer, outbox rows not yet published.
+#[derive(Debug, Default)]
+pub struct Shipping {
+    /// Shipments of orders whose id starts with the prefix.
+    pub shipments: i64,
+    /// Per customer starting with the prefix: parcels counted.
+    pub parcels: std::collections::BTreeMap<String, i64>,
+    /// Outbox rows whose run key starts with the order prefix, not yet published.
+    pub unpublished: i64,
+}
+
+impl Db {
+    /// The second hop's books for orders starting with `order_prefix` and customers starting
+    /// with `customer_prefix`.
+    pub async fn shipping(
+        &self,
+        customer_prefix: &str,
+        order_prefix: &str,
+    ) -> anyhow::Result<Shipping> {
+        const SHIPMENTS: &str = "SELECT count(*) FROM shipments WHERE order_id LIKE $1";
+        const PARCELS: &str = "SELECT customer, n FROM parcels WHERE customer LIKE $1";
+        const OUTBOX: &str = "SELECT count(*) FROM idem_outbox WHERE key LIKE $1";
+        const MYSQL_SHIPMENTS: &str = "SELECT count(*) FROM shipments WHERE order_id LIKE ?";
+        const MYSQL_PARCELS: &str = "SELECT customer, n FROM parcels WHERE customer LIKE ?";
+        const MYSQL_OUTBOX: &str = "SELECT count(*) FROM idem_outbox WHERE `key` LIKE ?";
+        let (customers, orders) = (format!("{customer_prefix}%"), format!("{order_prefix}%"));
+        let (shipments, parcels, unpublished): (i64, Vec<(String, i64)>, i64) = match self {
+            Self::Sqlite(pool) => (
+                sqlx::query_scalar(SHIPMENTS)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+                sqlx::query_as(PARCELS)
+                    .bind(&customers)
+                    .fetch_all(pool)
+                    .await?,
+                sqlx::query_scalar(OUTBOX)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+            ),
+            Self::Postgres(pool) => (
+                sqlx::query_scalar(SHIPMENTS)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+                sqlx::query_as(PARCELS)
+                    .bind(&customers)
+                    .fetch_all(pool)
+                    .await?,
+                sqlx::query_scalar(OUTBOX)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+            ),
+            Self::MySql(pool) => (
+                sqlx::query_scalar(MYSQL_SHIPMENTS)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+                sqlx::query_as(MYSQL_PARCELS)
+                    .bind(&customers)
+                    .fetch_all(pool)
+                    .await?,
+                sqlx::query_scalar(MYSQL_OUTBOX)
+                    .bind(&orders)
+                    .fetch_one(pool)
+                    .await?,
+            ),
+        };
+        Ok(Shipping {
+            shipments,
+            parcels: parcels.into_iter().collect(),
+            unpublished,
         })
     }
 }

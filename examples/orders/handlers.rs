@@ -1,7 +1,10 @@
-//! The order handler, once per database: the same work, in the same transaction as the inbox row.
+//! The order handler, once per database: the same work, in the same transaction as the inbox
+//! row; and the `OrderBilled` event it stages in the outbox, in that transaction too, for the
+//! shipping handler (`shipping.rs`).
 
+use idem::sql::Dialect;
 use idem::sqlx::{self, MySql, Postgres, Sqlite, Transaction};
-use idem::{HandlerError, idempotent};
+use idem::{Context, HandlerError, Outgoing, idempotent};
 use serde::{Deserialize, Serialize};
 
 /// The message: AMQP `message_id` = `order_id`, the dedup key.
@@ -10,6 +13,56 @@ pub struct OrderPlaced {
     pub order_id: String,
     pub customer: String,
     pub amount_cents: i64,
+}
+
+/// The event an order causes: published once its transaction commits, with a message id
+/// derived from the order's (so a re-run stages the same id, and shipping deduplicates it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OrderBilled {
+    pub order_id: String,
+    pub customer: String,
+    pub amount_cents: i64,
+}
+
+impl From<&OrderPlaced> for OrderBilled {
+    fn from(order: &OrderPlaced) -> Self {
+        Self {
+            order_id: order.order_id.clone(),
+            customer: order.customer.clone(),
+            amount_cents: order.amount_cents,
+        }
+    }
+}
+
+/// Where `OrderBilled` events go: the queue `<ORDERS_QUEUE>.billed` (handler state).
+#[derive(Debug, Clone)]
+pub struct Billing {
+    pub queue: String,
+}
+
+impl Billing {
+    /// The billing of the orders consumed from `queue`.
+    pub fn of(queue: &str) -> Self {
+        Self {
+            queue: format!("{queue}.billed"),
+        }
+    }
+
+    /// The event of `order`, to stage.
+    pub fn event(&self, order: &OrderPlaced) -> Result<Outgoing, HandlerError> {
+        Ok(Outgoing::to_queue(&self.queue, &OrderBilled::from(order))?)
+    }
+
+    /// Stages the event of `order` in the order's transaction.
+    async fn stage<DB: Dialect>(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        ctx: &Context<'_>,
+        order: &OrderPlaced,
+    ) -> Result<(), HandlerError> {
+        idem::outbox::stage(tx, ctx, self.event(order)?).await?;
+        Ok(())
+    }
 }
 
 /// The tables the example writes.
@@ -34,6 +87,8 @@ const ADD_TO_BALANCE: &str = "INSERT INTO balances (customer, cents) VALUES ($1,
 pub async fn place_order_sqlite(
     tx: &mut Transaction<'_, Sqlite>,
     order: OrderPlaced,
+    ctx: &Context<'_>,
+    billing: &Billing,
 ) -> Result<(), HandlerError> {
     sqlx::query(INSERT_ORDER)
         .bind(&order.order_id)
@@ -46,13 +101,15 @@ pub async fn place_order_sqlite(
         .bind(order.amount_cents)
         .execute(&mut **tx)
         .await?;
-    Ok(())
+    billing.stage(tx, ctx, &order).await
 }
 
 #[idempotent(queue = "orders", consumer = "orders", store = Postgres)]
 pub async fn place_order_postgres(
     tx: &mut Transaction<'_, Postgres>,
     order: OrderPlaced,
+    ctx: &Context<'_>,
+    billing: &Billing,
 ) -> Result<(), HandlerError> {
     sqlx::query(INSERT_ORDER)
         .bind(&order.order_id)
@@ -65,7 +122,7 @@ pub async fn place_order_postgres(
         .bind(order.amount_cents)
         .execute(&mut **tx)
         .await?;
-    Ok(())
+    billing.stage(tx, ctx, &order).await
 }
 
 const MYSQL_INSERT_ORDER: &str =
@@ -77,6 +134,8 @@ const MYSQL_ADD_TO_BALANCE: &str = "INSERT INTO balances (customer, cents) VALUE
 pub async fn place_order_mysql(
     tx: &mut Transaction<'_, MySql>,
     order: OrderPlaced,
+    ctx: &Context<'_>,
+    billing: &Billing,
 ) -> Result<(), HandlerError> {
     sqlx::query(MYSQL_INSERT_ORDER)
         .bind(&order.order_id)
@@ -89,5 +148,5 @@ pub async fn place_order_mysql(
         .bind(order.amount_cents)
         .execute(&mut **tx)
         .await?;
-    Ok(())
+    billing.stage(tx, ctx, &order).await
 }

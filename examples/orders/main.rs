@@ -1,6 +1,8 @@
 //! The orders example: an order consumer whose non-idempotent writes (an order row and a
-//! balance increment) are made effectively exactly once by idem, and a status consumer that
-//! applies each order's status updates in order (`status.rs`).
+//! balance increment) are made effectively exactly once by idem, and which stages an
+//! `OrderBilled` event in its transaction (the outbox); a shipping consumer that books each
+//! billed order's shipment (`shipping.rs`), the second hop; and a status consumer that applies
+//! each order's status updates in order (`status.rs`).
 //!
 //! - `cargo run --example orders` (or `-- demo`): publishes a few thousand orders with ~20%
 //!   duplicates (some concurrent), malformed messages and a reused id, consumes them, and checks
@@ -17,6 +19,7 @@ mod db;
 mod demo;
 mod handlers;
 mod http;
+mod shipping;
 mod status;
 
 use anyhow::Context as _;
@@ -208,8 +211,14 @@ fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
         (Db::MySql(_), true) => "place_orders_batch_mysql",
     };
     let builder = Runtime::builder()
-        .handlers([orders, status::CONSUMER])
+        .handlers([orders, shipping::function(db), status::CONSUMER])
         .handler_queue("orders", &settings.queue)
+        .handler_queue(
+            shipping::CONSUMER,
+            handlers::Billing::of(&settings.queue).queue,
+        )
+        .handler_concurrency(shipping::CONSUMER, settings.concurrency)
+        .state(handlers::Billing::of(&settings.queue))
         .handler_queue(status::CONSUMER, status::exchange(&settings.queue))
         .ordered(status::CONSUMER, settings.status_partitions)
         .handler_concurrency(status::CONSUMER, settings.concurrency)

@@ -148,11 +148,7 @@ pub(crate) fn check(
     // A batch handler's `Payload` is one message: the `T` of `Batch<T>`.
     let payload = payload.map(|(name, ty)| (name, batch.unwrap_or(ty)));
 
-    let extras = extras(
-        typed.get(first + 1..).unwrap_or_default(),
-        batch.is_some(),
-        &mut errors,
-    );
+    let extras = extras(typed.get(first + 1..).unwrap_or_default(), &mut errors);
 
     let output = match &sig.output {
         ReturnType::Type(_, ty) => match result_ok_type(ty) {
@@ -201,9 +197,9 @@ fn batch_item(ty: &Type) -> Option<&Type> {
     }
 }
 
-/// Sorts the parameters after the payload into the context (at most once; never for a batch
-/// handler) and state.
-fn extras<'a>(params: &[&'a syn::PatType], batch: bool, errors: &mut Errors) -> Vec<Extra<'a>> {
+/// Sorts the parameters after the payload into the context (at most once; a batch handler's
+/// holds each message's, `ctx.item(i)`) and state.
+fn extras<'a>(params: &[&'a syn::PatType], errors: &mut Errors) -> Vec<Extra<'a>> {
     let mut extras = Vec::with_capacity(params.len());
     let mut has_ctx = false;
     for param in params {
@@ -214,10 +210,6 @@ fn extras<'a>(params: &[&'a syn::PatType], batch: bool, errors: &mut Errors) -> 
             }) => errors.push(
                 mutability.span(),
                 "state is shared by every delivery in flight: ask for `&S`, not `&mut S` (put a Mutex inside `S` for state that changes)",
-            ),
-            Type::Reference(r) if is_context(&r.elem) && batch => errors.push(
-                r.elem.span(),
-                "a batch handler has no single delivery for a `Context`: each message's dedup key is in `Batch::keys()`",
             ),
             Type::Reference(r) if is_context(&r.elem) => {
                 if has_ctx {
@@ -441,12 +433,14 @@ mod tests {
             ),
             Ok((false, "Order".to_owned()))
         );
-        let err = check_batch(
-            "async fn h(tx: &mut T, o: Batch<O>, c: &Context<'_>) -> Result<(), E> {}",
-            transactional,
-        )
-        .unwrap_err();
-        assert!(err.contains("Batch::keys()"), "{err}");
+        assert_eq!(
+            check_batch(
+                "async fn h(tx: &mut T, o: Batch<O>, c: &Context<'_>) -> Result<(), E> {}",
+                transactional,
+            ),
+            Ok((true, "O".to_owned())),
+            "a batch handler may take the batch's context"
+        );
         let err = check_batch(
             "async fn h(o: Batch<O>) -> Result<(), E> {}",
             Mode::External,

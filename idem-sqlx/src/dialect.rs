@@ -26,6 +26,12 @@ pub trait Dialect: Sql {
     /// sweeper lock cannot span processes).
     const LOCAL_SWEEP_LOCK: bool = false;
 
+    /// Bind parameter `n` (from 1) in statement text put together at run time (default `?`).
+    fn placeholder(n: usize) -> String {
+        let _ = n;
+        "?".to_owned()
+    }
+
     /// Refuses a request this database cannot hold as it is (default: none).
     fn check_request(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
         let _ = request;

@@ -21,7 +21,7 @@ use std::time::Duration;
 pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     stage: r#"INSERT INTO "{outbox}" (message_id, consumer, key, exchange, routing_key, body, headers,
         correlation_id, content_type, created_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, now())"#,
+    VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
     FROM "{outbox}" WHERE consumer = $1 AND key = $2 ORDER BY seq FOR UPDATE SKIP LOCKED"#,
@@ -31,6 +31,7 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
+    now: "now()",
 };
 
 /// PostgreSQL's outbox table.
@@ -58,7 +59,7 @@ pub(crate) const POSTGRES_TABLE: &[&str] = &[
 pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     stage: r#"INSERT INTO `{outbox}` (message_id, consumer, `key`, exchange, routing_key, body, headers,
         correlation_id, content_type, created_at)
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6))"#,
+    VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
     FROM `{outbox}` WHERE consumer = ? AND `key` = ? ORDER BY seq FOR UPDATE SKIP LOCKED"#,
@@ -71,6 +72,7 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     delete: r#"DELETE o FROM JSON_TABLE('[{seqs}]', '$[*]' COLUMNS (seq BIGINT PATH '$')) AS j
     STRAIGHT_JOIN `{outbox}` o ON o.seq = j.seq"#,
     prelude: Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"),
+    now: "UTC_TIMESTAMP(6)",
 };
 
 /// MySQL's outbox table.
@@ -96,7 +98,7 @@ pub(crate) const MYSQL_TABLE: &[&str] = &[r#"CREATE TABLE IF NOT EXISTS `{outbox
 pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
     stage: r#"INSERT INTO "{outbox}" (message_id, consumer, key, exchange, routing_key, body, headers,
         correlation_id, content_type, created_at)
-    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, {now})"#,
+    VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, {now} - created_at AS age_ms
     FROM "{outbox}" WHERE consumer = ?1 AND key = ?2 ORDER BY seq"#,
@@ -105,6 +107,7 @@ pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
     FROM "{outbox}" WHERE created_at < {now} - ?1 ORDER BY seq LIMIT ?2"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
+    now: "{now}",
 };
 
 /// SQLite's outbox table (`AUTOINCREMENT`: a sequence number is never reused, so the order
@@ -142,7 +145,7 @@ pub async fn stage<DB: Dialect>(
         Some(table) => table.to_owned(),
         None => TableName::default().outbox(),
     };
-    insert::<DB>(tx, &table, ctx.consumer(), ctx.idempotency_key(), &message).await
+    insert::<DB>(tx, &table, ctx.consumer(), ctx.run_key(), &message).await
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -234,38 +237,99 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 }
 
+/// Rows per staging statement (nine parameters a row, well under every dialect's limit).
+const ROWS_PER_STATEMENT: usize = 500;
+
 /// Inserts `message` (stamped, with its id) into `table` in `tx`, as staged by `consumer`
-/// processing `key`.
+/// grouped under `run`.
 async fn insert<DB: Dialect>(
     tx: &mut Transaction<'_, DB>,
     table: &str,
     consumer: &str,
-    key: &str,
+    run: &str,
     message: &Outgoing,
 ) -> Result<String, StoreError> {
-    let envelope = &message.envelope;
-    let id = envelope.message_id.clone().unwrap_or_default();
-    let headers = headers_to_json(&envelope.headers);
-    let template = DB::STATEMENTS.outbox.stage;
-    let sql: std::sync::Arc<str> = template
-        .replace("{outbox}", table)
-        .replace("{now}", DB::NOW)
-        .into();
-    let params = [
-        Param::Text(&id),
-        Param::Text(consumer),
-        Param::Text(key),
-        Param::Text(&message.exchange),
-        Param::Text(&message.routing_key),
-        Param::Bytes(&envelope.body),
-        Param::Text(&headers),
-        Param::Text(envelope.correlation_id.as_deref().unwrap_or_default()),
-        Param::Text(envelope.content_type.as_deref().unwrap_or_default()),
-    ];
-    DB::execute(&mut **tx, &sql, &params)
-        .await
-        .map_err(|e| store_error("stage", e))?;
-    Ok(id)
+    insert_rows::<DB>(tx, table, consumer, run, std::slice::from_ref(message)).await?;
+    Ok(message.message_id().unwrap_or_default().to_owned())
+}
+
+/// Inserts `messages` (stamped, with their ids) into `table` in `tx`, in order, with
+/// multi-row statements.
+async fn insert_rows<DB: Dialect>(
+    tx: &mut Transaction<'_, DB>,
+    table: &str,
+    consumer: &str,
+    run: &str,
+    messages: &[Outgoing],
+) -> Result<(), StoreError> {
+    for chunk in messages.chunks(ROWS_PER_STATEMENT) {
+        let headers: Vec<String> = chunk
+            .iter()
+            .map(|m| headers_to_json(&m.envelope.headers))
+            .collect();
+        let mut params = Vec::with_capacity(chunk.len() * 9);
+        let mut rows = Vec::with_capacity(chunk.len());
+        for (message, headers) in chunk.iter().zip(&headers) {
+            let envelope = &message.envelope;
+            let first = params.len() + 1;
+            params.extend([
+                Param::Text(envelope.message_id.as_deref().unwrap_or_default()),
+                Param::Text(consumer),
+                Param::Text(run),
+                Param::Text(&message.exchange),
+                Param::Text(&message.routing_key),
+                Param::Bytes(&envelope.body),
+                Param::Text(headers),
+                Param::Text(envelope.correlation_id.as_deref().unwrap_or_default()),
+                Param::Text(envelope.content_type.as_deref().unwrap_or_default()),
+            ]);
+            let placeholders: Vec<String> = (first..first + 9).map(DB::placeholder).collect();
+            let now = DB::STATEMENTS.outbox.now;
+            rows.push(format!("({}, {now})", placeholders.join(", ")));
+        }
+        let sql: std::sync::Arc<str> = DB::STATEMENTS
+            .outbox
+            .stage
+            .replace("{outbox}", table)
+            .replace("{rows}", &rows.join(", "))
+            .replace("{now}", DB::NOW)
+            .into();
+        DB::execute(&mut **tx, &sql, &params)
+            .await
+            .map_err(|e| store_error("stage", e))?;
+    }
+    Ok(())
+}
+
+/// Stages several messages in one statement, in the handler's transaction `tx`: each
+/// `(index, message)` is caused by message `index` of a batch handler's batch and stamped by
+/// its context (`ctx.item(index)`, see [`stage`]); for a single message's context, index 0.
+/// Returns their message ids, in order. An index outside the batch is refused.
+pub async fn stage_all<DB: Dialect>(
+    tx: &mut Transaction<'_, DB>,
+    ctx: &Context<'_>,
+    messages: impl IntoIterator<Item = (usize, Outgoing)>,
+) -> Result<Vec<String>, StoreError> {
+    let mut stamped = Vec::new();
+    for (index, message) in messages {
+        let Some(item) = ctx.item(index) else {
+            return Err(StoreError::new(
+                "stage",
+                ErrorClass::Permanent,
+                format!("message {index} is not in the batch"),
+            ));
+        };
+        stamped.push(item.outgoing(message));
+    }
+    let table = match ctx.outbox_table() {
+        Some(table) => table.to_owned(),
+        None => TableName::default().outbox(),
+    };
+    insert_rows::<DB>(tx, &table, ctx.consumer(), ctx.run_key(), &stamped).await?;
+    Ok(stamped
+        .iter()
+        .map(|m| m.message_id().unwrap_or_default().to_owned())
+        .collect())
 }
 
 /// The message of an outbox row.

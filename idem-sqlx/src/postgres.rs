@@ -250,6 +250,10 @@ impl RowsAffected for PgQueryResult {
 }
 
 impl Dialect for Postgres {
+    fn placeholder(n: usize) -> String {
+        format!("${n}")
+    }
+
     const KIND: StoreKind = StoreKind::new("Postgres", "postgres", "idem::sql::PgInbox");
     const STATEMENTS: Statements = Statements {
         claim: CLAIM,

@@ -50,8 +50,9 @@ pub struct Statements<S = &'static str> {
 /// in the caller's transaction, and the relay's passes.
 #[derive(Debug, Clone)]
 pub struct OutboxStatements<S = &'static str> {
-    /// Inserts a staged message (message id, consumer, key, exchange, routing key, body,
-    /// headers as JSON, correlation id, content type; empty text for none).
+    /// Inserts staged messages: `{rows}` stands for their rows, each (message id, consumer,
+    /// key, exchange, routing key, body, headers as JSON, correlation id, content type; empty
+    /// text for none) and [`OutboxStatements::now`].
     pub stage: S,
     /// Takes the rows of one run, in the order staged, skipping rows another pass holds
     /// (consumer, key): `seq`, `message_id`, `consumer`, `key`, `exchange`, `routing_key`,
@@ -65,6 +66,8 @@ pub struct OutboxStatements<S = &'static str> {
     pub delete: S,
     /// Runs on the relay's connection before its transaction begins.
     pub prelude: Option<&'static str>,
+    /// The staging time, as the dialect writes `created_at`.
+    pub now: &'static str,
 }
 
 /// Entity versions (`{table}_versions`): raising the version applied to an entity in the
@@ -300,6 +303,7 @@ impl Statements {
                 older: fill(self.outbox.older),
                 delete: fill(self.outbox.delete),
                 prelude: self.outbox.prelude,
+                now: self.outbox.now,
             },
             rows: self.rows.as_ref().map(|rows| RowStatements {
                 insert: fill(rows.insert),

@@ -14,6 +14,10 @@ pub struct Context<'a> {
     key: &'a str,
     state: &'a State,
     outbox: Option<&'a str>,
+    /// The key staged rows are grouped under for their dispatch (a batch's first key).
+    run: &'a str,
+    /// A batch handler's context: the context of each of its messages.
+    items: &'a [Context<'a>],
     /// Messages stamped by [`Context::outgoing`] so far: the next one's ordinal.
     staged: AtomicU32,
 }
@@ -37,8 +41,38 @@ impl<'a> Context<'a> {
             key,
             state: &state::EMPTY,
             outbox: None,
+            run: key,
+            items: &[],
             staged: AtomicU32::new(0),
         }
+    }
+
+    /// This context with its staged messages grouped under `run` for their dispatch (the
+    /// runtime groups a batch's under its first key; a context from [`Context::new`] groups
+    /// under its own key).
+    pub fn with_run(self, run: &'a str) -> Self {
+        Self { run, ..self }
+    }
+
+    /// This context as a batch handler's: `items` are the contexts of the batch's messages,
+    /// in order ([`Context::item`]).
+    pub fn with_items(self, items: &'a [Context<'a>]) -> Self {
+        Self { items, ..self }
+    }
+
+    /// The context of message `index` of a batch handler's batch, to stage what that message
+    /// causes (`idem::outbox::stage(tx, ctx.item(i)?, …)`); for a single message's context,
+    /// itself at index 0.
+    pub fn item(&self, index: usize) -> Option<&Context<'a>> {
+        match self.items.is_empty() {
+            true => (index == 0).then_some(self),
+            false => self.items.get(index),
+        }
+    }
+
+    /// The key staged rows are grouped under for their dispatch.
+    pub fn run_key(&self) -> &'a str {
+        self.run
     }
 
     /// This context with `state` (a context from [`Context::new`] holds none).
@@ -93,9 +127,11 @@ impl<'a> Context<'a> {
         message
     }
 
-    /// How many messages [`Context::outgoing`] stamped in this run.
+    /// How many messages [`Context::outgoing`] stamped in this run (for a batch handler's
+    /// context, with those of its messages).
     pub fn staged(&self) -> u32 {
-        self.staged.load(Ordering::Relaxed)
+        let items: u32 = self.items.iter().map(Context::staged).sum();
+        self.staged.load(Ordering::Relaxed) + items
     }
 
     /// The runtime's state value of type `T` (what a handler parameter `&T` receives).

@@ -108,11 +108,13 @@ pub(crate) async fn call<H: Handler>(
     payload: H::Payload,
     envelope: &Envelope,
     key: &str,
+    run: &str,
     state: &State,
 ) -> Called<H::Output> {
     let ctx = Context::new(envelope, H::CONSUMER, key)
         .with_state(state)
-        .with_outbox(store.outbox_table());
+        .with_outbox(store.outbox_table())
+        .with_run(run);
     let running = Instant::now();
     let result = H::call(tx, payload, &ctx).await;
     telemetry::handler_duration(H::CONSUMER, running.elapsed());

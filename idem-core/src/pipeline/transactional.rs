@@ -79,7 +79,7 @@ pub(crate) async fn process<H: Handler>(
             return store_failure(e, key);
         }
     }
-    let called = call::<H>(store, &mut tx, payload, envelope, key, limits.state).await;
+    let called = call::<H>(store, &mut tx, payload, envelope, key, key, limits.state).await;
     let output = match encode_result::<H>(store, called.result, key) {
         Ok(output) => output,
         Err(failed) => {

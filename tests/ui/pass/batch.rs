@@ -37,6 +37,21 @@ async fn price_orders(
     Ok(orders.iter().map(|o| o.units * tariff.cents_per_unit).collect())
 }
 
+/// A batch handler's context: `ctx.item(i)` is message `i`'s, to stage what it causes.
+#[idempotent(store = Postgres, queue = "bills", key = "orders.order_id")]
+async fn bill_orders(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    orders: Batch<Order>,
+    ctx: &idem::Context<'_>,
+) -> Result<(), BatchError> {
+    for (i, order) in orders.iter().enumerate() {
+        let item = ctx.item(i).ok_or(HandlerError::permanent("no such message"))?;
+        let billed = idem::Outgoing::to_queue("billed", &order.order_id)?;
+        idem::outbox::stage(tx, item, billed).await?;
+    }
+    Ok(())
+}
+
 #[idempotent(store = MySql, queue = "checks")]
 async fn check_orders(
     _tx: &mut sqlx::Transaction<'_, sqlx::MySql>,

@@ -35,7 +35,7 @@ impl<H: Handler> Batch<'_, H> {
             items,
             members,
             outcomes,
-            staged: Vec::new(),
+            staged: false,
         };
         let store = self.store;
         let (mut tx, claims) = match run.claim().await {
@@ -148,6 +148,7 @@ impl<H: Handler> Run<'_, '_, H> {
         } = *self.batch;
         let mut first = true;
         let mut failed = Vec::new();
+        let run_key = self.run_key().to_owned();
         for (&k, claim) in self.members.iter().zip(claims) {
             let item = &mut self.items[k];
             let envelope = &envelopes[item.index];
@@ -173,12 +174,12 @@ impl<H: Handler> Run<'_, '_, H> {
                         failed.push(k);
                         continue;
                     }
-                    let called = call::<H>(store, tx, payload, envelope, key, limits.state).await;
+                    let run = &run_key;
+                    let called = call::<H>(store, tx, payload, envelope, key, run, limits.state);
+                    let called = called.await;
                     match encode_result::<H>(store, called.result, key) {
                         Ok(output) => {
-                            if called.staged > 0 {
-                                self.staged.push(k);
-                            }
+                            self.staged |= called.staged > 0;
                             let key = key.clone();
                             *slot = Some(Outcome::Processed { key, output });
                         }
@@ -224,22 +225,22 @@ impl<H: Handler> Run<'_, '_, H> {
         Ok(())
     }
 
-    /// After the commit: publishes the messages the processed members staged (a member rolled
-    /// back to its savepoint staged nothing that committed).
+    /// The key the members' staged messages are grouped under: the first member's.
+    pub(super) fn run_key(&self) -> &str {
+        self.members
+            .first()
+            .map_or("", |&k| self.items[k].keyed.key.as_str())
+    }
+
+    /// After the commit: publishes the messages the pass staged (those of a member rolled back
+    /// to its savepoint went with it), grouped under [`Run::run_key`].
     fn dispatch(&self) {
-        let Some(dispatch) = self.batch.limits.dispatch else {
+        let Some(dispatch) = self.batch.limits.dispatch.filter(|_| self.staged) else {
             return;
         };
-        if !self.staged.is_empty() {
-            #[cfg(feature = "fault-injection")]
-            crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
-        }
-        for &k in &self.staged {
-            let item = &self.items[k];
-            if let Some(Outcome::Processed { .. }) = &self.outcomes[item.index] {
-                dispatch.after_commit(H::CONSUMER, &item.keyed.key);
-            }
-        }
+        #[cfg(feature = "fault-injection")]
+        crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
+        dispatch.after_commit(H::CONSUMER, self.run_key());
     }
 
     /// The pass failed in its store: see [`Run::abort`].

@@ -47,9 +47,8 @@ pub(super) struct Run<'a, 'b, H: Handler> {
     /// The items this pass works on (indices into `items`), in order.
     pub(super) members: &'b [usize],
     pub(super) outcomes: &'b mut [Option<Outcome>],
-    /// The items whose run staged outbox messages (for a batch handler, the first item: its
-    /// context stages them all).
-    pub(super) staged: Vec<usize>,
+    /// Whether a handler of the pass staged outbox messages.
+    pub(super) staged: bool,
 }
 
 /// How the handler part of a pass ended.

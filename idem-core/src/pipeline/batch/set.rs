@@ -64,19 +64,24 @@ pub(super) async fn handle<H: Handler>(
             .map(|(k, payload)| (run.items[k].keyed.key.clone(), payload)),
     );
     let result = {
-        let first_index = first;
-        let first = &run.items[first];
-        let ctx = Context::new(&envelopes[first.index], H::CONSUMER, &first.keyed.key)
-            .with_state(limits.state)
-            .with_outbox(store.outbox_table());
+        let run_key = run.run_key();
+        let outbox = store.outbox_table();
+        let context = |k: usize| {
+            let item = &run.items[k];
+            Context::new(&envelopes[item.index], H::CONSUMER, &item.keyed.key)
+                .with_state(limits.state)
+                .with_outbox(outbox)
+                .with_run(run_key)
+        };
+        let items: Vec<Context<'_>> = fresh_items.iter().map(|&k| context(k)).collect();
+        let ctx = context(first).with_items(&items);
         let running = Instant::now();
         let result = H::call_batch(tx, batch, &ctx).await;
         telemetry::handler_duration(H::CONSUMER, running.elapsed());
-        if ctx.staged() > 0 {
-            run.staged.push(first_index);
-        }
-        result
+        (result, ctx.staged() > 0)
     };
+    let (result, staged) = result;
+    run.staged |= staged;
     let error = match result {
         Ok(outputs) if outputs.len() == fresh_items.len() => {
             for (&k, output) in fresh_items.iter().zip(outputs) {
