@@ -1,9 +1,15 @@
 //! Chaos: several `orders consume` processes (built with `fault-injection`) drain thousands of
-//! orders with duplicates and malformed messages, while processes are killed with SIGKILL at
-//! random and abort themselves before and after commits and half-way through dead-lettering;
-//! every killed process is restarted.
-//! Afterwards every unique order is stored exactly once, every balance is exact and every
-//! malformed message is in the dead-letter queue exactly once.
+//! orders with duplicates and malformed messages through both hops of the example (orders,
+//! then the `OrderBilled` events their outbox publishes to shipping), while processes are
+//! killed with SIGKILL at random and abort themselves before and after commits, half-way
+//! through dead-lettering, between a commit and its outbox dispatch and between a publish and
+//! the removal of its outbox row; every killed process is restarted. Once a third of the
+//! orders is stored the database is cut off for two seconds (a proxy in front of it drops
+//! every connection), and once two thirds are, the broker closes the consumers' connections.
+//! Afterwards every unique order is stored exactly once, every balance is exact, every order
+//! is shipped exactly once, each customer's parcels count that customer's orders, no outbox
+//! row is left unpublished, and every malformed message is in the dead-letter queue exactly
+//! once.
 //!
 //! It runs on the machine's broker with classic queues, once more with the orders booked by the
 //! batch handler (`ORDERS_BATCH_HANDLER=1`, batches of 50), and once more on the 3-node
@@ -89,8 +95,9 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     let binary = common::faulty_orders::build();
 
     let queue = common::unique("idem-chaos");
-    let database_url = common::postgres_url();
+    let (proxy, database_url) = common::proxy::postgres().await;
     let pool = common::postgres(4).await;
+    let mut orders_per_customer: HashMap<String, i64> = HashMap::new();
     let mut rng = Rng((u64::from(std::process::id()) * 0x9E37_79B9) | 1);
 
     // Topology as the consumers declare it, then the workload.
@@ -105,6 +112,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
             (n % 997) as i64 + 1,
         );
         *expected.entry(customer.clone()).or_default() += cents;
+        *orders_per_customer.entry(customer.clone()).or_default() += 1;
         let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": cents})
             .to_string();
         let message = idem::Envelope::new(body).with_message_id(id.as_str());
@@ -147,7 +155,8 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
             .env("ORDERS_POISON_LIMIT", "100")
             .env(
                 "IDEM_FAULT",
-                "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3",
+                "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3,\
+                 after_commit_before_dispatch=0.003,after_publish_before_mark=0.003",
             )
             .env("RUST_LOG", "error")
             .envs(env.iter().copied())
@@ -167,6 +176,17 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
             .unwrap_or(0)
     };
     let dead = || async { broker::count_on(urls, &idem::rabbitmq::dlq(&queue)).await };
+    let shipped = |pool: sqlx::PgPool, prefix: String| async move {
+        sqlx::query_as::<_, (i64, i64)>(
+            "SELECT (SELECT count(*) FROM shipments WHERE order_id LIKE $1),
+                    (SELECT count(*) FROM idem_outbox WHERE key LIKE $1)",
+        )
+        .bind(format!("{prefix}-%"))
+        .fetch_one(&pool)
+        .await
+        .unwrap_or((0, -1))
+    };
+    let (mut cut, mut closed) = (false, false);
     loop {
         // Keep every slot running: count the faults (self-aborts), restart the dead.
         for child in &mut children.0 {
@@ -177,7 +197,23 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
                 *child = spawn();
             }
         }
-        if stored(pool.clone(), queue.clone()).await >= orders as i64 && dead().await >= malformed {
+        let stored_now = stored(pool.clone(), queue.clone()).await;
+        if !cut && stored_now >= orders as i64 / 3 {
+            // The database goes away under load, and comes back.
+            proxy.cut();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            proxy.restore();
+            cut = true;
+        }
+        if !closed && stored_now >= 2 * orders as i64 / 3 && urls == amqp_url() {
+            closed = broker::close_connections(&queue) > 0;
+        }
+        let (shipments, unpublished) = shipped(pool.clone(), queue.clone()).await;
+        if stored_now >= orders as i64
+            && dead().await >= malformed
+            && shipments >= orders as i64
+            && unpublished == 0
+        {
             break;
         }
         assert!(
@@ -232,11 +268,35 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
                 .any(|r| r.describes(m.message_id().as_deref(), &m.body))
         })
         .count();
-    let violations =
-        orders.abs_diff(per_order.len()) + wrong_balances + malformed.abs_diff(dead_letters);
+    let shipments: Vec<(String, i64)> =
+        sqlx::query_as("SELECT order_id, 1::bigint FROM shipments WHERE order_id LIKE $1")
+            .bind(format!("{queue}-%"))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let parcels: HashMap<String, i64> =
+        sqlx::query_as("SELECT customer, n FROM parcels WHERE customer LIKE $1")
+            .bind(format!("{queue}-c%"))
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+    let wrong_parcels = orders_per_customer
+        .iter()
+        .filter(|(c, n)| parcels.get(*c) != Some(n))
+        .count();
+    let (_, unpublished) = shipped(pool.clone(), queue.clone()).await;
+    let violations = orders.abs_diff(per_order.len())
+        + wrong_balances
+        + malformed.abs_diff(dead_letters)
+        + orders.abs_diff(shipments.len())
+        + wrong_parcels
+        + unpublished.unsigned_abs() as usize;
     eprintln!(
         "chaos ({queue_type_name} queues{}): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
-         violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, dead letters {dead_letters}, recorded {reasons}), {:.1} s",
+         database cut {cut}, connections closed {closed}, \
+         violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, shipments {} of {orders}, wrong parcels {wrong_parcels}, unpublished {unpublished}, dead letters {dead_letters}, recorded {reasons}), {:.1} s",
         if env.is_empty() {
             String::new()
         } else {
@@ -244,10 +304,13 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         },
         deliveries - orders - malformed,
         per_order.len(),
+        shipments.len(),
         started.elapsed().as_secs_f64()
     );
     assert_eq!(violations, 0);
     assert_eq!(reasons, dead_letters, "a dead letter without its record");
     assert!(kills > 0, "nothing was killed; the run proves nothing");
     broker::delete_topology_on(urls, &queue, &RetryPolicy::default().delays()).await;
+    let billed = format!("{queue}.billed");
+    broker::delete_topology_on(urls, &billed, &RetryPolicy::default().delays()).await;
 }
