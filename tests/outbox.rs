@@ -414,3 +414,136 @@ outbox_suite!(
     sqlite().await,
     "SELECT count(*) FROM idem_ob_outbox WHERE key LIKE ?1"
 );
+
+/// A process of the orders example that commits an order and dies (SIGABRT, fault injection)
+/// right after the commit, before its outbox dispatch: the committed row stays, unpublished;
+/// another process's relay publishes it with the id derived from the order, and shipping books
+/// every order once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_dying_between_commit_and_dispatch_leaves_its_event_to_another_relay() {
+    crash_between_hops("after_commit_before_dispatch").await;
+}
+
+/// The same with the process dying after the broker confirmed the event, before its row was
+/// removed: another relay publishes it again, with the same id, and shipping skips the copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_dying_between_publish_and_mark_has_its_event_published_again_with_its_id() {
+    crash_between_hops("after_publish_before_mark").await;
+}
+
+async fn crash_between_hops(point: &str) {
+    use common::broker;
+    use common::running::DEADLINE;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, Stdio};
+
+    let binary = common::faulty_orders::build();
+    let pool = common::postgres(2).await;
+    let queue = common::unique("idem-test-ob-crash");
+    let billed = format!("{queue}.billed");
+    broker::declare_orders_queue(&queue).await;
+    let publisher = broker::publisher().await;
+    let ids: Vec<String> = (0..20).map(|n| format!("{queue}-{n}")).collect();
+    for (n, id) in ids.iter().enumerate() {
+        let order = Order {
+            order_id: id.clone(),
+            customer: format!("{queue}-c{}", n % 3),
+            amount_cents: 1,
+        };
+        broker::publish(
+            &publisher,
+            &queue,
+            Some(id),
+            &serde_json::to_vec(&order).unwrap(),
+        )
+        .await;
+    }
+    let consume = |fault: &str| {
+        Command::new(&binary)
+            .arg("consume")
+            .env("AMQP_URL", broker::amqp_url())
+            .env("DATABASE_URL", common::postgres_url())
+            .env("ORDERS_QUEUE", &queue)
+            .env("ORDERS_CONCURRENCY", "1")
+            .env("IDEM_FAULT", fault)
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let outbox = |pool: sqlx::PgPool, like: String| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM idem_outbox WHERE key LIKE $1")
+            .bind(format!("{like}-%"))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let mut first = consume(&format!("{point}=1"));
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = first.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "the process did not reach {point}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!(status.signal(), Some(6), "aborted at {point}: {status:?}");
+    let left = outbox(pool.clone(), queue.clone()).await;
+    if point == "after_commit_before_dispatch" {
+        assert_eq!(left, 1, "the committed order's event is left in the outbox");
+        assert_eq!(broker::count(&billed).await, 0, "nothing was published");
+    } else {
+        // The dispatch runs beside the next orders: some may have committed meanwhile.
+        assert!(left >= 1, "the published event's row is left in the outbox");
+    }
+
+    let mut second = consume("");
+    common::wait_until(
+        "every order shipped and the outbox drained",
+        DEADLINE,
+        || async {
+            let shipped: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM shipments WHERE order_id LIKE $1")
+                    .bind(format!("{queue}-%"))
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap_or(0);
+            shipped == 20 && outbox(pool.clone(), queue.clone()).await == 0
+        },
+    )
+    .await;
+    let _ = Command::new("kill")
+        .args(["-TERM", &second.id().to_string()])
+        .status();
+    let _ = second.wait();
+
+    // Shipping's dedup keys are the events' message ids: each derived from its order's key.
+    let keys: Vec<String> = sqlx::query_scalar(
+        "SELECT key FROM idem_inbox WHERE consumer = 'shipping' AND key = ANY($1)",
+    )
+    .bind(
+        ids.iter()
+            .map(|id| idem::outbox::outbox_message_id("orders", id, 0))
+            .collect::<Vec<_>>(),
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(keys.len(), 20, "every event carried its derived id");
+    let parcels: Vec<(String, i64)> =
+        sqlx::query_as("SELECT customer, n FROM parcels WHERE customer LIKE $1 ORDER BY customer")
+            .bind(format!("{queue}-c%"))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let expected: Vec<(String, i64)> = (0..3)
+        .map(|c| (format!("{queue}-c{c}"), if c < 2 { 7 } else { 6 }))
+        .collect();
+    assert_eq!(parcels, expected, "each order shipped once");
+    broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
+    broker::delete_topology(&billed, &idem::RetryPolicy::default().delays()).await;
+}
