@@ -28,6 +28,7 @@ pub mod prelude {
 /// The transactional outbox: messages a handler stages in its transaction
 /// ([`stage`](outbox::stage)), published once it commits.
 pub mod outbox {
+    pub use idem_core::model::outgoing::{reply, reply_message_id};
     pub use idem_core::model::{CAUSATION_HEADER, TRACEPARENT_HEADER};
     pub use idem_core::{Outgoing, outbox_message_id};
     pub use idem_sqlx::outbox::{stage, stage_all};

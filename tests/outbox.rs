@@ -90,6 +90,99 @@ macro_rules! outbox_suite {
                 Ok(())
             }
 
+            /// Quotes an order: ten times its amount, the result a request with `reply_to`
+            /// gets back.
+            #[idempotent(store = $store, key = "order.order_id", queue = "idem-test-outbox-quote")]
+            async fn quote(
+                _tx: &mut sqlx::Transaction<'_, $db>,
+                order: Order,
+            ) -> Result<i64, HandlerError> {
+                Ok(order.amount_cents * 10)
+            }
+
+            /// Through `build()`: a request naming `reply_to` gets the handler's result there
+            /// once, through the outbox; its duplicate gets the stored result, with the same
+            /// reply id and correlation; a request without `reply_to` gets nothing.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_request_gets_its_reply_once_and_a_duplicate_gets_the_stored_one() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-quote");
+                let replies = format!("{queue}.replies");
+                let quoting = idem::registry::find(concat!(module_path!(), "::quote"))
+                    .unwrap()
+                    .consumer();
+                let transport = RabbitTransport::new(RabbitConfig::new(amqp_url()));
+                let specs = [
+                    QueueSpec::new(queue.clone(), quoting),
+                    QueueSpec::new(replies.clone(), "replies"),
+                ];
+                transport.declare(&specs).await.unwrap();
+                let publisher = broker::publisher().await;
+                let request = |n: i64| {
+                    let order = Order {
+                        order_id: format!("{queue}-{n}"),
+                        customer: "c".into(),
+                        amount_cents: n,
+                    };
+                    Envelope::new(serde_json::to_vec(&order).unwrap())
+                        .with_message_id(format!("{queue}-{n}"))
+                };
+                let asked = request(7)
+                    .with_reply_to(&replies)
+                    .with_correlation_id("c-7");
+                publisher.publish("", &queue, &asked).await.unwrap();
+                publisher.publish("", &queue, &request(8)).await.unwrap();
+                let running = start(
+                    Runtime::builder()
+                        .transport(transport)
+                        .store(inbox(&pool))
+                        .state(Target(String::new()))
+                        .handlers([quoting])
+                        .handler_queue(quoting, &queue),
+                );
+                wait_until("the first reply", DEADLINE, || async {
+                    broker::count(&replies).await == 1
+                })
+                .await;
+                publisher.publish("", &queue, &asked).await.unwrap(); // a duplicate, after the reply
+                wait_until("every request settled", DEADLINE, || async {
+                    let now = running.now();
+                    now.processed == 2 && now.duplicates == 1
+                })
+                .await;
+                wait_until("the second reply", DEADLINE, || async {
+                    broker::count(&replies).await == 2
+                })
+                .await;
+                running.shut_down().await;
+                let got = broker::drain(&replies).await;
+                let id = idem::outbox::reply_message_id(quoting, &format!("{queue}-7"));
+                for reply in &got {
+                    assert_eq!(
+                        reply.body, b"70",
+                        "the handler's result, stored and replayed"
+                    );
+                    assert_eq!(reply.message_id().as_deref(), Some(id.as_str()));
+                    assert_eq!(
+                        reply
+                            .properties
+                            .correlation_id()
+                            .as_ref()
+                            .map(|c| c.to_string())
+                            .as_deref(),
+                        Some("c-7")
+                    );
+                }
+                assert_eq!(
+                    got.len(),
+                    2,
+                    "one reply per request, none for the request without reply_to"
+                );
+                assert_eq!(outbox_rows(&pool, &queue).await, 0);
+                broker::delete_topology(&queue, &[]).await;
+                broker::delete_topology(&replies, &[]).await;
+            }
+
             fn consumer() -> &'static str {
                 idem::registry::find(concat!(module_path!(), "::bill"))
                     .unwrap()

@@ -29,13 +29,14 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
         .as_ref()
         .map(ToString::to_string);
     envelope.content_type = properties.content_type().as_ref().map(ToString::to_string);
+    envelope.reply_to = properties.reply_to().as_ref().map(ToString::to_string);
     envelope.headers = headers;
     envelope.redelivered = redelivered;
     envelope
 }
 
-/// The AMQP properties of an outgoing message: its message id, correlation id, content type
-/// and headers (text as long strings, integers as 64-bit, bytes as byte arrays), persistent.
+/// The AMQP properties of an outgoing message: its message id, correlation id, content type,
+/// reply-to queue and headers (text as long strings, integers as 64-bit, bytes as byte arrays), persistent.
 pub(crate) fn properties(message: &Envelope) -> BasicProperties {
     let mut properties = BasicProperties::default().with_delivery_mode(2);
     if let Some(id) = &message.message_id {
@@ -46,6 +47,9 @@ pub(crate) fn properties(message: &Envelope) -> BasicProperties {
     }
     if let Some(content_type) = &message.content_type {
         properties = properties.with_content_type(ShortString::from(content_type.as_str()));
+    }
+    if let Some(queue) = &message.reply_to {
+        properties = properties.with_reply_to(ShortString::from(queue.as_str()));
     }
     if !message.headers.is_empty() {
         let mut table = FieldTable::default();

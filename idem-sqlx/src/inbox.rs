@@ -9,7 +9,7 @@ use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
 use idem_core::{
     Claim, ClaimRequest, DeadLetterRecord, ErrorClass, InboxStore, Lease, LeaseEnd, Outbound,
-    OutboxSelect, RelayReport, StoreError, StoreKind, StoredOutput, SweepReport,
+    OutboxSelect, Outgoing, RelayReport, StoreError, StoreKind, StoredOutput, SweepReport,
 };
 use sqlx::{Pool, Transaction};
 use std::fmt;
@@ -248,6 +248,16 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     fn outbox_table(&self) -> Option<&str> {
         Some(&self.outbox)
+    }
+
+    async fn stage_rows(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        run: &str,
+        messages: &[Outgoing],
+    ) -> Result<(), StoreError> {
+        crate::outbox::insert_rows::<DB>(tx, &self.outbox, consumer, run, messages).await
     }
 
     async fn relay(

@@ -255,7 +255,7 @@ async fn insert<DB: Dialect>(
 
 /// Inserts `messages` (stamped, with their ids) into `table` in `tx`, in order, with
 /// multi-row statements.
-async fn insert_rows<DB: Dialect>(
+pub(crate) async fn insert_rows<DB: Dialect>(
     tx: &mut Transaction<'_, DB>,
     table: &str,
     consumer: &str,

@@ -28,6 +28,9 @@ pub struct Envelope {
     /// The routing key the message was published with, when the transport has one: an ordered
     /// handler's partition key.
     pub routing_key: Option<String>,
+    /// Where the sender wants the handler's result (AMQP `reply_to`: a queue on the default
+    /// exchange).
+    pub reply_to: Option<String>,
 }
 
 impl Envelope {
@@ -61,6 +64,12 @@ impl Envelope {
     /// Sets the content type.
     pub fn with_content_type(mut self, content_type: impl Into<String>) -> Self {
         self.content_type = Some(content_type.into());
+        self
+    }
+
+    /// Sets the queue the handler's result is sent to.
+    pub fn with_reply_to(mut self, queue: impl Into<String>) -> Self {
+        self.reply_to = Some(queue.into());
         self
     }
 

@@ -2,6 +2,7 @@
 //! ([`outbox_message_id`]) and the headers that tie it to the message that caused it.
 
 use super::envelope::{Envelope, HeaderValue, Headers};
+use super::outcome::StoredOutput;
 use serde::Serialize;
 
 /// The header naming the message whose processing published this one (its message id).
@@ -82,6 +83,41 @@ impl Outgoing {
     pub fn message_id(&self) -> Option<&str> {
         self.envelope.message_id.as_deref()
     }
+}
+
+/// The reply to `request` (processed by `consumer` under `key`) carrying `output`, when the
+/// request names a `reply_to` queue: sent there through the default exchange, as JSON, with
+/// the request's correlation id (else its message id) and the id [`reply_message_id`], the
+/// same for a duplicate of the request, which gets the stored result.
+pub fn reply(
+    request: &Envelope,
+    consumer: &str,
+    key: &str,
+    output: &StoredOutput,
+) -> Option<Outgoing> {
+    let queue = request.reply_to.as_deref()?;
+    let mut reply = Outgoing::new("", queue, output.as_json().as_bytes().to_vec());
+    let envelope = &mut reply.envelope;
+    envelope.content_type = Some("application/json".to_owned());
+    envelope.message_id = Some(reply_message_id(consumer, key));
+    envelope.correlation_id = request
+        .correlation_id
+        .clone()
+        .or_else(|| request.message_id.clone());
+    if let Some(cause) = &request.message_id {
+        envelope.headers.insert(CAUSATION_HEADER, cause.as_str());
+    }
+    if let Some(trace) = request.headers.get(TRACEPARENT_HEADER) {
+        envelope.headers.insert(TRACEPARENT_HEADER, trace.clone());
+    }
+    Some(reply)
+}
+
+/// The id of the reply to key `key` of `consumer`: a UUIDv5 apart from every
+/// [`outbox_message_id`].
+pub fn reply_message_id(consumer: &str, key: &str) -> String {
+    let name = format!("reply\x1f{consumer}\x1f{key}");
+    uuid::Uuid::new_v5(&NAMESPACE, name.as_bytes()).to_string()
 }
 
 /// The id of the `ordinal`-th message (from 0) staged while `consumer` processed key `key`: a

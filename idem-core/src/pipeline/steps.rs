@@ -124,6 +124,31 @@ pub(crate) async fn call<H: Handler>(
     }
 }
 
+/// The outcome of a duplicate, once the stored result is sent again to the `reply_to` queue
+/// its request names (published directly: nothing is committed for a duplicate); a reply
+/// that cannot be sent makes the duplicate a retry, so that the sender gets one.
+pub(crate) async fn reply_again(
+    consumer: &str,
+    envelope: &Envelope,
+    outcome: Outcome,
+    dispatch: Option<Dispatch<'_>>,
+) -> Outcome {
+    let (Outcome::Duplicate { key, output }, Some(dispatch)) = (&outcome, dispatch) else {
+        return outcome;
+    };
+    let Some(reply) = crate::model::outgoing::reply(envelope, consumer, key, output) else {
+        return outcome;
+    };
+    match dispatch.outbound().publish(&reply).await {
+        Ok(()) => outcome,
+        Err(e) => failure(
+            ErrorClass::Transient,
+            format!("the stored result could not be sent to reply_to again: {e}"),
+            key,
+        ),
+    }
+}
+
 /// What a handler's run returned, and how many messages it staged in the outbox.
 pub(crate) struct Called<T> {
     pub(crate) result: Result<T, HandlerError>,

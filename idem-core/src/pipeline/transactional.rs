@@ -6,9 +6,10 @@
 //! (`runtime/settle.rs`).
 
 use super::steps::{
-    Limits, advance, call, encode_result, existing, poisoned, prepare, store_failure,
+    Limits, advance, call, encode_result, existing, poisoned, prepare, reply_again, store_failure,
 };
 use crate::handler::Handler;
+use crate::model::outgoing::reply;
 use crate::model::{Envelope, Outcome};
 use crate::store::{Claim, InboxStore};
 use crate::telemetry;
@@ -53,7 +54,7 @@ pub(crate) async fn process<H: Handler>(
         }) => {
             store.rollback(tx).await;
             let fingerprint = &keyed.fingerprint;
-            return existing(
+            let found = existing(
                 H::CONSUMER,
                 envelope,
                 key.clone(),
@@ -61,6 +62,7 @@ pub(crate) async fn process<H: Handler>(
                 &stored,
                 output,
             );
+            return reply_again(H::CONSUMER, envelope, found, limits.dispatch).await;
         }
         Err(e) => {
             store.rollback(tx).await;
@@ -93,13 +95,20 @@ pub(crate) async fn process<H: Handler>(
         store.rollback(tx).await;
         return store_failure(e, key);
     }
+    let mut staged = called.staged > 0;
+    if let Some(reply) = reply(envelope, H::CONSUMER, key, &output) {
+        let replies = std::slice::from_ref(&reply);
+        if let Err(e) = store.stage_rows(&mut tx, H::CONSUMER, key, replies).await {
+            store.rollback(tx).await;
+            return store_failure(e, key);
+        }
+        staged = true;
+    }
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
     match store.commit(tx).await {
         Ok(()) => {
-            if called.staged > 0
-                && let Some(dispatch) = limits.dispatch
-            {
+            if staged && let Some(dispatch) = limits.dispatch {
                 #[cfg(feature = "fault-injection")]
                 crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
                 dispatch.after_commit(H::CONSUMER, key);

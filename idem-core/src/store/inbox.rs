@@ -3,7 +3,7 @@
 
 use super::lease::{Lease, LeaseEnd};
 use super::relay::{OutboxSelect, RelayReport};
-use crate::model::{DeadLetterRecord, ErrorClass, Fingerprint, StoreError, StoredOutput};
+use crate::model::{DeadLetterRecord, ErrorClass, Fingerprint, Outgoing, StoreError, StoredOutput};
 use crate::transport::Outbound;
 use std::fmt;
 use std::future::Future;
@@ -324,6 +324,26 @@ pub trait InboxStore: Send + Sync + 'static {
     /// `None` (the default): the store keeps no outbox.
     fn outbox_table(&self) -> Option<&str> {
         None
+    }
+
+    /// Stages `messages` in the outbox, in the transaction `tx`, as staged by `consumer` and
+    /// grouped under `run` for their dispatch (the runtime stages replies this way). The
+    /// default refuses: the store keeps no outbox.
+    fn stage_rows<'a>(
+        &'a self,
+        tx: &'a mut Self::Tx,
+        consumer: &'a str,
+        run: &'a str,
+        messages: &'a [Outgoing],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        let _ = (tx, consumer, run, messages);
+        async {
+            Err(StoreError::new(
+                "stage",
+                ErrorClass::Permanent,
+                format!("the {} store keeps no outbox", Self::KIND),
+            ))
+        }
     }
 
     /// Publishes the committed outbox rows `select` names through `publish`, in the order they

@@ -73,6 +73,11 @@ pub struct Dispatch<'a> {
 }
 
 impl Dispatch<'_> {
+    /// The transport's publisher.
+    pub fn outbound(&self) -> &Arc<dyn Outbound> {
+        self.outbound
+    }
+
     /// Publishes, in the background, the rows `consumer` staged while processing `key`, once
     /// their transaction committed; the rows a failure leaves are the relay's.
     pub fn after_commit(&self, consumer: &str, key: &str) {

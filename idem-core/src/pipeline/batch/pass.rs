@@ -11,7 +11,8 @@ use super::gather::Item;
 use super::run::{Batch, How, Pass, Run, SetEnd};
 use super::set;
 use crate::handler::Handler;
-use crate::model::{ErrorClass, Outcome, StoreError, StoredOutput};
+use crate::model::outgoing::reply;
+use crate::model::{ErrorClass, Outcome, Outgoing, StoreError, StoredOutput};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{advance, call, encode_result, failure};
 use crate::store::{Claim, ClaimRequest, InboxStore};
@@ -70,9 +71,12 @@ impl<H: Handler> Batch<'_, H> {
                 return run.abort_store(e);
             }
         };
-        if let Err(e) = run.complete(&mut tx, &failed).await {
-            store.rollback(tx).await;
-            return run.abort_store(e);
+        match run.complete(&mut tx, &failed).await {
+            Ok(replied) => run.staged |= replied,
+            Err(e) => {
+                store.rollback(tx).await;
+                return run.abort_store(e);
+            }
         }
         #[cfg(feature = "fault-injection")]
         crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
@@ -196,12 +200,14 @@ impl<H: Handler> Run<'_, '_, H> {
         Ok(Some(failed))
     }
 
-    /// Stores the results of the processed items and removes the markers of the `failed` ones.
+    /// Stores the results of the processed items, stages the replies of those whose request
+    /// names a `reply_to` queue (`true` when there are), and removes the markers of the
+    /// `failed` ones.
     async fn complete(
         &self,
         tx: &mut <H::Store as InboxStore>::Tx,
         failed: &[usize],
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let store = self.batch.store;
         let requests = self.requests();
         let completed: Vec<(ClaimRequest<'_>, &StoredOutput)> = requests
@@ -222,7 +228,24 @@ impl<H: Handler> Run<'_, '_, H> {
                 .collect();
             store.unclaim(tx, H::CONSUMER, &keys).await?;
         }
-        Ok(())
+        let envelopes = self.batch.envelopes;
+        let replies: Vec<Outgoing> = self
+            .members
+            .iter()
+            .map(|&k| &self.items[k])
+            .filter_map(|item| match &self.outcomes[item.index] {
+                Some(Outcome::Processed { key, output }) => {
+                    reply(&envelopes[item.index], H::CONSUMER, key, output)
+                }
+                _ => None,
+            })
+            .collect();
+        if !replies.is_empty() {
+            store
+                .stage_rows(tx, H::CONSUMER, self.run_key(), &replies)
+                .await?;
+        }
+        Ok(!replies.is_empty())
     }
 
     /// The key the members' staged messages are grouped under: the first member's.
