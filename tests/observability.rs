@@ -453,6 +453,8 @@ async fn orders_consume_answers_health_and_readiness() {
     )
     .await;
     common::broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+    let billed = format!("{queue}.billed");
+    common::broker::delete_topology(&billed, &RetryPolicy::default().delays()).await;
 }
 
 /// `orders consume --metrics-addr`: the example consumer serves the scrape over HTTP.
@@ -495,9 +497,30 @@ async fn orders_consume_serves_metrics_for_prometheus() {
         },
     )
     .await;
+    // The order's `OrderBilled`, staged in its transaction, published right after the commit,
+    // and booked by shipping.
+    let shipped = "idem_messages_total{consumer=\"shipping\",outcome=\"processed\"} 1";
+    wait_until(
+        "the scrape to count the second hop",
+        Duration::from_secs(30),
+        || async { scrape().await.contains(shipped) },
+    )
+    .await;
     let text = scrape().await;
     assert!(
         text.contains("# TYPE idem_handler_duration_seconds summary"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idem_outbox_staged_total{consumer=\"orders\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idem_outbox_published_total{store=\"sqlite\",by=\"dispatch\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("idem_outbox_dispatch_seconds_count{store=\"sqlite\"} 1"),
         "{text}"
     );
     // The consumer's connection, as the scrape shows it: connected; closed by the broker, it
@@ -519,4 +542,6 @@ async fn orders_consume_serves_metrics_for_prometheus() {
     )
     .await;
     common::broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+    let billed = format!("{queue}.billed");
+    common::broker::delete_topology(&billed, &RetryPolicy::default().delays()).await;
 }

@@ -42,10 +42,23 @@ impl Outbound for Counting {
         message: &'a Outgoing,
     ) -> idem::transport::BoxFuture<'a, Result<(), OutboundError>> {
         Box::pin(async move {
-            self.publisher
+            let published = self
+                .publisher
                 .publish(&message.exchange, &message.routing_key, &message.envelope)
-                .await
-                .map_err(|e| OutboundError::Broker(BoxError::from(e)))?;
+                .await;
+            match published {
+                Ok(()) => {}
+                Err(idem::rabbitmq::PublishError::Unroutable {
+                    exchange,
+                    routing_key,
+                }) => {
+                    return Err(OutboundError::Unroutable {
+                        exchange,
+                        routing_key,
+                    });
+                }
+                Err(e) => return Err(OutboundError::Broker(BoxError::from(e))),
+            }
             let id = message.message_id().unwrap_or_default().to_owned();
             *self.confirmed.lock().unwrap().entry(id).or_default() += 1;
             Ok(())
@@ -392,6 +405,70 @@ macro_rules! outbox_suite {
                 assert_eq!(ids, expected, "published once each, in the order staged");
                 broker::delete_topology(&queue, &[]).await;
                 broker::delete_topology(&billed, &[]).await;
+            }
+
+            /// A message no queue takes is returned by the broker: its row stays (counted as
+            /// unroutable) and holds back the later messages of its run, while other runs go
+            /// out; once the queue exists, the next pass publishes them in order.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn an_unroutable_message_stays_and_goes_out_once_its_queue_exists() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-unroutable");
+                let missing = format!("{queue}.missing");
+                broker::declare_orders_queue(&queue).await;
+                let inbox = inbox(&pool);
+                let mut tx = pool.begin().await.unwrap();
+                let message =
+                    |to: &str, id: String| Outgoing::new("", to, id.clone()).with_message_id(id);
+                inbox
+                    .stage(&mut tx, message(&missing, format!("{queue}-1")))
+                    .await
+                    .unwrap();
+                inbox
+                    .stage(&mut tx, message(&queue, format!("{queue}-2")))
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                let counting = Counting {
+                    publisher: broker::publisher().await,
+                    confirmed: Mutex::default(),
+                };
+                use idem::store::InboxStore;
+                let select = OutboxSelect::Older {
+                    age: Duration::ZERO,
+                    limit: 1000,
+                };
+                let report = inbox.relay(&select, &counting).await.unwrap();
+                assert!(report.unroutable >= 1, "{report:?}");
+                assert!(
+                    report
+                        .failure
+                        .as_deref()
+                        .is_some_and(|f| f.contains(&missing)),
+                    "{report:?}"
+                );
+                assert_eq!(
+                    outbox_rows(&pool, &queue).await,
+                    1,
+                    "the unroutable row stays"
+                );
+                wait_until("the routable message", DEADLINE, || async {
+                    broker::count(&queue).await == 1
+                })
+                .await;
+                broker::declare_orders_queue(&missing).await;
+                let report = inbox.relay(&select, &counting).await.unwrap();
+                assert_eq!(report.unroutable, 0, "{report:?}");
+                assert_eq!(outbox_rows(&pool, &queue).await, 0);
+                let got = broker::drain(&missing).await;
+                assert_eq!(
+                    got.iter()
+                        .filter_map(|m| m.message_id())
+                        .collect::<Vec<_>>(),
+                    [format!("{queue}-1")]
+                );
+                broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+                broker::delete_topology(&missing, &RetryPolicy::default().delays()).await;
             }
 
             /// Three relays on connections of their own take passes over 600 rows at once:

@@ -18,6 +18,8 @@
 //! | `idem_outbox_published_total` | counter | `store`, `by`: `dispatch` (right after the commit) or `relay` |
 //! | `idem_outbox_unroutable_total` | counter | `store`: outbox messages the broker could not route (kept, retried) |
 //! | `idem_outbox_lag_seconds` | gauge | `store`: how long the oldest row a relay pass took had waited |
+//! | `idem_outbox_staged_total` | counter | `consumer`: messages staged by handlers that committed (replies included) |
+//! | `idem_outbox_dispatch_seconds` | histogram | `store`: from a commit that staged messages until they are published, confirmed and removed |
 //!
 //! The delivery span carries the W3C trace context of a message's `traceparent` header as the
 //! fields `trace_id` and `parent_span_id` (propagation only: no OpenTelemetry exporter is
@@ -137,6 +139,10 @@ pub const OUTBOX_PUBLISHED: &str = "idem_outbox_published_total";
 pub const OUTBOX_UNROUTABLE: &str = "idem_outbox_unroutable_total";
 /// How long the oldest outbox row a relay pass took had waited.
 pub const OUTBOX_LAG: &str = "idem_outbox_lag_seconds";
+/// Messages staged by handlers that committed.
+pub const OUTBOX_STAGED: &str = "idem_outbox_staged_total";
+/// From a commit that staged messages until they are published, confirmed and removed.
+pub const OUTBOX_DISPATCH: &str = "idem_outbox_dispatch_seconds";
 
 /// Describes every metric to the installed recorder (units and help texts).
 pub fn describe() {
@@ -182,6 +188,25 @@ pub fn describe() {
         Unit::Seconds,
         "How long the oldest outbox row a relay pass took had waited"
     );
+    describe_counter!(
+        OUTBOX_STAGED,
+        "Messages staged by handlers that committed (replies included)"
+    );
+    describe_histogram!(
+        OUTBOX_DISPATCH,
+        Unit::Seconds,
+        "From a commit that staged messages until they are published, confirmed and removed"
+    );
+}
+
+/// Counts `count` messages staged by `consumer` in a transaction that committed.
+pub(crate) fn staged(consumer: &'static str, count: u64) {
+    metrics::counter!(OUTBOX_STAGED, "consumer" => consumer).increment(count);
+}
+
+/// Records how long a dispatch took from its commit.
+pub(crate) fn dispatched(store: &'static str, since_commit: Duration) {
+    metrics::histogram!(OUTBOX_DISPATCH, "store" => store).record(since_commit.as_secs_f64());
 }
 
 /// Counts what one outbox pass (`by`: `dispatch` or `relay`) of `store` did.

@@ -95,20 +95,25 @@ pub(crate) async fn process<H: Handler>(
         store.rollback(tx).await;
         return store_failure(e, key);
     }
-    let mut staged = called.staged > 0;
+    let mut staged = called.staged;
     if let Some(reply) = reply(envelope, H::CONSUMER, key, &output) {
         let replies = std::slice::from_ref(&reply);
         if let Err(e) = store.stage_rows(&mut tx, H::CONSUMER, key, replies).await {
             store.rollback(tx).await;
             return store_failure(e, key);
         }
-        staged = true;
+        staged += 1;
     }
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
     match store.commit(tx).await {
         Ok(()) => {
-            if staged && let Some(dispatch) = limits.dispatch {
+            if staged > 0 {
+                telemetry::staged(H::CONSUMER, u64::from(staged));
+            }
+            if staged > 0
+                && let Some(dispatch) = limits.dispatch
+            {
                 #[cfg(feature = "fault-injection")]
                 crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
                 dispatch.after_commit(H::CONSUMER, key);

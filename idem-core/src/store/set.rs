@@ -87,9 +87,15 @@ impl Dispatch<'_> {
         };
         let pass = (self.relay.relay)(select, self.outbound.clone());
         let store = self.relay.kind.label();
+        let committed = std::time::Instant::now();
         tokio::spawn(async move {
             match pass.await {
-                Ok(report) => crate::telemetry::relayed(store, "dispatch", &report),
+                Ok(report) => {
+                    crate::telemetry::relayed(store, "dispatch", &report);
+                    if report.failure.is_none() {
+                        crate::telemetry::dispatched(store, committed.elapsed());
+                    }
+                }
                 Err(e) => tracing::warn!(
                     store,
                     error = %e,

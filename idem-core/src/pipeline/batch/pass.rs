@@ -36,7 +36,7 @@ impl<H: Handler> Batch<'_, H> {
             items,
             members,
             outcomes,
-            staged: false,
+            staged: 0,
         };
         let store = self.store;
         let (mut tx, claims) = match run.claim().await {
@@ -72,7 +72,7 @@ impl<H: Handler> Batch<'_, H> {
             }
         };
         match run.complete(&mut tx, &failed).await {
-            Ok(replied) => run.staged |= replied,
+            Ok(replies) => run.staged += replies,
             Err(e) => {
                 store.rollback(tx).await;
                 return run.abort_store(e);
@@ -183,7 +183,7 @@ impl<H: Handler> Run<'_, '_, H> {
                     let called = called.await;
                     match encode_result::<H>(store, called.result, key) {
                         Ok(output) => {
-                            self.staged |= called.staged > 0;
+                            self.staged += called.staged;
                             let key = key.clone();
                             *slot = Some(Outcome::Processed { key, output });
                         }
@@ -201,13 +201,13 @@ impl<H: Handler> Run<'_, '_, H> {
     }
 
     /// Stores the results of the processed items, stages the replies of those whose request
-    /// names a `reply_to` queue (`true` when there are), and removes the markers of the
-    /// `failed` ones.
+    /// names a `reply_to` queue (returning how many), and removes the markers of the `failed`
+    /// ones.
     async fn complete(
         &self,
         tx: &mut <H::Store as InboxStore>::Tx,
         failed: &[usize],
-    ) -> Result<bool, StoreError> {
+    ) -> Result<u32, StoreError> {
         let store = self.batch.store;
         let requests = self.requests();
         let completed: Vec<(ClaimRequest<'_>, &StoredOutput)> = requests
@@ -245,7 +245,7 @@ impl<H: Handler> Run<'_, '_, H> {
                 .stage_rows(tx, H::CONSUMER, self.run_key(), &replies)
                 .await?;
         }
-        Ok(!replies.is_empty())
+        Ok(u32::try_from(replies.len()).unwrap_or(u32::MAX))
     }
 
     /// The key the members' staged messages are grouped under: the first member's.
@@ -258,7 +258,11 @@ impl<H: Handler> Run<'_, '_, H> {
     /// After the commit: publishes the messages the pass staged (those of a member rolled back
     /// to its savepoint went with it), grouped under [`Run::run_key`].
     fn dispatch(&self) {
-        let Some(dispatch) = self.batch.limits.dispatch.filter(|_| self.staged) else {
+        if self.staged == 0 {
+            return;
+        }
+        telemetry::staged(H::CONSUMER, u64::from(self.staged));
+        let Some(dispatch) = self.batch.limits.dispatch else {
             return;
         };
         #[cfg(feature = "fault-injection")]

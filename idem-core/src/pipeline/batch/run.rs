@@ -47,8 +47,8 @@ pub(super) struct Run<'a, 'b, H: Handler> {
     /// The items this pass works on (indices into `items`), in order.
     pub(super) members: &'b [usize],
     pub(super) outcomes: &'b mut [Option<Outcome>],
-    /// Whether a handler of the pass staged outbox messages.
-    pub(super) staged: bool,
+    /// How many outbox messages the pass staged (replies included).
+    pub(super) staged: u32,
 }
 
 /// How the handler part of a pass ended.

@@ -78,10 +78,10 @@ pub(super) async fn handle<H: Handler>(
         let running = Instant::now();
         let result = H::call_batch(tx, batch, &ctx).await;
         telemetry::handler_duration(H::CONSUMER, running.elapsed());
-        (result, ctx.staged() > 0)
+        (result, ctx.staged())
     };
     let (result, staged) = result;
-    run.staged |= staged;
+    run.staged += staged;
     let error = match result {
         Ok(outputs) if outputs.len() == fresh_items.len() => {
             for (&k, output) in fresh_items.iter().zip(outputs) {
