@@ -27,8 +27,14 @@ struct Order {
 /// Where the handlers send what they stage.
 struct Target(String);
 
-/// The inbox table of these tests.
+/// The inbox tables of these tests, one per test that relays: a relay takes every row of its
+/// outbox, so no test's rows are another test's.
 const TABLE: &str = "idem_ob_inbox";
+const QUOTE: &str = "idem_ob_quote_inbox";
+const RELAY: &str = "idem_ob_relay_inbox";
+const RELAYS: &str = "idem_ob_relays_inbox";
+const UNROUTABLE: &str = "idem_ob_unroutable_inbox";
+const NOTIFY: &str = "idem_ob_notify_inbox";
 
 /// Publishes through a confirmed publisher and counts, per message id, the confirms it got.
 struct Counting {
@@ -148,7 +154,7 @@ macro_rules! outbox_suite {
                 let running = start(
                     Runtime::builder()
                         .transport(transport)
-                        .store(inbox(&pool))
+                        .store(inbox(&pool, QUOTE).await)
                         .state(Target(String::new()))
                         .handlers([quoting])
                         .handler_queue(quoting, &queue),
@@ -191,7 +197,7 @@ macro_rules! outbox_suite {
                     2,
                     "one reply per request, none for the request without reply_to"
                 );
-                assert_eq!(outbox_rows(&pool, &queue).await, 0);
+                assert_eq!(outbox_rows(&pool, QUOTE, &queue).await, 0);
                 broker::delete_topology(&queue, &[]).await;
                 broker::delete_topology(&replies, &[]).await;
             }
@@ -202,16 +208,23 @@ macro_rules! outbox_suite {
                     .consumer()
             }
 
-            fn inbox(pool: &sqlx::Pool<$db>) -> $inbox {
-                <$inbox>::new(pool.clone()).table(TABLE).unwrap()
+            /// The inbox in `table`, migrated.
+            async fn inbox(pool: &sqlx::Pool<$db>, table: &str) -> $inbox {
+                let inbox = <$inbox>::new(pool.clone()).table(table).unwrap();
+                inbox.migrate().await.unwrap();
+                inbox
             }
 
-            async fn outbox_rows(pool: &sqlx::Pool<$db>, like: &str) -> i64 {
-                sqlx::query_scalar::<_, i64>($count)
-                    .bind(format!("{like}%"))
-                    .fetch_one(pool)
-                    .await
-                    .unwrap()
+            /// The rows of the outbox beside `table` whose run key starts with `like`.
+            async fn outbox_rows(pool: &sqlx::Pool<$db>, table: &str, like: &str) -> i64 {
+                let outbox = table.replace("_inbox", "_outbox");
+                sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(
+                    $count.replace("{outbox}", &outbox),
+                ))
+                .bind(format!("{like}%"))
+                .fetch_one(pool)
+                .await
+                .unwrap()
             }
 
             /// Through `build()` on RabbitMQ: every committed order publishes its `Billed`
@@ -264,7 +277,7 @@ macro_rules! outbox_suite {
                 let running = start(
                     Runtime::builder()
                         .transport(transport)
-                        .store(inbox(&pool))
+                        .store(inbox(&pool, TABLE).await)
                         .state(Target(billed.clone()))
                         .handlers([consumer()])
                         .handler_queue(consumer(), &queue)
@@ -276,7 +289,7 @@ macro_rules! outbox_suite {
                 })
                 .await;
                 wait_until("the outbox drained", DEADLINE, || async {
-                    outbox_rows(&pool, &queue).await == 0
+                    outbox_rows(&pool, TABLE, &queue).await == 0
                 })
                 .await;
                 let stats = running.shut_down().await;
@@ -355,7 +368,7 @@ macro_rules! outbox_suite {
                     .declare(&[spec, QueueSpec::new(billed.clone(), "billed")])
                     .await
                     .unwrap();
-                let inbox = inbox(&pool);
+                let inbox = inbox(&pool, RELAY).await;
                 let message = |n: usize| {
                     let order = Order {
                         order_id: format!("{queue}-{n}"),
@@ -381,7 +394,7 @@ macro_rules! outbox_suite {
                     inbox.stage(&mut tx, message(n)).await.unwrap();
                 }
                 tx.commit().await.unwrap();
-                assert_eq!(outbox_rows(&pool, &queue).await, 5);
+                assert_eq!(outbox_rows(&pool, RELAY, &queue).await, 5);
                 let running = start(
                     Runtime::builder()
                         .transport(transport)
@@ -392,7 +405,7 @@ macro_rules! outbox_suite {
                         .relay(Duration::from_millis(50), Duration::ZERO),
                 );
                 wait_until("the relay drained the outbox", DEADLINE, || async {
-                    outbox_rows(&pool, &queue).await == 0
+                    outbox_rows(&pool, RELAY, &queue).await == 0
                 })
                 .await;
                 running.shut_down().await;
@@ -416,7 +429,7 @@ macro_rules! outbox_suite {
                 let queue = unique("idem-test-ob-unroutable");
                 let missing = format!("{queue}.missing");
                 broker::declare_orders_queue(&queue).await;
-                let inbox = inbox(&pool);
+                let inbox = inbox(&pool, UNROUTABLE).await;
                 let mut tx = pool.begin().await.unwrap();
                 let message =
                     |to: &str, id: String| Outgoing::new("", to, id.clone()).with_message_id(id);
@@ -448,7 +461,7 @@ macro_rules! outbox_suite {
                     "{report:?}"
                 );
                 assert_eq!(
-                    outbox_rows(&pool, &queue).await,
+                    outbox_rows(&pool, UNROUTABLE, &queue).await,
                     1,
                     "the unroutable row stays"
                 );
@@ -459,7 +472,7 @@ macro_rules! outbox_suite {
                 broker::declare_orders_queue(&missing).await;
                 let report = inbox.relay(&select, &counting).await.unwrap();
                 assert_eq!(report.unroutable, 0, "{report:?}");
-                assert_eq!(outbox_rows(&pool, &queue).await, 0);
+                assert_eq!(outbox_rows(&pool, UNROUTABLE, &queue).await, 0);
                 let got = broker::drain(&missing).await;
                 assert_eq!(
                     got.iter()
@@ -478,7 +491,7 @@ macro_rules! outbox_suite {
                 let (pool, _dir) = $pool;
                 let queue = unique("idem-test-ob-relays");
                 broker::declare_orders_queue(&queue).await;
-                let inbox = inbox(&pool);
+                let inbox = inbox(&pool, RELAYS).await;
                 let mut tx = pool.begin().await.unwrap();
                 for n in 0..600 {
                     let message = Outgoing::new("", &queue, format!("{n}"))
@@ -493,7 +506,7 @@ macro_rules! outbox_suite {
                 let mut relays = Vec::new();
                 for _ in 0..3 {
                     let (own, _own_dir) = $pool;
-                    let relay = <$inbox>::new(own).table(TABLE).unwrap();
+                    let relay = <$inbox>::new(own).table(RELAYS).unwrap();
                     let counting = counting.clone();
                     let pool = pool.clone();
                     let like = queue.clone();
@@ -503,7 +516,7 @@ macro_rules! outbox_suite {
                             limit: 50,
                         };
                         let mut passes = 0;
-                        while outbox_rows(&pool, &like).await > 0 {
+                        while outbox_rows(&pool, RELAYS, &like).await > 0 {
                             use idem::store::InboxStore;
                             relay.relay(&select, counting.as_ref()).await.unwrap();
                             passes += 1;
@@ -566,7 +579,7 @@ outbox_suite!(
     sqlx::Postgres,
     idem::sql::PgInbox,
     postgres().await,
-    "SELECT count(*) FROM idem_ob_outbox WHERE key LIKE $1"
+    "SELECT count(*) FROM {outbox} WHERE key LIKE $1"
 );
 outbox_suite!(
     mysql,
@@ -574,7 +587,7 @@ outbox_suite!(
     sqlx::MySql,
     idem::sql::MySqlInbox,
     mysql().await,
-    "SELECT CAST(count(*) AS SIGNED) FROM idem_ob_outbox WHERE `key` LIKE ?"
+    "SELECT CAST(count(*) AS SIGNED) FROM {outbox} WHERE `key` LIKE ?"
 );
 outbox_suite!(
     sqlite,
@@ -582,7 +595,7 @@ outbox_suite!(
     sqlx::Sqlite,
     idem::sql::SqliteInbox,
     sqlite().await,
-    "SELECT count(*) FROM idem_ob_outbox WHERE key LIKE ?1"
+    "SELECT count(*) FROM {outbox} WHERE key LIKE ?1"
 );
 
 /// A process of the orders example that commits an order and dies (SIGABRT, fault injection)
@@ -716,4 +729,50 @@ async fn crash_between_hops(point: &str) {
     assert_eq!(parcels, expected, "each order shipped once");
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
     broker::delete_topology(&billed, &idem::RetryPolicy::default().delays()).await;
+}
+
+/// On PostgreSQL a row staged outside any handler is published at once: its transaction
+/// notifies the relays (`LISTEN`/`NOTIFY`) at the commit. The relay here polls only every
+/// minute, for rows a minute old: the message arrives long before that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_notification_wakes_the_relay() {
+    use common::broker::{self, amqp_url};
+    use common::running::start;
+    use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+    use std::time::Duration;
+
+    let (pool, _) = postgres().await;
+    let inbox = idem::sql::PgInbox::new(pool.clone()).table(NOTIFY).unwrap();
+    inbox.migrate().await.unwrap();
+    let queue = common::unique("idem-test-ob-notify");
+    let consumed = format!("{queue}.in");
+    broker::declare_orders_queue(&queue).await;
+    broker::declare_orders_queue(&consumed).await;
+    let consumer = idem::registry::find("outbox::postgres::bill")
+        .unwrap()
+        .consumer();
+    let running = start(
+        idem::Runtime::builder()
+            .transport(RabbitTransport::new(RabbitConfig::new(amqp_url())))
+            .store(inbox.clone())
+            .state(Target(String::new()))
+            .handlers([consumer])
+            .handler_queue(consumer, &consumed)
+            .relay(Duration::from_secs(60), Duration::from_secs(60)),
+    );
+    // The first row goes out once the relay listens (it takes what was staged meanwhile);
+    // the second only through its notification, or the next poll, a minute later.
+    for n in 1..=2 {
+        let mut tx = pool.begin().await.unwrap();
+        let message = Outgoing::new("", &queue, "hello").with_message_id(format!("{queue}-{n}"));
+        inbox.stage(&mut tx, message).await.unwrap();
+        tx.commit().await.unwrap();
+        common::wait_until("the relay to publish", Duration::from_secs(20), || async {
+            broker::count(&queue).await == n
+        })
+        .await;
+    }
+    running.shut_down().await;
+    broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
+    broker::delete_topology(&consumed, &idem::RetryPolicy::default().delays()).await;
 }

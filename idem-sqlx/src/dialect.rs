@@ -32,6 +32,18 @@ pub trait Dialect: Sql {
         "?".to_owned()
     }
 
+    /// Starts listening, on a connection of `pool`'s own, for the notifications that rows were
+    /// staged in `outbox` outside any handler, waking `wake` at each; `false` (the default):
+    /// the database sends none, and the relays poll.
+    fn listen(
+        pool: sqlx::Pool<Self>,
+        outbox: String,
+        wake: std::sync::Arc<crate::outbox::Wake>,
+    ) -> bool {
+        let _ = (pool, outbox, wake);
+        false
+    }
+
     /// Refuses a request this database cannot hold as it is (default: none).
     fn check_request(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
         let _ = request;

@@ -24,7 +24,9 @@ pub struct SqlInbox<DB: Dialect> {
     pub(crate) config: InboxConfig,
     pub(crate) sql: Arc<Prepared>,
     /// The outbox table beside the inbox table.
-    outbox: String,
+    pub(crate) outbox: String,
+    /// The relay's wake-ups (notifications of rows staged outside any handler).
+    pub(crate) wake: Arc<crate::outbox::Wake>,
     /// Set while this process's sweeper of this inbox works, where
     /// [`Dialect::LOCAL_SWEEP_LOCK`].
     sweeping: Arc<AtomicBool>,
@@ -42,6 +44,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         Self {
             pool,
             outbox: config.table.outbox(),
+            wake: crate::outbox::wake(),
             config,
             sql,
             sweeping: Arc::default(),
@@ -260,6 +263,10 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         crate::outbox::insert_rows::<DB>(tx, &self.outbox, consumer, run, messages).await
     }
 
+    async fn outbox_wakeup(&self) {
+        self.staged_elsewhere().await;
+    }
+
     async fn relay(
         &self,
         select: &OutboxSelect,
@@ -288,6 +295,7 @@ impl<DB: Dialect> Clone for SqlInbox<DB> {
             config: self.config.clone(),
             sql: self.sql.clone(),
             outbox: self.outbox.clone(),
+            wake: self.wake.clone(),
             sweeping: self.sweeping.clone(),
         }
     }

@@ -14,7 +14,26 @@ use idem_core::transport::{Outbound, OutboundError};
 use idem_core::{Context, Envelope, ErrorClass, OutboxSelect, Outgoing, RelayReport, StoreError};
 use sqlx::Transaction;
 use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
+
+/// The wake-ups of an inbox's relay: set by the database's notifications, where it sends them.
+#[derive(Debug, Default)]
+pub struct Wake {
+    /// A permit per notification (one is kept while nobody waits).
+    pub notify: tokio::sync::Notify,
+    /// Whether a listener was started.
+    listening: AtomicBool,
+}
+
+/// The channel PostgreSQL notifications of staged rows go to; the payload names the outbox.
+pub const CHANNEL: &str = "idem_outbox";
+
+/// A shared [`Wake`].
+pub(crate) fn wake() -> Arc<Wake> {
+    Arc::default()
+}
 
 /// PostgreSQL: rows taken with `FOR UPDATE SKIP LOCKED`.
 #[cfg(feature = "postgres")]
@@ -29,9 +48,13 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
     FROM "{outbox}" WHERE created_at < now() - $1 * interval '1 millisecond'
     ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED"#,
+    unowned: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
+        content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
+    FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
     now: "now()",
+    notify: Some("SELECT pg_notify('idem_outbox', '{outbox}')::text"),
 };
 
 /// PostgreSQL's outbox table.
@@ -67,12 +90,16 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
         content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
     FROM `{outbox}` WHERE created_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
     ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"#,
+    unowned: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
+        content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
+    FROM `{outbox}` WHERE consumer = '' ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"#,
     // Driven by the list, one primary-key lookup per row: a plain `IN` list may be planned as
     // a scan, which waits on (and deadlocks with) the rows other passes hold.
     delete: r#"DELETE o FROM JSON_TABLE('[{seqs}]', '$[*]' COLUMNS (seq BIGINT PATH '$')) AS j
     STRAIGHT_JOIN `{outbox}` o ON o.seq = j.seq"#,
     prelude: Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"),
     now: "UTC_TIMESTAMP(6)",
+    notify: None,
 };
 
 /// MySQL's outbox table.
@@ -105,9 +132,13 @@ pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
     older: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, {now} - created_at AS age_ms
     FROM "{outbox}" WHERE created_at < {now} - ?1 ORDER BY seq LIMIT ?2"#,
+    unowned: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
+        content_type, {now} - created_at AS age_ms
+    FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT ?1"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
     now: "{now}",
+    notify: None,
 };
 
 /// SQLite's outbox table (`AUTOINCREMENT`: a sequence number is never reused, so the order
@@ -166,7 +197,32 @@ impl<DB: Dialect> SqlInbox<DB> {
             ));
         };
         let id = id.to_owned();
-        insert::<DB>(tx, &self.config.table.outbox(), "", &id, &message).await
+        insert::<DB>(tx, &self.outbox, "", &id, &message).await?;
+        if let Some(notify) = &self.sql.outbox.notify {
+            // Delivered at the commit: the relays listening take the row at once.
+            DB::execute(&mut **tx, notify, &[])
+                .await
+                .map_err(|e| store_error("stage", e))?;
+        }
+        Ok(id)
+    }
+
+    /// Resolves when this inbox's database says rows were staged outside any handler and
+    /// committed ([`Dialect::listen`]); never, where it cannot tell.
+    pub(crate) async fn staged_elsewhere(&self) {
+        if self
+            .wake
+            .listening
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.wake.notify.notified().await;
+            return;
+        }
+        let listening = DB::listen(self.pool.clone(), self.outbox.clone(), self.wake.clone());
+        if !listening {
+            std::future::pending::<()>().await;
+        }
+        self.wake.notify.notified().await;
     }
 
     /// One relay pass: takes the rows `select` names (skipping rows another pass holds),
@@ -196,6 +252,10 @@ impl<DB: Dialect> SqlInbox<DB> {
                 let age = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
                 let params = [Param::Int(age), Param::Int(i64::from(*limit))];
                 DB::fetch_all(&mut *tx, &sql.older, &params).await
+            }
+            OutboxSelect::Unowned { limit } => {
+                let params = [Param::Int(i64::from(*limit))];
+                DB::fetch_all(&mut *tx, &sql.unowned, &params).await
             }
             _ => Ok(Vec::new()),
         }

@@ -87,6 +87,30 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     (6, crate::outbox::POSTGRES_TABLE),
 ];
 
+/// Wakes `wake` at each notification on [`crate::outbox::CHANNEL`] naming `outbox`, on a
+/// connection of its own; a lost connection is opened again (and wakes once: a notification
+/// may have been missed meanwhile).
+async fn listen(pool: sqlx::PgPool, outbox: String, wake: std::sync::Arc<crate::outbox::Wake>) {
+    loop {
+        let listening = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
+            listener.listen(crate::outbox::CHANNEL).await?;
+            wake.notify.notify_one();
+            loop {
+                let notification = listener.recv().await?;
+                if notification.payload() == outbox {
+                    wake.notify.notify_one();
+                }
+            }
+        };
+        let result: Result<(), sqlx::Error> = listening.await;
+        if let Err(e) = result {
+            tracing::debug!(error = %e, "listening for staged outbox rows failed; listening again");
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
+
 /// Claims in one round trip: the insert, and for an existing row its fingerprint and result.
 ///
 /// In a transactional claim the row is written as `completed`: nobody can see it before the
@@ -252,6 +276,15 @@ impl RowsAffected for PgQueryResult {
 impl Dialect for Postgres {
     fn placeholder(n: usize) -> String {
         format!("${n}")
+    }
+
+    fn listen(
+        pool: sqlx::Pool<Self>,
+        outbox: String,
+        wake: std::sync::Arc<crate::outbox::Wake>,
+    ) -> bool {
+        tokio::spawn(listen(pool, outbox, wake));
+        true
     }
 
     const KIND: StoreKind = StoreKind::new("Postgres", "postgres", "idem::sql::PgInbox");

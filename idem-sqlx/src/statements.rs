@@ -61,6 +61,9 @@ pub struct OutboxStatements<S = &'static str> {
     /// Takes the oldest rows staged longer ago than the given milliseconds (milliseconds, the
     /// number of rows), with the columns of `run`.
     pub older: S,
+    /// Takes the oldest rows staged outside any handler (the number of rows), with the columns
+    /// of `run`.
+    pub unowned: S,
     /// Removes rows by `seq`; `{seqs}` stands for their comma-separated list, written into the
     /// text (integers), no parameters.
     pub delete: S,
@@ -68,6 +71,8 @@ pub struct OutboxStatements<S = &'static str> {
     pub prelude: Option<&'static str>,
     /// The staging time, as the dialect writes `created_at`.
     pub now: &'static str,
+    /// Tells the relays, at the commit, that rows were staged outside any handler.
+    pub notify: Option<S>,
 }
 
 /// Entity versions (`{table}_versions`): raising the version applied to an entity in the
@@ -301,6 +306,8 @@ impl Statements {
                 stage: fill(self.outbox.stage),
                 run: fill(self.outbox.run),
                 older: fill(self.outbox.older),
+                unowned: fill(self.outbox.unowned),
+                notify: self.outbox.notify.map(fill),
                 delete: fill(self.outbox.delete),
                 prelude: self.outbox.prelude,
                 now: self.outbox.now,

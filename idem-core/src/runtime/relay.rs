@@ -29,7 +29,8 @@ impl Default for RelaySettings {
 }
 
 /// Relays `relay`'s rows through `outbound` until `stop`: a full pass is followed by the next
-/// at once, anything less waits `settings.interval`.
+/// at once, anything less waits `settings.interval`, or until the store says rows staged
+/// outside any handler were committed (then those are taken at once).
 pub(crate) async fn run(
     relay: Relay,
     outbound: Arc<dyn Outbound>,
@@ -37,12 +38,13 @@ pub(crate) async fn run(
     mut stop: StopSignal,
 ) {
     let store = relay.kind.label();
+    let older = OutboxSelect::Older {
+        age: settings.age,
+        limit: settings.batch,
+    };
+    let mut select = older.clone();
     loop {
-        let select = OutboxSelect::Older {
-            age: settings.age,
-            limit: settings.batch,
-        };
-        let pass = (relay.relay)(select, outbound.clone());
+        let pass = (relay.relay)(select.clone(), outbound.clone());
         let report = tokio::select! {
             report = pass => report,
             _ = stop.wait_for(|stopped| *stopped) => return,
@@ -69,9 +71,10 @@ pub(crate) async fn run(
         if full {
             continue;
         }
-        tokio::select! {
-            () = tokio::time::sleep(settings.interval) => {}
+        select = tokio::select! {
+            () = tokio::time::sleep(settings.interval) => older.clone(),
+            () = (relay.wakeup)() => OutboxSelect::Unowned { limit: settings.batch },
             _ = stop.wait_for(|stopped| *stopped) => return,
-        }
+        };
     }
 }

@@ -359,6 +359,13 @@ pub trait InboxStore: Send + Sync + 'static {
         async { Ok(RelayReport::default()) }
     }
 
+    /// Resolves when rows staged outside any handler may have been committed (PostgreSQL: a
+    /// `NOTIFY` sent by their transaction), so that a relay takes them at once
+    /// ([`OutboxSelect::Unowned`]) instead of at its next poll. The default never resolves.
+    fn outbox_wakeup(&self) -> impl Future<Output = ()> + Send + '_ {
+        std::future::pending()
+    }
+
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 

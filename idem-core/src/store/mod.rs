@@ -9,4 +9,4 @@ pub mod set;
 pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
 pub use lease::{Lease, LeaseEnd, owner_token};
 pub use relay::{OutboxSelect, RelayReport};
-pub use set::{Dispatch, Relay, RelayFn, Stores, SweepFn, Sweeper};
+pub use set::{Dispatch, Relay, RelayFn, Stores, SweepFn, Sweeper, WakeupFn};

@@ -22,6 +22,13 @@ pub enum OutboxSelect {
         /// Rows per pass.
         limit: u32,
     },
+    /// At most `limit` rows staged outside any handler (in a transaction of the caller's own,
+    /// whose process dispatches nothing), whatever their age, oldest first: what a relay takes
+    /// when the store tells it such rows were committed.
+    Unowned {
+        /// Rows per pass.
+        limit: u32,
+    },
 }
 
 /// What one relay pass did.

@@ -48,14 +48,20 @@ pub type RelayFn = Arc<
         + Sync,
 >;
 
-/// A store's outbox relay, as the runtime runs it: after a commit that staged messages, and
-/// on an interval for the rows a crash left.
+/// One store's [`InboxStore::outbox_wakeup`], type-erased.
+pub type WakeupFn = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// A store's outbox relay, as the runtime runs it: after a commit that staged messages, on
+/// an interval for the rows a crash left, and when the store says rows staged outside any
+/// handler were committed.
 #[derive(Clone)]
 pub struct Relay {
     /// The database.
     pub kind: StoreKind,
     /// Runs one relay pass.
     pub relay: RelayFn,
+    /// Resolves when rows staged outside any handler may be waiting.
+    pub wakeup: WakeupFn,
 }
 
 impl fmt::Debug for Relay {
@@ -143,11 +149,17 @@ impl Stores {
             let store = relaying.clone();
             Box::pin(async move { store.relay(&select, outbound.as_ref()).await })
         });
+        let waking = store.clone();
+        let wakeup: WakeupFn = Arc::new(move || {
+            let store = waking.clone();
+            Box::pin(async move { store.outbox_wakeup().await })
+        });
         self.relays.insert(
             TypeId::of::<S>(),
             Relay {
                 kind: S::KIND,
                 relay,
+                wakeup,
             },
         );
         self.stores.insert(TypeId::of::<S>(), store);
