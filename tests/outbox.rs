@@ -124,6 +124,16 @@ macro_rules! outbox_suite {
             /// reply id and correlation; a request without `reply_to` gets nothing.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_request_gets_its_reply_once_and_a_duplicate_gets_the_stored_one() {
+                replies(false).await;
+            }
+
+            /// The same in batch mode.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn in_batch_mode_a_request_gets_its_reply_and_a_duplicate_the_stored_one() {
+                replies(true).await;
+            }
+
+            async fn replies(batch: bool) {
                 let (pool, _dir) = $pool;
                 let queue = unique("idem-test-ob-quote");
                 let replies = format!("{queue}.replies");
@@ -151,14 +161,16 @@ macro_rules! outbox_suite {
                     .with_correlation_id("c-7");
                 publisher.publish("", &queue, &asked).await.unwrap();
                 publisher.publish("", &queue, &request(8)).await.unwrap();
-                let running = start(
-                    Runtime::builder()
-                        .transport(transport)
-                        .store(inbox(&pool, QUOTE).await)
-                        .state(Target(String::new()))
-                        .handlers([quoting])
-                        .handler_queue(quoting, &queue),
-                );
+                let builder = Runtime::builder()
+                    .transport(transport)
+                    .store(inbox(&pool, QUOTE).await)
+                    .state(Target(String::new()))
+                    .handlers([quoting])
+                    .handler_queue(quoting, &queue);
+                let running = start(match batch {
+                    true => builder.handler_batch(quoting, 10),
+                    false => builder,
+                });
                 wait_until("the first reply", DEADLINE, || async {
                     broker::count(&replies).await == 1
                 })

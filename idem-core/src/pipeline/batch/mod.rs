@@ -26,7 +26,7 @@ mod set;
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{Limits, prepare};
+use crate::pipeline::steps::{Limits, prepare, reply_again};
 use run::{Batch, How, Pass};
 use std::collections::VecDeque;
 
@@ -80,7 +80,25 @@ pub(crate) async fn process<H: Handler>(
             }
         }
     }
-    finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes)
+    let outcomes = finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes);
+    reply_to_duplicates::<H>(envelopes, outcomes, limits).await
+}
+
+/// The outcomes, once every duplicate whose request names `reply_to` was sent its stored
+/// result again (see `steps::reply_again`).
+async fn reply_to_duplicates<H: Handler>(
+    envelopes: &[Envelope],
+    outcomes: Vec<Outcome>,
+    limits: Limits<'_>,
+) -> Vec<Outcome> {
+    if envelopes.iter().all(|e| e.reply_to.is_none()) {
+        return outcomes;
+    }
+    let mut replied = Vec::with_capacity(outcomes.len());
+    for (envelope, outcome) in envelopes.iter().zip(outcomes) {
+        replied.push(reply_again(H::CONSUMER, envelope, outcome, limits.dispatch).await);
+    }
+    replied
 }
 
 impl<H: Handler> Batch<'_, H> {
