@@ -1,6 +1,6 @@
 //! The transactional outbox (`{outbox}`: `idem_outbox` beside `idem_inbox`): messages staged in
 //! the caller's transaction ([`stage`], [`SqlInbox::stage`]), published once it committed, and
-//! removed once the broker confirmed them ([`SqlInbox::relay_rows`]). Each dialect's
+//! removed once the broker confirmed them (`SqlInbox::relay_rows`, the runtime's dispatch and relay). Each dialect's
 //! statements and table are here.
 
 use crate::config::TableName;
