@@ -1,7 +1,7 @@
 //! The transactional outbox (`{outbox}`: `idem_outbox` beside `idem_inbox`): messages staged in
 //! the caller's transaction ([`stage`], [`SqlInbox::stage`]), published once it committed, and
-//! removed once the broker confirmed them (`SqlInbox::relay_rows`, the runtime's dispatch and relay). Each dialect's
-//! statements and table are here.
+//! removed once the broker confirmed them (a relay pass, which the runtime's dispatch and relay
+//! run). Each dialect's statements and table are here.
 
 use crate::config::TableName;
 use crate::dialect::Dialect;
