@@ -51,7 +51,7 @@ async fn on_a_postgres_pool_copies_at_once_book_an_order_once() {
     let (pool, schema) = pool_in_own_schema().await;
     let inbox = PgInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
-    let harness = Harness::new(Stores::new().with(inbox));
+    let harness = Harness::new(Stores::new().with(inbox)).state(handlers::Billing::of("orders"));
     let placed = json(
         "pg-1",
         &handlers::OrderPlaced {

@@ -12,6 +12,8 @@ use idem::testing::{Harness, json};
 
 async fn harness() -> (Harness, SqlitePool) {
     let (harness, pool) = idem::testing::sqlite().await.expect("in-memory SQLite");
+    // The order handler stages its `OrderBilled` in the outbox (the harness publishes nothing).
+    let harness = harness.state(crate::handlers::Billing::of("orders"));
     for statement in SCHEMA.iter().chain(&STATUS_SCHEMA) {
         sqlx::query(*statement)
             .execute(&pool)

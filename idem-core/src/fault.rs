@@ -110,4 +110,17 @@ impl crate::transport::Outbound for Crashing {
             Ok(())
         })
     }
+
+    fn publish_all<'a>(
+        &'a self,
+        messages: &'a [crate::model::Outgoing],
+    ) -> crate::future::BoxFuture<'a, Vec<Result<(), crate::transport::OutboundError>>> {
+        Box::pin(async move {
+            let results = self.0.publish_all(messages).await;
+            if results.iter().any(Result::is_ok) {
+                maybe_crash(Point::AfterPublishBeforeMark);
+            }
+            results
+        })
+    }
 }

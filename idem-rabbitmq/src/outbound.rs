@@ -23,18 +23,49 @@ impl RabbitOutbound {
     }
 }
 
+impl RabbitOutbound {
+    /// The publisher, connected on first use.
+    async fn publisher(&self) -> Result<&Publisher, OutboundError> {
+        self.publisher
+            .get_or_try_init(|| Publisher::connect(&self.config))
+            .await
+            .map_err(outbound)
+    }
+}
+
 impl Outbound for RabbitOutbound {
     fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>> {
         Box::pin(async move {
-            let publisher = self
-                .publisher
-                .get_or_try_init(|| Publisher::connect(&self.config))
-                .await
-                .map_err(outbound)?;
-            publisher
+            self.publisher()
+                .await?
                 .publish(&message.exchange, &message.routing_key, &message.envelope)
                 .await
                 .map_err(outbound)
+        })
+    }
+
+    /// Sends them all, then waits for their confirms (`Publisher::publish_many`).
+    fn publish_all<'a>(
+        &'a self,
+        messages: &'a [Outgoing],
+    ) -> BoxFuture<'a, Vec<Result<(), OutboundError>>> {
+        Box::pin(async move {
+            let publisher = match self.publisher().await {
+                Ok(publisher) => publisher,
+                Err(e) => {
+                    let why = e.to_string();
+                    return messages
+                        .iter()
+                        .map(|_| Err(OutboundError::Broker(why.clone().into())))
+                        .collect();
+                }
+            };
+            let batch: Vec<_> = messages
+                .iter()
+                .map(|m| (m.exchange.as_str(), m.routing_key.as_str(), &m.envelope))
+                .collect();
+            let results = publisher.publish_many(&batch).await;
+            results.into_iter().map(|r| r.map_err(outbound)).collect()
         })
     }
 }

@@ -178,6 +178,68 @@ impl Publisher {
         }
     }
 
+    /// Publishes `messages` (exchange, routing key, message) in order, persistent and mandatory,
+    /// without waiting between them, then waits for each one's confirm: one result per
+    /// message, in order (a message no queue takes is [`PublishError::Unroutable`]). After a
+    /// send fails, the messages behind it are not sent, and fail too.
+    pub async fn publish_many(
+        &self,
+        messages: &[(&str, &str, &Envelope)],
+    ) -> Vec<Result<(), PublishError>> {
+        let not_sent = |why: &str| {
+            PublishError::Broker(format!("not sent: an earlier publish failed ({why})").into())
+        };
+        let channel = match self.channel().await {
+            Ok(channel) => channel,
+            Err(e) => {
+                let why = e.to_string();
+                let mut results = vec![Err(e)];
+                results.extend((1..messages.len()).map(|_| Err(not_sent(&why))));
+                results.truncate(messages.len());
+                return results;
+            }
+        };
+        let mut confirms = Vec::with_capacity(messages.len());
+        let mut failed = None;
+        for (exchange, routing_key, message) in messages {
+            let sent = channel
+                .basic_publish(
+                    ShortString::from(*exchange),
+                    ShortString::from(*routing_key),
+                    MANDATORY,
+                    &message.body,
+                    properties(message),
+                )
+                .await;
+            match sent {
+                Ok(confirm) => confirms.push(confirm),
+                Err(e) => {
+                    failed = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        let mut results = Vec::with_capacity(messages.len());
+        for (confirm, (exchange, routing_key, _)) in confirms.into_iter().zip(messages) {
+            results.push(match confirm.await {
+                Ok(Confirmation::Ack(None)) => Ok(()),
+                Ok(Confirmation::Ack(Some(_))) => Err(PublishError::Unroutable {
+                    exchange: (*exchange).to_owned(),
+                    routing_key: (*routing_key).to_owned(),
+                }),
+                Ok(Confirmation::Nack(_) | Confirmation::NotRequested) => {
+                    Err(PublishError::Refused)
+                }
+                Err(e) => Err(broker(e)),
+            });
+        }
+        let why = failed.unwrap_or_else(|| "the channel closed".to_owned());
+        while results.len() < messages.len() {
+            results.push(Err(not_sent(&why)));
+        }
+        results
+    }
+
     /// Serializes `value` as JSON and publishes it to `queue` on the default exchange with the
     /// given message id and `content_type: application/json`, waiting for the confirm.
     pub async fn publish_json<T: serde::Serialize + ?Sized>(

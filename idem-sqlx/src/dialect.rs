@@ -38,7 +38,7 @@ pub trait Dialect: Sql {
     fn listen(
         pool: sqlx::Pool<Self>,
         outbox: String,
-        wake: std::sync::Arc<crate::outbox::Wake>,
+        wake: std::sync::Arc<crate::notify::Wake>,
     ) -> bool {
         let _ = (pool, outbox, wake);
         false

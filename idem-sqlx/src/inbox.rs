@@ -26,7 +26,7 @@ pub struct SqlInbox<DB: Dialect> {
     /// The outbox table beside the inbox table.
     pub(crate) outbox: String,
     /// The relay's wake-ups (notifications of rows staged outside any handler).
-    pub(crate) wake: Arc<crate::outbox::Wake>,
+    pub(crate) wake: Arc<crate::notify::Wake>,
     /// Set while this process's sweeper of this inbox works, where
     /// [`Dialect::LOCAL_SWEEP_LOCK`].
     sweeping: Arc<AtomicBool>,
@@ -44,7 +44,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         Self {
             pool,
             outbox: config.table.outbox(),
-            wake: crate::outbox::wake(),
+            wake: Arc::default(),
             config,
             sql,
             sweeping: Arc::default(),
@@ -260,7 +260,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         run: &str,
         messages: &[Outgoing],
     ) -> Result<(), StoreError> {
-        crate::outbox::insert_rows::<DB>(tx, &self.outbox, consumer, run, messages).await
+        self.stage_in(tx, consumer, run, messages).await
     }
 
     async fn outbox_wakeup(&self) {

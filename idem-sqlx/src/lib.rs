@@ -48,6 +48,7 @@ mod lease;
 pub mod migrate;
 #[cfg(feature = "mysql")]
 pub mod mysql;
+mod notify;
 pub mod outbox;
 #[cfg(feature = "postgres")]
 pub mod postgres;

@@ -14,26 +14,7 @@ use idem_core::transport::{Outbound, OutboundError};
 use idem_core::{Context, Envelope, ErrorClass, OutboxSelect, Outgoing, RelayReport, StoreError};
 use sqlx::Transaction;
 use std::collections::HashSet;
-use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::Duration;
-
-/// The wake-ups of an inbox's relay: set by the database's notifications, where it sends them.
-#[derive(Debug, Default)]
-pub struct Wake {
-    /// A permit per notification (one is kept while nobody waits).
-    pub notify: tokio::sync::Notify,
-    /// Whether a listener was started.
-    listening: AtomicBool,
-}
-
-/// The channel PostgreSQL notifications of staged rows go to; the payload names the outbox.
-pub const CHANNEL: &str = "idem_outbox";
-
-/// A shared [`Wake`].
-pub(crate) fn wake() -> Arc<Wake> {
-    Arc::default()
-}
 
 /// PostgreSQL: rows taken with `FOR UPDATE SKIP LOCKED`.
 #[cfg(feature = "postgres")]
@@ -210,11 +191,7 @@ impl<DB: Dialect> SqlInbox<DB> {
     /// Resolves when this inbox's database says rows were staged outside any handler and
     /// committed ([`Dialect::listen`]); never, where it cannot tell.
     pub(crate) async fn staged_elsewhere(&self) {
-        if self
-            .wake
-            .listening
-            .swap(true, std::sync::atomic::Ordering::AcqRel)
-        {
+        if !self.wake.start() {
             self.wake.notify.notified().await;
             return;
         }
@@ -223,6 +200,18 @@ impl<DB: Dialect> SqlInbox<DB> {
             std::future::pending::<()>().await;
         }
         self.wake.notify.notified().await;
+    }
+
+    /// Stages `messages` in this inbox's outbox in `tx`, as staged by `consumer` grouped
+    /// under `run` (the store's side of `InboxStore::stage_rows`).
+    pub(crate) async fn stage_in(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        consumer: &str,
+        run: &str,
+        messages: &[Outgoing],
+    ) -> Result<(), StoreError> {
+        insert_rows::<DB>(tx, &self.outbox, consumer, run, messages).await
     }
 
     /// One relay pass: takes the rows `select` names (skipping rows another pass holds),
@@ -261,19 +250,32 @@ impl<DB: Dialect> SqlInbox<DB> {
         }
         .map_err(fail)?;
         let mut report = RelayReport::default();
-        let mut done = Vec::with_capacity(rows.len());
-        let mut held: HashSet<(String, String)> = HashSet::new();
+        let mut runs = Vec::with_capacity(rows.len());
+        let mut messages = Vec::with_capacity(rows.len());
         for row in &rows {
             let run = (DB::text(row, "consumer"), DB::text(row, "key"));
-            let run = (run.0.map_err(fail)?, run.1.map_err(fail)?);
             let age = Duration::from_millis(DB::int(row, "age_ms").map_err(fail)?.max(0) as u64);
             report.oldest = report.oldest.max(Some(age));
+            runs.push((
+                DB::int(row, "seq").map_err(fail)?,
+                run.0.map_err(fail)?,
+                run.1.map_err(fail)?,
+            ));
+            messages.push(message::<DB>(row).map_err(fail)?);
+        }
+        // All sent before any confirm is awaited; judged in the order staged.
+        let results = publish.publish_all(&messages).await;
+        let mut done = Vec::with_capacity(rows.len());
+        let mut held: HashSet<(&str, &str)> = HashSet::new();
+        for ((seq, consumer, key), result) in runs.iter().zip(results) {
+            let run = (consumer.as_str(), key.as_str());
             if held.contains(&run) {
+                // Sent behind a message of its run that was not: kept, to go out again after
+                // it, with its id.
                 continue;
             }
-            let message = message::<DB>(row).map_err(fail)?;
-            match publish.publish(&message).await {
-                Ok(()) => done.push(DB::int(row, "seq").map_err(fail)?),
+            match result {
+                Ok(()) => done.push(*seq),
                 Err(e @ OutboundError::Unroutable { .. }) => {
                     report.unroutable += 1;
                     report.failure = Some(e.to_string());
@@ -315,7 +317,7 @@ async fn insert<DB: Dialect>(
 
 /// Inserts `messages` (stamped, with their ids) into `table` in `tx`, in order, with
 /// multi-row statements.
-pub(crate) async fn insert_rows<DB: Dialect>(
+async fn insert_rows<DB: Dialect>(
     tx: &mut Transaction<'_, DB>,
     table: &str,
     consumer: &str,

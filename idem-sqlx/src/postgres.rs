@@ -87,14 +87,14 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     (6, crate::outbox::POSTGRES_TABLE),
 ];
 
-/// Wakes `wake` at each notification on [`crate::outbox::CHANNEL`] naming `outbox`, on a
+/// Wakes `wake` at each notification on [`crate::notify::CHANNEL`] naming `outbox`, on a
 /// connection of its own; a lost connection is opened again (and wakes once: a notification
 /// may have been missed meanwhile).
-async fn listen(pool: sqlx::PgPool, outbox: String, wake: std::sync::Arc<crate::outbox::Wake>) {
+async fn listen(pool: sqlx::PgPool, outbox: String, wake: std::sync::Arc<crate::notify::Wake>) {
     loop {
         let listening = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
-            listener.listen(crate::outbox::CHANNEL).await?;
+            listener.listen(crate::notify::CHANNEL).await?;
             wake.notify.notify_one();
             loop {
                 let notification = listener.recv().await?;
@@ -281,7 +281,7 @@ impl Dialect for Postgres {
     fn listen(
         pool: sqlx::Pool<Self>,
         outbox: String,
-        wake: std::sync::Arc<crate::outbox::Wake>,
+        wake: std::sync::Arc<crate::notify::Wake>,
     ) -> bool {
         tokio::spawn(listen(pool, outbox, wake));
         true

@@ -9,6 +9,22 @@ use crate::model::{BoxError, Outgoing};
 pub trait Outbound: Send + Sync {
     /// Publishes `message` (persistent, mandatory) and waits for the broker's confirm.
     fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>>;
+
+    /// Publishes `messages` in order and waits for their confirms: one result per message, in
+    /// order. The default publishes one after another; a transport may send them all before
+    /// it waits (the broker keeps their order on one channel).
+    fn publish_all<'a>(
+        &'a self,
+        messages: &'a [Outgoing],
+    ) -> BoxFuture<'a, Vec<Result<(), OutboundError>>> {
+        Box::pin(async move {
+            let mut results = Vec::with_capacity(messages.len());
+            for message in messages {
+                results.push(self.publish(message).await);
+            }
+            results
+        })
+    }
 }
 
 /// A publish the broker did not confirm.
