@@ -8,6 +8,7 @@
 
 mod handwritten;
 mod http;
+mod outbox;
 mod report;
 mod with_idem;
 mod workload;
@@ -102,6 +103,9 @@ enum Command {
     /// The Idempotency-Key layer against the same axum route with no idempotency and with a
     /// handwritten key table: req/s and latency at N concurrent connections.
     Http(http::HttpBench),
+    /// The outbox: dispatch latency at a steady rate, and a relay draining a backlog against a
+    /// raw publish-with-confirms loop.
+    Outbox(outbox::OutboxBench),
 }
 
 /// The consumers compared.
@@ -190,6 +194,7 @@ fn main() -> anyhow::Result<()> {
             expect,
         }) => runtime.block_on(consume(&cli.bench, variant, &queue, expect)),
         Some(Command::Http(http)) => runtime.block_on(http::run(http)),
+        Some(Command::Outbox(outbox)) => runtime.block_on(outbox::run(outbox)),
     }
 }
 
