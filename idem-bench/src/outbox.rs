@@ -136,7 +136,8 @@ async fn latency(
     task.await??;
     let scrape = recorder.render();
     let quantile = |q: &str| {
-        let series = format!("idem_outbox_dispatch_seconds{{store=\"postgres\",quantile=\"{q}\"}} ");
+        let series =
+            format!("idem_outbox_dispatch_seconds{{store=\"postgres\",quantile=\"{q}\"}} ");
         scrape
             .lines()
             .find_map(|l| l.strip_prefix(series.as_str()))
@@ -209,7 +210,11 @@ async fn backlog(
         for chunk in messages.chunks(500) {
             for message in chunk {
                 publisher
-                    .publish_unconfirmed_to(&message.exchange, &message.routing_key, &message.envelope)
+                    .publish_unconfirmed_to(
+                        &message.exchange,
+                        &message.routing_key,
+                        &message.envelope,
+                    )
                     .await?;
             }
             publisher.wait_for_confirms().await?;
@@ -240,9 +245,11 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Rows left in the benchmark's outbox.
 async fn outbox_rows(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
-    Ok(sqlx::query_scalar("SELECT count(*) FROM bench_outbox_outbox")
-        .fetch_one(pool)
-        .await?)
+    Ok(
+        sqlx::query_scalar("SELECT count(*) FROM bench_outbox_outbox")
+            .fetch_one(pool)
+            .await?,
+    )
 }
 
 /// Empties the benchmark's inbox, outbox and queues.
@@ -250,7 +257,8 @@ async fn reset(pool: &sqlx::PgPool, amqp_url: &str) -> anyhow::Result<()> {
     sqlx::query("TRUNCATE bench_outbox_inbox, bench_outbox_outbox")
         .execute(pool)
         .await?;
-    let connection = lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default()).await?;
+    let connection =
+        lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;
     for queue in [ORDERS, BILLED] {
         channel
