@@ -17,6 +17,7 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 #[derive(Debug, serde::Deserialize)]
@@ -26,9 +27,22 @@ struct Order {
     amount_cents: i64,
 }
 
-/// What the handlers saw: the size of every batch they were called with, and the keys seen.
+/// What the handlers saw: the size of every batch they were called with, and the keys seen;
+/// and how many calls ran at once, at most.
 #[derive(Clone, Default)]
-struct Seen(Arc<Mutex<(Vec<usize>, HashSet<String>)>>);
+struct Seen(
+    Arc<Mutex<(Vec<usize>, HashSet<String>)>>,
+    Arc<(AtomicUsize, AtomicUsize)>,
+);
+
+/// One handler call in flight, counted while it lives.
+struct InFlight(Arc<(AtomicUsize, AtomicUsize)>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 impl Seen {
     fn lock(&self) -> std::sync::MutexGuard<'_, (Vec<usize>, HashSet<String>)> {
@@ -47,6 +61,18 @@ impl Seen {
 
     fn largest_batch(&self) -> usize {
         self.lock().0.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Counts a handler call until the guard is dropped.
+    fn enter(&self) -> InFlight {
+        let now = self.1.0.fetch_add(1, Ordering::SeqCst) + 1;
+        self.1.1.fetch_max(now, Ordering::SeqCst);
+        InFlight(self.1.clone())
+    }
+
+    /// The most handler calls that ran at once.
+    fn most_at_once(&self) -> usize {
+        self.1.1.load(Ordering::SeqCst)
     }
 }
 
@@ -117,6 +143,7 @@ macro_rules! batch_suite {
                 orders: Batch<Order>,
                 seen: &Seen,
             ) -> Result<Vec<i64>, BatchError> {
+                let _in_flight = seen.enter();
                 script(&orders, seen)?;
                 let mut insert = sqlx::QueryBuilder::<$db>::new(
                     "INSERT INTO idem_bh_orders (order_id, customer, amount_cents) ",
@@ -286,6 +313,9 @@ macro_rules! batch_suite {
                 // A panic retries its whole batch, also the messages of passes that committed
                 // before it (a batch split in halves): they come back as duplicates.
                 assert_eq!(stats.processed + stats.duplicates, 598 + 60 + 49, "{stats:?}");
+                // One batch at a time: a batch's passes (its halves too) end before the next
+                // batch's handler runs.
+                assert_eq!(seen.most_at_once(), 1, "handler calls overlapped");
                 assert!(
                     seen.largest_batch() > 100,
                     "the handler ran on whole batches (largest {})",

@@ -126,6 +126,10 @@ enum Variant {
     IdemBatch,
     /// idem, batch mode, a batch handler writing set-based.
     IdemSet,
+    /// idem, one transaction per message, staging one event per message in the outbox.
+    IdemOutbox,
+    /// idem's batch handler, staging one event per message in the outbox.
+    IdemSetOutbox,
     /// idem, one transaction per message, ordered by order id over 4 partitions.
     IdemOrdered4,
     /// idem, one transaction per message, ordered by order id over 16 partitions.
@@ -142,9 +146,16 @@ impl Variant {
             Self::Idem => "idem, per message",
             Self::IdemBatch => "idem, batch mode",
             Self::IdemSet => "idem, batch handler",
+            Self::IdemOutbox => "idem, per message + outbox",
+            Self::IdemSetOutbox => "idem, batch handler + outbox",
             Self::IdemOrdered4 => "idem, ordered, 4 partitions",
             Self::IdemOrdered16 => "idem, ordered, 16 partitions",
         }
+    }
+
+    /// Whether the handler stages one event per order in the outbox.
+    fn stages_events(self) -> bool {
+        matches!(self, Self::IdemOutbox | Self::IdemSetOutbox)
     }
 
     /// The partitions of an ordered variant (its queue is then an exchange).
@@ -237,6 +248,8 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
         Variant::Idem
         | Variant::IdemBatch
         | Variant::IdemSet
+        | Variant::IdemOutbox
+        | Variant::IdemSetOutbox
         | Variant::IdemOrdered4
         | Variant::IdemOrdered16 => {
             if b.metrics {
@@ -244,7 +257,10 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
                     .install_recorder()
                     .context("installing the metrics recorder")?;
             }
-            let batched = matches!(variant, Variant::IdemBatch | Variant::IdemSet);
+            let batched = matches!(
+                variant,
+                Variant::IdemBatch | Variant::IdemSet | Variant::IdemSetOutbox
+            );
             let mode = with_idem::Mode {
                 batch: if batched { b.batch } else { 0 },
                 concurrency: if batched {
@@ -254,7 +270,8 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
                 },
                 prefetch: b.prefetch,
                 partitions: variant.partitions(),
-                batch_handler: variant == Variant::IdemSet,
+                batch_handler: matches!(variant, Variant::IdemSet | Variant::IdemSetOutbox),
+                outbox: variant.stages_events(),
             };
             let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
             with_idem::run(rabbit, pool, queue, expect, mode).await?
@@ -305,6 +322,16 @@ async fn bench(b: Bench) -> anyhow::Result<()> {
             }
             if left > 0 {
                 bail!("{} left {left} messages in the queue", variant.name());
+            }
+            if variant.stages_events() {
+                let billed = workload::left_in_queue(&b.amqp_url, with_idem::BILLED).await?;
+                if billed as usize != workload.unique {
+                    bail!(
+                        "{} published {billed} events for {} orders",
+                        variant.name(),
+                        workload.unique
+                    );
+                }
             }
             eprintln!(
                 "run {run}: {:<26} {:>9.0} msgs/s  CPU {:>6.2} s  peak RSS {:>6.1} MiB  (effects exact)",
@@ -364,8 +391,16 @@ async fn fresh_queue(url: &str, queue: &str, variant: Variant) -> anyhow::Result
     } else if variant.uses_idem() {
         let mut spec = QueueSpec::new(queue, with_idem::CONSUMER);
         spec.retry_delays = delays;
+        // Where the outbox variants' events go, emptied: nothing consumes it.
+        let billed = QueueSpec::new(with_idem::BILLED, "bench.billed");
         RabbitTransport::new(RabbitConfig::new(url))
-            .declare(&[spec])
+            .declare(&[spec, billed])
+            .await?;
+        channel
+            .queue_purge(
+                ShortString::from(with_idem::BILLED),
+                lapin::options::QueuePurgeOptions::default(),
+            )
             .await?;
     } else {
         let durable = QueueDeclareOptions {

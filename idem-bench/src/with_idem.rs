@@ -5,7 +5,7 @@ use crate::workload::{Order, apply, apply_set};
 use anyhow::bail;
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
-use idem::{Batch, BatchError, HandlerError, Runtime, idempotent};
+use idem::{Batch, BatchError, Context, HandlerError, Outgoing, Runtime, idempotent};
 use sqlx::{PgPool, Postgres, Transaction};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -45,6 +45,46 @@ async fn place_orders(
     Ok(())
 }
 
+/// The outbox beside [`TABLE`].
+pub const OUTBOX: &str = "bench_idem_outbox";
+
+/// The queue the outbox variants' events go to.
+pub const BILLED: &str = "idem-bench-billed";
+
+/// `place_order`, also staging one event per order in the outbox.
+#[idempotent(store = Postgres, consumer = "bench.orders", queue = "bench-orders")]
+async fn place_order_outbox(
+    tx: &mut Transaction<'_, Postgres>,
+    order: Order,
+    ctx: &Context<'_>,
+    first: &FirstCall,
+) -> Result<(), HandlerError> {
+    first.0.get_or_init(Instant::now);
+    apply(tx, &order).await?;
+    idem::outbox::stage(tx, ctx, Outgoing::to_queue(BILLED, &order)?).await?;
+    Ok(())
+}
+
+/// `place_orders`, also staging one event per order, in one statement.
+#[idempotent(store = Postgres, consumer = "bench.orders", queue = "bench-orders")]
+async fn place_orders_outbox(
+    tx: &mut Transaction<'_, Postgres>,
+    orders: Batch<Order>,
+    ctx: &Context<'_>,
+    first: &FirstCall,
+) -> Result<(), BatchError> {
+    first.0.get_or_init(Instant::now);
+    let events = orders
+        .iter()
+        .enumerate()
+        .map(|(i, order)| Outgoing::to_queue(BILLED, order).map(|event| (i, event)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let orders: Vec<&Order> = orders.iter().collect();
+    apply_set(tx, &orders).await?;
+    idem::outbox::stage_all(tx, ctx, events).await?;
+    Ok(())
+}
+
 /// The inbox of the benchmark.
 pub fn inbox(pool: PgPool) -> anyhow::Result<PgInbox> {
     Ok(PgInbox::new(pool).table(TABLE)?)
@@ -63,6 +103,8 @@ pub struct Mode {
     pub partitions: Option<usize>,
     /// The batch handler (set-based writes) instead of the per-message one.
     pub batch_handler: bool,
+    /// The handler also stages one event per order in the outbox.
+    pub outbox: bool,
 }
 
 /// Consumes until `expect` deliveries are settled. Returns the time from the first handler call
@@ -77,12 +119,13 @@ pub async fn run(
     let first = FirstCall::default();
     let mut builder = Runtime::builder()
         .transport(RabbitTransport::new(rabbit))
-        .store(inbox(pool)?)
+        .store(inbox(pool.clone())?)
         .state(first.clone())
-        .handlers([if mode.batch_handler {
-            "place_orders"
-        } else {
-            "place_order"
+        .handlers([match (mode.batch_handler, mode.outbox) {
+            (true, false) => "place_orders",
+            (false, false) => "place_order",
+            (true, true) => "place_orders_outbox",
+            (false, true) => "place_order_outbox",
         }])
         .handler_queue(CONSUMER, queue)
         .concurrency(mode.concurrency)
@@ -105,6 +148,21 @@ pub async fn run(
             bail!("the runtime stopped early: {:?}", task.await);
         }
         tick.tick().await;
+    }
+    if mode.outbox {
+        // The work is done when every staged event is out: dispatched rows are deleted.
+        let pending = format!("SELECT count(*) FROM \"{OUTBOX}\"");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(pending.as_str()))
+            .fetch_one(&pool)
+            .await?
+            > 0
+        {
+            if Instant::now() > deadline {
+                bail!("staged events still unpublished after 120 s");
+            }
+            tick.tick().await;
+        }
     }
     let elapsed = first.0.get().map(Instant::elapsed).unwrap_or_default();
     let seen = stats.snapshot();

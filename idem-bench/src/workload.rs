@@ -182,8 +182,10 @@ pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {
     for statement in SCHEMA {
         sqlx::query(statement).execute(pool).await?;
     }
+    // The outbox beside idem's inbox (`bench_idem_inbox` → `bench_idem_outbox`) too.
+    let outbox = idem_table.replace("_inbox", "_outbox");
     let truncate = format!(
-        "TRUNCATE bench_orders, bench_balances, bench_inbox, bench_lean_inbox, \"{idem_table}\""
+        "TRUNCATE bench_orders, bench_balances, bench_inbox, bench_lean_inbox, \"{idem_table}\", \"{outbox}\""
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(truncate))
         .execute(pool)

@@ -26,7 +26,10 @@
 //! per-type bounds written once ([`exec`]). Database errors are classified here
 //! ([`classify_sqlx`]). Beside the inbox table, `{table}_deliveries` counts redeliveries (the
 //! poison limit) and `{table}_dead_letters` records why each dead letter was refused
-//! ([`dead_letters`]); [`admin`] holds what an operator reads and changes.
+//! ([`dead_letters`]); [`admin`] holds what an operator reads and changes. The outbox
+//! (`idem_outbox` beside `idem_inbox`) is staged in the caller's transaction ([`outbox`]) and
+//! published by relay passes (`relay.rs`), which PostgreSQL's notifications wake
+//! (`notify.rs`).
 //!
 //! Adding a database: a dialect module implementing [`Dialect`] (and [`exec::RowsAffected`]
 //! for its query result), a feature for it, its alias in `stores.rs`, its error codes in
@@ -52,6 +55,7 @@ mod notify;
 pub mod outbox;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+mod relay;
 mod session;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;

@@ -1,7 +1,7 @@
 //! The transactional outbox (`{outbox}`: `idem_outbox` beside `idem_inbox`): messages staged in
-//! the caller's transaction ([`stage`], [`SqlInbox::stage`]), published once it committed, and
-//! removed once the broker confirmed them (a relay pass, which the runtime's dispatch and relay
-//! run). Each dialect's statements and table are here.
+//! the caller's transaction ([`stage`], [`stage_all`], [`SqlInbox::stage`]), published once it
+//! committed and removed once the broker confirmed them (by a relay pass, `relay.rs`, which the
+//! runtime's dispatch and relay run). Each dialect's statements and table are here.
 
 use crate::config::TableName;
 use crate::dialect::Dialect;
@@ -9,12 +9,9 @@ use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use crate::statements::OutboxStatements;
-use idem_core::model::outgoing::{headers_from_json, headers_to_json};
-use idem_core::transport::{Outbound, OutboundError};
-use idem_core::{Context, Envelope, ErrorClass, OutboxSelect, Outgoing, RelayReport, StoreError};
+use idem_core::model::outgoing::headers_to_json;
+use idem_core::{Context, ErrorClass, Outgoing, StoreError};
 use sqlx::Transaction;
-use std::collections::HashSet;
-use std::time::Duration;
 
 /// PostgreSQL: rows taken with `FOR UPDATE SKIP LOCKED`.
 #[cfg(feature = "postgres")]
@@ -24,7 +21,8 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
-    FROM "{outbox}" WHERE consumer = $1 AND key = $2 ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    FROM "{outbox}" WHERE {runs} ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    run_match: "(consumer = {c} AND key = {k})",
     older: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
     FROM "{outbox}" WHERE created_at < now() - $1 * interval '1 millisecond'
@@ -34,6 +32,7 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
+    lazy_commit: Some("SET LOCAL synchronous_commit = off"),
     now: "now()",
     notify: Some("SELECT pg_notify('idem_outbox', '{outbox}')::text"),
 };
@@ -66,7 +65,8 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
-    FROM `{outbox}` WHERE consumer = ? AND `key` = ? ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    FROM `{outbox}` WHERE {runs} ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    run_match: "(consumer = {c} AND `key` = {k})",
     older: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
     FROM `{outbox}` WHERE created_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
@@ -79,6 +79,7 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     delete: r#"DELETE o FROM JSON_TABLE('[{seqs}]', '$[*]' COLUMNS (seq BIGINT PATH '$')) AS j
     STRAIGHT_JOIN `{outbox}` o ON o.seq = j.seq"#,
     prelude: Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"),
+    lazy_commit: None,
     now: "UTC_TIMESTAMP(6)",
     notify: None,
 };
@@ -109,7 +110,8 @@ pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
     VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, {now} - created_at AS age_ms
-    FROM "{outbox}" WHERE consumer = ?1 AND key = ?2 ORDER BY seq"#,
+    FROM "{outbox}" WHERE {runs} ORDER BY seq"#,
+    run_match: "(consumer = {c} AND key = {k})",
     older: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, {now} - created_at AS age_ms
     FROM "{outbox}" WHERE created_at < {now} - ?1 ORDER BY seq LIMIT ?2"#,
@@ -118,6 +120,7 @@ pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
     FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT ?1"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
+    lazy_commit: None,
     now: "{now}",
     notify: None,
 };
@@ -188,20 +191,6 @@ impl<DB: Dialect> SqlInbox<DB> {
         Ok(id)
     }
 
-    /// Resolves when this inbox's database says rows were staged outside any handler and
-    /// committed ([`Dialect::listen`]); never, where it cannot tell.
-    pub(crate) async fn staged_elsewhere(&self) {
-        if !self.wake.start() {
-            self.wake.notify.notified().await;
-            return;
-        }
-        let listening = DB::listen(self.pool.clone(), self.outbox.clone(), self.wake.clone());
-        if !listening {
-            std::future::pending::<()>().await;
-        }
-        self.wake.notify.notified().await;
-    }
-
     /// Stages `messages` in this inbox's outbox in `tx`, as staged by `consumer` grouped
     /// under `run` (the store's side of `InboxStore::stage_rows`).
     pub(crate) async fn stage_in(
@@ -212,90 +201,6 @@ impl<DB: Dialect> SqlInbox<DB> {
         messages: &[Outgoing],
     ) -> Result<(), StoreError> {
         insert_rows::<DB>(tx, &self.outbox, consumer, run, messages).await
-    }
-
-    /// One relay pass: takes the rows `select` names (skipping rows another pass holds),
-    /// publishes them in the order staged, and removes those confirmed, in one transaction. A
-    /// row the broker cannot route holds back the later rows of its run; a broker failure ends
-    /// the pass.
-    pub(crate) async fn relay_rows(
-        &self,
-        select: &OutboxSelect,
-        publish: &dyn Outbound,
-    ) -> Result<RelayReport, StoreError> {
-        let fail = |e| store_error("relay", e);
-        let sql = &self.sql.outbox;
-        let mut conn = self.pool.acquire().await.map_err(fail)?;
-        if let Some(prelude) = DB::STATEMENTS.outbox.prelude {
-            DB::execute_raw(&mut *conn, prelude).await.map_err(fail)?;
-        }
-        let mut tx = crate::migrate::begin::<DB>(&mut *conn)
-            .await
-            .map_err(fail)?;
-        let rows = match select {
-            OutboxSelect::Run { consumer, key } => {
-                let params = [Param::Text(consumer), Param::Text(key)];
-                DB::fetch_all(&mut *tx, &sql.run, &params).await
-            }
-            OutboxSelect::Older { age, limit } => {
-                let age = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
-                let params = [Param::Int(age), Param::Int(i64::from(*limit))];
-                DB::fetch_all(&mut *tx, &sql.older, &params).await
-            }
-            OutboxSelect::Unowned { limit } => {
-                let params = [Param::Int(i64::from(*limit))];
-                DB::fetch_all(&mut *tx, &sql.unowned, &params).await
-            }
-            _ => Ok(Vec::new()),
-        }
-        .map_err(fail)?;
-        let mut report = RelayReport::default();
-        let mut runs = Vec::with_capacity(rows.len());
-        let mut messages = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let run = (DB::text(row, "consumer"), DB::text(row, "key"));
-            let age = Duration::from_millis(DB::int(row, "age_ms").map_err(fail)?.max(0) as u64);
-            report.oldest = report.oldest.max(Some(age));
-            runs.push((
-                DB::int(row, "seq").map_err(fail)?,
-                run.0.map_err(fail)?,
-                run.1.map_err(fail)?,
-            ));
-            messages.push(message::<DB>(row).map_err(fail)?);
-        }
-        // All sent before any confirm is awaited; judged in the order staged.
-        let results = publish.publish_all(&messages).await;
-        let mut done = Vec::with_capacity(rows.len());
-        let mut held: HashSet<(&str, &str)> = HashSet::new();
-        for ((seq, consumer, key), result) in runs.iter().zip(results) {
-            let run = (consumer.as_str(), key.as_str());
-            if held.contains(&run) {
-                // Sent behind a message of its run that was not: kept, to go out again after
-                // it, with its id.
-                continue;
-            }
-            match result {
-                Ok(()) => done.push(*seq),
-                Err(e @ OutboundError::Unroutable { .. }) => {
-                    report.unroutable += 1;
-                    report.failure = Some(e.to_string());
-                    held.insert(run);
-                }
-                Err(e) => {
-                    report.failure = Some(e.to_string());
-                    break;
-                }
-            }
-        }
-        if !done.is_empty() {
-            // Integers written into the text: a primary-key lookup per row, in every dialect.
-            let seqs: Vec<String> = done.iter().map(i64::to_string).collect();
-            let delete: std::sync::Arc<str> = sql.delete.replace("{seqs}", &seqs.join(",")).into();
-            DB::execute(&mut *tx, &delete, &[]).await.map_err(fail)?;
-        }
-        tx.commit().await.map_err(fail)?;
-        report.published = done.len() as u64;
-        Ok(report)
     }
 }
 
@@ -392,21 +297,4 @@ pub async fn stage_all<DB: Dialect>(
         .iter()
         .map(|m| m.message_id().unwrap_or_default().to_owned())
         .collect())
-}
-
-/// The message of an outbox row.
-fn message<DB: Dialect>(row: &DB::Row) -> Result<Outgoing, sqlx::Error> {
-    let mut envelope = Envelope::new(DB::bytes(row, "body")?);
-    envelope.message_id = Some(DB::text(row, "message_id")?);
-    envelope.correlation_id = Some(DB::text(row, "correlation_id")?).filter(|c| !c.is_empty());
-    envelope.content_type = Some(DB::text(row, "content_type")?).filter(|c| !c.is_empty());
-    envelope.headers = headers_from_json(&DB::text(row, "headers")?)
-        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
-    let mut message = Outgoing::new(
-        DB::text(row, "exchange")?,
-        DB::text(row, "routing_key")?,
-        Vec::new(),
-    );
-    message.envelope = envelope;
-    Ok(message)
 }

@@ -54,10 +54,14 @@ pub struct OutboxStatements<S = &'static str> {
     /// key, exchange, routing key, body, headers as JSON, correlation id, content type; empty
     /// text for none) and [`OutboxStatements::now`].
     pub stage: S,
-    /// Takes the rows of one run, in the order staged, skipping rows another pass holds
-    /// (consumer, key): `seq`, `message_id`, `consumer`, `key`, `exchange`, `routing_key`,
-    /// `body`, `headers`, `correlation_id`, `content_type`, `age_ms`.
+    /// Takes the rows of some runs, in the order staged, skipping rows another pass holds:
+    /// `{runs}` stands for their [`OutboxStatements::run_match`] joined with `OR`. Returns
+    /// `seq`, `message_id`, `consumer`, `key`, `exchange`, `routing_key`, `body`, `headers`,
+    /// `correlation_id`, `content_type`, `age_ms`.
     pub run: S,
+    /// The condition matching one run: `{c}` and `{k}` stand for the placeholders of its
+    /// consumer and key.
+    pub run_match: &'static str,
     /// Takes the oldest rows staged longer ago than the given milliseconds (milliseconds, the
     /// number of rows), with the columns of `run`.
     pub older: S,
@@ -69,6 +73,10 @@ pub struct OutboxStatements<S = &'static str> {
     pub delete: S,
     /// Runs on the relay's connection before its transaction begins.
     pub prelude: Option<&'static str>,
+    /// Runs first in the relay's transaction: its commit need not wait for the disk (losing
+    /// the removal of published rows in a database crash only sends them again, with their
+    /// ids).
+    pub lazy_commit: Option<&'static str>,
     /// The staging time, as the dialect writes `created_at`.
     pub now: &'static str,
     /// Tells the relays, at the commit, that rows were staged outside any handler.
@@ -305,11 +313,13 @@ impl Statements {
             outbox: OutboxStatements {
                 stage: fill(self.outbox.stage),
                 run: fill(self.outbox.run),
+                run_match: self.outbox.run_match,
                 older: fill(self.outbox.older),
                 unowned: fill(self.outbox.unowned),
                 notify: self.outbox.notify.map(fill),
                 delete: fill(self.outbox.delete),
                 prelude: self.outbox.prelude,
+                lazy_commit: self.outbox.lazy_commit,
                 now: self.outbox.now,
             },
             rows: self.rows.as_ref().map(|rows| RowStatements {

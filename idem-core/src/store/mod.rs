@@ -3,10 +3,12 @@
 
 pub mod inbox;
 pub mod lease;
+mod outbox;
 pub mod relay;
 pub mod set;
 
 pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
 pub use lease::{Lease, LeaseEnd, owner_token};
+pub use outbox::{Dispatch, Relay, RelayFn, WakeupFn};
 pub use relay::{OutboxSelect, RelayReport};
-pub use set::{Dispatch, Relay, RelayFn, Stores, SweepFn, Sweeper, WakeupFn};
+pub use set::{Stores, SweepFn, Sweeper};

@@ -6,13 +6,11 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OutboxSelect {
-    /// The rows staged while `consumer` processed `key`: the dispatch right after that
-    /// transaction committed.
-    Run {
-        /// The consumer identity.
-        consumer: String,
-        /// The dedup key.
-        key: String,
+    /// The rows staged by these runs, each `(consumer, key)`: staged while that consumer
+    /// processed that key. The dispatch right after their transactions committed.
+    Runs {
+        /// `(consumer identity, dedup key)` of each run.
+        runs: Vec<(String, String)>,
     },
     /// At most `limit` rows staged longer than `age` ago, oldest first: what a crash or a
     /// failed dispatch left behind.

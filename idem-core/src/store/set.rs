@@ -2,7 +2,7 @@
 //! state its handlers ask for.
 
 use super::inbox::{InboxStore, StoreKind, SweepReport};
-use super::relay::{OutboxSelect, RelayReport};
+use super::outbox::{Dispatch, Relay, RelayFn, WakeupFn};
 use crate::future::BoxFuture;
 use crate::model::StoreError;
 use crate::state::State;
@@ -39,77 +39,6 @@ pub struct Sweeper {
     pub kind: StoreKind,
     /// Runs one sweep.
     pub sweep: SweepFn,
-}
-
-/// One store's [`InboxStore::relay`], type-erased.
-pub type RelayFn = Arc<
-    dyn Fn(OutboxSelect, Arc<dyn Outbound>) -> BoxFuture<'static, Result<RelayReport, StoreError>>
-        + Send
-        + Sync,
->;
-
-/// One store's [`InboxStore::outbox_wakeup`], type-erased.
-pub type WakeupFn = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
-
-/// A store's outbox relay, as the runtime runs it: after a commit that staged messages, on
-/// an interval for the rows a crash left, and when the store says rows staged outside any
-/// handler were committed.
-#[derive(Clone)]
-pub struct Relay {
-    /// The database.
-    pub kind: StoreKind,
-    /// Runs one relay pass.
-    pub relay: RelayFn,
-    /// Resolves when rows staged outside any handler may be waiting.
-    pub wakeup: WakeupFn,
-}
-
-impl fmt::Debug for Relay {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Relay").field("kind", &self.kind).finish()
-    }
-}
-
-/// What dispatches a handler's staged messages right after its transaction commits: its
-/// store's relay and the transport's publisher.
-#[derive(Clone, Copy, Debug)]
-pub struct Dispatch<'a> {
-    relay: &'a Relay,
-    outbound: &'a Arc<dyn Outbound>,
-}
-
-impl Dispatch<'_> {
-    /// The transport's publisher.
-    pub fn outbound(&self) -> &Arc<dyn Outbound> {
-        self.outbound
-    }
-
-    /// Publishes, in the background, the rows `consumer` staged while processing `key`, once
-    /// their transaction committed; the rows a failure leaves are the relay's.
-    pub fn after_commit(&self, consumer: &str, key: &str) {
-        let select = OutboxSelect::Run {
-            consumer: consumer.to_owned(),
-            key: key.to_owned(),
-        };
-        let pass = (self.relay.relay)(select, self.outbound.clone());
-        let store = self.relay.kind.label();
-        let committed = std::time::Instant::now();
-        tokio::spawn(async move {
-            match pass.await {
-                Ok(report) => {
-                    crate::telemetry::relayed(store, "dispatch", &report);
-                    if report.failure.is_none() {
-                        crate::telemetry::dispatched(store, committed.elapsed());
-                    }
-                }
-                Err(e) => tracing::warn!(
-                    store,
-                    error = %e,
-                    "dispatching staged messages failed; the relay publishes them"
-                ),
-            }
-        });
-    }
 }
 
 impl Stores {
@@ -160,6 +89,7 @@ impl Stores {
                 kind: S::KIND,
                 relay,
                 wakeup,
+                queue: Arc::default(),
             },
         );
         self.stores.insert(TypeId::of::<S>(), store);

@@ -15,7 +15,8 @@
 //!
 //! A batch handler ([`Handler::TAKES_BATCH`]) runs once per pass on every new message
 //! ([`set`]); a pass that fails one message runs again without it, one that fails permanently
-//! with no culprit runs again in halves.
+//! with no culprit runs again in halves. Only the last pass lets the next batch run its
+//! handlers (`stages`): a half that committed keeps it waiting for the other half.
 
 mod finish;
 mod gather;
@@ -120,9 +121,20 @@ impl<H: Handler> Batch<'_, H> {
                 Some(payloads) => payloads,
                 None => gather::decode_again::<H>(items, &members, self.envelopes),
             };
+            // Only the batch's last pass may let the next batch run its handlers: a pass that
+            // commits with more to come (a half) keeps the next batch waiting.
+            let held = if pending.is_empty() {
+                None
+            } else {
+                Some((stages.committing.take(), stages.committed.take()))
+            };
             let ended = self
                 .pass(items, &members, decoded, outcomes, How::Set, stages)
                 .await;
+            if let Some((committing, committed)) = held {
+                stages.committing = committing;
+                stages.committed = committed;
+            }
             if ended == Pass::Done {
                 continue;
             }

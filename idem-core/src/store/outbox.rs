@@ -1,0 +1,245 @@
+//! A store's outbox as the runtime drives it: its relay passes ([`Relay`]), and the dispatch
+//! of staged messages right after their transaction commits: a commit queues its run
+//! ([`Dispatch::after_commit`]); one task per store takes the runs queued since its last pass
+//! and publishes their rows in one pass, so a busy consumer pays one select, one burst of
+//! publishes and one delete for many commits.
+
+use super::inbox::StoreKind;
+use super::relay::{OutboxSelect, RelayReport};
+use crate::future::BoxFuture;
+use crate::model::StoreError;
+use crate::transport::Outbound;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+use tokio::sync::{Notify, Semaphore, mpsc};
+
+/// One store's [`InboxStore::relay`](super::InboxStore::relay), type-erased.
+pub type RelayFn = Arc<
+    dyn Fn(OutboxSelect, Arc<dyn Outbound>) -> BoxFuture<'static, Result<RelayReport, StoreError>>
+        + Send
+        + Sync,
+>;
+
+/// One store's [`InboxStore::outbox_wakeup`](super::InboxStore::outbox_wakeup), type-erased.
+pub type WakeupFn = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
+
+/// A store's outbox relay, as the runtime runs it: after a commit that staged messages, on
+/// an interval for the rows a crash left, and when the store says rows staged outside any
+/// handler were committed.
+#[derive(Clone)]
+pub struct Relay {
+    /// The database.
+    pub kind: StoreKind,
+    /// Runs one relay pass.
+    pub relay: RelayFn,
+    /// Resolves when rows staged outside any handler may be waiting.
+    pub wakeup: WakeupFn,
+    /// The runs committed and waiting for their dispatch.
+    pub(crate) queue: Arc<DispatchQueue>,
+}
+
+impl fmt::Debug for Relay {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay").field("kind", &self.kind).finish()
+    }
+}
+
+/// The most runs one dispatch pass takes (two parameters each).
+const RUNS_PER_PASS: usize = 256;
+
+/// About how many rows one dispatch pass takes, when the runs before staged several each.
+const ROWS_PER_PASS: u64 = 1_000;
+
+/// Dispatch passes of one store running at once.
+const PASSES_IN_FLIGHT: usize = 4;
+
+/// A committed run waiting for its dispatch: `(consumer, key)` and when it committed.
+type Pending = (String, String, Instant);
+
+/// A store's dispatch queue; its task starts with the first commit that staged messages and
+/// ends, after the runs queued, when the queue is dropped.
+#[derive(Debug, Default)]
+pub(crate) struct DispatchQueue {
+    sender: OnceLock<mpsc::UnboundedSender<Pending>>,
+}
+
+/// What dispatches a handler's staged messages right after its transaction commits: its
+/// store's relay and the transport's publisher.
+#[derive(Clone, Copy, Debug)]
+pub struct Dispatch<'a> {
+    pub(super) relay: &'a Relay,
+    pub(super) outbound: &'a Arc<dyn Outbound>,
+}
+
+impl Dispatch<'_> {
+    /// The transport's publisher.
+    pub fn outbound(&self) -> &Arc<dyn Outbound> {
+        self.outbound
+    }
+
+    /// Publishes, in the background, the rows `consumer` staged while processing `key`, once
+    /// their transaction committed; the rows a failure leaves are the relay's. Returns at once.
+    pub fn after_commit(&self, consumer: &str, key: &str) {
+        let sender = self.relay.queue.sender.get_or_init(|| {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            tokio::spawn(drain(self.relay.clone(), self.outbound.clone(), receiver));
+            sender
+        });
+        // The task ends only once every sender is gone: a send cannot fail while this one is.
+        let _ = sender.send((consumer.to_owned(), key.to_owned(), Instant::now()));
+    }
+}
+
+/// Dispatches the runs `queue` brings until it closes. A pass starts at once when none is
+/// running; otherwise it waits for a full pass's worth of runs (as many as make about
+/// [`ROWS_PER_PASS`] rows at the rows per run seen so far) or for the running passes to end,
+/// taking every run queued meanwhile; up to [`PASSES_IN_FLIGHT`] passes run at once. A run's
+/// rows all go in one pass, in the order staged.
+async fn drain(
+    relay: Relay,
+    outbound: Arc<dyn Outbound>,
+    mut queue: mpsc::UnboundedReceiver<Pending>,
+) {
+    let store = relay.kind.label();
+    let passes = Arc::new(Semaphore::new(PASSES_IN_FLIGHT));
+    let running = Arc::new(AtomicUsize::new(0));
+    let ended = Arc::new(Notify::new());
+    // Rows per run, in hundredths, as the last pass found them.
+    let rows_per_run = Arc::new(AtomicU64::new(100));
+    loop {
+        let Ok(permit) = passes.clone().acquire_owned().await else {
+            return;
+        };
+        let per_run = rows_per_run.load(Ordering::Relaxed).max(100);
+        let take = (ROWS_PER_PASS * 100 / per_run).clamp(1, RUNS_PER_PASS as u64) as usize;
+        let mut pending = Vec::with_capacity(take);
+        if queue.recv_many(&mut pending, take).await == 0 {
+            return;
+        }
+        while pending.len() < take && running.load(Ordering::Acquire) > 0 {
+            let room = take - pending.len();
+            tokio::select! {
+                more = queue.recv_many(&mut pending, room) => if more == 0 {
+                    break;
+                },
+                () = ended.notified() => {}
+            }
+        }
+        let runs = pending
+            .iter()
+            .map(|(consumer, key, _)| (consumer.clone(), key.clone()))
+            .collect();
+        let pass = (relay.relay)(OutboxSelect::Runs { runs }, outbound.clone());
+        let (rows_per_run, running, ended) = (rows_per_run.clone(), running.clone(), ended.clone());
+        running.fetch_add(1, Ordering::AcqRel);
+        tokio::spawn(async move {
+            match pass.await {
+                Ok(report) => {
+                    crate::telemetry::relayed(store, "dispatch", &report);
+                    let rows = report.published + report.unroutable;
+                    rows_per_run.store(rows * 100 / pending.len() as u64, Ordering::Relaxed);
+                    if report.failure.is_none() {
+                        for (_, _, committed) in &pending {
+                            crate::telemetry::dispatched(store, committed.elapsed());
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(
+                    store,
+                    error = %e,
+                    "dispatching staged messages failed; the relay publishes them"
+                ),
+            }
+            running.fetch_sub(1, Ordering::AcqRel);
+            // A permit is kept when nobody waits: the gatherer re-checks `running`.
+            ended.notify_one();
+            drop(permit);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Outgoing;
+    use crate::transport::OutboundError;
+    use std::sync::Mutex;
+
+    /// Publishes nothing: the passes under test never call it.
+    struct Nowhere;
+
+    impl Outbound for Nowhere {
+        fn publish<'a>(&'a self, _: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    /// A relay whose passes record the runs they were given and wait for `gate` to let
+    /// them end.
+    fn recording(seen: Arc<Mutex<Vec<Vec<String>>>>, gate: Arc<Semaphore>) -> Relay {
+        let relay: RelayFn = Arc::new(move |select, _| {
+            let (seen, gate) = (seen.clone(), gate.clone());
+            Box::pin(async move {
+                let OutboxSelect::Runs { runs } = select else {
+                    panic!("a dispatch reads runs, not {select:?}");
+                };
+                let keys: Vec<String> = runs.into_iter().map(|(_, key)| key).collect();
+                let report = RelayReport {
+                    published: keys.len() as u64,
+                    ..RelayReport::default()
+                };
+                seen.lock().expect("not poisoned").push(keys);
+                gate.acquire().await.expect("open").forget();
+                Ok(report)
+            })
+        });
+        Relay {
+            kind: StoreKind::new("Test", "test", "Test"),
+            relay,
+            wakeup: Arc::new(|| Box::pin(std::future::pending())),
+            queue: Arc::default(),
+        }
+    }
+
+    async fn passes_seen(seen: &Mutex<Vec<Vec<String>>>, count: usize) -> Vec<Vec<String>> {
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let passes = seen.lock().expect("not poisoned").clone();
+            if passes.len() >= count {
+                return passes;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{count} passes expected, saw {passes:?}"
+            );
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn commits_during_a_pass_go_together_in_the_next() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(Semaphore::new(0));
+        let relay = recording(seen.clone(), gate.clone());
+        let outbound: Arc<dyn Outbound> = Arc::new(Nowhere);
+        let dispatch = Dispatch {
+            relay: &relay,
+            outbound: &outbound,
+        };
+        dispatch.after_commit("c", "k0");
+        assert_eq!(passes_seen(&seen, 1).await, [vec!["k0".to_owned()]]);
+        // The first pass holds: the commits meanwhile wait for it, and then go in one pass.
+        for n in 1..=5 {
+            dispatch.after_commit("c", &format!("k{n}"));
+        }
+        tokio::task::yield_now().await;
+        assert_eq!(seen.lock().expect("not poisoned").len(), 1);
+        gate.add_permits(1);
+        let passes = passes_seen(&seen, 2).await;
+        let expected: Vec<String> = (1..=5).map(|n| format!("k{n}")).collect();
+        assert_eq!(passes[1], expected);
+        gate.add_permits(1);
+    }
+}

@@ -1,0 +1,147 @@
+//! Relay passes over the outbox: the rows a pass takes (`FOR UPDATE SKIP LOCKED` where the
+//! dialect has it), sent all at once on one channel, their confirms judged in the order staged,
+//! the confirmed rows deleted; and the wake-ups that start a pass for rows staged outside any
+//! handler.
+
+use crate::dialect::Dialect;
+use crate::error::store_error;
+use crate::exec::Param;
+use crate::inbox::SqlInbox;
+use idem_core::model::outgoing::headers_from_json;
+use idem_core::transport::{Outbound, OutboundError};
+use idem_core::{Envelope, OutboxSelect, Outgoing, RelayReport, StoreError};
+use std::collections::HashSet;
+use std::time::Duration;
+
+impl<DB: Dialect> SqlInbox<DB> {
+    /// Resolves when this inbox's database says rows were staged outside any handler and
+    /// committed ([`Dialect::listen`]); never, where it cannot tell.
+    pub(crate) async fn staged_elsewhere(&self) {
+        if !self.wake.start() {
+            self.wake.notify.notified().await;
+            return;
+        }
+        let listening = DB::listen(self.pool.clone(), self.outbox.clone(), self.wake.clone());
+        if !listening {
+            std::future::pending::<()>().await;
+        }
+        self.wake.notify.notified().await;
+    }
+
+    /// One relay pass: takes the rows `select` names (skipping rows another pass holds),
+    /// publishes them in the order staged, and removes those confirmed, in one transaction. A
+    /// row the broker cannot route holds back the later rows of its run; a broker failure ends
+    /// the pass.
+    pub(crate) async fn relay_rows(
+        &self,
+        select: &OutboxSelect,
+        publish: &dyn Outbound,
+    ) -> Result<RelayReport, StoreError> {
+        let fail = |e| store_error("relay", e);
+        let sql = &self.sql.outbox;
+        let mut conn = self.pool.acquire().await.map_err(fail)?;
+        if let Some(prelude) = DB::STATEMENTS.outbox.prelude {
+            DB::execute_raw(&mut *conn, prelude).await.map_err(fail)?;
+        }
+        let mut tx = crate::migrate::begin::<DB>(&mut *conn)
+            .await
+            .map_err(fail)?;
+        if let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit {
+            DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
+        }
+        let rows = match select {
+            OutboxSelect::Runs { runs } if runs.is_empty() => Ok(Vec::new()),
+            OutboxSelect::Runs { runs } => {
+                let matches: Vec<String> = (0..runs.len())
+                    .map(|i| {
+                        sql.run_match
+                            .replace("{c}", &DB::placeholder(2 * i + 1))
+                            .replace("{k}", &DB::placeholder(2 * i + 2))
+                    })
+                    .collect();
+                let statement: std::sync::Arc<str> =
+                    sql.run.replace("{runs}", &matches.join(" OR ")).into();
+                let params: Vec<Param<'_>> = runs
+                    .iter()
+                    .flat_map(|(consumer, key)| [Param::Text(consumer), Param::Text(key)])
+                    .collect();
+                DB::fetch_all(&mut *tx, &statement, &params).await
+            }
+            OutboxSelect::Older { age, limit } => {
+                let age = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
+                let params = [Param::Int(age), Param::Int(i64::from(*limit))];
+                DB::fetch_all(&mut *tx, &sql.older, &params).await
+            }
+            OutboxSelect::Unowned { limit } => {
+                let params = [Param::Int(i64::from(*limit))];
+                DB::fetch_all(&mut *tx, &sql.unowned, &params).await
+            }
+            _ => Ok(Vec::new()),
+        }
+        .map_err(fail)?;
+        let mut report = RelayReport::default();
+        let mut runs = Vec::with_capacity(rows.len());
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let run = (DB::text(row, "consumer"), DB::text(row, "key"));
+            let age = Duration::from_millis(DB::int(row, "age_ms").map_err(fail)?.max(0) as u64);
+            report.oldest = report.oldest.max(Some(age));
+            runs.push((
+                DB::int(row, "seq").map_err(fail)?,
+                run.0.map_err(fail)?,
+                run.1.map_err(fail)?,
+            ));
+            messages.push(message::<DB>(row).map_err(fail)?);
+        }
+        // All sent before any confirm is awaited; judged in the order staged.
+        let results = publish.publish_all(&messages).await;
+        let mut done = Vec::with_capacity(rows.len());
+        let mut held: HashSet<(&str, &str)> = HashSet::new();
+        for ((seq, consumer, key), result) in runs.iter().zip(results) {
+            let run = (consumer.as_str(), key.as_str());
+            if held.contains(&run) {
+                // Sent behind a message of its run that was not: kept, to go out again after
+                // it, with its id.
+                continue;
+            }
+            match result {
+                Ok(()) => done.push(*seq),
+                Err(e @ OutboundError::Unroutable { .. }) => {
+                    report.unroutable += 1;
+                    report.failure = Some(e.to_string());
+                    held.insert(run);
+                }
+                Err(e) => {
+                    report.failure = Some(e.to_string());
+                    break;
+                }
+            }
+        }
+        if !done.is_empty() {
+            // Integers written into the text: a primary-key lookup per row, in every dialect.
+            let seqs: Vec<String> = done.iter().map(i64::to_string).collect();
+            let delete: std::sync::Arc<str> = sql.delete.replace("{seqs}", &seqs.join(",")).into();
+            DB::execute(&mut *tx, &delete, &[]).await.map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        report.published = done.len() as u64;
+        Ok(report)
+    }
+}
+
+/// The message of an outbox row.
+fn message<DB: Dialect>(row: &DB::Row) -> Result<Outgoing, sqlx::Error> {
+    let mut envelope = Envelope::new(DB::bytes(row, "body")?);
+    envelope.message_id = Some(DB::text(row, "message_id")?);
+    envelope.correlation_id = Some(DB::text(row, "correlation_id")?).filter(|c| !c.is_empty());
+    envelope.content_type = Some(DB::text(row, "content_type")?).filter(|c| !c.is_empty());
+    envelope.headers = headers_from_json(&DB::text(row, "headers")?)
+        .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+    let mut message = Outgoing::new(
+        DB::text(row, "exchange")?,
+        DB::text(row, "routing_key")?,
+        Vec::new(),
+    );
+    message.envelope = envelope;
+    Ok(message)
+}
