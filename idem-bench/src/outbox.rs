@@ -1,15 +1,15 @@
 //! `idem-bench outbox`: the outbox on RabbitMQ and PostgreSQL. Its dispatch latency (from the
-//! commit until the staged message is published, confirmed and removed) at a steady rate, and
-//! a relay draining a backlog against a raw publish-with-confirms loop of the same messages
+//! commit until the broker confirmed the staged message) at a steady rate, and the runtime's
+//! relay draining a backlog against a raw publish-with-confirms loop of the same messages
 //! (pipelined, confirms awaited per 500), run alternately.
 
 use crate::workload::Order;
 use anyhow::{Context as _, bail};
 use idem::rabbitmq::{Publisher, RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
-use idem::store::{InboxStore, OutboxSelect};
 use idem::transport::{QueueSpec, Transport};
 use idem::{Context, Envelope, HandlerError, Outgoing, Runtime, idempotent};
+use metrics_exporter_prometheus::PrometheusHandle;
 use std::time::{Duration, Instant};
 
 /// Settings of `idem-bench outbox`.
@@ -77,8 +77,11 @@ pub async fn run(b: OutboxBench) -> anyhow::Result<()> {
         spec.retry_delays = idem::RetryPolicy::default().delays();
         transport.declare(&[spec]).await?;
     }
-    latency(&b, &pool, &inbox, &rabbit).await?;
-    backlog(&b, &pool, &inbox, &transport, &rabbit).await
+    let metrics = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    latency(&b, &pool, &inbox, &rabbit, &metrics).await?;
+    backlog(&b, &pool, &inbox, &rabbit, &metrics).await
 }
 
 /// Consumes orders published at `b.rate` per second for `b.seconds`, each staging one event,
@@ -88,11 +91,9 @@ async fn latency(
     pool: &sqlx::PgPool,
     inbox: &PgInbox,
     rabbit: &RabbitConfig,
+    recorder: &PrometheusHandle,
 ) -> anyhow::Result<()> {
     reset(pool, &b.amqp_url).await?;
-    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
-        .context("installing the metrics recorder")?;
     let runtime = Runtime::builder()
         .transport(RabbitTransport::new(rabbit.clone()))
         .store(inbox.clone())
@@ -159,18 +160,16 @@ async fn latency(
     Ok(())
 }
 
-/// Drains a backlog of `b.backlog` staged rows with the relay, against a raw loop publishing
-/// the same messages with confirms, alternately; prints msgs/s of each and their ratio.
+/// Drains a backlog of `b.backlog` rows, staged outside any handler, with the runtime's own
+/// relay, against a raw loop publishing the same messages with confirms, alternately; prints
+/// msgs/s of each and their ratio.
 async fn backlog(
     b: &OutboxBench,
     pool: &sqlx::PgPool,
     inbox: &PgInbox,
-    transport: &RabbitTransport,
     rabbit: &RabbitConfig,
+    metrics: &PrometheusHandle,
 ) -> anyhow::Result<()> {
-    let outbound = transport
-        .outbound()
-        .context("the RabbitMQ transport publishes")?;
     let messages: Vec<Outgoing> = (0..b.backlog)
         .map(|n| {
             let order = Order {
@@ -184,27 +183,54 @@ async fn backlog(
     let (mut relayed, mut raw) = (Vec::new(), Vec::new());
     for run in 1..=b.runs {
         reset(pool, &b.amqp_url).await?;
+        let runtime = Runtime::builder()
+            .transport(RabbitTransport::new(rabbit.clone()))
+            .store(inbox.clone())
+            .state(Billed(BILLED.to_owned()))
+            .handlers(["bench.billing"])
+            .handler_queue("bench.billing", ORDERS)
+            .relay(Duration::from_millis(500), Duration::ZERO)
+            .build()?;
+        let health = runtime.health();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(runtime.run_until(async {
+            let _ = stopped.await;
+        }));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !health.is_consuming() {
+            if Instant::now() > deadline {
+                bail!("the runtime did not start");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let before = relay_published(metrics);
+        let depth = QueueDepth::open(&b.amqp_url, BILLED).await?;
+        // Staged in one transaction: its commit wakes the relay (LISTEN/NOTIFY).
         let mut tx = pool.begin().await?;
         for message in &messages {
             inbox.stage(&mut tx, message.clone()).await?;
         }
         tx.commit().await?;
         let started = Instant::now();
-        let select = OutboxSelect::Older {
-            age: Duration::ZERO,
-            limit: 500,
-        };
-        // As the runtime's relay goes: a full pass is followed by the next at once.
-        loop {
-            let report = inbox.relay(&select, outbound.as_ref()).await?;
-            if let Some(failure) = report.failure {
-                bail!("the relay failed: {failure}");
+        // Done when the last message is confirmed, as for the raw loop: the queue holds them
+        // all (a confirm follows the enqueue).
+        let deadline = started + Duration::from_secs(300);
+        while (depth.count().await? as usize) < b.backlog {
+            if Instant::now() > deadline {
+                bail!("the relay did not drain the backlog");
             }
-            if report.published < 500 {
-                break;
-            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let elapsed = started.elapsed();
+        // And every row removed.
+        while relay_published(metrics) - before < b.backlog as u64 {
+            if Instant::now() > deadline {
+                bail!("the relay did not remove the rows it published");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = stop.send(());
+        task.await??;
         let left = outbox_rows(pool).await?;
         if left > 0 {
             bail!("the relay left {left} rows");
@@ -244,6 +270,49 @@ async fn backlog(
         b.runs
     );
     Ok(())
+}
+
+/// A queue's message count, asked on one channel held open.
+struct QueueDepth {
+    _connection: lapin::Connection,
+    channel: lapin::Channel,
+    queue: &'static str,
+}
+
+impl QueueDepth {
+    async fn open(amqp_url: &str, queue: &'static str) -> anyhow::Result<Self> {
+        let connection =
+            lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default()).await?;
+        let channel = connection.create_channel().await?;
+        Ok(Self {
+            _connection: connection,
+            channel,
+            queue,
+        })
+    }
+
+    async fn count(&self) -> anyhow::Result<u32> {
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let declared = self
+            .channel
+            .queue_declare(self.queue.into(), passive, Default::default())
+            .await?;
+        Ok(declared.message_count())
+    }
+}
+
+/// Rows the runtime's relays published and removed so far (`idem_outbox_published_total`).
+fn relay_published(metrics: &PrometheusHandle) -> u64 {
+    let series = "idem_outbox_published_total{store=\"postgres\",by=\"relay\"} ";
+    metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(series))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0)
 }
 
 fn median(mut values: Vec<f64>) -> f64 {

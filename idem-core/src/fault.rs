@@ -115,8 +115,16 @@ impl crate::transport::Outbound for Crashing {
         &'a self,
         messages: &'a [crate::model::Outgoing],
     ) -> crate::future::BoxFuture<'a, Vec<Result<(), crate::transport::OutboundError>>> {
+        self.publish_all_then(messages, Box::new(|| {}))
+    }
+
+    fn publish_all_then<'a>(
+        &'a self,
+        messages: &'a [crate::model::Outgoing],
+        sent: Box<dyn FnOnce() + Send + 'a>,
+    ) -> crate::future::BoxFuture<'a, Vec<Result<(), crate::transport::OutboundError>>> {
         Box::pin(async move {
-            let results = self.0.publish_all(messages).await;
+            let results = self.0.publish_all_then(messages, sent).await;
             if results.iter().any(Result::is_ok) {
                 maybe_crash(Point::AfterPublishBeforeMark);
             }

@@ -19,7 +19,7 @@
 //! | `idem_outbox_unroutable_total` | counter | `store`: outbox messages the broker could not route (kept, retried) |
 //! | `idem_outbox_lag_seconds` | gauge | `store`: how long the oldest row a relay pass took had waited |
 //! | `idem_outbox_staged_total` | counter | `consumer`: messages staged by handlers that committed (replies included) |
-//! | `idem_outbox_dispatch_seconds` | histogram | `store`: from a commit that staged messages until they are published, confirmed and removed |
+//! | `idem_outbox_dispatch_seconds` | histogram | `store`: from a commit that staged messages until the broker confirmed them |
 //!
 //! The delivery span carries the W3C trace context of a message's `traceparent` header as the
 //! fields `trace_id` and `parent_span_id` (propagation only: no OpenTelemetry exporter is
@@ -141,7 +141,7 @@ pub const OUTBOX_UNROUTABLE: &str = "idem_outbox_unroutable_total";
 pub const OUTBOX_LAG: &str = "idem_outbox_lag_seconds";
 /// Messages staged by handlers that committed.
 pub const OUTBOX_STAGED: &str = "idem_outbox_staged_total";
-/// From a commit that staged messages until they are published, confirmed and removed.
+/// From a commit that staged messages until the broker confirmed them.
 pub const OUTBOX_DISPATCH: &str = "idem_outbox_dispatch_seconds";
 
 /// Describes every metric to the installed recorder (units and help texts).
@@ -195,7 +195,7 @@ pub fn describe() {
     describe_histogram!(
         OUTBOX_DISPATCH,
         Unit::Seconds,
-        "From a commit that staged messages until they are published, confirmed and removed"
+        "From a commit that staged messages until the broker confirmed them"
     );
 }
 

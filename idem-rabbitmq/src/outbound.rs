@@ -49,10 +49,20 @@ impl Outbound for RabbitOutbound {
         &'a self,
         messages: &'a [Outgoing],
     ) -> BoxFuture<'a, Vec<Result<(), OutboundError>>> {
+        self.publish_all_then(messages, Box::new(|| {}))
+    }
+
+    /// Sends them all, says so, then waits for their confirms.
+    fn publish_all_then<'a>(
+        &'a self,
+        messages: &'a [Outgoing],
+        sent: Box<dyn FnOnce() + Send + 'a>,
+    ) -> BoxFuture<'a, Vec<Result<(), OutboundError>>> {
         Box::pin(async move {
             let publisher = match self.publisher().await {
                 Ok(publisher) => publisher,
                 Err(e) => {
+                    sent();
                     let why = e.to_string();
                     return messages
                         .iter()
@@ -64,7 +74,7 @@ impl Outbound for RabbitOutbound {
                 .iter()
                 .map(|m| (m.exchange.as_str(), m.routing_key.as_str(), &m.envelope))
                 .collect();
-            let results = publisher.publish_many(&batch).await;
+            let results = publisher.publish_many_then(&batch, sent).await;
             results.into_iter().map(|r| r.map_err(outbound)).collect()
         })
     }

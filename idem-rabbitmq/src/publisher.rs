@@ -186,12 +186,23 @@ impl Publisher {
         &self,
         messages: &[(&str, &str, &Envelope)],
     ) -> Vec<Result<(), PublishError>> {
+        self.publish_many_then(messages, || {}).await
+    }
+
+    /// As [`Publisher::publish_many`], calling `sent` once the messages are sent (or a send
+    /// failed), before their confirms are awaited.
+    pub(crate) async fn publish_many_then(
+        &self,
+        messages: &[(&str, &str, &Envelope)],
+        sent: impl FnOnce() + Send,
+    ) -> Vec<Result<(), PublishError>> {
         let not_sent = |why: &str| {
             PublishError::Broker(format!("not sent: an earlier publish failed ({why})").into())
         };
         let channel = match self.channel().await {
             Ok(channel) => channel,
             Err(e) => {
+                sent();
                 let why = e.to_string();
                 let mut results = vec![Err(e)];
                 results.extend((1..messages.len()).map(|_| Err(not_sent(&why))));
@@ -219,6 +230,7 @@ impl Publisher {
                 }
             }
         }
+        sent();
         let mut results = Vec::with_capacity(messages.len());
         for (confirm, (exchange, routing_key, _)) in confirms.into_iter().zip(messages) {
             results.push(match confirm.await {

@@ -85,6 +85,9 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         ) ENGINE = InnoDB"#],
     ),
     (6, crate::outbox::MYSQL_TABLE),
+    // Version 7 indexed the rows staged outside any handler for the pass a NOTIFY wakes,
+    // which this dialect does not have.
+    (7, &[]),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,

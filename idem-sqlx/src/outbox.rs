@@ -33,6 +33,9 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
     lazy_commit: Some("SET LOCAL synchronous_commit = off"),
+    // Else a backlog the statistics have not seen is planned as a few rows, all read and
+    // sorted before the limit applies (a pass over 100,000 rows took ~100 ms instead of ~1).
+    in_order: Some("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"),
     now: "now()",
     notify: Some("SELECT pg_notify('idem_outbox', '{outbox}')::text"),
 };
@@ -55,6 +58,13 @@ pub(crate) const POSTGRES_TABLE: &[&str] = &[
         )"#,
     r#"CREATE INDEX IF NOT EXISTS "{outbox}_run" ON "{outbox}" (consumer, key)"#,
 ];
+
+/// PostgreSQL's index of the rows staged outside any handler, in the order staged: the pass a
+/// `NOTIFY` wakes ([`OutboxStatements::unowned`]) reads its rows from it however many rows
+/// handlers staged beside them (schema version 7). Rows staged by handlers stay out of it.
+#[cfg(feature = "postgres")]
+pub(crate) const POSTGRES_UNOWNED_INDEX: &[&str] =
+    &[r#"CREATE INDEX IF NOT EXISTS "{outbox}_unowned" ON "{outbox}" (seq) WHERE consumer = ''"#];
 
 /// MySQL and MariaDB: rows taken with `FOR UPDATE SKIP LOCKED`, in a READ COMMITTED
 /// transaction (no gap locks to hold up the handlers staging new rows).
@@ -80,6 +90,7 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     STRAIGHT_JOIN `{outbox}` o ON o.seq = j.seq"#,
     prelude: Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"),
     lazy_commit: None,
+    in_order: None,
     now: "UTC_TIMESTAMP(6)",
     notify: None,
 };
@@ -121,6 +132,7 @@ pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     prelude: None,
     lazy_commit: None,
+    in_order: None,
     now: "{now}",
     notify: None,
 };

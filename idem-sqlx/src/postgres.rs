@@ -85,6 +85,7 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         )"#],
     ),
     (6, crate::outbox::POSTGRES_TABLE),
+    (7, crate::outbox::POSTGRES_UNOWNED_INDEX),
 ];
 
 /// Wakes `wake` at each notification on [`crate::notify::CHANNEL`] naming `outbox`, on a

@@ -46,8 +46,12 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut tx = crate::migrate::begin::<DB>(&mut *conn)
             .await
             .map_err(fail)?;
-        if let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit {
-            DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
+        let scan = matches!(
+            select,
+            OutboxSelect::Older { .. } | OutboxSelect::Unowned { .. }
+        );
+        if scan && let Some(in_order) = DB::STATEMENTS.outbox.in_order {
+            DB::execute_raw(&mut *tx, in_order).await.map_err(fail)?;
         }
         let rows = match select {
             OutboxSelect::Runs { runs } if runs.is_empty() => Ok(Vec::new()),
@@ -116,6 +120,10 @@ impl<DB: Dialect> SqlInbox<DB> {
                     break;
                 }
             }
+        }
+        // After the publishes, so that its round trip is not theirs to wait for.
+        if let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit {
+            DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
         }
         if !done.is_empty() {
             // Integers written into the text: a primary-key lookup per row, in every dialect.

@@ -91,6 +91,9 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         ) WITHOUT ROWID"#],
     ),
     (6, crate::outbox::SQLITE_TABLE),
+    // Version 7 indexed the rows staged outside any handler for the pass a NOTIFY wakes,
+    // which this dialect does not have.
+    (7, &[]),
 ];
 
 const CLAIM: &str = r#"

@@ -73,10 +73,14 @@ pub struct OutboxStatements<S = &'static str> {
     pub delete: S,
     /// Runs on the relay's connection before its transaction begins.
     pub prelude: Option<&'static str>,
-    /// Runs first in the relay's transaction: its commit need not wait for the disk (losing
+    /// Runs in the relay's transaction before its delete: its commit need not wait for the disk (losing
     /// the removal of published rows in a database crash only sends them again, with their
     /// ids).
     pub lazy_commit: Option<&'static str>,
+    /// Runs before `older` and `unowned` in the relay's transaction: the planner reads their
+    /// rows in index order and stops at the limit, whatever its statistics say (an outbox's
+    /// statistics are stale by nature: it is empty one minute and holds a backlog the next).
+    pub in_order: Option<&'static str>,
     /// The staging time, as the dialect writes `created_at`.
     pub now: &'static str,
     /// Tells the relays, at the commit, that rows were staged outside any handler.
@@ -320,6 +324,7 @@ impl Statements {
                 delete: fill(self.outbox.delete),
                 prelude: self.outbox.prelude,
                 lazy_commit: self.outbox.lazy_commit,
+                in_order: self.outbox.in_order,
                 now: self.outbox.now,
             },
             rows: self.rows.as_ref().map(|rows| RowStatements {

@@ -9,6 +9,7 @@ pub mod set;
 
 pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
 pub use lease::{Lease, LeaseEnd, owner_token};
+pub(crate) use outbox::Watched;
 pub use outbox::{Dispatch, Relay, RelayFn, WakeupFn};
 pub use relay::{OutboxSelect, RelayReport};
 pub use set::{Stores, SweepFn, Sweeper};

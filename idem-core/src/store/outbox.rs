@@ -7,13 +7,13 @@
 use super::inbox::StoreKind;
 use super::relay::{OutboxSelect, RelayReport};
 use crate::future::BoxFuture;
-use crate::model::StoreError;
-use crate::transport::Outbound;
+use crate::model::{Outgoing, StoreError};
+use crate::transport::{Outbound, OutboundError};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
-use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
 /// One store's [`InboxStore::relay`](super::InboxStore::relay), type-erased.
 pub type RelayFn = Arc<
@@ -92,11 +92,12 @@ impl Dispatch<'_> {
     }
 }
 
-/// Dispatches the runs `queue` brings until it closes. A pass starts at once when none is
-/// running; otherwise it waits for a full pass's worth of runs (as many as make about
-/// [`ROWS_PER_PASS`] rows at the rows per run seen so far) or for the running passes to end,
-/// taking every run queued meanwhile; up to [`PASSES_IN_FLIGHT`] passes run at once. A run's
-/// rows all go in one pass, in the order staged.
+/// Dispatches the runs `queue` brings until it closes. A pass starts at once when no other is
+/// reading and sending its rows; otherwise it waits for a full pass's worth of runs (as many
+/// as make about [`ROWS_PER_PASS`] rows at the rows per run seen so far) or until the others
+/// have sent theirs, taking every run queued meanwhile: a pass reads while the last awaits
+/// its confirms. Up to [`PASSES_IN_FLIGHT`] passes run at once. A run's rows all go in one
+/// pass, in the order staged.
 async fn drain(
     relay: Relay,
     outbound: Arc<dyn Outbound>,
@@ -104,8 +105,9 @@ async fn drain(
 ) {
     let store = relay.kind.label();
     let passes = Arc::new(Semaphore::new(PASSES_IN_FLIGHT));
-    let running = Arc::new(AtomicUsize::new(0));
-    let ended = Arc::new(Notify::new());
+    // Passes that have not sent their rows yet.
+    let sending = Arc::new(AtomicUsize::new(0));
+    let sent = Arc::new(Notify::new());
     // Rows per run, in hundredths, as the last pass found them.
     let rows_per_run = Arc::new(AtomicU64::new(100));
     loop {
@@ -118,31 +120,47 @@ async fn drain(
         if queue.recv_many(&mut pending, take).await == 0 {
             return;
         }
-        while pending.len() < take && running.load(Ordering::Acquire) > 0 {
+        while pending.len() < take && sending.load(Ordering::Acquire) > 0 {
             let room = take - pending.len();
             tokio::select! {
                 more = queue.recv_many(&mut pending, room) => if more == 0 {
                     break;
                 },
-                () = ended.notified() => {}
+                () = sent.notified() => {}
             }
         }
         let runs = pending
             .iter()
             .map(|(consumer, key, _)| (consumer.clone(), key.clone()))
             .collect();
-        let pass = (relay.relay)(OutboxSelect::Runs { runs }, outbound.clone());
-        let (rows_per_run, running, ended) = (rows_per_run.clone(), running.clone(), ended.clone());
-        running.fetch_add(1, Ordering::AcqRel);
+        let (watched, on_sent) = Watched::new(outbound.clone());
+        let mut pass = (relay.relay)(OutboxSelect::Runs { runs }, watched.clone());
+        let (rows_per_run, sending, sent) = (rows_per_run.clone(), sending.clone(), sent.clone());
+        sending.fetch_add(1, Ordering::AcqRel);
         tokio::spawn(async move {
-            match pass.await {
+            let mut on_sent = on_sent;
+            let ended = tokio::select! {
+                _ = &mut on_sent => None,
+                report = &mut pass => Some(report),
+            };
+            // Sent, or ended without sending: either way it holds up no other pass now. A
+            // permit is kept when nobody waits: the gatherer re-checks `sending`.
+            sending.fetch_sub(1, Ordering::AcqRel);
+            sent.notify_one();
+            let report = match ended {
+                Some(report) => report,
+                None => pass.await,
+            };
+            match report {
                 Ok(report) => {
                     crate::telemetry::relayed(store, "dispatch", &report);
                     let rows = report.published + report.unroutable;
                     rows_per_run.store(rows * 100 / pending.len() as u64, Ordering::Relaxed);
                     if report.failure.is_none() {
+                        let confirmed = watched.confirmed().unwrap_or_else(Instant::now);
                         for (_, _, committed) in &pending {
-                            crate::telemetry::dispatched(store, committed.elapsed());
+                            let took = confirmed.saturating_duration_since(*committed);
+                            crate::telemetry::dispatched(store, took);
                         }
                     }
                 }
@@ -152,19 +170,65 @@ async fn drain(
                     "dispatching staged messages failed; the relay publishes them"
                 ),
             }
-            running.fetch_sub(1, Ordering::AcqRel);
-            // A permit is kept when nobody waits: the gatherer re-checks `running`.
-            ended.notify_one();
             drop(permit);
         });
+    }
+}
+
+/// A pass's publisher: says how many messages the pass sent as soon as they are on their way,
+/// and notes when the broker confirmed them all.
+pub(crate) struct Watched {
+    inner: Arc<dyn Outbound>,
+    sent: Mutex<Option<oneshot::Sender<usize>>>,
+    confirmed: OnceLock<Instant>,
+}
+
+impl Watched {
+    /// `inner`, watched; the receiver hears how many messages were sent (it is never answered
+    /// when the pass sends nothing).
+    pub(crate) fn new(inner: Arc<dyn Outbound>) -> (Arc<Self>, oneshot::Receiver<usize>) {
+        let (sent, told) = oneshot::channel();
+        let watched = Self {
+            inner,
+            sent: Mutex::new(Some(sent)),
+            confirmed: OnceLock::new(),
+        };
+        (Arc::new(watched), told)
+    }
+
+    /// When the broker had confirmed every message of the pass.
+    pub(crate) fn confirmed(&self) -> Option<Instant> {
+        self.confirmed.get().copied()
+    }
+}
+
+impl Outbound for Watched {
+    fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>> {
+        self.inner.publish(message)
+    }
+
+    fn publish_all<'a>(
+        &'a self,
+        messages: &'a [Outgoing],
+    ) -> BoxFuture<'a, Vec<Result<(), OutboundError>>> {
+        let told = self.sent.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let count = messages.len();
+        Box::pin(async move {
+            let sent = Box::new(move || {
+                if let Some(told) = told {
+                    let _ = told.send(count);
+                }
+            });
+            let results = self.inner.publish_all_then(messages, sent).await;
+            let _ = self.confirmed.set(Instant::now());
+            results
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Outgoing;
-    use crate::transport::OutboundError;
     use std::sync::Mutex;
 
     /// Publishes nothing: the passes under test never call it.
@@ -176,12 +240,15 @@ mod tests {
         }
     }
 
-    /// A relay whose passes record the runs they were given and wait for `gate` to let
-    /// them end.
-    fn recording(seen: Arc<Mutex<Vec<Vec<String>>>>, gate: Arc<Semaphore>) -> Relay {
-        let relay: RelayFn = Arc::new(move |select, _| {
+    /// A relay whose passes record the runs they were given, send nothing (`send`: no
+    /// messages) and wait for `gate` to let them end.
+    fn recording(seen: Arc<Mutex<Vec<Vec<String>>>>, gate: Arc<Semaphore>, send: bool) -> Relay {
+        let relay: RelayFn = Arc::new(move |select, outbound| {
             let (seen, gate) = (seen.clone(), gate.clone());
             Box::pin(async move {
+                if send {
+                    outbound.publish_all(&[]).await;
+                }
                 let OutboxSelect::Runs { runs } = select else {
                     panic!("a dispatch reads runs, not {select:?}");
                 };
@@ -222,7 +289,7 @@ mod tests {
     async fn commits_during_a_pass_go_together_in_the_next() {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let gate = Arc::new(Semaphore::new(0));
-        let relay = recording(seen.clone(), gate.clone());
+        let relay = recording(seen.clone(), gate.clone(), false);
         let outbound: Arc<dyn Outbound> = Arc::new(Nowhere);
         let dispatch = Dispatch {
             relay: &relay,
@@ -241,5 +308,24 @@ mod tests {
         let expected: Vec<String> = (1..=5).map(|n| format!("k{n}")).collect();
         assert_eq!(passes[1], expected);
         gate.add_permits(1);
+    }
+
+    #[tokio::test]
+    async fn a_pass_starts_while_the_last_awaits_its_confirms() {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let gate = Arc::new(Semaphore::new(0));
+        let relay = recording(seen.clone(), gate.clone(), true);
+        let outbound: Arc<dyn Outbound> = Arc::new(Nowhere);
+        let dispatch = Dispatch {
+            relay: &relay,
+            outbound: &outbound,
+        };
+        dispatch.after_commit("c", "k0");
+        passes_seen(&seen, 1).await;
+        // The first pass has sent its messages and holds: the next commit does not wait.
+        dispatch.after_commit("c", "k1");
+        let passes = passes_seen(&seen, 2).await;
+        assert_eq!(passes[1], ["k1".to_owned()]);
+        gate.add_permits(2);
     }
 }

@@ -25,6 +25,21 @@ pub trait Outbound: Send + Sync {
             results
         })
     }
+
+    /// As [`Outbound::publish_all`], calling `sent` once every message is on its way and
+    /// before their confirms are awaited, so that the caller can start its next work while the
+    /// broker confirms. The default calls it when [`Outbound::publish_all`] returns.
+    fn publish_all_then<'a>(
+        &'a self,
+        messages: &'a [Outgoing],
+        sent: Box<dyn FnOnce() + Send + 'a>,
+    ) -> BoxFuture<'a, Vec<Result<(), OutboundError>>> {
+        Box::pin(async move {
+            let results = self.publish_all(messages).await;
+            sent();
+            results
+        })
+    }
 }
 
 /// A publish the broker did not confirm.
