@@ -8,7 +8,7 @@ use anyhow::{Context as _, bail};
 use idem::rabbitmq::{Publisher, RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
 use idem::transport::{QueueSpec, Transport};
-use idem::{Context, Envelope, HandlerError, Outgoing, Runtime, idempotent};
+use idem::{Context, Envelope, HandlerError, Outgoing, Runtime, RuntimeBuilder, idempotent};
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,16 @@ async fn bill(
     Ok(())
 }
 
+/// A runtime of the billing handler alone, consuming the orders queue.
+fn billing(inbox: &PgInbox, rabbit: &RabbitConfig) -> RuntimeBuilder {
+    Runtime::builder()
+        .transport(RabbitTransport::new(rabbit.clone()))
+        .store(inbox.clone())
+        .state(Billed(BILLED.to_owned()))
+        .handlers(["bench.billing"])
+        .handler_queue("bench.billing", ORDERS)
+}
+
 /// Runs both measurements and prints their tables.
 pub async fn run(b: OutboxBench) -> anyhow::Result<()> {
     let pool = crate::pool(&b.database_url, 12).await?;
@@ -94,13 +104,7 @@ async fn latency(
     recorder: &PrometheusHandle,
 ) -> anyhow::Result<()> {
     reset(pool, &b.amqp_url).await?;
-    let runtime = Runtime::builder()
-        .transport(RabbitTransport::new(rabbit.clone()))
-        .store(inbox.clone())
-        .state(Billed(BILLED.to_owned()))
-        .handlers(["bench.billing"])
-        .handler_queue("bench.billing", ORDERS)
-        .build()?;
+    let runtime = billing(inbox, rabbit).build()?;
     let stats = runtime.stats();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(runtime.run_until(async {
@@ -183,12 +187,7 @@ async fn backlog(
     let (mut relayed, mut raw) = (Vec::new(), Vec::new());
     for run in 1..=b.runs {
         reset(pool, &b.amqp_url).await?;
-        let runtime = Runtime::builder()
-            .transport(RabbitTransport::new(rabbit.clone()))
-            .store(inbox.clone())
-            .state(Billed(BILLED.to_owned()))
-            .handlers(["bench.billing"])
-            .handler_queue("bench.billing", ORDERS)
+        let runtime = billing(inbox, rabbit)
             .relay(Duration::from_millis(500), Duration::ZERO)
             .build()?;
         let health = runtime.health();
