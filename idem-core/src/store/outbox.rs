@@ -184,8 +184,8 @@ pub(crate) struct Watched {
 }
 
 impl Watched {
-    /// `inner`, watched; the receiver hears how many messages were sent (it is never answered
-    /// when the pass sends nothing).
+    /// `inner`, watched; the receiver hears how many messages were sent (0 for a pass that
+    /// found no rows), or is dropped unanswered when the pass ends before it publishes.
     pub(crate) fn new(inner: Arc<dyn Outbound>) -> (Arc<Self>, oneshot::Receiver<usize>) {
         let (sent, told) = oneshot::channel();
         let watched = Self {
