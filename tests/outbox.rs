@@ -86,7 +86,8 @@ macro_rules! outbox_suite {
             use std::time::Duration;
 
             /// Bills an order: stages `Billed` to the target queue, twice for a customer
-            /// named `…-twice`; refuses an order named `…-refused` after staging.
+            /// named `…-twice`; for a customer named `…-savepoint`, stages another in a
+            /// savepoint it rolls back; refuses an order named `…-refused` after staging.
             #[idempotent(store = $store, key = "order.order_id", queue = "idem-test-outbox-unset")]
             async fn bill(
                 tx: &mut sqlx::Transaction<'_, $db>,
@@ -102,6 +103,12 @@ macro_rules! outbox_suite {
                 for _ in 0..copies {
                     let billed = Outgoing::to_queue(&target.0, &order)?;
                     idem::outbox::stage(tx, ctx, billed).await?;
+                }
+                if order.customer.ends_with("-savepoint") {
+                    let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+                    let billed = Outgoing::to_queue(&target.0, &order)?;
+                    idem::outbox::stage(&mut savepoint, ctx, billed).await?;
+                    savepoint.rollback().await?;
                 }
                 if order.order_id.ends_with("-refused") {
                     return Err(HandlerError::permanent("refused after staging"));
@@ -241,7 +248,7 @@ macro_rules! outbox_suite {
 
             /// Through `build()` on RabbitMQ: every committed order publishes its `Billed`
             /// (two for one customer, in the order staged), a refused order publishes
-            /// nothing, a duplicate publishes nothing again; each message carries the id
+            /// nothing, nor does a savepoint rolled back, a duplicate publishes nothing again; each message carries the id
             /// derived from (consumer, key, ordinal), the incoming correlation (else its
             /// message id), the causation id and the incoming `traceparent`.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -270,6 +277,7 @@ macro_rules! outbox_suite {
                     },
                     customer: match n {
                         3 => format!("{queue}-c-twice"),
+                        9 => format!("{queue}-c-savepoint"),
                         _ => format!("{queue}-c"),
                     },
                     amount_cents: n as i64,
@@ -311,7 +319,8 @@ macro_rules! outbox_suite {
                     "{stats:?}"
                 );
                 let got = broker::drain(&billed).await;
-                // 18 orders once, order 3 twice; nothing of the refused order 7.
+                // 18 orders once, order 3 twice; nothing of the refused order 7, nor what order
+                // 9 staged in the savepoint it rolled back.
                 let got_ids: Vec<_> = got.iter().map(|m| m.message_id()).collect();
                 assert_eq!(got.len(), 20, "{got_ids:?}");
                 let mut ids: HashMap<String, Vec<String>> = HashMap::new();

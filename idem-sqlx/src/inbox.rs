@@ -263,6 +263,14 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.stage_in(tx, consumer, run, messages).await
     }
 
+    async fn outbox_remove(&self, message_ids: &[String]) -> Result<u64, StoreError> {
+        self.remove_published(message_ids).await
+    }
+
+    fn transaction_identity(&self, tx: &Self::Tx) -> Option<usize> {
+        Some(transaction_identity::<DB>(tx))
+    }
+
     async fn outbox_wakeup(&self) {
         self.staged_elsewhere().await;
     }
@@ -319,4 +327,11 @@ impl Drop for SweepGuard<'_> {
             flag.store(false, Ordering::Release);
         }
     }
+}
+
+/// The identity of `tx` that [`idem_core::Context::keep_staged`] compares: the address of
+/// its connection, which stays put while a handler borrows the transaction.
+pub(crate) fn transaction_identity<DB: Dialect>(tx: &Transaction<'_, DB>) -> usize {
+    let connection: &DB::Connection = tx;
+    std::ptr::from_ref(connection) as usize
 }

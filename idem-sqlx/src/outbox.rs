@@ -12,6 +12,7 @@ use crate::statements::OutboxStatements;
 use idem_core::model::outgoing::headers_to_json;
 use idem_core::{Context, ErrorClass, Outgoing, StoreError};
 use sqlx::Transaction;
+use sqlx_core::transaction::TransactionManager;
 
 /// PostgreSQL: rows taken with `FOR UPDATE SKIP LOCKED`.
 #[cfg(feature = "postgres")]
@@ -31,6 +32,7 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
     FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
+    remove: r#"DELETE FROM "{outbox}" WHERE message_id IN ({ids})"#,
     prelude: None,
     lazy_commit: Some("SET LOCAL synchronous_commit = off"),
     // Else a backlog the statistics have not seen is planned as a few rows, all read and
@@ -88,6 +90,7 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     // a scan, which waits on (and deadlocks with) the rows other passes hold.
     delete: r#"DELETE o FROM JSON_TABLE('[{seqs}]', '$[*]' COLUMNS (seq BIGINT PATH '$')) AS j
     STRAIGHT_JOIN `{outbox}` o ON o.seq = j.seq"#,
+    remove: "DELETE FROM `{outbox}` WHERE message_id IN ({ids})",
     prelude: Some("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"),
     lazy_commit: None,
     in_order: None,
@@ -130,6 +133,7 @@ pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
         content_type, {now} - created_at AS age_ms
     FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT ?1"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
+    remove: r#"DELETE FROM "{outbox}" WHERE message_id IN ({ids})"#,
     prelude: None,
     lazy_commit: None,
     in_order: None,
@@ -172,7 +176,22 @@ pub async fn stage<DB: Dialect>(
         Some(table) => table.to_owned(),
         None => TableName::default().outbox(),
     };
-    insert::<DB>(tx, &table, ctx.consumer(), ctx.run_key(), &message).await
+    let id = insert::<DB>(tx, &table, ctx.consumer(), ctx.run_key(), &message).await?;
+    keep::<DB>(tx, ctx, std::slice::from_ref(&message));
+    Ok(id)
+}
+
+/// Tells `ctx` that `messages` were staged in `tx`, at `tx`'s savepoint depth: the dispatch
+/// publishes them from memory when that is the handler's own transaction, outside any
+/// savepoint.
+fn keep<DB: Dialect>(tx: &Transaction<'_, DB>, ctx: &Context<'_>, messages: &[Outgoing]) {
+    let connection: &DB::Connection = tx;
+    let depth = <DB::TransactionManager as TransactionManager>::get_transaction_depth(connection);
+    ctx.keep_staged(
+        messages,
+        crate::inbox::transaction_identity::<DB>(tx),
+        depth,
+    );
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -305,6 +324,7 @@ pub async fn stage_all<DB: Dialect>(
         None => TableName::default().outbox(),
     };
     insert_rows::<DB>(tx, &table, ctx.consumer(), ctx.run_key(), &stamped).await?;
+    keep::<DB>(tx, ctx, &stamped);
     Ok(stamped
         .iter()
         .map(|m| m.message_id().unwrap_or_default().to_owned())

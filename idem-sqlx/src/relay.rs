@@ -137,6 +137,43 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 }
 
+impl<DB: Dialect> SqlInbox<DB> {
+    /// Removes the rows of `message_ids` (published from memory and confirmed), in one
+    /// statement, committed without waiting for the disk where the dialect can (a database
+    /// crash that undoes it only sends them again, with their ids); returns how many it
+    /// removed (a relay pass may have taken some first).
+    pub(crate) async fn remove_published(&self, message_ids: &[String]) -> Result<u64, StoreError> {
+        if message_ids.is_empty() {
+            return Ok(0);
+        }
+        let fail = |e| store_error("remove", e);
+        let placeholders: Vec<String> = (1..=message_ids.len()).map(DB::placeholder).collect();
+        let statement: std::sync::Arc<str> = self
+            .sql
+            .outbox
+            .remove
+            .replace("{ids}", &placeholders.join(", "))
+            .into();
+        let params: Vec<Param<'_>> = message_ids.iter().map(|id| Param::Text(id)).collect();
+        let mut conn = self.pool.acquire().await.map_err(fail)?;
+        let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit else {
+            return DB::execute(&mut *conn, &statement, &params)
+                .await
+                .map_err(fail);
+        };
+        // As a relay pass's delete: its commit need not wait for the disk.
+        let mut tx = crate::migrate::begin::<DB>(&mut *conn)
+            .await
+            .map_err(fail)?;
+        DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
+        let removed = DB::execute(&mut *tx, &statement, &params)
+            .await
+            .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        Ok(removed)
+    }
+}
+
 /// The message of an outbox row.
 fn message<DB: Dialect>(row: &DB::Row) -> Result<Outgoing, sqlx::Error> {
     let mut envelope = Envelope::new(DB::bytes(row, "body")?);

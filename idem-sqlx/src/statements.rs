@@ -71,6 +71,9 @@ pub struct OutboxStatements<S = &'static str> {
     /// Removes rows by `seq`; `{seqs}` stands for their comma-separated list, written into the
     /// text (integers), no parameters.
     pub delete: S,
+    /// Removes rows by message id (a dispatch that published them from memory); `{ids}`
+    /// stands for their placeholders, comma-separated.
+    pub remove: S,
     /// Runs on the relay's connection before its transaction begins.
     pub prelude: Option<&'static str>,
     /// Runs in the relay's transaction before its delete: its commit need not wait for the disk (losing
@@ -322,6 +325,7 @@ impl Statements {
                 unowned: fill(self.outbox.unowned),
                 notify: self.outbox.notify.map(fill),
                 delete: fill(self.outbox.delete),
+                remove: fill(self.outbox.remove),
                 prelude: self.outbox.prelude,
                 lazy_commit: self.outbox.lazy_commit,
                 in_order: self.outbox.in_order,

@@ -3,6 +3,7 @@
 use super::envelope::{Envelope, HeaderValue};
 use super::outgoing::{CAUSATION_HEADER, Outgoing, TRACEPARENT_HEADER, outbox_message_id};
 use crate::state::{self, State};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The delivery a handler is processing, passed as an optional parameter after the payload
@@ -20,13 +21,26 @@ pub struct Context<'a> {
     items: &'a [Context<'a>],
     /// Messages stamped by [`Context::outgoing`] so far: the next one's ordinal.
     staged: AtomicU32,
+    /// The handler's transaction, as the store names it ([`Context::with_transaction`]).
+    transaction: Option<usize>,
+    /// The messages staged in the handler's own transaction, outside any savepoint, in order;
+    /// `None` once one was staged elsewhere ([`Context::kept`]).
+    kept: Mutex<Option<Vec<Outgoing>>>,
 }
 
 impl Clone for Context<'_> {
     fn clone(&self) -> Self {
         Self {
+            envelope: self.envelope,
+            consumer: self.consumer,
+            key: self.key,
+            state: self.state,
+            outbox: self.outbox,
+            run: self.run,
+            items: self.items,
             staged: AtomicU32::new(self.staged()),
-            ..*self
+            transaction: self.transaction,
+            kept: Mutex::new(self.kept.lock().unwrap_or_else(|e| e.into_inner()).clone()),
         }
     }
 }
@@ -44,7 +58,44 @@ impl<'a> Context<'a> {
             run: key,
             items: &[],
             staged: AtomicU32::new(0),
+            transaction: None,
+            kept: Mutex::new(Some(Vec::new())),
         }
+    }
+
+    /// This context as run in the transaction the store names `transaction` (an identity
+    /// that stays the same while the handler runs): messages staged in it, outside any
+    /// savepoint, are kept for their dispatch ([`Context::keep_staged`]).
+    pub fn with_transaction(self, transaction: Option<usize>) -> Self {
+        Self {
+            transaction,
+            ..self
+        }
+    }
+
+    /// Called by a store once it staged `messages` (stamped) in the transaction it names
+    /// `transaction`, at savepoint depth `depth` (1: outside any savepoint). Messages staged
+    /// in the handler's own transaction outside any savepoint are kept, so that the dispatch
+    /// after the commit publishes them without reading them back; anything staged elsewhere
+    /// (in a savepoint that may roll back, in another transaction) makes the dispatch read
+    /// what was committed instead.
+    #[doc(hidden)]
+    pub fn keep_staged(&self, messages: &[Outgoing], transaction: usize, depth: usize) {
+        let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        match (
+            &mut *kept,
+            self.transaction == Some(transaction) && depth == 1,
+        ) {
+            (Some(kept), true) => kept.extend_from_slice(messages),
+            (kept, _) => *kept = None,
+        }
+    }
+
+    /// The messages staged in the handler's own transaction, in order, when every message
+    /// staged in this run was staged there outside any savepoint; `None` otherwise.
+    pub(crate) fn kept(&self) -> Option<Vec<Outgoing>> {
+        let kept = self.kept.lock().unwrap_or_else(|e| e.into_inner()).take();
+        kept.filter(|kept| kept.len() == self.staged.load(Ordering::Relaxed) as usize)
     }
 
     /// This context with its staged messages grouped under `run` for their dispatch (the
@@ -173,5 +224,40 @@ impl<'a> Context<'a> {
     /// The whole envelope.
     pub fn envelope(&self) -> &'a Envelope {
         self.envelope
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stamped(ctx: &Context<'_>) -> Outgoing {
+        ctx.outgoing(Outgoing::new("", "q", "x"))
+    }
+
+    /// Only a run whose every message was staged in the handler's own transaction, outside any
+    /// savepoint, is kept for a dispatch from memory.
+    #[test]
+    fn only_messages_staged_in_the_handlers_own_transaction_are_kept() {
+        let envelope = Envelope::new(b"{}".to_vec());
+        let run = |stage: &dyn Fn(&Context<'_>)| {
+            let ctx = Context::new(&envelope, "c", "k").with_transaction(Some(7));
+            stage(&ctx);
+            ctx.kept().map(|kept| kept.len())
+        };
+        let own = |ctx: &Context<'_>| ctx.keep_staged(&[stamped(ctx)], 7, 1);
+        assert_eq!(run(&|ctx| (own(ctx), own(ctx)).1), Some(2));
+        let savepoint = |ctx: &Context<'_>| ctx.keep_staged(&[stamped(ctx)], 7, 2);
+        assert_eq!(run(&|ctx| (own(ctx), savepoint(ctx), own(ctx)).2), None);
+        let other = |ctx: &Context<'_>| ctx.keep_staged(&[stamped(ctx)], 8, 1);
+        assert_eq!(run(&|ctx| (other(ctx), own(ctx)).1), None);
+        // Stamped but not staged (or its staging failed): what was committed is read back.
+        assert_eq!(run(&|ctx| (stamped(ctx), own(ctx)).1), None);
+        let unnamed = Context::new(&envelope, "c", "k");
+        unnamed.keep_staged(&[stamped(&unnamed)], 7, 1);
+        assert!(
+            unnamed.kept().is_none(),
+            "a store that names no transaction"
+        );
     }
 }

@@ -4,8 +4,8 @@
 
 use crate::handler::Handler;
 use crate::model::{
-    Context, Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, RejectReason, Rejection,
-    Stale, StoreError, StoredOutput, Transient, Versioned,
+    Context, Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, Outgoing, RejectReason,
+    Rejection, Stale, StoreError, StoredOutput, Transient, Versioned,
 };
 use crate::state::{self, State};
 use crate::store::{ClaimRequest, Dispatch, InboxStore, Stores};
@@ -114,13 +114,15 @@ pub(crate) async fn call<H: Handler>(
     let ctx = Context::new(envelope, H::CONSUMER, key)
         .with_state(state)
         .with_outbox(store.outbox_table())
-        .with_run(run);
+        .with_run(run)
+        .with_transaction(store.transaction_identity(tx));
     let running = Instant::now();
     let result = H::call(tx, payload, &ctx).await;
     telemetry::handler_duration(H::CONSUMER, running.elapsed());
     Called {
         result,
         staged: ctx.staged(),
+        kept: ctx.kept(),
     }
 }
 
@@ -149,10 +151,12 @@ pub(crate) async fn reply_again(
     }
 }
 
-/// What a handler's run returned, and how many messages it staged in the outbox.
+/// What a handler's run returned, how many messages it staged in the outbox, and those
+/// messages when all were staged in its own transaction outside any savepoint.
 pub(crate) struct Called<T> {
     pub(crate) result: Result<T, HandlerError>,
     pub(crate) staged: u32,
+    pub(crate) kept: Option<Vec<Outgoing>>,
 }
 
 /// The outcome of a message whose key was committed before: a duplicate when the payload is

@@ -95,7 +95,7 @@ pub(crate) async fn process<H: Handler>(
         store.rollback(tx).await;
         return store_failure(e, key);
     }
-    let mut staged = called.staged;
+    let (mut staged, mut kept) = (called.staged, called.kept);
     if let Some(reply) = reply(envelope, H::CONSUMER, key, &output) {
         let replies = std::slice::from_ref(&reply);
         if let Err(e) = store.stage_rows(&mut tx, H::CONSUMER, key, replies).await {
@@ -103,6 +103,9 @@ pub(crate) async fn process<H: Handler>(
             return store_failure(e, key);
         }
         staged += 1;
+        if let Some(kept) = &mut kept {
+            kept.push(reply);
+        }
     }
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
@@ -116,7 +119,7 @@ pub(crate) async fn process<H: Handler>(
             {
                 #[cfg(feature = "fault-injection")]
                 crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
-                dispatch.after_commit(H::CONSUMER, key);
+                dispatch.after_commit(H::CONSUMER, key, kept);
             }
             Outcome::Processed {
                 key: key.clone(),

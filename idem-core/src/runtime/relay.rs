@@ -208,6 +208,7 @@ mod tests {
             kind: StoreKind::new("Test", "test", "Test"),
             relay,
             wakeup: Arc::new(|| Box::pin(std::future::pending())),
+            remove: Arc::new(|ids| Box::pin(async move { Ok(ids.len() as u64) })),
             queue: Arc::default(),
         }
     }

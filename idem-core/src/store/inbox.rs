@@ -361,6 +361,24 @@ pub trait InboxStore: Send + Sync + 'static {
         async { Ok(RelayReport::default()) }
     }
 
+    /// Removes the outbox rows of these message ids (published and confirmed by a dispatch
+    /// that had them in memory); returns how many it removed. The default has no rows.
+    fn outbox_remove<'a>(
+        &'a self,
+        message_ids: &'a [String],
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send + 'a {
+        let _ = message_ids;
+        async { Ok(0) }
+    }
+
+    /// An identity of the transaction `tx` that stays the same while a handler runs in it,
+    /// which the store's staging recognises ([`crate::Context::keep_staged`]); `None` (the
+    /// default): the dispatch reads what was staged back from the outbox.
+    fn transaction_identity(&self, tx: &Self::Tx) -> Option<usize> {
+        let _ = tx;
+        None
+    }
+
     /// Resolves when rows staged outside any handler may have been committed (PostgreSQL: a
     /// `NOTIFY` sent by their transaction), so that a relay takes them at once
     /// ([`OutboxSelect::Unowned`]) instead of at its next poll. The default never resolves.

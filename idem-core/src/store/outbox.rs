@@ -1,10 +1,12 @@
 //! A store's outbox as the runtime drives it: its relay passes ([`Relay`]), and the dispatch
-//! of staged messages right after their transaction commits: a commit queues its run
-//! ([`Dispatch::after_commit`]); one task per store takes the runs queued since its last pass
+//! of staged messages right after their transaction commits ([`Dispatch::after_commit`]).
+//! Messages the handler staged in its own transaction are published from memory (`kept.rs`);
+//! any other run is queued, and one task per store takes the runs queued since its last pass
 //! and publishes their rows in one pass, so a busy consumer pays one select, one burst of
 //! publishes and one delete for many commits.
 
 use super::inbox::StoreKind;
+use super::kept::{self, RemoveFn};
 use super::relay::{OutboxSelect, RelayReport};
 use crate::future::BoxFuture;
 use crate::model::{Outgoing, StoreError};
@@ -36,6 +38,8 @@ pub struct Relay {
     pub relay: RelayFn,
     /// Resolves when rows staged outside any handler may be waiting.
     pub wakeup: WakeupFn,
+    /// Removes the rows of messages a dispatch published from memory.
+    pub remove: RemoveFn,
     /// The runs committed and waiting for their dispatch.
     pub(crate) queue: Arc<DispatchQueue>,
 }
@@ -59,10 +63,24 @@ const PASSES_IN_FLIGHT: usize = 4;
 type Pending = (String, String, Instant);
 
 /// A store's dispatch queue; its task starts with the first commit that staged messages and
-/// ends, after the runs queued, when the queue is dropped.
-#[derive(Debug, Default)]
+/// ends, after the runs queued, when the queue is dropped. So does the task removing the
+/// rows of messages published from memory.
+#[derive(Debug)]
 pub(crate) struct DispatchQueue {
     sender: OnceLock<mpsc::UnboundedSender<Pending>>,
+    remover: OnceLock<mpsc::UnboundedSender<Vec<String>>>,
+    /// Runs published from memory and not yet confirmed.
+    in_memory: Arc<Semaphore>,
+}
+
+impl Default for DispatchQueue {
+    fn default() -> Self {
+        Self {
+            sender: OnceLock::new(),
+            remover: OnceLock::new(),
+            in_memory: Arc::new(Semaphore::new(kept::RUNS_IN_FLIGHT)),
+        }
+    }
 }
 
 /// What dispatches a handler's staged messages right after its transaction commits: its
@@ -79,16 +97,40 @@ impl Dispatch<'_> {
         self.outbound
     }
 
-    /// Publishes, in the background, the rows `consumer` staged while processing `key`, once
-    /// their transaction committed; the rows a failure leaves are the relay's. Returns at once.
-    pub fn after_commit(&self, consumer: &str, key: &str) {
+    /// Publishes, in the background, the messages `consumer` staged while processing `key`,
+    /// once their transaction committed: `kept` (all of them, in the order staged) from
+    /// memory, else their rows read back from the outbox; the rows a failure leaves are the
+    /// relay's. Returns at once.
+    pub fn after_commit(&self, consumer: &str, key: &str, kept: Option<Vec<Outgoing>>) {
+        let committed = Instant::now();
+        let queue = &self.relay.queue;
+        if let Some(messages) = kept.filter(|kept| !kept.is_empty())
+            && let Ok(permit) = queue.in_memory.clone().try_acquire_owned()
+        {
+            let store = self.relay.kind.label();
+            let remover = queue.remover.get_or_init(|| {
+                let (sender, receiver) = mpsc::unbounded_channel();
+                tokio::spawn(kept::remove(store, self.relay.remove.clone(), receiver));
+                sender
+            });
+            let outbound = self.outbound.clone();
+            tokio::spawn(kept::publish(
+                store,
+                outbound,
+                messages,
+                committed,
+                remover.clone(),
+                permit,
+            ));
+            return;
+        }
         let sender = self.relay.queue.sender.get_or_init(|| {
             let (sender, receiver) = mpsc::unbounded_channel();
             tokio::spawn(drain(self.relay.clone(), self.outbound.clone(), receiver));
             sender
         });
         // The task ends only once every sender is gone: a send cannot fail while this one is.
-        let _ = sender.send((consumer.to_owned(), key.to_owned(), Instant::now()));
+        let _ = sender.send((consumer.to_owned(), key.to_owned(), committed));
     }
 }
 
@@ -266,6 +308,7 @@ mod tests {
             kind: StoreKind::new("Test", "test", "Test"),
             relay,
             wakeup: Arc::new(|| Box::pin(std::future::pending())),
+            remove: Arc::new(|ids| Box::pin(async move { Ok(ids.len() as u64) })),
             queue: Arc::default(),
         }
     }
@@ -295,11 +338,11 @@ mod tests {
             relay: &relay,
             outbound: &outbound,
         };
-        dispatch.after_commit("c", "k0");
+        dispatch.after_commit("c", "k0", None);
         assert_eq!(passes_seen(&seen, 1).await, [vec!["k0".to_owned()]]);
         // The first pass holds: the commits meanwhile wait for it, and then go in one pass.
         for n in 1..=5 {
-            dispatch.after_commit("c", &format!("k{n}"));
+            dispatch.after_commit("c", &format!("k{n}"), None);
         }
         tokio::task::yield_now().await;
         assert_eq!(seen.lock().expect("not poisoned").len(), 1);
@@ -320,10 +363,10 @@ mod tests {
             relay: &relay,
             outbound: &outbound,
         };
-        dispatch.after_commit("c", "k0");
+        dispatch.after_commit("c", "k0", None);
         passes_seen(&seen, 1).await;
         // The first pass has sent its messages and holds: the next commit does not wait.
-        dispatch.after_commit("c", "k1");
+        dispatch.after_commit("c", "k1", None);
         let passes = passes_seen(&seen, 2).await;
         assert_eq!(passes[1], ["k1".to_owned()]);
         gate.add_permits(2);

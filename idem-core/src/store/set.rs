@@ -2,6 +2,7 @@
 //! state its handlers ask for.
 
 use super::inbox::{InboxStore, StoreKind, SweepReport};
+use super::kept::RemoveFn;
 use super::outbox::{Dispatch, Relay, RelayFn, WakeupFn};
 use crate::future::BoxFuture;
 use crate::model::StoreError;
@@ -83,12 +84,18 @@ impl Stores {
             let store = waking.clone();
             Box::pin(async move { store.outbox_wakeup().await })
         });
+        let removing = store.clone();
+        let remove: RemoveFn = Arc::new(move |ids| {
+            let store = removing.clone();
+            Box::pin(async move { store.outbox_remove(&ids).await })
+        });
         self.relays.insert(
             TypeId::of::<S>(),
             Relay {
                 kind: S::KIND,
                 relay,
                 wakeup,
+                remove,
                 queue: Arc::default(),
             },
         );

@@ -267,7 +267,8 @@ impl<H: Handler> Run<'_, '_, H> {
         };
         #[cfg(feature = "fault-injection")]
         crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
-        dispatch.after_commit(H::CONSUMER, self.run_key());
+        // Read back: its members' messages were staged in savepoints.
+        dispatch.after_commit(H::CONSUMER, self.run_key(), None);
     }
 
     /// The pass failed in its store: see [`Run::abort`].

@@ -1,0 +1,201 @@
+//! The dispatch of messages a handler staged in its own transaction, from memory: right after
+//! the commit they are published as the handler staged them, with no read of the outbox, and
+//! once the broker confirmed them their rows are removed, many runs' in one statement.
+
+use super::relay::RelayReport;
+use crate::future::BoxFuture;
+use crate::model::{Outgoing, StoreError};
+use crate::transport::{Outbound, OutboundError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+
+/// One store's [`InboxStore::outbox_remove`](super::InboxStore::outbox_remove), type-erased.
+pub type RemoveFn =
+    Arc<dyn Fn(Vec<String>) -> BoxFuture<'static, Result<u64, StoreError>> + Send + Sync>;
+
+/// Runs published from memory and not yet confirmed, per store; a commit beyond them has its
+/// rows read back by a dispatch pass instead (so a broker that stopped confirming holds no
+/// more than this many runs in memory).
+pub(super) const RUNS_IN_FLIGHT: usize = 4_096;
+
+/// Message ids removed per statement (and runs gathered for one).
+const IDS_PER_REMOVE: usize = 500;
+
+/// How long the remover gathers the runs confirmed after the first it has, before it removes
+/// their rows.
+const LINGER: Duration = Duration::from_millis(10);
+
+/// Tries to remove confirmed rows this many times before leaving them to the relay.
+const REMOVE_ATTEMPTS: u32 = 3;
+
+/// Publishes `messages` (one run, in the order staged, committed at `committed`), and hands
+/// the ids the broker confirmed, up to the first it did not, to `remover`; from that one on,
+/// the rows stay for the relay, which sends them again in order with their ids.
+pub(super) async fn publish(
+    store: &'static str,
+    outbound: Arc<dyn Outbound>,
+    messages: Vec<Outgoing>,
+    committed: Instant,
+    remover: mpsc::UnboundedSender<Vec<String>>,
+    permit: OwnedSemaphorePermit,
+) {
+    let results = outbound.publish_all(&messages).await;
+    let confirmed = Instant::now();
+    drop(permit);
+    let mut report = RelayReport::default();
+    let mut done = Vec::with_capacity(messages.len());
+    for (message, result) in messages.iter().zip(results) {
+        match result {
+            Ok(()) => done.push(message.message_id().unwrap_or_default().to_owned()),
+            Err(e) => {
+                if matches!(e, OutboundError::Unroutable { .. }) {
+                    report.unroutable += 1;
+                }
+                tracing::debug!(store, error = %e, "dispatching a staged message failed; the relay publishes it");
+                report.failure = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    crate::telemetry::relayed(store, "dispatch", &report);
+    if report.failure.is_none() {
+        crate::telemetry::dispatched(store, confirmed.saturating_duration_since(committed));
+    }
+    if !done.is_empty() {
+        // The task ends only once every sender is gone: a send cannot fail while this one is.
+        let _ = remover.send(done);
+    }
+}
+
+/// Removes the rows of the ids `confirmed` brings, those of the runs confirmed within
+/// [`LINGER`] of each other together (up to [`IDS_PER_REMOVE`] a statement), until it closes. Rows it cannot remove stay for the
+/// relay, which publishes them again with their ids (the next consumer deduplicates them).
+pub(super) async fn remove(
+    store: &'static str,
+    remove: RemoveFn,
+    mut confirmed: mpsc::UnboundedReceiver<Vec<String>>,
+) {
+    let mut waiting = Vec::new();
+    loop {
+        if confirmed.recv_many(&mut waiting, IDS_PER_REMOVE).await == 0 {
+            return;
+        }
+        // A statement (and on most databases a commit) per few runs would compete with the
+        // handlers' commits for the disk: the runs confirmed soon after go in the same one.
+        let gathered = Instant::now() + LINGER;
+        while waiting.len() < IDS_PER_REMOVE {
+            let room = IDS_PER_REMOVE - waiting.len();
+            match tokio::time::timeout_at(gathered.into(), confirmed.recv_many(&mut waiting, room))
+                .await
+            {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        let mut ids: Vec<String> = waiting.drain(..).flatten().collect();
+        while !ids.is_empty() {
+            let rest = ids.split_off(ids.len().min(IDS_PER_REMOVE));
+            let chunk = std::mem::replace(&mut ids, rest);
+            let count = chunk.len();
+            let mut attempt = 1;
+            let removed = loop {
+                match remove(chunk.clone()).await {
+                    Ok(removed) => break removed,
+                    Err(e) if attempt < REMOVE_ATTEMPTS => {
+                        tracing::debug!(store, error = %e, attempt, "removing dispatched rows failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(50 * u64::from(attempt))).await;
+                        attempt += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(store, error = %e, count, "removing dispatched rows failed; the relay publishes them again");
+                        break 0;
+                    }
+                }
+            };
+            let report = RelayReport {
+                published: removed,
+                ..RelayReport::default()
+            };
+            crate::telemetry::relayed(store, "dispatch", &report);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{Dispatch, Relay, StoreKind};
+    use std::sync::Mutex;
+
+    /// Publishes to queues named `…-routed` only, and records the ids it was given.
+    struct Routing(Mutex<Vec<String>>);
+
+    impl Outbound for Routing {
+        fn publish<'a>(
+            &'a self,
+            message: &'a Outgoing,
+        ) -> BoxFuture<'a, Result<(), OutboundError>> {
+            Box::pin(async move {
+                let id = message.message_id().unwrap_or_default().to_owned();
+                self.0.lock().expect("not poisoned").push(id);
+                match message.routing_key.ends_with("-routed") {
+                    true => Ok(()),
+                    false => Err(OutboundError::Unroutable {
+                        exchange: message.exchange.clone(),
+                        routing_key: message.routing_key.clone(),
+                    }),
+                }
+            })
+        }
+    }
+
+    /// Messages the handler staged in its own transaction go out from memory, in order, with
+    /// no read of the outbox; the rows of those confirmed are removed, and from the first the
+    /// broker did not take on, the rows stay for the relay.
+    #[tokio::test]
+    async fn kept_messages_go_out_from_memory_and_only_the_confirmed_rows_are_removed() {
+        let removed = Arc::new(Mutex::new(Vec::new()));
+        let seen = removed.clone();
+        let relay = Relay {
+            kind: StoreKind::new("Test", "test", "Test"),
+            relay: Arc::new(|select, _| panic!("a kept run is not read back: {select:?}")),
+            wakeup: Arc::new(|| Box::pin(std::future::pending())),
+            remove: Arc::new(move |ids| {
+                let count = ids.len() as u64;
+                seen.lock().expect("not poisoned").push(ids);
+                Box::pin(async move { Ok(count) })
+            }),
+            queue: Arc::default(),
+        };
+        let routing = Arc::new(Routing(Mutex::default()));
+        let outbound: Arc<dyn Outbound> = routing.clone();
+        let dispatch = Dispatch {
+            relay: &relay,
+            outbound: &outbound,
+        };
+        let message = |to: &str, id: &str| Outgoing::new("", to, "x").with_message_id(id);
+        let routed = vec![message("q-routed", "a1"), message("q-routed", "a2")];
+        dispatch.after_commit("c", "a", Some(routed));
+        let held = vec![
+            message("q-routed", "b1"),
+            message("q-missing", "b2"),
+            message("q-routed", "b3"),
+        ];
+        dispatch.after_commit("c", "b", Some(held));
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let mut ids: Vec<String> = removed.lock().expect("not poisoned").concat();
+            ids.sort();
+            if ids.len() >= 3 {
+                assert_eq!(ids, ["a1", "a2", "b1"], "the confirmed rows, and only they");
+                break;
+            }
+            assert!(Instant::now() < deadline, "removed so far: {ids:?}");
+            tokio::task::yield_now().await;
+        }
+        let sent = routing.0.lock().expect("not poisoned").clone();
+        let position = |id: &str| sent.iter().position(|s| s == id).expect("sent");
+        assert!(position("a1") < position("a2") && position("b1") < position("b2"));
+    }
+}
