@@ -371,4 +371,32 @@ mod tests {
         assert_eq!(passes[1], ["k1".to_owned()]);
         gate.add_permits(2);
     }
+
+    /// A run whose messages were kept goes out from memory, with no read of the outbox, and
+    /// the rows of its confirmed messages are removed.
+    #[tokio::test]
+    async fn a_kept_run_is_not_read_back() {
+        let removed = Arc::new(Mutex::new(Vec::new()));
+        let seen = removed.clone();
+        let mut relay = recording(Arc::default(), Arc::new(Semaphore::new(0)), false);
+        relay.relay = Arc::new(|select, _| panic!("a kept run is not read back: {select:?}"));
+        relay.remove = Arc::new(move |ids| {
+            let count = ids.len() as u64;
+            seen.lock().expect("not poisoned").extend(ids);
+            Box::pin(async move { Ok(count) })
+        });
+        let outbound: Arc<dyn Outbound> = Arc::new(Nowhere);
+        let dispatch = Dispatch {
+            relay: &relay,
+            outbound: &outbound,
+        };
+        let kept = ["k1", "k2"].map(|id| Outgoing::new("", "q", "x").with_message_id(id));
+        dispatch.after_commit("c", "k", Some(kept.to_vec()));
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while removed.lock().expect("not poisoned").len() < 2 {
+            assert!(Instant::now() < deadline, "the kept rows were not removed");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(*removed.lock().expect("not poisoned"), ["k1", "k2"]);
+    }
 }
