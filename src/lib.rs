@@ -57,8 +57,9 @@ pub mod transport {
 /// over one delivery or a batch without a runtime.
 pub mod handler {
     pub use idem_core::{
-        DEFAULT_LEASE, DispatchError, ErasedHandler, Handler, HandlerResult, KeyError, KeySource,
-        Mode, Registration, RegistryError, State, StateType, process, process_batch,
+        DEFAULT_LEASE, DispatchError, ErasedHandler, Handler, HandlerResult, HeldConnection,
+        KeyError, KeySource, Mode, Registration, RegistryError, State, StateType, process,
+        process_batch,
     };
 }
 

@@ -1,5 +1,5 @@
-//! Chaos: several `orders consume` processes (built with `fault-injection`) drain a thousand
-//! orders with duplicates and malformed messages through both hops of the example (orders,
+//! Chaos: several `orders consume` processes (built with `fault-injection`) drain 600 orders
+//! with duplicates and malformed messages through both hops of the example (orders,
 //! then the `OrderBilled` events their outbox publishes to shipping), while processes are
 //! killed with SIGKILL at random and abort themselves before and after commits, half-way
 //! through dead-lettering, between a commit and its outbox dispatch and between a publish and
@@ -85,7 +85,7 @@ async fn on_a_cluster_with_quorum_queues() {
 /// The chaos run against the broker(s) at `urls`, the queues of type `queue_type`, the
 /// consumers given the settings `env` besides.
 async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
-    let orders = setting("IDEM_CHAOS_ORDERS", 1000);
+    let orders = setting("IDEM_CHAOS_ORDERS", 600);
     let processes = setting("IDEM_CHAOS_PROCESSES", 3);
     let malformed = 10;
     let queue_type_name = match queue_type {

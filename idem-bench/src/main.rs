@@ -122,6 +122,9 @@ enum Variant {
     HandLean,
     /// idem, one transaction per message.
     Idem,
+    /// idem, one transaction per message, each on a connection acquired from the pool (no
+    /// connection kept by a worker: `hold_connections(Duration::ZERO)`).
+    IdemPooled,
     /// idem, batch mode.
     IdemBatch,
     /// idem, batch mode, a batch handler writing set-based.
@@ -144,6 +147,7 @@ impl Variant {
             Self::HandSet => "handwritten, set-based batches",
             Self::HandLean => "handwritten, lean per message",
             Self::Idem => "idem, per message",
+            Self::IdemPooled => "idem, per message, pooled",
             Self::IdemBatch => "idem, batch mode",
             Self::IdemSet => "idem, batch handler",
             Self::IdemOutbox => "idem, per message + outbox",
@@ -246,6 +250,7 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
             .await?
         }
         Variant::Idem
+        | Variant::IdemPooled
         | Variant::IdemBatch
         | Variant::IdemSet
         | Variant::IdemOutbox
@@ -272,6 +277,7 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
                 partitions: variant.partitions(),
                 batch_handler: matches!(variant, Variant::IdemSet | Variant::IdemSetOutbox),
                 outbox: variant.stages_events(),
+                keep_connections: variant != Variant::IdemPooled,
             };
             let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
             with_idem::run(rabbit, pool, queue, expect, mode).await?

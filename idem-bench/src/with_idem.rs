@@ -105,6 +105,9 @@ pub struct Mode {
     pub batch_handler: bool,
     /// The handler also stages one event per order in the outbox.
     pub outbox: bool,
+    /// Each worker keeps its connection (the default); `false`: every transaction acquires
+    /// one from the pool.
+    pub keep_connections: bool,
 }
 
 /// Consumes until `expect` deliveries are settled. Returns the time from the first handler call
@@ -119,7 +122,10 @@ pub async fn run(
     let first = FirstCall::default();
     let mut builder = Runtime::builder()
         .transport(RabbitTransport::new(rabbit))
-        .store(inbox(pool.clone())?)
+        .store(match mode.keep_connections {
+            true => inbox(pool.clone())?,
+            false => inbox(pool.clone())?.hold_connections(Duration::ZERO),
+        })
         .state(first.clone())
         .handlers([match (mode.batch_handler, mode.outbox) {
             (true, false) => "place_orders",

@@ -94,8 +94,8 @@ pub trait Handler: Send + Sync + 'static {
     }
 
     /// Runs the user's function inside the inbox transaction.
-    fn call<'a>(
-        tx: &'a mut <Self::Store as InboxStore>::Tx,
+    fn call<'a, 'c: 'a>(
+        tx: &'a mut <Self::Store as InboxStore>::Tx<'c>,
         payload: Self::Payload,
         ctx: &'a Context<'a>,
     ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a;
@@ -103,8 +103,8 @@ pub trait Handler: Send + Sync + 'static {
     /// Runs a batch handler's function ([`Handler::TAKES_BATCH`]) on the new messages of a batch,
     /// in the inbox transaction; one result per message. `ctx` is the first message's (it
     /// carries the runtime's state). Single-message handlers keep this default, which refuses.
-    fn call_batch<'a>(
-        tx: &'a mut <Self::Store as InboxStore>::Tx,
+    fn call_batch<'a, 'c: 'a>(
+        tx: &'a mut <Self::Store as InboxStore>::Tx<'c>,
         batch: Batch<Self::Payload>,
         ctx: &'a Context<'a>,
     ) -> impl Future<Output = Result<Vec<Self::Output>, BatchError>> + Send + 'a {

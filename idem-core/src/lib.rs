@@ -66,7 +66,7 @@ pub use model::{
     StoredOutput, Transient, VersionError, VersionValue, Versioned, field_key, outbox_message_id,
     version_value, versioned,
 };
-pub use pipeline::{DispatchError, ErasedHandler, Stages, process, process_batch};
+pub use pipeline::{DispatchError, ErasedHandler, HeldConnection, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};
 pub use runtime::{
     DEFAULT_POISON_LIMIT, Health, MAX_PARTITIONS, Readiness, RetryPolicy, RetryPolicyError,

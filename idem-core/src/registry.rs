@@ -101,7 +101,10 @@ impl Registration {
         stores: &'a Stores,
         envelope: &'a Envelope,
     ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
-        self.handler.process(stores, envelope)
+        Box::pin(async move {
+            let mut held = crate::pipeline::HeldConnection::default();
+            self.handler.process(stores, envelope, &mut held).await
+        })
     }
 
     /// Processes a batch of deliveries with this handler in one transaction of its store; one
@@ -210,7 +213,8 @@ mod tests {
     struct Never<const S: usize>;
 
     impl<const S: usize> InboxStore for Never<S> {
-        type Tx = ();
+        type Tx<'c> = ();
+        type Held = ();
         const KIND: StoreKind = StoreKind::new(["Postgres", "Sqlite"][S], "never", "Never");
 
         async fn check(&self) -> Result<(), StoreError> {
@@ -219,30 +223,42 @@ mod tests {
         async fn begin(&self) -> Result<(), StoreError> {
             unreachable!("not invoked")
         }
-        async fn claim(&self, _: &mut (), _: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        async fn begin_on(&self, _: &mut Option<()>) -> Result<(), StoreError> {
+            unreachable!("not invoked")
+        }
+        async fn claim(
+            &self,
+            _: &mut Self::Tx<'_>,
+            _: &ClaimRequest<'_>,
+        ) -> Result<Claim, StoreError> {
             unreachable!("not invoked")
         }
         async fn complete(
             &self,
-            _: &mut (),
+            _: &mut Self::Tx<'_>,
             _: &ClaimRequest<'_>,
             _: &crate::model::StoredOutput,
         ) -> Result<(), StoreError> {
             unreachable!("not invoked")
         }
-        async fn savepoint(&self, _: &mut (), _: bool) -> Result<(), StoreError> {
+        async fn savepoint(&self, _: &mut Self::Tx<'_>, _: bool) -> Result<(), StoreError> {
             unreachable!("not invoked")
         }
-        async fn rollback_to_savepoint(&self, _: &mut ()) -> Result<(), StoreError> {
+        async fn rollback_to_savepoint(&self, _: &mut Self::Tx<'_>) -> Result<(), StoreError> {
             unreachable!("not invoked")
         }
-        async fn unclaim(&self, _: &mut (), _: &str, _: &[&str]) -> Result<(), StoreError> {
+        async fn unclaim(
+            &self,
+            _: &mut Self::Tx<'_>,
+            _: &str,
+            _: &[&str],
+        ) -> Result<(), StoreError> {
             unreachable!("not invoked")
         }
-        async fn commit(&self, _: ()) -> Result<(), StoreError> {
+        async fn commit(&self, _: Self::Tx<'_>) -> Result<(), StoreError> {
             unreachable!("not invoked")
         }
-        async fn rollback(&self, _: ()) {}
+        async fn rollback(&self, _: Self::Tx<'_>) {}
     }
 
     /// Handler `["a", "b", "c"][NAME]` of consumer "billing", on store `S`.
@@ -261,7 +277,11 @@ mod tests {
             Self::KEY.from_envelope(envelope)
         }
 
-        async fn call<'a>(_: &'a mut (), _: (), _: &'a Context<'a>) -> Result<(), HandlerError> {
+        async fn call<'a, 'c: 'a>(
+            _: &'a mut <Never<S> as InboxStore>::Tx<'c>,
+            _: (),
+            _: &'a Context<'a>,
+        ) -> Result<(), HandlerError> {
             unreachable!("not invoked")
         }
     }

@@ -174,7 +174,7 @@ where
 /// Claims the key again in a fresh transaction, after a server error rolled the first one back;
 /// `None` when that fails, or when a retry claimed it in between (and runs the handler again:
 /// nothing of this request was kept).
-async fn claim_again<S: InboxStore>(store: &S, claim: &ClaimRequest<'_>) -> Option<S::Tx> {
+async fn claim_again<S: InboxStore>(store: &S, claim: &ClaimRequest<'_>) -> Option<S::Tx<'static>> {
     let mut tx = match store.begin().await {
         Ok(tx) => tx,
         Err(e) => {

@@ -189,8 +189,8 @@ fn emit(
                 }
             };
             let call_batch = quote! {
-                fn call_batch<'__idem>(
-                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx,
+                fn call_batch<'__idem, '__idem_c: '__idem>(
+                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
                     __idem_payload: #krate::Batch<Self::Payload>,
                     __idem_ctx: &'__idem #krate::Context<'__idem>,
                 ) -> #batch_future {
@@ -294,8 +294,8 @@ fn emit(
                     #extract
                 }
 
-                fn call<'__idem>(
-                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx,
+                fn call<'__idem, '__idem_c: '__idem>(
+                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
                     __idem_payload: Self::Payload,
                     __idem_ctx: &'__idem #krate::Context<'__idem>,
                 ) -> #call_future {

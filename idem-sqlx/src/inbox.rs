@@ -30,6 +30,8 @@ pub struct SqlInbox<DB: Dialect> {
     /// Set while this process's sweeper of this inbox works, where
     /// [`Dialect::LOCAL_SWEEP_LOCK`].
     sweeping: Arc<AtomicBool>,
+    /// How long a worker keeps one connection ([`SqlInbox::hold_connections`]).
+    pub(crate) hold_for: Duration,
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -48,19 +50,31 @@ impl<DB: Dialect> SqlInbox<DB> {
             config,
             sql,
             sweeping: Arc::default(),
+            hold_for: crate::held::HOLD_FOR,
         }
     }
 
     /// The same inbox in table `name`.
     pub fn table(self, name: &str) -> Result<Self, ConfigError> {
         let config = self.config.clone().table(name)?;
-        Ok(Self::with_config(self.pool, config))
+        let hold_for = self.hold_for;
+        Ok(Self::with_config(self.pool, config).hold_connections(hold_for))
     }
 
     /// The same inbox keeping rows for `retention`.
     pub fn retention(self, retention: Duration) -> Result<Self, ConfigError> {
         let config = self.config.clone().retention(retention)?;
-        Ok(Self::with_config(self.pool, config))
+        let hold_for = self.hold_for;
+        Ok(Self::with_config(self.pool, config).hold_connections(hold_for))
+    }
+
+    /// The same inbox with each per-message worker keeping its pooled connection for up to
+    /// `hold_for` between transactions before it takes a fresh one (default
+    /// [`crate::held::HOLD_FOR`], 60 s); `Duration::ZERO` keeps none: every transaction
+    /// acquires its connection from the pool.
+    pub fn hold_connections(mut self, hold_for: Duration) -> Self {
+        self.hold_for = hold_for;
+        self
     }
 
     /// The configuration.
@@ -81,11 +95,7 @@ impl<DB: Dialect> SqlInbox<DB> {
 
     /// Starts an inbox transaction the way the dialect's start.
     pub(crate) async fn begin_tx(&self) -> Result<Transaction<'static, DB>, StoreError> {
-        let begun = match DB::BEGIN {
-            Some(begin) => self.pool.begin_with(begin).await,
-            None => self.pool.begin().await,
-        };
-        begun.map_err(|e| store_error("begin", e))
+        crate::held::begin_pooled(&self.pool).await
     }
 
     /// This process's sweeper lock where the dialect needs one; `None` when another sweeper
@@ -102,7 +112,8 @@ impl<DB: Dialect> SqlInbox<DB> {
 }
 
 impl<DB: Dialect> InboxStore for SqlInbox<DB> {
-    type Tx = Transaction<'static, DB>;
+    type Tx<'c> = Transaction<'c, DB>;
+    type Held = crate::held::Held<DB>;
     const KIND: StoreKind = DB::KIND;
 
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {
@@ -127,13 +138,20 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.config.retention_period()
     }
 
-    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+    async fn begin(&self) -> Result<Self::Tx<'static>, StoreError> {
         self.begin_tx().await
+    }
+
+    fn begin_on<'c>(
+        &'c self,
+        held: &'c mut Option<Self::Held>,
+    ) -> impl Future<Output = Result<Self::Tx<'c>, StoreError>> + Send + 'c {
+        crate::held::begin_on(&self.pool, self.hold_for, held)
     }
 
     async fn claim(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         request: &ClaimRequest<'_>,
     ) -> Result<Claim, StoreError> {
         DB::check_request(request)?;
@@ -142,7 +160,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     async fn try_claim(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         request: &ClaimRequest<'_>,
     ) -> Result<Option<Claim>, StoreError> {
         DB::check_request(request)?;
@@ -151,7 +169,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     async fn complete(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         request: &ClaimRequest<'_>,
         output: &StoredOutput,
     ) -> Result<(), StoreError> {
@@ -160,7 +178,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     async fn claim_batch(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         requests: &[ClaimRequest<'_>],
     ) -> Result<Vec<Claim>, StoreError> {
         requests.iter().try_for_each(DB::check_request)?;
@@ -169,13 +187,13 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     async fn complete_batch(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         completed: &[(ClaimRequest<'_>, &StoredOutput)],
     ) -> Result<(), StoreError> {
         DB::complete_batch(&self.sql, &mut **tx, completed).await
     }
 
-    async fn savepoint(&self, tx: &mut Self::Tx, first: bool) -> Result<(), StoreError> {
+    async fn savepoint(&self, tx: &mut Self::Tx<'_>, first: bool) -> Result<(), StoreError> {
         let savepoint = &self.sql.savepoint;
         let statement = if first {
             savepoint.first
@@ -187,7 +205,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
             .map_err(|e| store_error("savepoint", e))
     }
 
-    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx) -> Result<(), StoreError> {
+    async fn rollback_to_savepoint(&self, tx: &mut Self::Tx<'_>) -> Result<(), StoreError> {
         DB::execute_raw(&mut **tx, self.sql.savepoint.rollback)
             .await
             .map_err(|e| store_error("rollback to savepoint", e))
@@ -195,7 +213,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     async fn advance_version(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         consumer: &str,
         entity: &str,
         version: i64,
@@ -205,7 +223,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     async fn unclaim(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         consumer: &str,
         keys: &[&str],
     ) -> Result<(), StoreError> {
@@ -255,7 +273,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
 
     async fn stage_rows(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         consumer: &str,
         run: &str,
         messages: &[Outgoing],
@@ -267,7 +285,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.remove_published(message_ids).await
     }
 
-    fn transaction_identity(&self, tx: &Self::Tx) -> Option<usize> {
+    fn transaction_identity(&self, tx: &Self::Tx<'_>) -> Option<usize> {
         Some(transaction_identity::<DB>(tx))
     }
 
@@ -283,13 +301,13 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.relay_rows(select, publish).await
     }
 
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+    async fn commit(&self, tx: Self::Tx<'_>) -> Result<(), StoreError> {
         tx.commit().await.map_err(|e| store_error("commit", e))
     }
 
     /// Rolls back, logging a failure: a transaction that cannot be rolled back is not
     /// committed either, and its connection is discarded.
-    async fn rollback(&self, tx: Self::Tx) {
+    async fn rollback(&self, tx: Self::Tx<'_>) {
         if let Err(e) = tx.rollback().await {
             tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
         }
@@ -305,6 +323,7 @@ impl<DB: Dialect> Clone for SqlInbox<DB> {
             outbox: self.outbox.clone(),
             wake: self.wake.clone(),
             sweeping: self.sweeping.clone(),
+            hold_for: self.hold_for,
         }
     }
 }

@@ -46,6 +46,7 @@ mod deliveries;
 pub mod dialect;
 mod error;
 pub mod exec;
+pub mod held;
 pub mod inbox;
 mod lease;
 pub mod migrate;
@@ -70,6 +71,7 @@ pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, Tab
 pub use dead_letters::DeadLetterRow;
 pub use dialect::Dialect;
 pub use error::{classify_database_code, classify_error, classify_mysql_number, classify_sqlx};
+pub use held::Held;
 pub use inbox::SqlInbox;
 pub use migrate::{InboxPool, MigrateError, SCHEMA_TABLE, SCHEMA_VERSION, migrate};
 #[cfg(feature = "mysql")]

@@ -37,7 +37,8 @@ use std::time::Duration;
 /// In transactional mode the marker row and the handler's writes commit together or not at
 /// all: nothing is committed unless the outcome is [`Outcome::Processed`].
 pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
-    run::<H>(store, envelope, Limits::of::<H>(store, None, None)).await
+    let limits = Limits::of::<H>(store, None, None);
+    run::<H>(store, envelope, limits, &mut None).await
 }
 
 /// Processes `envelopes` with handler `H` in `store` (transactional mode: one transaction),
@@ -50,8 +51,14 @@ pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope])
     run_batch::<H>(store, envelopes, Stages::default(), limits).await
 }
 
-/// The one place the mode is picked, for one delivery.
-async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, limits: Limits<'_>) -> Outcome {
+/// The one place the mode is picked, for one delivery; a transaction runs on the connection
+/// in `held` (see [`InboxStore::begin_on`]).
+async fn run<H: Handler>(
+    store: &H::Store,
+    envelope: &Envelope,
+    limits: Limits<'_>,
+    held: &mut Option<<H::Store as InboxStore>::Held>,
+) -> Outcome {
     if H::TAKES_BATCH {
         // A batch handler given one delivery runs it as a batch of one.
         let envelopes = std::slice::from_ref(envelope);
@@ -64,7 +71,7 @@ async fn run<H: Handler>(store: &H::Store, envelope: &Envelope, limits: Limits<'
         });
     }
     match H::MODE {
-        Mode::Transactional => transactional::process::<H>(store, envelope, limits).await,
+        Mode::Transactional => transactional::process::<H>(store, envelope, limits, held).await,
         Mode::External { lease } => external::process::<H>(store, envelope, lease, limits).await,
     }
 }
@@ -124,12 +131,14 @@ pub trait ErasedHandler: Send + Sync + 'static {
         stores: &'a Stores,
         record: &'a DeadLetterRecord,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
-    /// Processes one delivery with its store from `stores`. A panic in the handler is caught
-    /// and reported as [`DispatchError::Panicked`]; its transaction is rolled back.
+    /// Processes one delivery with its store from `stores`, in a transaction on the
+    /// connection `held` keeps for the caller. A panic in the handler is caught and reported
+    /// as [`DispatchError::Panicked`]; its transaction is rolled back and `held` emptied.
     fn process<'a>(
         &'a self,
         stores: &'a Stores,
         envelope: &'a Envelope,
+        held: &'a mut HeldConnection,
     ) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
     /// Processes a batch with its store from `stores`, overlapping with the neighbouring
     /// batches through `stages`; one outcome per envelope, in order.
@@ -220,6 +229,7 @@ impl<H: Handler> ErasedHandler for H {
         &'a self,
         stores: &'a Stores,
         envelope: &'a Envelope,
+        held: &'a mut HeldConnection,
     ) -> BoxFuture<'a, Result<Outcome, DispatchError>> {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
@@ -228,7 +238,13 @@ impl<H: Handler> ErasedHandler for H {
                 ..Limits::of::<H>(store, stores.retention(), stores.poison_limit())
             }
             .with_stores::<H::Store>(stores);
-            unwound(run::<H>(store, envelope, limits)).await
+            let held = held.of::<H::Store>();
+            let processed = unwound(run::<H>(store, envelope, limits, held)).await;
+            if processed.is_err() {
+                // A panic may have left the connection mid-way; the pool checks it.
+                *held = None;
+            }
+            processed
         })
     }
 
@@ -244,6 +260,34 @@ impl<H: Handler> ErasedHandler for H {
                 .with_stores::<H::Store>(stores);
             unwound(run_batch::<H>(store, envelopes, stages, limits)).await
         })
+    }
+}
+
+/// The connection one worker keeps between its deliveries ([`InboxStore::begin_on`]), whatever
+/// its store: a worker runs one handler, and so holds its store's [`InboxStore::Held`]. Empty
+/// by default; dropped, it gives the connection back.
+#[derive(Default)]
+pub struct HeldConnection(Option<Box<dyn Any + Send>>);
+
+impl std::fmt::Debug for HeldConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("HeldConnection")
+            .field(&self.0.is_some())
+            .finish()
+    }
+}
+
+impl HeldConnection {
+    /// The slot of store `S`'s connection (made empty if it held another store's).
+    fn of<S: InboxStore>(&mut self) -> &mut Option<S::Held> {
+        let boxed = self.0.get_or_insert_with(|| Box::new(None::<S::Held>));
+        if !boxed.is::<Option<S::Held>>() {
+            *boxed = Box::new(None::<S::Held>);
+        }
+        match boxed.downcast_mut::<Option<S::Held>>() {
+            Some(slot) => slot,
+            None => unreachable!("the slot was just made of this type"),
+        }
     }
 }
 

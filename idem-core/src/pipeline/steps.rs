@@ -72,7 +72,7 @@ pub(crate) fn prepare<H: Handler>(envelope: &Envelope) -> Result<(H::Payload, Ke
 /// dead-lettered where `limits` say so), nothing was written and the handler must not run.
 pub(crate) async fn advance<H: Handler>(
     store: &H::Store,
-    tx: &mut <H::Store as InboxStore>::Tx,
+    tx: &mut <H::Store as InboxStore>::Tx<'_>,
     keyed: &Keyed,
     limits: &Limits<'_>,
 ) -> Result<Option<Outcome>, StoreError> {
@@ -104,7 +104,7 @@ pub(crate) async fn advance<H: Handler>(
 /// Runs handler `H` on `payload` in the inbox transaction `tx`, with `state`, timed.
 pub(crate) async fn call<H: Handler>(
     store: &H::Store,
-    tx: &mut <H::Store as InboxStore>::Tx,
+    tx: &mut <H::Store as InboxStore>::Tx<'_>,
     payload: H::Payload,
     envelope: &Envelope,
     key: &str,

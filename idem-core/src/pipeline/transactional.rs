@@ -15,7 +15,8 @@ use crate::store::{Claim, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
 
-/// Processes one delivery with handler `H` in `store`'s transaction, within `limits`.
+/// Processes one delivery with handler `H` in `store`'s transaction, within `limits`, on the
+/// connection `held` keeps.
 ///
 /// The marker row and the handler's writes commit together or not at all. Nothing is
 /// committed unless the outcome is [`Outcome::Processed`]; every other outcome leaves the
@@ -24,6 +25,7 @@ pub(crate) async fn process<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
     limits: Limits<'_>,
+    held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Outcome {
     let (payload, keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
@@ -35,7 +37,7 @@ pub(crate) async fn process<H: Handler>(
         return refused;
     }
 
-    let mut tx = match store.begin().await {
+    let mut tx = match store.begin_on(held).await {
         Ok(tx) => tx,
         Err(e) => return store_failure(e, key),
     };
@@ -161,7 +163,8 @@ mod tests {
     }
 
     impl InboxStore for MemStore {
-        type Tx = MemTx;
+        type Tx<'c> = MemTx;
+        type Held = ();
         const KIND: StoreKind = StoreKind::new("Memory", "memory", "MemStore");
 
         async fn check(&self) -> Result<(), StoreError> {
@@ -172,7 +175,15 @@ mod tests {
             Ok(MemTx::default())
         }
 
-        async fn claim(&self, tx: &mut MemTx, r: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        async fn begin_on(&self, _: &mut Option<()>) -> Result<MemTx, StoreError> {
+            Ok(MemTx::default())
+        }
+
+        async fn claim(
+            &self,
+            tx: &mut Self::Tx<'_>,
+            r: &ClaimRequest<'_>,
+        ) -> Result<Claim, StoreError> {
             let id = (r.consumer.to_owned(), r.key.to_owned());
             if let Some((fingerprint, output)) = self.rows.lock().unwrap().get(&id) {
                 return Ok(Claim::Existing {
@@ -186,7 +197,7 @@ mod tests {
 
         async fn complete(
             &self,
-            tx: &mut MemTx,
+            tx: &mut Self::Tx<'_>,
             _: &ClaimRequest<'_>,
             output: &StoredOutput,
         ) -> Result<(), StoreError> {
@@ -196,19 +207,24 @@ mod tests {
             Ok(())
         }
 
-        async fn savepoint(&self, _: &mut MemTx, _: bool) -> Result<(), StoreError> {
+        async fn savepoint(&self, _: &mut Self::Tx<'_>, _: bool) -> Result<(), StoreError> {
             Ok(())
         }
 
-        async fn rollback_to_savepoint(&self, _: &mut MemTx) -> Result<(), StoreError> {
+        async fn rollback_to_savepoint(&self, _: &mut Self::Tx<'_>) -> Result<(), StoreError> {
             Ok(())
         }
 
-        async fn unclaim(&self, _: &mut MemTx, _: &str, _: &[&str]) -> Result<(), StoreError> {
+        async fn unclaim(
+            &self,
+            _: &mut Self::Tx<'_>,
+            _: &str,
+            _: &[&str],
+        ) -> Result<(), StoreError> {
             Ok(())
         }
 
-        async fn commit(&self, tx: MemTx) -> Result<(), StoreError> {
+        async fn commit(&self, tx: Self::Tx<'_>) -> Result<(), StoreError> {
             if let Some((id, row)) = tx.row {
                 self.rows.lock().unwrap().insert(id, row);
             }
@@ -216,7 +232,7 @@ mod tests {
             Ok(())
         }
 
-        async fn rollback(&self, _: MemTx) {}
+        async fn rollback(&self, _: Self::Tx<'_>) {}
     }
 
     #[derive(serde::Deserialize)]
@@ -240,8 +256,8 @@ mod tests {
             field_key(&order.id, Self::KEY)
         }
 
-        async fn call<'a>(
-            tx: &'a mut MemTx,
+        async fn call<'a, 'c: 'a>(
+            tx: &'a mut <MemStore as InboxStore>::Tx<'c>,
             order: Order,
             _: &'a Context<'a>,
         ) -> Result<u32, HandlerError> {
@@ -265,7 +281,7 @@ mod tests {
             state: &crate::state::EMPTY,
             dispatch: None,
         };
-        process::<OrderHandler>(store, &Envelope::new(body), limits).await
+        process::<OrderHandler>(store, &Envelope::new(body), limits, &mut None).await
     }
 
     #[tokio::test]

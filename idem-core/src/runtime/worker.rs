@@ -3,6 +3,7 @@
 
 use super::actor::Shared;
 use super::settle;
+use crate::pipeline::HeldConnection;
 use crate::telemetry;
 use crate::transport::{Delivery, StopSignal};
 use std::sync::Arc;
@@ -16,6 +17,8 @@ pub(crate) async fn run(
     mailbox: Arc<Mutex<mpsc::Receiver<Delivery>>>,
     stop: StopSignal,
 ) {
+    // The worker's database connection, kept from one delivery to the next.
+    let mut held = HeldConnection::default();
     loop {
         let next = {
             let mut mailbox = mailbox.lock().await;
@@ -28,15 +31,15 @@ pub(crate) async fn run(
             settle::release(delivery).await;
             continue;
         }
-        handle(&shared, delivery, &stop).await;
+        handle(&shared, delivery, &stop, &mut held).await;
     }
 }
 
-/// Processes and settles one delivery. The settlement is sent only after the pipeline
+/// Processes and settles one delivery, in a transaction on the connection in `held`. The settlement is sent only after the pipeline
 /// returned, that is after the inbox transaction committed or rolled back. An ordered
 /// handler's transient failure is retried here, in place, after the policy's delay (a stop
 /// during the delay gives the delivery back instead).
-async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal) {
+async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &mut HeldConnection) {
     let Delivery {
         mut envelope,
         settle,
@@ -49,7 +52,7 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal) {
                 Some(permits) => permits.acquire().await.ok(),
                 None => None,
             };
-            let outcome = match handler.process(&shared.stores, &envelope).await {
+            let outcome = match handler.process(&shared.stores, &envelope, held).await {
                 Ok(outcome) => outcome,
                 Err(failed) => settle::undispatched(shared, failed),
             };

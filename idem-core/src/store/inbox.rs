@@ -115,8 +115,12 @@ pub struct SweepReport {
 /// concurrent copies), must not abort the transaction on conflict, and must block behind an
 /// uncommitted claim of the same key until that transaction ends.
 pub trait InboxStore: Send + Sync + 'static {
-    /// The transaction type handed to handlers.
-    type Tx: Send;
+    /// The transaction type handed to handlers; `'c` is the connection it runs on when that is
+    /// borrowed from a worker ([`InboxStore::begin_on`]), `'static` when it owns its own.
+    type Tx<'c>: Send;
+    /// A connection one worker keeps between its transactions ([`InboxStore::begin_on`]);
+    /// `()` for a store that keeps none.
+    type Held: Send + 'static;
     /// Which database this is.
     const KIND: StoreKind;
 
@@ -139,12 +143,22 @@ pub trait InboxStore: Send + Sync + 'static {
     }
 
     /// Opens a transaction.
-    fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx<'static>, StoreError>> + Send;
+
+    /// Opens a transaction on the connection `held`, which one worker keeps between its
+    /// transactions: taken first when `held` is empty, replaced when it no longer answers,
+    /// given back after a while so that the store's own connection policy applies. A store
+    /// with no connection to spare (or none to keep) leaves `held` empty and opens the
+    /// transaction as [`InboxStore::begin`] does.
+    fn begin_on<'c>(
+        &'c self,
+        held: &'c mut Option<Self::Held>,
+    ) -> impl Future<Output = Result<Self::Tx<'c>, StoreError>> + Send + 'c;
 
     /// Inserts the marker for `request`, or reports the committed row that holds its key.
     fn claim(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         request: &ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
@@ -153,7 +167,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// HTTP answers 409). A store that cannot tell waits, as `claim` does (the default).
     fn try_claim(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         request: &ClaimRequest<'_>,
     ) -> impl Future<Output = Result<Option<Claim>, StoreError>> + Send {
         async move { self.claim(tx, request).await.map(Some) }
@@ -163,7 +177,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// `null` results.
     fn complete(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         request: &ClaimRequest<'_>,
         output: &StoredOutput,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -172,7 +186,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// distinct. The default claims one by one; stores override it with one statement.
     fn claim_batch(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         requests: &[ClaimRequest<'_>],
     ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send {
         async move {
@@ -188,7 +202,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// default completes one by one.
     fn complete_batch(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         completed: &[(ClaimRequest<'_>, &StoredOutput)],
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         async move {
@@ -203,14 +217,14 @@ pub trait InboxStore: Send + Sync + 'static {
     /// releasing the previous message's and starting a new one, in one round trip.
     fn savepoint(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         first: bool,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Undoes everything since the current savepoint: one message of a batch failed.
     fn rollback_to_savepoint(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Raises the version applied to `entity` for `consumer` to `version`, in the caller's
@@ -220,7 +234,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// version the earlier committed. The default refuses: the store keeps no versions.
     fn advance_version(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         consumer: &str,
         entity: &str,
         version: i64,
@@ -239,7 +253,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// so that they are not committed with the rest of the batch.
     fn unclaim(
         &self,
-        tx: &mut Self::Tx,
+        tx: &mut Self::Tx<'_>,
         consumer: &str,
         keys: &[&str],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -331,7 +345,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// default refuses: the store keeps no outbox.
     fn stage_rows<'a>(
         &'a self,
-        tx: &'a mut Self::Tx,
+        tx: &'a mut Self::Tx<'_>,
         consumer: &'a str,
         run: &'a str,
         messages: &'a [Outgoing],
@@ -374,7 +388,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// An identity of the transaction `tx` that stays the same while a handler runs in it,
     /// which the store's staging recognises ([`crate::Context::keep_staged`]); `None` (the
     /// default): the dispatch reads what was staged back from the outbox.
-    fn transaction_identity(&self, tx: &Self::Tx) -> Option<usize> {
+    fn transaction_identity(&self, tx: &Self::Tx<'_>) -> Option<usize> {
         let _ = tx;
         None
     }
@@ -387,11 +401,11 @@ pub trait InboxStore: Send + Sync + 'static {
     }
 
     /// Commits the transaction.
-    fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn commit(&self, tx: Self::Tx<'_>) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Rolls the transaction back. Failures are logged, not returned: a transaction that
     /// cannot be rolled back is not committed either.
-    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = ()> + Send;
+    fn rollback(&self, tx: Self::Tx<'_>) -> impl Future<Output = ()> + Send;
 }
 
 /// The lease operations of external mode, which a store without them refuses.

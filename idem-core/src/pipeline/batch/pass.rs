@@ -110,7 +110,9 @@ impl<H: Handler> Run<'_, '_, H> {
     }
 
     /// Begins the transaction and claims every item's key with one statement.
-    async fn claim(&mut self) -> Result<(<H::Store as InboxStore>::Tx, Vec<Claim>), StoreError> {
+    async fn claim(
+        &mut self,
+    ) -> Result<(<H::Store as InboxStore>::Tx<'static>, Vec<Claim>), StoreError> {
         let store = self.batch.store;
         let mut tx = store.begin().await?;
         let claimed = {
@@ -142,7 +144,7 @@ impl<H: Handler> Run<'_, '_, H> {
     /// pass, which must be rolled back and isolated.
     async fn handle(
         &mut self,
-        tx: &mut <H::Store as InboxStore>::Tx,
+        tx: &mut <H::Store as InboxStore>::Tx<'_>,
         claims: Vec<Claim>,
         mut payloads: Vec<Option<H::Payload>>,
         isolate: bool,
@@ -205,7 +207,7 @@ impl<H: Handler> Run<'_, '_, H> {
     /// ones.
     async fn complete(
         &self,
-        tx: &mut <H::Store as InboxStore>::Tx,
+        tx: &mut <H::Store as InboxStore>::Tx<'_>,
         failed: &[usize],
     ) -> Result<u32, StoreError> {
         let store = self.batch.store;

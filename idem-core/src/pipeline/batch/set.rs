@@ -18,7 +18,7 @@ use std::time::Instant;
 /// Judges the members' claims and runs the batch handler once on the new ones.
 pub(super) async fn handle<H: Handler>(
     run: &mut Run<'_, '_, H>,
-    tx: &mut <H::Store as InboxStore>::Tx,
+    tx: &mut <H::Store as InboxStore>::Tx<'_>,
     claims: Vec<Claim>,
     mut payloads: Vec<Option<H::Payload>>,
 ) -> Result<SetEnd, StoreError> {

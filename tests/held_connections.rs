@@ -1,0 +1,207 @@
+//! A worker keeps its database connection from one message to the next (no pool acquire, no
+//! ping on every return), gives it up when the database drops it without failing the message,
+//! and leaves connections in the pool for everything else: against real RabbitMQ and
+//! PostgreSQL, through `build()`.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use common::broker::{self, amqp_url, publish};
+use common::running::{DEADLINE, start};
+use common::{unique, wait_until};
+use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+use idem::sql::PgInbox;
+use idem::transport::{QueueSpec, Transport};
+use idem::{HandlerError, RetryPolicy, Runtime, RuntimeBuilder, idempotent};
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const CONSUMER: &str = "held.probe";
+
+#[derive(Debug, Deserialize)]
+struct Probe {
+    id: String,
+}
+
+/// The server processes (`pg_backend_pid()`) the handler's transactions ran in, in order.
+#[derive(Clone, Default)]
+struct Backends(Arc<Mutex<Vec<i32>>>);
+
+impl Backends {
+    fn all(&self) -> Vec<i32> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+#[idempotent(store = Postgres, queue = "held-overridden", consumer = "held.probe", key = "probe.id")]
+async fn note_backend(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    probe: Probe,
+    backends: &Backends,
+) -> Result<(), HandlerError> {
+    let _ = probe.id;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut **tx)
+        .await?;
+    backends.0.lock().unwrap().push(pid);
+    Ok(())
+}
+
+/// A fresh queue, its runtime's builder (`concurrency` workers on `inbox`) and the handler's
+/// record of backends.
+async fn setup(
+    name: &str,
+    inbox: PgInbox,
+    concurrency: usize,
+) -> (String, RuntimeBuilder, Backends) {
+    inbox.migrate().await.unwrap();
+    let queue = unique(&format!("idem-test-{name}"));
+    let rabbit = RabbitConfig::new(amqp_url()).connection_name(format!("idem-test:{queue}"));
+    RabbitTransport::new(rabbit.clone())
+        .declare(&[QueueSpec::new(queue.clone(), CONSUMER)])
+        .await
+        .unwrap();
+    let backends = Backends::default();
+    let builder = Runtime::builder()
+        .transport(RabbitTransport::new(rabbit))
+        .store(inbox)
+        .state(backends.clone())
+        .handlers(["note_backend"])
+        .handler_queue(CONSUMER, &queue)
+        .concurrency(concurrency)
+        .prefetch(1);
+    (queue, builder, backends)
+}
+
+async fn publish_probes(queue: &str, range: std::ops::Range<usize>) {
+    let publisher = broker::publisher().await;
+    for n in range {
+        let id = format!("{queue}-{n}");
+        let body = serde_json::json!({ "id": id }).to_string();
+        publish(&publisher, queue, Some(&id), body.as_bytes()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_keeps_its_connection_and_replaces_one_the_database_dropped() {
+    // Six idle connections the pool would hand out in turn.
+    let pool = common::postgres(6).await;
+    let (queue, builder, backends) = setup("held", PgInbox::new(pool), 1).await;
+    publish_probes(&queue, 0..12).await;
+    let running = start(builder);
+    wait_until("the first messages settled", DEADLINE, || async {
+        running.now().settled() >= 12
+    })
+    .await;
+    let first: BTreeSet<i32> = backends.all().into_iter().collect();
+    assert_eq!(
+        first.len(),
+        1,
+        "one worker's twelve transactions ran on {} connections: {first:?}",
+        first.len()
+    );
+
+    // The database drops the worker's connection while it waits for the next message.
+    let held = *first.iter().next().unwrap();
+    let admin = common::postgres(1).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(held)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert!(terminated);
+    publish_probes(&queue, 12..16).await;
+    wait_until("the later messages settled", DEADLINE, || async {
+        running.now().settled() >= 16
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.retried, seen.dead_lettered),
+        (16, 0, 0),
+        "a dropped connection cost a message its first attempt: {seen:?}"
+    );
+    let later = &backends.all()[12..];
+    assert!(
+        later.iter().all(|pid| *pid != held),
+        "a message ran on the terminated backend: {later:?}"
+    );
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn workers_leave_connections_in_a_small_pool() {
+    // Three connections, four workers: one worker keeps a connection, two stay in the pool for
+    // the other workers, the relay, the sweeper and the test's own queries.
+    let pool = common::postgres(3).await;
+    let (queue, builder, backends) = setup("small-pool", PgInbox::new(pool.clone()), 4).await;
+    publish_probes(&queue, 0..60).await;
+    let running = start(builder);
+    wait_until("every message settled", DEADLINE, || async {
+        running.now().settled() >= 60
+    })
+    .await;
+    // The pool still answers while the runtime runs.
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(one, 1);
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.retried, seen.dead_lettered),
+        (60, 0, 0),
+        "{seen:?}"
+    );
+    assert_eq!(backends.all().len(), 60);
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_kept_connection_goes_back_after_its_time_and_zero_keeps_none() {
+    // Keeping nothing: the pool hands its six idle connections out in turn.
+    let inbox = PgInbox::new(common::postgres(6).await).hold_connections(Duration::ZERO);
+    let (queue, builder, backends) = setup("hold-none", inbox, 1).await;
+    publish_probes(&queue, 0..12).await;
+    let running = start(builder);
+    wait_until("every message settled", DEADLINE, || async {
+        running.now().settled() >= 12
+    })
+    .await;
+    running.shut_down().await;
+    let used: BTreeSet<i32> = backends.all().into_iter().collect();
+    assert!(
+        used.len() > 1,
+        "without keeping, twelve transactions still ran on one connection"
+    );
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+
+    // Kept for 300 ms: a message after that runs on another connection.
+    let inbox =
+        PgInbox::new(common::postgres(6).await).hold_connections(Duration::from_millis(300));
+    let (queue, builder, backends) = setup("hold-short", inbox, 1).await;
+    let running = start(builder);
+    publish_probes(&queue, 0..2).await;
+    wait_until("the first messages settled", DEADLINE, || async {
+        running.now().settled() >= 2
+    })
+    .await;
+    // The time the connection is kept for passes (what is tested, not a synchronisation).
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    publish_probes(&queue, 2..3).await;
+    wait_until("the last message settled", DEADLINE, || async {
+        running.now().settled() >= 3
+    })
+    .await;
+    running.shut_down().await;
+    let pids = backends.all();
+    assert_eq!(pids[0], pids[1], "two messages in a row changed connection");
+    assert_ne!(
+        pids[1], pids[2],
+        "the connection was kept past its time: {pids:?}"
+    );
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
