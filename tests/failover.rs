@@ -83,6 +83,14 @@ async fn a_broker_lost_under_load_fails_over_to_the_next_address() {
     f.cleanup().await;
 }
 
+/// `call`'s result, or a panic if it does not return within 20 s: a hung call fails the test
+/// instead of holding up the suite.
+async fn bounded<T>(call: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), call)
+        .await
+        .expect("a publisher call did not return within 20 s")
+}
+
 /// Every address refuses: the start fails with an error that names them all, passwords hidden.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn no_broker_answering_stops_the_start_naming_every_address() {
@@ -128,12 +136,12 @@ async fn a_publisher_fails_over_and_every_confirmed_message_arrives() {
         loop {
             let mut sent = true;
             for id in &ids {
-                sent &= publisher
-                    .publish_unconfirmed(&f.queue, &message(id.clone()))
+                let message = message(id.clone());
+                sent &= bounded(publisher.publish_unconfirmed(&f.queue, &message))
                     .await
                     .is_ok();
             }
-            if publisher.wait_for_confirms().await.is_ok() && sent {
+            if bounded(publisher.wait_for_confirms()).await.is_ok() && sent {
                 break;
             }
             assert!(
@@ -143,8 +151,7 @@ async fn a_publisher_fails_over_and_every_confirmed_message_arrives() {
         }
         confirmed.extend(ids);
         let single = format!("single-{batch}");
-        while publisher
-            .publish("", &f.queue, &message(single.clone()))
+        while bounded(publisher.publish("", &f.queue, &message(single.clone())))
             .await
             .is_err()
         {
@@ -205,5 +212,62 @@ async fn a_broker_that_never_answers_is_given_up_for_the_next() {
     running.shut_down().await;
     f.assert_exactly_once(20, |_| 2).await;
     hold.abort();
+    f.cleanup().await;
+}
+
+/// Several tasks publish (batches awaited with `wait_for_confirms`, and single confirmed
+/// messages) while the publisher's broker connection is cut again and again: every call
+/// returns, confirmed or failed, within seconds. None waits forever for a confirm that the
+/// lost connection can no longer bring.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn publishes_under_way_when_the_connection_is_cut_always_return() {
+    use idem::rabbitmq::Publisher;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let f = fixture("publisher-cuts", fast_retries(), QueueType::Classic, None).await;
+    let proxy = Proxy::start(&amqp_address()).await;
+    let publisher = Publisher::connect(&RabbitConfig::new(through(&proxy)))
+        .await
+        .unwrap();
+    let (stop, done) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicUsize::new(0)),
+    );
+    let tasks: Vec<_> = (0..6)
+        .map(|task| {
+            let (publisher, queue) = (publisher.clone(), f.queue.clone());
+            let (stop, done) = (stop.clone(), done.clone());
+            tokio::spawn(async move {
+                let message = idem::Envelope::new("{}").with_message_id(format!("t{task}"));
+                while !stop.load(Ordering::SeqCst) {
+                    for _ in 0..5 {
+                        let _ = bounded(publisher.publish_unconfirmed(&queue, &message)).await;
+                    }
+                    let _ = bounded(publisher.wait_for_confirms()).await;
+                    if bounded(publisher.publish("", &queue, &message))
+                        .await
+                        .is_ok()
+                    {
+                        done.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for _ in 0..40 {
+        let before = done.load(Ordering::SeqCst);
+        wait_until(
+            "publishes confirmed again",
+            Duration::from_secs(30),
+            || async { done.load(Ordering::SeqCst) >= before + 6 },
+        )
+        .await;
+        proxy.cut();
+        proxy.restore();
+    }
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        task.await.unwrap();
+    }
     f.cleanup().await;
 }

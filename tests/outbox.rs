@@ -35,6 +35,7 @@ const RELAY: &str = "idem_ob_relay_inbox";
 const RELAYS: &str = "idem_ob_relays_inbox";
 const UNROUTABLE: &str = "idem_ob_unroutable_inbox";
 const NOTIFY: &str = "idem_ob_notify_inbox";
+const STOP: &str = "idem_ob_stop_inbox";
 
 /// Publishes through a confirmed publisher and counts, per message id, the confirms it got.
 struct Counting {
@@ -219,6 +220,74 @@ macro_rules! outbox_suite {
                 assert_eq!(outbox_rows(&pool, QUOTE, &queue).await, 0);
                 broker::delete_topology(&queue, &[]).await;
                 broker::delete_topology(&replies, &[]).await;
+            }
+
+            /// Through `build()`, with no relay: the runtime is stopped while it processes a
+            /// backlog. Shutdown waits for the dispatch of what the finished deliveries staged
+            /// before it closes the publisher, so the event of every order processed is in the
+            /// queue, once, and no outbox row is left for a relay to publish again.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_graceful_stop_publishes_what_was_staged_and_leaves_no_row() {
+                const ORDERS: usize = 300;
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-stop");
+                let billed = format!("{queue}.billed");
+                let transport = RabbitTransport::new(RabbitConfig::new(amqp_url()));
+                let specs = [
+                    QueueSpec::new(queue.clone(), consumer()),
+                    QueueSpec::new(billed.clone(), "billed"),
+                ];
+                transport.declare(&specs).await.unwrap();
+                let publisher = broker::publisher().await;
+                for n in 0..ORDERS {
+                    let order = Order {
+                        order_id: format!("{queue}-{n}"),
+                        customer: format!("{queue}-c"),
+                        amount_cents: 1,
+                    };
+                    let envelope = Envelope::new(serde_json::to_vec(&order).unwrap())
+                        .with_message_id(format!("m-{queue}-{n}"));
+                    publisher
+                        .publish_unconfirmed(&queue, &envelope)
+                        .await
+                        .unwrap();
+                }
+                publisher.wait_for_confirms().await.unwrap();
+                let running = start(
+                    Runtime::builder()
+                        .transport(transport)
+                        .store(inbox(&pool, STOP).await)
+                        .state(Target(billed.clone()))
+                        .handlers([consumer()])
+                        .handler_queue(consumer(), &queue)
+                        .without_relay(),
+                );
+                wait_until("a third of the orders processed", DEADLINE, || async {
+                    running.now().processed >= ORDERS as u64 / 3
+                })
+                .await;
+                let processed = running.shut_down().await.processed as usize;
+                assert_eq!(
+                    outbox_rows(&pool, STOP, &queue).await,
+                    0,
+                    "outbox rows left behind by a graceful stop"
+                );
+                wait_until(
+                    "every processed order's event in the queue",
+                    DEADLINE,
+                    || async { broker::count(&billed).await >= processed },
+                )
+                .await;
+                let got = broker::drain(&billed).await;
+                let ids: std::collections::HashSet<_> =
+                    got.iter().filter_map(|m| m.message_id()).collect();
+                assert_eq!(
+                    (got.len(), ids.len()),
+                    (processed, processed),
+                    "one event per order processed"
+                );
+                broker::delete_topology(&queue, &[]).await;
+                broker::delete_topology(&billed, &[]).await;
             }
 
             fn consumer() -> &'static str {

@@ -2,6 +2,7 @@
 //! delivery becomes an [`idem_core::Envelope`] with its settlement handle ([`RabbitSettle`]) and
 //! waits in its handler's mailbox.
 
+use crate::answer::{lost, on_channel, unless_lost};
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::{envelope, table_size};
@@ -142,10 +143,10 @@ impl Consumer {
         };
         let result = consuming.await;
         if result.is_err() {
-            // Whatever failed, start the next attempt on a fresh connection.
-            let _ = connection
-                .close(200, ShortString::from("reconnecting"))
-                .await;
+            // Whatever failed, start the next attempt on a fresh connection; a broker that
+            // does not answer the close does not hold up the reconnection.
+            let close = connection.close(200, ShortString::from("reconnecting"));
+            let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
         }
         result
     }
@@ -156,22 +157,20 @@ impl Consumer {
         &self,
         connection: &Connection,
     ) -> Result<(Channel, lapin::Consumer, String), lapin::Error> {
-        let channel = connection.create_channel().await?;
-        channel
-            .basic_qos(self.prefetch, BasicQosOptions::default())
-            .await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let alive = || connection.status().connected();
+        let channel = unless_lost(alive, connection.create_channel(), lost).await?;
+        let qos = channel.basic_qos(self.prefetch, BasicQosOptions::default());
+        on_channel(&channel, qos).await?;
+        let confirms = channel.confirm_select(ConfirmSelectOptions::default());
+        on_channel(&channel, confirms).await?;
         let tag = format!("{}:{}", self.spec.consumer, std::process::id());
-        let consumer = channel
-            .basic_consume(
-                ShortString::from(self.spec.queue.as_str()),
-                ShortString::from(tag.as_str()),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        let consume = channel.basic_consume(
+            ShortString::from(self.spec.queue.as_str()),
+            ShortString::from(tag.as_str()),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        );
+        let consumer = on_channel(&channel, consume).await?;
         tracing::info!(
             queue = self.spec.queue,
             prefetch = self.prefetch,

@@ -25,6 +25,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod answer;
 mod config;
 mod connections;
 mod consume;

@@ -1,5 +1,6 @@
 //! Publishing with publisher confirms: a message counts as sent only once the broker has it.
 
+use crate::answer::{lost, on_channel, unless_lost};
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::properties;
@@ -85,11 +86,19 @@ async fn confirm_channel(
         .open(config, "publisher")
         .await
         .map_err(broker)?;
-    let channel = connection.create_channel().await.map_err(broker)?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(broker)?;
+    let channel = unless_lost(
+        || connection.status().connected(),
+        connection.create_channel(),
+        lost,
+    )
+    .await
+    .map_err(broker)?;
+    on_channel(
+        &channel,
+        channel.confirm_select(ConfirmSelectOptions::default()),
+    )
+    .await
+    .map_err(broker)?;
     Ok(channel)
 }
 
@@ -154,20 +163,21 @@ impl Publisher {
         routing_key: &str,
         message: &Envelope,
     ) -> Result<(), PublishError> {
-        let confirm = self
-            .channel()
-            .await?
-            .basic_publish(
-                ShortString::from(exchange),
-                ShortString::from(routing_key),
-                MANDATORY,
-                &message.body,
-                properties(message),
-            )
-            .await
-            .map_err(broker)?
-            .await
-            .map_err(broker)?;
+        let channel = self.channel().await?;
+        let confirm = on_channel(&channel, async {
+            channel
+                .basic_publish(
+                    ShortString::from(exchange),
+                    ShortString::from(routing_key),
+                    MANDATORY,
+                    &message.body,
+                    properties(message),
+                )
+                .await?
+                .await
+        })
+        .await
+        .map_err(broker)?;
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
@@ -213,15 +223,14 @@ impl Publisher {
         let mut confirms = Vec::with_capacity(messages.len());
         let mut failed = None;
         for (exchange, routing_key, message) in messages {
-            let sent = channel
-                .basic_publish(
-                    ShortString::from(*exchange),
-                    ShortString::from(*routing_key),
-                    MANDATORY,
-                    &message.body,
-                    properties(message),
-                )
-                .await;
+            let publish = channel.basic_publish(
+                ShortString::from(*exchange),
+                ShortString::from(*routing_key),
+                MANDATORY,
+                &message.body,
+                properties(message),
+            );
+            let sent = on_channel(&channel, publish).await;
             match sent {
                 Ok(confirm) => confirms.push(confirm),
                 Err(e) => {
@@ -233,7 +242,7 @@ impl Publisher {
         sent();
         let mut results = Vec::with_capacity(messages.len());
         for (confirm, (exchange, routing_key, _)) in confirms.into_iter().zip(messages) {
-            results.push(match confirm.await {
+            results.push(match on_channel(&channel, confirm).await {
                 Ok(Confirmation::Ack(None)) => Ok(()),
                 Ok(Confirmation::Ack(Some(_))) => Err(PublishError::Unroutable {
                     exchange: (*exchange).to_owned(),
@@ -287,16 +296,14 @@ impl Publisher {
     ) -> Result<(), PublishError> {
         let channel = self.channel().await?;
         self.inner.unconfirmed.store(true, Ordering::SeqCst);
-        channel
-            .basic_publish(
-                ShortString::from(exchange),
-                ShortString::from(routing_key),
-                MANDATORY,
-                &message.body,
-                properties(message),
-            )
-            .await
-            .map_err(broker)?;
+        let publish = channel.basic_publish(
+            ShortString::from(exchange),
+            ShortString::from(routing_key),
+            MANDATORY,
+            &message.body,
+            properties(message),
+        );
+        on_channel(&channel, publish).await.map_err(broker)?;
         Ok(())
     }
 
@@ -304,7 +311,7 @@ impl Publisher {
     /// could not be routed.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {
         let channel = self.current();
-        let waited = channel.wait_for_confirms().await;
+        let waited = on_channel(&channel, channel.wait_for_confirms()).await;
         // Reported either way: the next publish may connect again.
         let unconfirmed = self.inner.unconfirmed.swap(false, Ordering::SeqCst);
         let returned = waited.map_err(broker)?;

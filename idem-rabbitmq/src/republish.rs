@@ -1,6 +1,7 @@
 //! The confirmed publishes of a settlement, on a channel in confirm mode: a retry copy to the
 //! delay queue.
 
+use crate::answer::on_channel;
 use crate::envelope::{ATTEMPT_HEADER, with_headers};
 use crate::settle::RabbitSettle;
 use crate::topology::retry_queue;
@@ -37,21 +38,23 @@ pub(crate) async fn publish_confirmed(
     body: &[u8],
     properties: BasicProperties,
 ) -> Result<(), TransportError> {
-    let confirm = channel
-        .basic_publish(
-            ShortString::from(""),
-            ShortString::from(routing_key),
-            BasicPublishOptions {
-                mandatory: true,
-                immediate: false,
-            },
-            body,
-            properties,
-        )
-        .await
-        .map_err(|e| TransportError::Settle(e.into()))?
-        .await
-        .map_err(|e| TransportError::Settle(e.into()))?;
+    let confirm = on_channel(channel, async {
+        channel
+            .basic_publish(
+                ShortString::from(""),
+                ShortString::from(routing_key),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                body,
+                properties,
+            )
+            .await?
+            .await
+    })
+    .await
+    .map_err(|e| TransportError::Settle(e.into()))?;
     match confirm {
         Confirmation::Ack(None) => Ok(()),
         Confirmation::Ack(Some(_)) => Err(TransportError::Settle(

@@ -15,6 +15,7 @@
 //! deliveries wait above the watermark, they are acked one by one (`multiple = false`), which
 //! is always safe.
 
+use crate::answer::on_channel;
 use crate::watermark::Watermark;
 use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
@@ -145,16 +146,15 @@ async fn run(
             let sent = match op {
                 Op::Ack => Ok(()),
                 Op::Reject => {
-                    channel
-                        .basic_reject(tag, BasicRejectOptions { requeue: false })
-                        .await
+                    let reject = channel.basic_reject(tag, BasicRejectOptions { requeue: false });
+                    on_channel(&channel, reject).await
                 }
                 Op::Requeue => {
                     let requeue = BasicNackOptions {
                         requeue: true,
                         multiple: false,
                     };
-                    channel.basic_nack(tag, requeue).await
+                    on_channel(&channel, channel.basic_nack(tag, requeue)).await
                 }
             };
             if let Err(e) = sent {
@@ -164,17 +164,21 @@ async fn run(
             watermark.settle(tag, op == Op::Ack);
         }
         if let Some(up_to) = watermark.advance()
-            && let Err(e) = channel
-                .basic_ack(up_to, BasicAckOptions { multiple: true })
-                .await
+            && let Err(e) = on_channel(
+                &channel,
+                channel.basic_ack(up_to, BasicAckOptions { multiple: true }),
+            )
+            .await
         {
             tracing::warn!(queue = %queue, up_to, error = %e, "ack not sent; the broker redelivers");
             return;
         }
         for tag in watermark.overflow(lag) {
-            if let Err(e) = channel
-                .basic_ack(tag, BasicAckOptions { multiple: false })
-                .await
+            if let Err(e) = on_channel(
+                &channel,
+                channel.basic_ack(tag, BasicAckOptions { multiple: false }),
+            )
+            .await
             {
                 tracing::warn!(queue = %queue, tag, error = %e, "ack not sent; the broker redelivers");
                 return;
@@ -184,8 +188,7 @@ async fn run(
     // Every delivery of the channel is settled: close it now, while its connection is open,
     // rather than leave it to close itself when dropped during the connection's shutdown.
     if channel.status().connected() {
-        let _ = channel
-            .close(200, lapin::types::ShortString::from("settled"))
-            .await;
+        let close = channel.close(200, lapin::types::ShortString::from("settled"));
+        let _ = on_channel(&channel, close).await;
     }
 }

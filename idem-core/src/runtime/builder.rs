@@ -253,8 +253,9 @@ impl RuntimeBuilder {
         self
     }
 
-    /// How long shutdown waits for in-flight deliveries (default 30 s); what has not finished
-    /// by then is abandoned, uncommitted, and goes back to the broker.
+    /// How long shutdown waits for in-flight deliveries and the dispatch of the messages they
+    /// staged (default 30 s); a delivery not finished by then is abandoned, uncommitted, and
+    /// goes back to the broker, and staged messages not yet published stay for the relay.
     pub fn shutdown_grace(mut self, grace: Duration) -> Self {
         self.shutdown_grace = grace;
         self

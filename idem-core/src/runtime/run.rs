@@ -49,7 +49,8 @@ impl Runtime {
 
     /// Declares the topology, consumes until `shutdown` completes, then shuts down gracefully:
     /// consumers stop, deliveries not yet started are released, in-flight ones may finish
-    /// within the grace period, and the transport is closed (anything unsettled goes back to
+    /// within the grace period, and so may the dispatch of what they staged in the outbox;
+    /// then the transport is closed (anything unsettled goes back to
     /// the broker, unacked).
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
         for actor in &self.actors {
@@ -155,7 +156,8 @@ impl Runtime {
         // progress is dropped too: its transaction rolls back, and its rows stay for a later
         // pass (those it had published go out again, with the same ids).
         sweepers.abort_all();
-        let drained = tokio::time::timeout(self.shutdown_grace, async {
+        let grace_ends = tokio::time::Instant::now() + self.shutdown_grace;
+        let drained = tokio::time::timeout_at(grace_ends, async {
             while consumers.join_next().await.is_some() {}
             while workers.join_next().await.is_some() {}
         })
@@ -165,6 +167,17 @@ impl Runtime {
             consumers.abort_all();
             workers.abort_all();
             while workers.join_next().await.is_some() {}
+        }
+        // What the handlers staged goes out, and its rows are removed, before the publisher's
+        // connection closes: a graceful stop leaves the relay nothing to publish again.
+        let dispatched = tokio::time::timeout_at(grace_ends, async {
+            for relay in self.stores.relays() {
+                relay.queue.in_flight.idle().await;
+            }
+        })
+        .await;
+        if dispatched.is_err() {
+            tracing::warn!(grace = ?self.shutdown_grace, "staged messages were still being dispatched; their rows stay for the relay");
         }
         // Closing returns whatever is still unsettled to the broker; a broker that does not
         // answer must not keep the process from exiting (the broker requeues on disconnect).

@@ -2,6 +2,7 @@
 //! the commit they are published as the handler staged them, with no read of the outbox, and
 //! once the broker confirmed them their rows are removed, many runs' in one statement.
 
+use super::in_flight::InFlight;
 use super::relay::RelayReport;
 use crate::future::BoxFuture;
 use crate::model::{Outgoing, StoreError};
@@ -29,17 +30,31 @@ const LINGER: Duration = Duration::from_millis(10);
 /// Tries to remove confirmed rows this many times before leaving them to the relay.
 const REMOVE_ATTEMPTS: u32 = 3;
 
-/// Publishes `messages` (one run, in the order staged, committed at `committed`), and hands
-/// the ids the broker confirmed, up to the first it did not, to `remover`; from that one on,
-/// the rows stay for the relay, which sends them again in order with their ids.
+/// One run published from memory: its store, when it committed, its slot among the runs in
+/// flight, and the count shutdown waits on (counted once already; the remover ends it once
+/// the run's rows are removed).
+pub(super) struct Run {
+    pub(super) store: &'static str,
+    pub(super) committed: Instant,
+    pub(super) permit: OwnedSemaphorePermit,
+    pub(super) in_flight: Arc<InFlight>,
+}
+
+/// Publishes `messages` (one run, in the order staged), and hands the ids the broker
+/// confirmed, up to the first it did not, to `remover`; from that one on, the rows stay for
+/// the relay, which sends them again in order with their ids.
 pub(super) async fn publish(
-    store: &'static str,
+    run: Run,
     outbound: Arc<dyn Outbound>,
     messages: Vec<Outgoing>,
-    committed: Instant,
     remover: mpsc::UnboundedSender<Vec<String>>,
-    permit: OwnedSemaphorePermit,
 ) {
+    let Run {
+        store,
+        committed,
+        permit,
+        in_flight,
+    } = run;
     let results = outbound.publish_all(&messages).await;
     let confirmed = Instant::now();
     drop(permit);
@@ -62,9 +77,10 @@ pub(super) async fn publish(
     if report.failure.is_none() {
         crate::telemetry::dispatched(store, confirmed.saturating_duration_since(committed));
     }
-    if !done.is_empty() {
-        // The task ends only once every sender is gone: a send cannot fail while this one is.
-        let _ = remover.send(done);
+    // The remover ends the run once its rows are removed; a send cannot fail while this
+    // sender lives, as the remover ends only once every sender is gone.
+    if done.is_empty() || remover.send(done).is_err() {
+        in_flight.end(1);
     }
 }
 
@@ -75,6 +91,7 @@ pub(super) async fn remove(
     store: &'static str,
     remove: RemoveFn,
     mut confirmed: mpsc::UnboundedReceiver<Vec<String>>,
+    in_flight: Arc<InFlight>,
 ) {
     let mut waiting = Vec::new();
     loop {
@@ -93,6 +110,7 @@ pub(super) async fn remove(
                 Ok(_) => {}
             }
         }
+        let runs = waiting.len();
         let mut ids: Vec<String> = waiting.drain(..).flatten().collect();
         while !ids.is_empty() {
             let rest = ids.split_off(ids.len().min(IDS_PER_REMOVE));
@@ -119,6 +137,7 @@ pub(super) async fn remove(
             };
             crate::telemetry::relayed(store, "dispatch", &report);
         }
+        in_flight.end(runs);
     }
 }
 
@@ -161,7 +180,8 @@ mod tests {
             Box::pin(async move { Ok(count) })
         });
         let (remover, confirmed) = mpsc::unbounded_channel();
-        let removing = tokio::spawn(remove("test", remove_fn, confirmed));
+        let in_flight = Arc::new(InFlight::default());
+        let removing = tokio::spawn(remove("test", remove_fn, confirmed, in_flight.clone()));
         let routing = Arc::new(Routing(Mutex::default()));
         let slots = Arc::new(tokio::sync::Semaphore::new(2));
         let message = |to: &str, id: &str| Outgoing::new("", to, "x").with_message_id(id);
@@ -176,16 +196,18 @@ mod tests {
         for run in runs {
             let permit = slots.clone().try_acquire_owned().expect("a slot");
             let outbound: Arc<dyn Outbound> = routing.clone();
-            publish(
-                "test",
-                outbound,
-                run,
-                Instant::now(),
-                remover.clone(),
+            in_flight.start(1);
+            let kept = Run {
+                store: "test",
+                committed: Instant::now(),
                 permit,
-            )
-            .await;
+                in_flight: in_flight.clone(),
+            };
+            publish(kept, outbound, run, remover.clone()).await;
         }
+        tokio::time::timeout(Duration::from_secs(5), in_flight.idle())
+            .await
+            .expect("both runs end: published, and their confirmed rows removed");
         assert_eq!(
             slots.available_permits(),
             2,

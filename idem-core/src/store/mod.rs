@@ -1,6 +1,7 @@
 //! The inbox store contract ([`InboxStore`]), external mode's per-key states ([`Lease`]) and
 //! the set of stores a runtime holds ([`Stores`]). The SQL stores are in idem-sqlx.
 
+mod in_flight;
 pub mod inbox;
 mod kept;
 pub mod lease;

@@ -5,6 +5,7 @@
 //! and publishes their rows in one pass, so a busy consumer pays one select, one burst of
 //! publishes and one delete for many commits.
 
+use super::in_flight::InFlight;
 use super::inbox::StoreKind;
 use super::kept::{self, RemoveFn};
 use super::relay::{OutboxSelect, RelayReport};
@@ -71,6 +72,8 @@ pub(crate) struct DispatchQueue {
     remover: OnceLock<mpsc::UnboundedSender<Vec<String>>>,
     /// Runs published from memory and not yet confirmed.
     in_memory: Arc<Semaphore>,
+    /// Runs whose dispatch has not ended; shutdown waits for them.
+    pub(crate) in_flight: Arc<InFlight>,
 }
 
 impl Default for DispatchQueue {
@@ -79,6 +82,7 @@ impl Default for DispatchQueue {
             sender: OnceLock::new(),
             remover: OnceLock::new(),
             in_memory: Arc::new(Semaphore::new(kept::RUNS_IN_FLIGHT)),
+            in_flight: Arc::default(),
         }
     }
 }
@@ -110,18 +114,20 @@ impl Dispatch<'_> {
             let store = self.relay.kind.label();
             let remover = queue.remover.get_or_init(|| {
                 let (sender, receiver) = mpsc::unbounded_channel();
-                tokio::spawn(kept::remove(store, self.relay.remove.clone(), receiver));
+                let in_flight = queue.in_flight.clone();
+                let remove = self.relay.remove.clone();
+                tokio::spawn(kept::remove(store, remove, receiver, in_flight));
                 sender
             });
-            let outbound = self.outbound.clone();
-            tokio::spawn(kept::publish(
+            queue.in_flight.start(1);
+            let run = kept::Run {
                 store,
-                outbound,
-                messages,
                 committed,
-                remover.clone(),
                 permit,
-            ));
+                in_flight: queue.in_flight.clone(),
+            };
+            let outbound = self.outbound.clone();
+            tokio::spawn(kept::publish(run, outbound, messages, remover.clone()));
             return;
         }
         let sender = self.relay.queue.sender.get_or_init(|| {
@@ -129,8 +135,14 @@ impl Dispatch<'_> {
             tokio::spawn(drain(self.relay.clone(), self.outbound.clone(), receiver));
             sender
         });
+        queue.in_flight.start(1);
         // The task ends only once every sender is gone: a send cannot fail while this one is.
-        let _ = sender.send((consumer.to_owned(), key.to_owned(), committed));
+        if sender
+            .send((consumer.to_owned(), key.to_owned(), committed))
+            .is_err()
+        {
+            queue.in_flight.end(1);
+        }
     }
 }
 
@@ -146,6 +158,7 @@ async fn drain(
     mut queue: mpsc::UnboundedReceiver<Pending>,
 ) {
     let store = relay.kind.label();
+    let in_flight = relay.queue.in_flight.clone();
     let passes = Arc::new(Semaphore::new(PASSES_IN_FLIGHT));
     // Passes that have not sent their rows yet.
     let sending = Arc::new(AtomicUsize::new(0));
@@ -178,6 +191,7 @@ async fn drain(
         let (watched, on_sent) = Watched::new(outbound.clone());
         let mut pass = (relay.relay)(OutboxSelect::Runs { runs }, watched.clone());
         let (rows_per_run, sending, sent) = (rows_per_run.clone(), sending.clone(), sent.clone());
+        let in_flight = in_flight.clone();
         sending.fetch_add(1, Ordering::AcqRel);
         tokio::spawn(async move {
             let mut on_sent = on_sent;
@@ -212,6 +226,7 @@ async fn drain(
                     "dispatching staged messages failed; the relay publishes them"
                 ),
             }
+            in_flight.end(pending.len());
             drop(permit);
         });
     }
