@@ -187,8 +187,9 @@ async fn run(
     }
     // Every delivery of the channel is settled: close it now, while its connection is open,
     // rather than leave it to close itself when dropped during the connection's shutdown.
+    // (A closing channel is not connected: the close-ok is awaited for a bounded time instead.)
     if channel.status().connected() {
         let close = channel.close(200, lapin::types::ShortString::from("settled"));
-        let _ = on_channel(&channel, close).await;
+        let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
     }
 }
