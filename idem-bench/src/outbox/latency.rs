@@ -1,41 +1,29 @@
 //! The dispatch latency at a steady rate: orders published at `--rate` for `--seconds`, each
 //! consumed by a handler that stages one event; from its commit until the broker confirmed the
-//! event. Against a handwritten lapin + sqlx consumer that publishes its event itself right
-//! after its commit and awaits the confirm (no outbox: the floor any post-commit publish
-//! pays), run alternately under the same feed.
+//! event. Against two handwritten lapin + sqlx consumers, run alternately under the same feed:
+//! one that publishes its event itself right after its commit and awaits the confirm (no
+//! outbox: the floor any post-commit publish pays), and one doing the same work as idem's
+//! outbox (the event's row staged in the order's transaction, published after the commit,
+//! deleted once confirmed).
 
-use super::{BILLED, ORDERS, OutboxBench, billing, outbox_rows, reset};
+use super::handwritten::{HandEvent, handwritten_run};
+use super::next_hop::Events;
+use super::{ORDERS, OutboxBench, billing, outbox_rows, reset};
 use crate::workload::Order;
 use anyhow::{Context as _, bail};
-use futures_util::StreamExt;
 use idem::Envelope;
 use idem::rabbitmq::{Publisher, RabbitConfig};
 use idem::sql::PgInbox;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use sqlx::{Connection as _, PgConnection};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The runtime's dispatch histogram.
 const HISTOGRAM: &str = "idem_outbox_dispatch_seconds";
 
-/// Creates the handwritten consumer's inbox, `bench_outbox_hand`: the narrow row a lean
-/// consumer writes per message.
-pub(super) async fn create_hand_inbox(pool: &sqlx::PgPool) -> anyhow::Result<()> {
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS bench_outbox_hand (consumer TEXT NOT NULL, key TEXT NOT NULL, \
-         received_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (consumer, key))",
-    )
-    .execute(pool)
-    .await?;
-    Ok(())
-}
-
-/// The handwritten consumer's workers (the runtime's default concurrency) and prefetch (its
-/// default prefetch).
-const WORKERS: usize = 8;
-const PREFETCH: u16 = 32;
+/// When the feed published each order, by order id.
+pub(super) type Sent = Arc<Mutex<HashMap<String, Instant>>>;
 
 /// The recorder, with the dispatch histogram in fine buckets (¼ ms up to 20 ms) so that each
 /// run's quantiles can be read from the difference of two scrapes.
@@ -52,7 +40,7 @@ pub(super) fn recorder() -> anyhow::Result<PrometheusHandle> {
 
 /// p50, p99 and the largest of one run, in milliseconds.
 #[derive(Debug, Clone, Copy)]
-struct Quantiles {
+pub(super) struct Quantiles {
     p50: f64,
     p90: f64,
     p99: f64,
@@ -68,21 +56,43 @@ pub(super) async fn latency(
     rabbit: &RabbitConfig,
     recorder: &PrometheusHandle,
 ) -> anyhow::Result<()> {
-    let (mut with_idem, mut by_hand) = (Vec::new(), Vec::new());
+    let (mut with_idem, mut by_hand, mut hand_outbox) = (Vec::new(), Vec::new(), Vec::new());
+    let mut end_to_end: [Vec<Quantiles>; 3] = Default::default();
+    let line = |q: &Quantiles| {
+        format!(
+            "p50 {:.2} ms p90 {:.2} ms p99 {:.2} ms max {:.1} ms",
+            q.p50, q.p90, q.p99, q.max
+        )
+    };
     for run in 1..=b.runs {
-        let idem = idem_run(b, pool, inbox, rabbit, recorder).await?;
-        let hand = handwritten_run(b, pool, rabbit).await?;
+        let (idem, idem_e2e) = idem_run(b, pool, inbox, rabbit, recorder).await?;
+        let (hand, hand_e2e) = handwritten_run(b, pool, rabbit, HandEvent::AfterCommit).await?;
+        let (outbox, outbox_e2e) = handwritten_run(b, pool, rabbit, HandEvent::Outbox).await?;
         eprintln!(
-            "latency run {run}: idem p50 {:.2} ms p90 {:.2} ms p99 {:.2} ms max {:.1} ms; handwritten p50 {:.2} ms p90 {:.2} ms p99 {:.2} ms max {:.1} ms",
-            idem.p50, idem.p90, idem.p99, idem.max, hand.p50, hand.p90, hand.p99, hand.max
+            "latency run {run}: idem {}; handwritten, no outbox {}; handwritten outbox {}",
+            line(&idem),
+            line(&hand),
+            line(&outbox)
         );
+        for (runs, e2e) in end_to_end.iter_mut().zip([idem_e2e, hand_e2e, outbox_e2e]) {
+            runs.extend(e2e);
+        }
+        if let [Some(idem), Some(hand), Some(outbox)] = end_to_end.each_ref().map(|r| r.last()) {
+            eprintln!(
+                "  end to end (order published → event at the next hop): idem {}; handwritten, no outbox {}; handwritten outbox {}",
+                line(idem),
+                line(hand),
+                line(outbox)
+            );
+        }
         with_idem.push(idem);
         by_hand.push(hand);
+        hand_outbox.push(outbox);
     }
     let median_of =
         |runs: &[Quantiles], f: fn(&Quantiles) -> f64| super::median(runs.iter().map(f).collect());
     println!(
-        "outbox dispatch latency (commit → confirm) at {} msgs/s, {} s per run, medians of {}: idem p50 {:.2} ms, p99 {:.2} ms; handwritten publish-after-commit p50 {:.2} ms, p99 {:.2} ms",
+        "outbox dispatch latency (commit → confirm) at {} msgs/s, {} s per run, medians of {}: idem p50 {:.2} ms, p99 {:.2} ms; handwritten publish-after-commit p50 {:.2} ms, p99 {:.2} ms; handwritten outbox p50 {:.2} ms, p99 {:.2} ms",
         b.rate,
         b.seconds,
         b.runs,
@@ -90,12 +100,34 @@ pub(super) async fn latency(
         median_of(&with_idem, |q| q.p99),
         median_of(&by_hand, |q| q.p50),
         median_of(&by_hand, |q| q.p99),
+        median_of(&hand_outbox, |q| q.p50),
+        median_of(&hand_outbox, |q| q.p99),
     );
     println!(
-        "  per run, idem p99: {}; handwritten p99: {}",
+        "  per run, idem p99: {}; handwritten p99: {}; handwritten outbox p99: {}",
         listed(&with_idem),
-        listed(&by_hand)
+        listed(&by_hand),
+        listed(&hand_outbox)
     );
+    let [idem, hand, outbox] = &end_to_end;
+    if !idem.is_empty() {
+        println!(
+            "end to end (order published → event at the next hop), medians of {}: idem p50 {:.2} ms, p99 {:.2} ms; handwritten publish-after-commit p50 {:.2} ms, p99 {:.2} ms; handwritten outbox p50 {:.2} ms, p99 {:.2} ms",
+            idem.len(),
+            median_of(idem, |q| q.p50),
+            median_of(idem, |q| q.p99),
+            median_of(hand, |q| q.p50),
+            median_of(hand, |q| q.p99),
+            median_of(outbox, |q| q.p50),
+            median_of(outbox, |q| q.p99),
+        );
+        println!(
+            "  per run, idem p99: {}; handwritten p99: {}; handwritten outbox p99: {}",
+            listed(idem),
+            listed(hand),
+            listed(outbox)
+        );
+    }
     Ok(())
 }
 
@@ -104,23 +136,35 @@ fn listed(runs: &[Quantiles]) -> String {
     p99.join(", ")
 }
 
-/// One run of the runtime: its quantiles from the histogram's buckets.
+/// One run of the runtime: its quantiles from the histogram's buckets, and the end-to-end
+/// quantiles when the events are consumed.
 async fn idem_run(
     b: &OutboxBench,
     pool: &sqlx::PgPool,
     inbox: &PgInbox,
     rabbit: &RabbitConfig,
     recorder: &PrometheusHandle,
-) -> anyhow::Result<Quantiles> {
+) -> anyhow::Result<(Quantiles, Option<Quantiles>)> {
     reset(pool, &b.amqp_url).await?;
+    let sent = Sent::default();
+    let events = Events::start(b, sent.clone()).await?;
     let before = buckets(recorder);
     let runtime = billing(inbox, rabbit).build()?;
     let stats = runtime.stats();
+    let health = runtime.health();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(runtime.run_until(async {
         let _ = stopped.await;
     }));
-    let total = feed(b).await?;
+    // Fed once it consumes, as the handwritten consumers are: its start is not timed.
+    let ready_by = Instant::now() + Duration::from_secs(30);
+    while !health.readiness().await.ready {
+        if Instant::now() > ready_by {
+            bail!("the runtime did not become ready");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let total = feed(b, &sent).await?;
     let deadline = Instant::now() + Duration::from_secs(120);
     while (stats.snapshot().settled() as usize) < total || outbox_rows(pool).await? > 0 {
         if Instant::now() > deadline {
@@ -130,7 +174,7 @@ async fn idem_run(
     }
     let _ = stop.send(());
     task.await??;
-    super::check_queue(&b.amqp_url, total).await?;
+    let end_to_end = super::check_events(b, events, total).await?;
     let after = buckets(recorder);
     let counts: Vec<(f64, u64)> = after
         .iter()
@@ -142,16 +186,18 @@ async fn idem_run(
             (*bound, n - earlier)
         })
         .collect();
-    Ok(Quantiles {
+    let dispatch = Quantiles {
         p50: from_buckets(&counts, 0.5),
         p90: from_buckets(&counts, 0.9),
         p99: from_buckets(&counts, 0.99),
         max: from_buckets(&counts, 1.0),
-    })
+    };
+    Ok((dispatch, end_to_end))
 }
 
-/// Publishes `b.rate` orders a second for `b.seconds` to the orders queue; returns how many.
-async fn feed(b: &OutboxBench) -> anyhow::Result<usize> {
+/// Publishes `b.rate` orders a second for `b.seconds` to the orders queue, noting in `sent`
+/// when each went; returns how many.
+pub(super) async fn feed(b: &OutboxBench, sent: &Sent) -> anyhow::Result<usize> {
     let publisher = Publisher::connect(&RabbitConfig::new(&b.amqp_url)).await?;
     let total = (b.rate * b.seconds) as usize;
     let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / b.rate.max(1)));
@@ -164,6 +210,9 @@ async fn feed(b: &OutboxBench) -> anyhow::Result<usize> {
             amount_cents: 1,
         };
         let message = Envelope::new(serde_json::to_vec(&order)?).with_message_id(&order.order_id);
+        sent.lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .insert(order.order_id.clone(), Instant::now());
         publisher.publish_unconfirmed(ORDERS, &message).await?;
         if n % 100 == 99 {
             publisher.wait_for_confirms().await?;
@@ -206,86 +255,18 @@ fn from_buckets(counts: &[(f64, u64)], q: f64) -> f64 {
     f64::NAN
 }
 
-/// One run of the handwritten consumer: `WORKERS` tasks, each holding its own connection,
-/// taking deliveries from one consumer; per order an inbox row in its own transaction, then,
-/// after the commit, the event published and its confirm awaited, then the ack.
-async fn handwritten_run(
-    b: &OutboxBench,
-    pool: &sqlx::PgPool,
-    rabbit: &RabbitConfig,
-) -> anyhow::Result<Quantiles> {
-    reset(pool, &b.amqp_url).await?;
-    let total = (b.rate * b.seconds) as usize;
-    let connection =
-        lapin::Connection::connect(&b.amqp_url, lapin::ConnectionProperties::default()).await?;
-    let channel = connection.create_channel().await?;
-    channel
-        .basic_qos(PREFETCH, BasicQosOptions::default())
-        .await?;
-    let consumer = channel
-        .basic_consume(
-            ORDERS.into(),
-            "handwritten".into(),
-            BasicConsumeOptions::default(),
-            Default::default(),
-        )
-        .await?;
-    let consumer = Arc::new(tokio::sync::Mutex::new(consumer.take(total)));
-    let publisher = Arc::new(Publisher::connect(rabbit).await?);
-    let took = Arc::new(Mutex::new(Vec::with_capacity(total)));
-    let mut workers = tokio::task::JoinSet::new();
-    for _ in 0..WORKERS {
-        let mut db = PgConnection::connect(&b.database_url).await?;
-        let (consumer, publisher, took) = (consumer.clone(), publisher.clone(), took.clone());
-        workers.spawn(async move {
-            loop {
-                let next = consumer.lock().await.next().await;
-                let Some(delivery) = next else {
-                    return anyhow::Ok(());
-                };
-                let delivery = delivery?;
-                let order: Order = serde_json::from_slice(&delivery.data)?;
-                let mut tx = db.begin().await?;
-                let claimed = sqlx::query(
-                    "INSERT INTO bench_outbox_hand (consumer, key) VALUES ('handwritten', $1) \
-                     ON CONFLICT DO NOTHING",
-                )
-                .bind(&order.order_id)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-                tx.commit().await?;
-                if claimed == 1 {
-                    let committed = Instant::now();
-                    let event = Envelope::new(serde_json::to_vec(&order)?)
-                        .with_message_id(format!("billed-{}", order.order_id));
-                    publisher.publish("", BILLED, &event).await?;
-                    let elapsed = committed.elapsed();
-                    took.lock()
-                        .map_err(|_| anyhow::anyhow!("poisoned"))?
-                        .push(elapsed);
-                }
-                delivery.ack(BasicAckOptions::default()).await?;
-            }
-        });
-    }
-    let fed = feed(b).await?;
-    while let Some(done) = workers.join_next().await {
-        done??;
-    }
-    let _ = connection.close(200, "done".into()).await;
-    super::check_queue(&b.amqp_url, fed).await?;
-    let mut took = std::mem::take(&mut *took.lock().map_err(|_| anyhow::anyhow!("poisoned"))?);
+/// p50, p90, p99 and the largest of `took`.
+pub(super) fn quantiles(mut took: Vec<Duration>) -> Quantiles {
     took.sort();
     let at = |q: f64| {
         let rank = ((q * took.len() as f64).ceil() as usize).clamp(1, took.len().max(1));
         took.get(rank - 1)
             .map_or(f64::NAN, |d| d.as_secs_f64() * 1000.0)
     };
-    Ok(Quantiles {
+    Quantiles {
         p50: at(0.5),
         p90: at(0.9),
         p99: at(0.99),
         max: at(1.0),
-    })
+    }
 }

@@ -4,7 +4,9 @@
 //! (pipelined, confirms awaited per 500), run alternately.
 
 mod backlog;
+mod handwritten;
 mod latency;
+mod next_hop;
 
 use crate::workload::Order;
 use anyhow::bail;
@@ -28,6 +30,10 @@ pub struct OutboxBench {
     /// Runs of the relay and of the raw loop, alternating (the table shows medians).
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Leave the events unconsumed in the latency runs (their queue grows by `rate` messages a
+    /// second); by default a consumer takes them as they arrive, as the next hop would.
+    #[arg(long)]
+    events_unconsumed: bool,
     /// The broker.
     #[arg(
         long,
@@ -81,7 +87,7 @@ pub async fn run(b: OutboxBench) -> anyhow::Result<()> {
     let pool = crate::pool(&b.database_url, 12).await?;
     let inbox = PgInbox::new(pool.clone()).table(TABLE)?;
     inbox.migrate().await?;
-    latency::create_hand_inbox(&pool).await?;
+    handwritten::create_hand_tables(&pool).await?;
     let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench-outbox");
     let transport = RabbitTransport::new(rabbit.clone());
     for queue in [ORDERS, BILLED] {
@@ -110,7 +116,7 @@ async fn outbox_rows(pool: &sqlx::PgPool) -> anyhow::Result<i64> {
 
 /// Empties the benchmark's inbox, outbox and queues.
 async fn reset(pool: &sqlx::PgPool, amqp_url: &str) -> anyhow::Result<()> {
-    sqlx::query("TRUNCATE bench_outbox_inbox, bench_outbox_outbox, bench_outbox_hand")
+    sqlx::query("TRUNCATE bench_outbox_inbox, bench_outbox_outbox, bench_outbox_hand, bench_outbox_hand_outbox")
         .execute(pool)
         .await?;
     let connection =
@@ -123,6 +129,20 @@ async fn reset(pool: &sqlx::PgPool, amqp_url: &str) -> anyhow::Result<()> {
     }
     let _ = connection.close(200, "purged".into()).await;
     Ok(())
+}
+
+/// Checks a latency run's events: with `b.events_unconsumed`, that the billed queue holds
+/// `expected` messages; otherwise that `events` received exactly `expected` distinct ones,
+/// and returns their end-to-end quantiles.
+async fn check_events(
+    b: &OutboxBench,
+    events: Option<next_hop::Events>,
+    expected: usize,
+) -> anyhow::Result<Option<latency::Quantiles>> {
+    match events {
+        Some(events) => events.finish(expected).await.map(Some),
+        None => check_queue(&b.amqp_url, expected).await.map(|()| None),
+    }
 }
 
 /// Fails unless the billed queue holds `expected` messages.
