@@ -252,9 +252,13 @@ async fn a_broker_connection_closed_under_load_loses_and_doubles_nothing() {
             f.publish_order(n, 3).await;
         }
     }
+    // One order in the middle holds its transaction open until the connection is closed, so
+    // the close always finds work in flight, however fast the rest goes meanwhile.
+    let held = f.key(ORDERS / 2);
+    f.script.set(&held, &[Step::WaitForRelease]);
     let running = start(f.runtime().concurrency(2).prefetch(8));
-    wait_until("some progress", DEADLINE, || async {
-        running.now().processed >= 50
+    wait_until("the held order started", DEADLINE, || async {
+        f.script.started(&held)
     })
     .await;
     let closed = broker::close_connections(&format!("idem-test:{}", f.queue));
@@ -264,6 +268,7 @@ async fn a_broker_connection_closed_under_load_loses_and_doubles_nothing() {
         before < ORDERS,
         "all work was done before the connection was closed; the test proves nothing"
     );
+    f.script.release(&held);
     wait_until("every order applied", DEADLINE, || async {
         f.effects().await.len() == ORDERS
     })

@@ -111,8 +111,11 @@ const COMPLETE: &str = r#"UPDATE `{table}` SET outcome = ? WHERE consumer = ? AN
 
 const UNCLAIM: &str = r#"DELETE FROM `{table}` WHERE consumer = ? AND `key` = ?"#;
 
-/// A batch's multi-row claim; see [`RowStatements`]. The read locks, so it sees the latest
-/// committed rows.
+/// A batch's multi-row claim; see [`RowStatements`]. The read does not lock: the insert already
+/// waited for every other claim of these keys to end and holds a shared lock on each row it
+/// found, and the read is the transaction's first, so it sees them as committed. A locking read
+/// would also lock the rows its scan passes over (a small table is scanned whole), and two
+/// claims of disjoint keys would deadlock on each other's new rows.
 const ROWS: RowStatements = RowStatements {
     insert: r#"INSERT IGNORE INTO `{table}`
     (consumer, `key`, fingerprint, status, attempts, created_at, completed_at, expires_at, owner)
@@ -121,7 +124,7 @@ const ROWS: RowStatements = RowStatements {
     insert_end: "",
     read: r#"SELECT `key`, fingerprint, outcome, CAST(COALESCE(owner = ?, 0) AS SIGNED) AS ours
     FROM `{table}` WHERE consumer = ? AND `key` IN ("#,
-    read_end: ") LOCK IN SHARE MODE",
+    read_end: ")",
 };
 
 /// External mode's statements; see [`LeaseStatements`] for their bind order.

@@ -183,7 +183,8 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Claims several keys at once (batch mode), answering in `requests`' order. The keys are
-    /// distinct. The default claims one by one; stores override it with one statement.
+    /// distinct, and the claim is the first statement of its transaction (a store may rely on
+    /// that). The default claims one by one; stores override it with one statement.
     fn claim_batch(
         &self,
         tx: &mut Self::Tx<'_>,
