@@ -13,7 +13,7 @@
 mod common;
 
 use idem::transport::{Outbound, OutboundError};
-use idem::{BoxError, Outgoing};
+use idem::{BoxError, Outgoing, idempotent};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -36,6 +36,7 @@ const RELAYS: &str = "idem_ob_relays_inbox";
 const UNROUTABLE: &str = "idem_ob_unroutable_inbox";
 const NOTIFY: &str = "idem_ob_notify_inbox";
 const STOP: &str = "idem_ob_stop_inbox";
+const BATCH: &str = "idem_ob_batch_inbox";
 
 /// Publishes through a confirmed publisher and counts, per message id, the confirms it got.
 struct Counting {
@@ -867,4 +868,144 @@ async fn on_postgres_a_notification_wakes_the_relay() {
     running.shut_down().await;
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
     broker::delete_topology(&consumed, &idem::RetryPolicy::default().delays()).await;
+}
+
+/// A batch handler staging one `Billed` per order. A batch holding an order of customer
+/// `…-item` stages that order's event through its item's context (`ctx.item(i)`), the others
+/// with one `stage_all` on the batch's context. Then it overwrites the body of every row it
+/// staged in its outbox, in the same transaction: a message published from memory carries the
+/// body it was staged with, one read back after the commit carries the overwritten one.
+#[idempotent(store = Postgres, key = "orders.order_id", queue = "idem-test-ob-batch-unset", batch = 10)]
+async fn bill_all(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    orders: idem::Batch<Order>,
+    ctx: &idem::Context<'_>,
+    target: &Target,
+) -> Result<(), idem::BatchError> {
+    let mut events = Vec::new();
+    for (i, order) in orders.iter().enumerate() {
+        let billed = Outgoing::to_queue(&target.0, order)?;
+        match order.customer.ends_with("-item") {
+            true => {
+                let item = ctx.item(i).expect("an item of the batch");
+                idem::outbox::stage(tx, item, billed).await?;
+            }
+            false => events.push((i, billed)),
+        }
+    }
+    idem::outbox::stage_all(tx, ctx, events).await?;
+    sqlx::query("UPDATE idem_ob_batch_outbox SET body = $1 WHERE key = $2")
+        .bind(br#"{"read":"back"}"#.as_slice())
+        .bind(ctx.run_key())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// Through `build()` on RabbitMQ and PostgreSQL, batches of 10: the events of batches that
+/// staged everything on the batch's context go out from memory (the body as staged), those of
+/// the batch that staged one through an item's context are read back after the commit (the
+/// body as committed); every order's event goes out once, with its derived id, and no outbox
+/// row is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_handlers_events_go_out_from_memory_unless_staged_through_an_item() {
+    use common::broker::{self, amqp_url};
+    use common::running::{DEADLINE, start};
+    use idem::rabbitmq::{RabbitConfig, RabbitTransport};
+    use idem::transport::{QueueSpec, Transport};
+
+    const ORDERS: usize = 30;
+    let (pool, _) = postgres().await;
+    let inbox = idem::sql::PgInbox::new(pool.clone()).table(BATCH).unwrap();
+    inbox.migrate().await.unwrap();
+    let consumer = idem::registry::find("outbox::bill_all").unwrap().consumer();
+    let queue = common::unique("idem-test-ob-batch");
+    let billed = format!("{queue}.billed");
+    let transport = RabbitTransport::new(RabbitConfig::new(amqp_url()));
+    let specs = [
+        QueueSpec::new(queue.clone(), consumer),
+        QueueSpec::new(billed.clone(), "billed"),
+    ];
+    transport.declare(&specs).await.unwrap();
+    let publisher = broker::publisher().await;
+    // The orders go out before the runtime starts: each batch takes 10 of them, in order.
+    let customer = |n: usize| match n {
+        25 => format!("{queue}-item"),
+        _ => format!("{queue}-c"),
+    };
+    for n in 0..ORDERS {
+        let order = Order {
+            order_id: format!("{queue}-{n:02}"),
+            customer: customer(n),
+            amount_cents: 1,
+        };
+        let body = serde_json::to_vec(&order).unwrap();
+        broker::publish(&publisher, &queue, None, &body).await;
+    }
+    let running = start(
+        idem::Runtime::builder()
+            .transport(transport)
+            .store(inbox)
+            .state(Target(billed.clone()))
+            .handlers([consumer])
+            .handler_queue(consumer, &queue)
+            .handler_batch(consumer, 10)
+            .linger(std::time::Duration::from_millis(200))
+            .without_relay(),
+    );
+    common::wait_until("every order processed", DEADLINE, || async {
+        running.now().processed == ORDERS as u64
+    })
+    .await;
+    common::wait_until("every event in the queue", DEADLINE, || async {
+        broker::count(&billed).await >= ORDERS
+    })
+    .await;
+    let stats = running.shut_down().await;
+    let got = broker::drain(&billed).await;
+    assert_eq!(got.len(), ORDERS, "one event per order: {stats:?}");
+    let mut ids = std::collections::HashSet::new();
+    let (mut from_memory, mut read_back) = (0, Vec::new());
+    for message in &got {
+        let id = message.message_id().unwrap_or_default();
+        ids.insert(id.clone());
+        let body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+        if body == serde_json::json!({"read": "back"}) {
+            read_back.push(id);
+            continue;
+        }
+        let order: Order = serde_json::from_value(body).unwrap();
+        let derived = idem::outbox::outbox_message_id(consumer, &order.order_id, 0);
+        assert_eq!(id, derived, "the derived id of {}", order.order_id);
+        from_memory += 1;
+    }
+    let derived =
+        |n: usize| idem::outbox::outbox_message_id(consumer, &format!("{queue}-{n:02}"), 0);
+    assert_eq!(
+        ids,
+        (0..ORDERS).map(derived).collect(),
+        "one event per order, with its id"
+    );
+    assert!(
+        read_back.contains(&derived(25)),
+        "the batch that staged through an item's context read back: {read_back:?}"
+    );
+    assert!(
+        read_back.len() <= 10,
+        "only that batch read back: {read_back:?}"
+    );
+    assert_eq!(from_memory + read_back.len(), ORDERS);
+    assert!(
+        from_memory >= 10,
+        "the other batches from memory: {from_memory}"
+    );
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM idem_ob_batch_outbox WHERE key LIKE $1")
+            .bind(format!("{queue}%"))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 0, "outbox rows left");
+    broker::delete_topology(&queue, &[]).await;
+    broker::delete_topology(&billed, &[]).await;
 }

@@ -92,10 +92,13 @@ impl<'a> Context<'a> {
     }
 
     /// The messages staged in the handler's own transaction, in order, when every message
-    /// staged in this run was staged there outside any savepoint; `None` otherwise.
+    /// staged in this run was staged there outside any savepoint, through this context; `None`
+    /// otherwise. For a batch handler's context that is every message its items stamped too
+    /// (as `stage_all` stages them); one staged through an item's context makes it `None`,
+    /// since the order between the two is not kept.
     pub(crate) fn kept(&self) -> Option<Vec<Outgoing>> {
         let kept = self.kept.lock().unwrap_or_else(|e| e.into_inner()).take();
-        kept.filter(|kept| kept.len() == self.staged.load(Ordering::Relaxed) as usize)
+        kept.filter(|kept| kept.len() == self.staged() as usize)
     }
 
     /// This context with its staged messages grouped under `run` for their dispatch (the

@@ -37,6 +37,7 @@ impl<H: Handler> Batch<'_, H> {
             members,
             outcomes,
             staged: 0,
+            kept: None,
         };
         let store = self.store;
         let (mut tx, claims) = match run.claim().await {
@@ -72,7 +73,12 @@ impl<H: Handler> Batch<'_, H> {
             }
         };
         match run.complete(&mut tx, &failed).await {
-            Ok(replies) => run.staged += replies,
+            Ok(replies) => {
+                run.staged += u32::try_from(replies.len()).unwrap_or(u32::MAX);
+                if let Some(kept) = &mut run.kept {
+                    kept.extend(replies);
+                }
+            }
             Err(e) => {
                 store.rollback(tx).await;
                 return run.abort_store(e);
@@ -203,13 +209,13 @@ impl<H: Handler> Run<'_, '_, H> {
     }
 
     /// Stores the results of the processed items, stages the replies of those whose request
-    /// names a `reply_to` queue (returning how many), and removes the markers of the `failed`
+    /// names a `reply_to` queue (returning them), and removes the markers of the `failed`
     /// ones.
     async fn complete(
         &self,
         tx: &mut <H::Store as InboxStore>::Tx<'_>,
         failed: &[usize],
-    ) -> Result<u32, StoreError> {
+    ) -> Result<Vec<Outgoing>, StoreError> {
         let store = self.batch.store;
         let requests = self.requests();
         let completed: Vec<(ClaimRequest<'_>, &StoredOutput)> = requests
@@ -247,7 +253,7 @@ impl<H: Handler> Run<'_, '_, H> {
                 .stage_rows(tx, H::CONSUMER, self.run_key(), &replies)
                 .await?;
         }
-        Ok(u32::try_from(replies.len()).unwrap_or(u32::MAX))
+        Ok(replies)
     }
 
     /// The key the members' staged messages are grouped under: the first member's.
@@ -258,8 +264,9 @@ impl<H: Handler> Run<'_, '_, H> {
     }
 
     /// After the commit: publishes the messages the pass staged (those of a member rolled back
-    /// to its savepoint went with it), grouped under [`Run::run_key`].
-    fn dispatch(&self) {
+    /// to its savepoint went with it), grouped under [`Run::run_key`]: from memory when the
+    /// pass kept them ([`Run::kept`]), else read back.
+    fn dispatch(&mut self) {
         if self.staged == 0 {
             return;
         }
@@ -269,8 +276,8 @@ impl<H: Handler> Run<'_, '_, H> {
         };
         #[cfg(feature = "fault-injection")]
         crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
-        // Read back: its members' messages were staged in savepoints.
-        dispatch.after_commit(H::CONSUMER, self.run_key(), None);
+        let kept = self.kept.take();
+        dispatch.after_commit(H::CONSUMER, self.run_key(), kept);
     }
 
     /// The pass failed in its store: see [`Run::abort`].

@@ -3,7 +3,7 @@
 
 use super::gather::Item;
 use crate::handler::Handler;
-use crate::model::{Envelope, ErrorClass, Outcome};
+use crate::model::{Envelope, ErrorClass, Outcome, Outgoing};
 use crate::pipeline::steps::Limits;
 
 /// How a pass runs the handler.
@@ -49,6 +49,10 @@ pub(super) struct Run<'a, 'b, H: Handler> {
     pub(super) outcomes: &'b mut [Option<Outcome>],
     /// How many outbox messages the pass staged (replies included).
     pub(super) staged: u32,
+    /// The pass's staged messages, in order, when they can be published from memory (a batch
+    /// handler's, all staged in the pass's transaction outside any savepoint); `None`: read
+    /// back after the commit.
+    pub(super) kept: Option<Vec<Outgoing>>,
 }
 
 /// How the handler part of a pass ended.

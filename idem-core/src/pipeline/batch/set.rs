@@ -66,22 +66,27 @@ pub(super) async fn handle<H: Handler>(
     let result = {
         let run_key = run.run_key();
         let outbox = store.outbox_table();
+        let transaction = store.transaction_identity(tx);
         let context = |k: usize| {
             let item = &run.items[k];
             Context::new(&envelopes[item.index], H::CONSUMER, &item.keyed.key)
                 .with_state(limits.state)
                 .with_outbox(outbox)
                 .with_run(run_key)
+                .with_transaction(transaction)
         };
         let items: Vec<Context<'_>> = fresh_items.iter().map(|&k| context(k)).collect();
         let ctx = context(first).with_items(&items);
         let running = Instant::now();
         let result = H::call_batch(tx, batch, &ctx).await;
         telemetry::handler_duration(H::CONSUMER, running.elapsed());
-        (result, ctx.staged())
+        (result, ctx.staged(), ctx.kept())
     };
-    let (result, staged) = result;
+    let (result, staged, kept) = result;
     run.staged += staged;
+    // Published from memory after the commit when the handler staged every message through
+    // the batch's context (as `stage_all` does), else read back.
+    run.kept = kept;
     let error = match result {
         Ok(outputs) if outputs.len() == fresh_items.len() => {
             for (&k, output) in fresh_items.iter().zip(outputs) {
