@@ -190,8 +190,9 @@ impl Publisher {
 
     /// Publishes `messages` (exchange, routing key, message) in order, persistent and mandatory,
     /// without waiting between them, then waits for each one's confirm: one result per
-    /// message, in order (a message no queue takes is [`PublishError::Unroutable`]). After a
-    /// send fails, the messages behind it are not sent, and fail too.
+    /// message, in order (a message no queue takes is [`PublishError::Unroutable`]). Every
+    /// message is queued on the channel before any send is awaited; after a send fails, the
+    /// messages behind it fail too (they may have gone out: their ids tell the copies).
     pub async fn publish_many(
         &self,
         messages: &[(&str, &str, &Envelope)],
@@ -220,17 +221,35 @@ impl Publisher {
                 return results;
             }
         };
+        // Every publish is queued before any is awaited: lapin queues a publish's frames (and
+        // registers its confirm) on its first poll, so polling each once, in order, queues them
+        // in order, and its I/O loop writes them together instead of one wake-up each.
+        let mut publishes: Vec<_> = messages
+            .iter()
+            .map(|(exchange, routing_key, message)| {
+                Box::pin(channel.basic_publish(
+                    ShortString::from(*exchange),
+                    ShortString::from(*routing_key),
+                    MANDATORY,
+                    &message.body,
+                    properties(message),
+                ))
+            })
+            .collect();
+        let mut queued = Vec::with_capacity(publishes.len());
+        for publish in &mut publishes {
+            let once = std::future::poll_fn(|cx| {
+                std::task::Poll::Ready(std::future::Future::poll(publish.as_mut(), cx))
+            });
+            queued.push(once.await);
+        }
         let mut confirms = Vec::with_capacity(messages.len());
         let mut failed = None;
-        for (exchange, routing_key, message) in messages {
-            let publish = channel.basic_publish(
-                ShortString::from(*exchange),
-                ShortString::from(*routing_key),
-                MANDATORY,
-                &message.body,
-                properties(message),
-            );
-            let sent = on_channel(&channel, publish).await;
+        for (publish, queued) in publishes.into_iter().zip(queued) {
+            let sent = match queued {
+                std::task::Poll::Ready(sent) => sent,
+                std::task::Poll::Pending => on_channel(&channel, publish).await,
+            };
             match sent {
                 Ok(confirm) => confirms.push(confirm),
                 Err(e) => {
