@@ -65,7 +65,14 @@ struct Bench {
     /// (and their cost measured).
     #[arg(long)]
     metrics: bool,
-    /// Which consumers to run, in this order within each run.
+    /// Alternate the order of the consumers between runs: odd runs as listed in `--variants`,
+    /// even runs the first consumer and then the others in reverse. With two or three
+    /// consumers, over every two runs each one follows each of the others equally often, so
+    /// what a run leaves behind (the database's background work, the broker's) is not always
+    /// paid by the same consumer.
+    #[arg(long)]
+    alternate: bool,
+    /// Which consumers to run, in this order within each run (see `--alternate`).
     #[arg(
         long,
         value_delimiter = ',',
@@ -292,6 +299,16 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
     Ok(())
 }
 
+/// The order of the consumers (indexes into `--variants`) in run `run` (from 1): as listed, or
+/// with `alternate` in even runs the first and then the others in reverse.
+fn run_order(variants: usize, run: usize, alternate: bool) -> Vec<usize> {
+    if alternate && run.is_multiple_of(2) && variants > 0 {
+        std::iter::once(0).chain((1..variants).rev()).collect()
+    } else {
+        (0..variants).collect()
+    }
+}
+
 /// The parent: for each run, each consumer in turn on a fresh queue and empty tables.
 async fn bench(b: Bench) -> anyhow::Result<()> {
     let workload = Workload::new(b.messages, b.dup_rate);
@@ -307,7 +324,8 @@ async fn bench(b: Bench) -> anyhow::Result<()> {
     with_idem::inbox(pool.clone())?.migrate().await?;
     let mut table = Table::new(b.variants.iter().map(|v| v.name()).collect());
     for run in 1..=b.runs {
-        for (column, &variant) in b.variants.iter().enumerate() {
+        for column in run_order(b.variants.len(), run, b.alternate) {
+            let variant = b.variants[column];
             workload::reset(&pool, with_idem::TABLE).await?;
             let queue = variant.queue();
             fresh_queue(&b.amqp_url, &queue, variant).await?;
@@ -454,4 +472,40 @@ async fn child(variant: Variant, queue: &str, expect: usize) -> anyhow::Result<S
         .find_map(|l| l.strip_prefix("RESULT "))
         .context("the consumer printed no result")?;
     Sample::parse(line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::run_order;
+
+    #[test]
+    fn without_alternation_every_run_keeps_the_listed_order() {
+        for run in 1..=4 {
+            assert_eq!(run_order(3, run, false), vec![0, 1, 2]);
+        }
+    }
+
+    #[test]
+    fn alternated_runs_let_each_consumer_follow_each_other_equally_often() {
+        assert_eq!(run_order(3, 1, true), vec![0, 1, 2]);
+        assert_eq!(run_order(3, 2, true), vec![0, 2, 1]);
+        assert_eq!(run_order(3, 3, true), vec![0, 1, 2]);
+        assert_eq!(run_order(0, 2, true), Vec::<usize>::new());
+        for variants in [2, 3] {
+            // Six runs back to back: every ordered pair (predecessor, consumer) of two
+            // different consumers occurs, each about as often as the others.
+            let sequence: Vec<usize> = (1..=6)
+                .flat_map(|run| run_order(variants, run, true))
+                .collect();
+            let mut pairs = std::collections::HashMap::new();
+            for pair in sequence.windows(2) {
+                *pairs.entry((pair[0], pair[1])).or_insert(0) += 1;
+            }
+            assert!(pairs.keys().all(|(a, b)| a != b), "{pairs:?}");
+            assert_eq!(pairs.len(), variants * (variants - 1), "{pairs:?}");
+            let counts: Vec<i32> = pairs.values().copied().collect();
+            let spread = counts.iter().max().unwrap() - counts.iter().min().unwrap();
+            assert!(spread <= 1, "{variants} consumers: {pairs:?}");
+        }
+    }
 }

@@ -21,6 +21,17 @@ pub struct Cli {
     /// certificates to trust beside the system's roots.
     #[arg(long, env = "AMQP_TLS_CA", global = true, value_name = "PEM_FILE")]
     pub amqp_tls_ca: Option<std::path::PathBuf>,
+    /// How long, in seconds, any one answer of the broker may take (connecting, reading,
+    /// publishing, confirming): a broker that accepts the connection and then says nothing, or
+    /// blocks publishers under a resource alarm, fails the command instead of holding it.
+    #[arg(
+        long,
+        env = "IDEM_BROKER_TIMEOUT",
+        default_value_t = 30.0,
+        global = true,
+        value_name = "SECONDS"
+    )]
+    pub broker_timeout: f64,
     /// The database holding the inbox: a `postgres://`, `mysql://` or `sqlite:` URL.
     #[arg(
         long,

@@ -9,19 +9,15 @@
 //! again cannot process it twice (the first copy's inbox row makes the second a duplicate).
 
 use crate::args::{Cli, Dlq};
+use crate::broker::{Broker, Letter};
 use crate::error::CliError;
 use crate::output::{age, cut, json, table};
 use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
 use idem::store::Fingerprint;
-use idem::telemetry::redact_url;
 use indicatif::{ProgressBar, ProgressStyle};
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
-};
-use lapin::tcp::OwnedTLSConfig;
+use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation};
 use serde_json::{Value, json};
 
 /// Headers the broker adds when it dead-letters a message, and idem's attempt count: a replayed
@@ -36,13 +32,6 @@ const DROPPED_HEADERS: &[&str] = &[
     "x-last-death-reason",
     idem::rabbitmq::ATTEMPT_HEADER,
 ];
-
-/// One dead letter, held unacknowledged on the reading channel.
-struct Letter {
-    tag: u64,
-    properties: BasicProperties,
-    body: Vec<u8>,
-}
 
 impl Letter {
     fn message_id(&self) -> Option<&str> {
@@ -86,112 +75,6 @@ impl Letter {
 
 fn header<'p>(properties: &'p BasicProperties, name: &str) -> Option<&'p AMQPValue> {
     properties.headers().as_ref()?.inner().get(name)
-}
-
-/// The broker connection and the reading channel.
-struct Broker {
-    connection: Connection,
-    channel: Channel,
-    dlq: String,
-}
-
-/// A connection to the first broker of `urls` (comma-separated, in failover order) that takes
-/// one.
-async fn connect_first(urls: &str, tls: OwnedTLSConfig) -> Result<Connection, CliError> {
-    let mut failed = None;
-    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
-        let runtime = lapin::runtime::default_runtime()
-            .map_err(|e| CliError::Broker(format!("cannot start a connection: {e}")))?;
-        let properties = ConnectionProperties::default();
-        match Connection::connect_with_config(url, properties, tls.clone(), runtime).await {
-            Ok(connection) => return Ok(connection),
-            Err(e) => failed = Some(format!("{}: {e}", redact_url(url))),
-        }
-    }
-    Err(CliError::Broker(format!(
-        "cannot reach {}",
-        failed.unwrap_or_else(|| "any broker: AMQP_URL is empty".to_owned())
-    )))
-}
-
-impl Broker {
-    async fn open(cli: &Cli, queue: &str) -> Result<Self, CliError> {
-        let cert_chain = match &cli.amqp_tls_ca {
-            Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|e| CliError::Usage(format!("AMQP_TLS_CA {}: {e}", path.display())))?,
-            ),
-            None => None,
-        };
-        let tls = OwnedTLSConfig {
-            identity: None,
-            cert_chain,
-        };
-        let connection = connect_first(&cli.amqp_url, tls).await?;
-        let channel = connection
-            .create_channel()
-            .await
-            .map_err(CliError::broker("opening a channel"))?;
-        Ok(Self {
-            connection,
-            channel,
-            dlq: idem::rabbitmq::dlq(queue),
-        })
-    }
-
-    /// How many messages the DLQ holds now (it must exist).
-    async fn count(&self) -> Result<u32, CliError> {
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        let declared = self
-            .channel
-            .queue_declare(
-                ShortString::from(self.dlq.as_str()),
-                passive,
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| CliError::NotFound(format!("queue {}: {e}", self.dlq)))?;
-        Ok(declared.message_count())
-    }
-
-    /// The next dead letter, held unacknowledged; `None` when the queue is empty.
-    async fn next(&self) -> Result<Option<Letter>, CliError> {
-        let got = self
-            .channel
-            .basic_get(
-                ShortString::from(self.dlq.as_str()),
-                BasicGetOptions { no_ack: false },
-            )
-            .await
-            .map_err(CliError::broker("reading the dead-letter queue"))?;
-        Ok(got.map(|message| Letter {
-            tag: message.delivery.delivery_tag,
-            properties: message.delivery.properties,
-            body: message.delivery.data,
-        }))
-    }
-
-    /// Up to `limit` dead letters, oldest first, all held; and how many the queue held.
-    async fn read(&self, limit: u64) -> Result<(Vec<Letter>, u32), CliError> {
-        let total = self.count().await?;
-        let mut letters = Vec::new();
-        while (letters.len() as u64) < u64::from(total).min(limit) {
-            match self.next().await? {
-                Some(letter) => letters.push(letter),
-                None => break,
-            }
-        }
-        Ok((letters, total))
-    }
-
-    /// Closes; every message still held goes back to the DLQ.
-    async fn close(self) {
-        let _ = self.channel.close(200, ShortString::from("done")).await;
-        let _ = self.connection.close(200, ShortString::from("done")).await;
-    }
 }
 
 /// Runs one `dlq` command.
@@ -418,15 +301,22 @@ async fn replay<DB: Dialect>(
     plan: &Replay<'_>,
 ) -> Result<(), CliError> {
     let broker = Broker::open(cli, plan.queue).await?;
-    let publisher = broker
-        .connection
-        .create_channel()
+    let opening = broker.connection.create_channel();
+    let publisher = match broker
+        .answer("opening the publishing channel", opening)
         .await
-        .map_err(CliError::broker("opening the publishing channel"))?;
-    publisher
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(CliError::broker("confirm mode"))?;
+    {
+        Ok(publisher) => publisher,
+        Err(e) => {
+            broker.close().await;
+            return Err(e);
+        }
+    };
+    let confirms = publisher.confirm_select(ConfirmSelectOptions::default());
+    if let Err(e) = broker.answer("confirm mode", confirms).await {
+        broker.close().await;
+        return Err(e);
+    }
     let records = inbox.dead_letters(plan.queue).await?;
     // Only the messages in the queue now: dead letters arriving meanwhile are not read.
     let in_queue = broker.count().await?;
@@ -474,7 +364,8 @@ async fn replay<DB: Dialect>(
     }
     .await;
     progress.finish_and_clear();
-    let _ = publisher.close(200, ShortString::from("done")).await;
+    let closing = publisher.close(200, ShortString::from("done"));
+    let _ = tokio::time::timeout(broker.timeout, closing).await;
     broker.close().await;
     result?;
     let missing: Vec<&str> = plan
@@ -523,21 +414,18 @@ async fn replay_one<DB: Dialect>(
         }
         None => None,
     };
-    let confirm = publisher
-        .basic_publish(
-            ShortString::from(""),
-            ShortString::from(target.as_str()),
-            BasicPublishOptions {
-                mandatory: true,
-                immediate: false,
-            },
-            &letter.body,
-            without_death(&letter.properties),
-        )
-        .await
-        .map_err(CliError::broker("publishing"))?
-        .await
-        .map_err(CliError::broker("publishing"))?;
+    let publish = publisher.basic_publish(
+        ShortString::from(""),
+        ShortString::from(target.as_str()),
+        BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        },
+        &letter.body,
+        without_death(&letter.properties),
+    );
+    let confirm = broker.answer("publishing", publish).await?;
+    let confirm = broker.answer("publishing", confirm).await?;
     match confirm {
         Confirmation::Ack(None) => {}
         Confirmation::Ack(Some(_)) => {
@@ -550,11 +438,10 @@ async fn replay_one<DB: Dialect>(
         }
     }
     if !plan.keep {
-        broker
+        let ack = broker
             .channel
-            .basic_ack(letter.tag, BasicAckOptions { multiple: false })
-            .await
-            .map_err(CliError::broker("removing the dead letter"))?;
+            .basic_ack(letter.tag, BasicAckOptions { multiple: false });
+        broker.answer("removing the dead letter", ack).await?;
     }
     Ok(cleared)
 }

@@ -3,6 +3,7 @@
 //! (`AMQP_URL`, `DATABASE_URL`). `idem --help` and `idem <command> --help` say the rest.
 
 mod args;
+mod broker;
 mod dlq;
 mod error;
 mod inbox;

@@ -520,42 +520,46 @@ fn a_wrong_database_url_says_what_to_change() {
     );
 }
 
-/// Against an `amqps://` broker whose certificate a private CA signed: with `AMQP_TLS_CA` the
-/// CLI reads the DLQ; without it, it refuses the certificate and says it cannot reach the broker.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dlq_of_a_tls_broker_is_read_with_its_ca() {
+/// A RabbitMQ node of the test's own (stopped when dropped), or `None`, said, when this
+/// machine cannot start one.
+async fn own_node() -> Option<tls_node::TlsNode> {
     if !tls_node::can_start_nodes() {
-        eprintln!(
-            "skipped: starting a TLS node of the test's own needs rabbitmq-server on the PATH"
-        );
-        return;
+        eprintln!("skipped: starting a node of the test's own needs rabbitmq-server on the PATH");
+        return None;
     }
-    let node = tokio::task::spawn_blocking(tls_node::TlsNode::start)
-        .await
-        .unwrap();
-    let queue = unique("idem-cli-tls");
-    let dlq = idem::rabbitmq::dlq(&queue);
-    let connection = Connection::connect(&node.plain_url, ConnectionProperties::default())
+    let node = tokio::task::spawn_blocking(tls_node::TlsNode::start).await;
+    Some(node.unwrap())
+}
+
+/// Declares `queues` and `dlq` on the broker at `url` and puts one message (`{}`, with
+/// `message_id`) in `dlq`, confirmed; the connection and its channel stay open.
+async fn one_dead_letter(
+    url: &str,
+    queues: &[&str],
+    dlq: &str,
+    message_id: &str,
+) -> (Connection, Channel) {
+    let connection = Connection::connect(url, ConnectionProperties::default())
         .await
         .unwrap();
     let channel = connection.create_channel().await.unwrap();
-    channel
-        .queue_declare(
-            ShortString::from(dlq.as_str()),
+    for name in queues.iter().chain([&dlq]) {
+        let declare = channel.queue_declare(
+            ShortString::from(*name),
             Default::default(),
             Default::default(),
-        )
-        .await
-        .unwrap();
+        );
+        declare.await.unwrap();
+    }
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let properties = BasicProperties::default().with_message_id(ShortString::from("tls-1"));
+    let properties = BasicProperties::default().with_message_id(ShortString::from(message_id));
     channel
         .basic_publish(
             ShortString::from(""),
-            ShortString::from(dlq.as_str()),
+            ShortString::from(dlq),
             BasicPublishOptions::default(),
             b"{}",
             properties,
@@ -564,6 +568,19 @@ async fn the_dlq_of_a_tls_broker_is_read_with_its_ca() {
         .unwrap()
         .await
         .unwrap();
+    (connection, channel)
+}
+
+/// Against an `amqps://` broker whose certificate a private CA signed: with `AMQP_TLS_CA` the
+/// CLI reads the DLQ; without it, it refuses the certificate and says it cannot reach the broker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dlq_of_a_tls_broker_is_read_with_its_ca() {
+    let Some(node) = own_node().await else {
+        return;
+    };
+    let queue = unique("idem-cli-tls");
+    let dlq = idem::rabbitmq::dlq(&queue);
+    let (connection, _channel) = one_dead_letter(&node.plain_url, &[], &dlq, "tls-1").await;
     let ca = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(ca.path(), &node.ca_pem).unwrap();
     let database = tempfile::tempdir().unwrap();
@@ -599,5 +616,132 @@ async fn the_dlq_of_a_tls_broker_is_read_with_its_ca() {
         !out.status.success() && err.contains("cannot reach amqps://guest:***@localhost"),
         "{err}"
     );
+    let _ = connection.close(200, ShortString::from("done")).await;
+}
+
+/// A peer that accepts the connection and then says nothing (a broker wedged, or a port that
+/// is not RabbitMQ's): every `dlq` command fails within `--broker-timeout`, saying so, instead
+/// of waiting forever. (The process is killed, and the test fails, if it is still running after
+/// 60 s.)
+#[tokio::test]
+async fn a_broker_that_never_answers_fails_the_command_within_the_timeout() {
+    let pool = sqlx::PgPool::connect(&postgres_url()).await.unwrap();
+    PgInbox::new(pool.clone()).migrate().await.unwrap();
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    // Accepts and holds every connection, reading nothing and writing nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in silent.incoming() {
+            held.push(stream);
+        }
+    });
+    for command in [
+        &["dlq", "list", "--queue", "idem-cli-silent"][..],
+        &["dlq", "replay", "--queue", "idem-cli-silent", "--all"][..],
+    ] {
+        let started = Instant::now();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(command)
+            .args(["--broker-timeout", "1"])
+            .env(
+                "AMQP_URL",
+                format!("amqp://guest:guest@127.0.0.1:{port}/%2f"),
+            )
+            .env("DATABASE_URL", postgres_url())
+            .env_remove("IDEM_INBOX_TABLE")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > Duration::from_secs(60) {
+                child.kill().unwrap();
+                panic!("idem {command:?} still waited on a silent broker after 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let output = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(!status.success(), "{command:?}: {err}");
+        assert!(
+            err.contains("no answer within 1s") && err.contains(&format!("127.0.0.1:{port}")),
+            "{command:?}: {err}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{command:?} took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// A broker under a memory alarm blocks publishers: `dlq replay` reads the dead letter, its
+/// publish gets no confirm, and the command fails within `--broker-timeout`, saying so, with
+/// the dead letter still in the DLQ. (On a node of the test's own: the alarm would block
+/// every other test's publishers.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_to_a_blocked_broker_fails_within_the_timeout_and_keeps_the_dead_letter() {
+    let Some(node) = own_node().await else {
+        return;
+    };
+    let queue = unique("idem-cli-blocked");
+    let dlq = idem::rabbitmq::dlq(&queue);
+    let (connection, channel) =
+        one_dead_letter(&node.plain_url, &[&queue], &dlq, "blocked-1").await;
+    let database = tempfile::tempdir().unwrap();
+    let inbox = database.path().join("inbox.db");
+    let pool = idem::sql::sqlite::pool(&inbox.display().to_string())
+        .await
+        .unwrap();
+    idem::sql::SqliteInbox::new(pool).migrate().await.unwrap();
+    node.ctl("set_vm_memory_high_watermark 0");
+
+    let started = Instant::now();
+    let out = tokio::task::spawn_blocking({
+        let (queue, url, inbox) = (queue.clone(), node.plain_url.clone(), inbox.clone());
+        move || {
+            Command::new(env!("CARGO_BIN_EXE_idem"))
+                .args(["dlq", "replay", "--queue", &queue, "--all"])
+                .args(["--broker-timeout", "2"])
+                .env("AMQP_URL", url)
+                .env("DATABASE_URL", inbox)
+                .output()
+                .unwrap()
+        }
+    });
+    let out = tokio::time::timeout(Duration::from_secs(60), out)
+        .await
+        .expect("idem dlq replay still waited on the blocked broker after 60 s")
+        .unwrap();
+    let took = started.elapsed();
+    node.ctl("set_vm_memory_high_watermark 0.4");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("not replayed: blocked-1")
+            && said.contains("publishing: no answer within 2s"),
+        "{said}"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    // Held unacknowledged by the tool's connection, it goes back once the broker, reading
+    // again, sees that connection gone.
+    wait_until("the dead letter back in the DLQ", || async {
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let name = ShortString::from(dlq.as_str());
+        let declared = channel.queue_declare(name, passive, Default::default());
+        declared.await.unwrap().message_count() == 1
+    })
+    .await;
     let _ = connection.close(200, ShortString::from("done")).await;
 }

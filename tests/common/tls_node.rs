@@ -150,7 +150,10 @@ impl TlsNode {
             );
             assert!(out.status.success());
         }
-        let name = format!("idem-tls-{}@localhost", std::process::id());
+        // Unique per node: tests of one binary may run nodes at the same time.
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let nth = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("idem-tls-{}-{nth}@localhost", std::process::id());
         let env = format!(
             "RABBITMQ_NODENAME={name} RABBITMQ_CONFIG_FILE={cfg} RABBITMQ_NODE_PORT={plain} \
              RABBITMQ_DIST_PORT={dist} RABBITMQ_MNESIA_BASE={mnesia} RABBITMQ_LOG_BASE={log} \
@@ -197,6 +200,19 @@ impl TlsNode {
             std::thread::sleep(Duration::from_millis(500));
         }
         node
+    }
+
+    /// Runs `rabbitmqctl -n <this node> <args>` (as the broker's user), which must succeed.
+    pub fn ctl(&self, args: &str) -> Output {
+        let out = as_broker_user(&format!("rabbitmqctl -n {} {args}", self.name))
+            .output()
+            .expect("run rabbitmqctl");
+        assert!(
+            out.status.success(),
+            "rabbitmqctl {args}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out
     }
 
     pub fn log_dir(&self) -> PathBuf {

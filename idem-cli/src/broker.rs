@@ -1,0 +1,183 @@
+//! The tool's side of RabbitMQ: a connection to the first broker that takes one, the channel
+//! that reads a dead-letter queue, and [`Broker::answer`], which bounds every wait on the
+//! broker (`--broker-timeout`): a broker that accepts the connection and then says nothing, or
+//! blocks publishers under a resource alarm, fails the command with a message instead of
+//! holding it forever.
+
+use crate::args::Cli;
+use crate::error::CliError;
+use idem::telemetry::redact_url;
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::tcp::OwnedTLSConfig;
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use std::future::Future;
+use std::time::Duration;
+
+/// One dead letter, held unacknowledged on the reading channel.
+pub(crate) struct Letter {
+    pub(crate) tag: u64,
+    pub(crate) properties: BasicProperties,
+    pub(crate) body: Vec<u8>,
+}
+
+/// The broker connection and the reading channel.
+pub(crate) struct Broker {
+    pub(crate) connection: Connection,
+    pub(crate) channel: Channel,
+    pub(crate) dlq: String,
+    /// How long any one answer of the broker may take.
+    pub(crate) timeout: Duration,
+}
+
+/// Waits at most `timeout` for the broker's answer to `what`.
+async fn within<T>(
+    timeout: Duration,
+    what: &str,
+    op: impl Future<Output = Result<T, lapin::Error>>,
+) -> Result<Result<T, lapin::Error>, CliError> {
+    tokio::time::timeout(timeout, op)
+        .await
+        .map_err(|_| CliError::Broker(no_answer(what, timeout)))
+}
+
+/// What the tool says when the broker did not answer `what` within `timeout`.
+fn no_answer(what: &str, timeout: Duration) -> String {
+    format!(
+        "{what}: no answer within {timeout:?} (--broker-timeout); the broker may be blocked by a resource alarm, or not be RabbitMQ"
+    )
+}
+
+/// A connection to the first broker of `urls` (comma-separated, in failover order) that takes
+/// one within `timeout`.
+async fn connect_first(
+    urls: &str,
+    tls: OwnedTLSConfig,
+    timeout: Duration,
+) -> Result<Connection, CliError> {
+    let mut failed = None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let runtime = lapin::runtime::default_runtime()
+            .map_err(|e| CliError::Broker(format!("cannot start a connection: {e}")))?;
+        let properties = ConnectionProperties::default();
+        let connecting = Connection::connect_with_config(url, properties, tls.clone(), runtime);
+        let why = match tokio::time::timeout(timeout, connecting).await {
+            Ok(Ok(connection)) => return Ok(connection),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => no_answer("connecting", timeout),
+        };
+        failed = Some(format!("{}: {why}", redact_url(url)));
+    }
+    Err(CliError::Broker(format!(
+        "cannot reach {}",
+        failed.unwrap_or_else(|| "any broker: AMQP_URL is empty".to_owned())
+    )))
+}
+
+impl Broker {
+    /// Connects to the first broker that answers and opens the channel that reads `queue`'s
+    /// dead-letter queue.
+    pub(crate) async fn open(cli: &Cli, queue: &str) -> Result<Self, CliError> {
+        let cert_chain = match &cli.amqp_tls_ca {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|e| CliError::Usage(format!("AMQP_TLS_CA {}: {e}", path.display())))?,
+            ),
+            None => None,
+        };
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain,
+        };
+        let timeout = Duration::from_secs_f64(cli.broker_timeout.max(0.001));
+        let connection = connect_first(&cli.amqp_url, tls, timeout).await?;
+        let what = "opening a channel";
+        let channel = within(timeout, what, connection.create_channel()).await;
+        let channel = match channel {
+            Ok(opened) => opened.map_err(CliError::broker(what)),
+            Err(e) => Err(e),
+        };
+        let channel = match channel {
+            Ok(channel) => channel,
+            Err(e) => {
+                close_within(&connection, timeout).await;
+                return Err(e);
+            }
+        };
+        Ok(Self {
+            connection,
+            channel,
+            dlq: idem::rabbitmq::dlq(queue),
+            timeout,
+        })
+    }
+
+    /// The broker's answer to `what`, within the timeout; its error said as `what` failing.
+    pub(crate) async fn answer<T>(
+        &self,
+        what: &str,
+        op: impl Future<Output = Result<T, lapin::Error>>,
+    ) -> Result<T, CliError> {
+        within(self.timeout, what, op)
+            .await?
+            .map_err(CliError::broker(what))
+    }
+
+    /// How many messages the DLQ holds now (it must exist).
+    pub(crate) async fn count(&self) -> Result<u32, CliError> {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        let declare = self.channel.queue_declare(
+            ShortString::from(self.dlq.as_str()),
+            passive,
+            FieldTable::default(),
+        );
+        let declared = within(self.timeout, "reading the dead-letter queue", declare)
+            .await?
+            .map_err(|e| CliError::NotFound(format!("queue {}: {e}", self.dlq)))?;
+        Ok(declared.message_count())
+    }
+
+    /// The next dead letter, held unacknowledged; `None` when the queue is empty.
+    pub(crate) async fn next(&self) -> Result<Option<Letter>, CliError> {
+        let get = self.channel.basic_get(
+            ShortString::from(self.dlq.as_str()),
+            BasicGetOptions { no_ack: false },
+        );
+        let got = self.answer("reading the dead-letter queue", get).await?;
+        Ok(got.map(|message| Letter {
+            tag: message.delivery.delivery_tag,
+            properties: message.delivery.properties,
+            body: message.delivery.data,
+        }))
+    }
+
+    /// Up to `limit` dead letters, oldest first, all held; and how many the queue held.
+    pub(crate) async fn read(&self, limit: u64) -> Result<(Vec<Letter>, u32), CliError> {
+        let total = self.count().await?;
+        let mut letters = Vec::new();
+        while (letters.len() as u64) < u64::from(total).min(limit) {
+            match self.next().await? {
+                Some(letter) => letters.push(letter),
+                None => break,
+            }
+        }
+        Ok((letters, total))
+    }
+
+    /// Closes; every message still held goes back to the DLQ (the broker also gives them back
+    /// when a close is not answered and the connection just ends).
+    pub(crate) async fn close(self) {
+        let closing = self.channel.close(200, ShortString::from("done"));
+        let _ = tokio::time::timeout(self.timeout, closing).await;
+        close_within(&self.connection, self.timeout).await;
+    }
+}
+
+/// Closes `connection`, waiting for the broker's answer at most `timeout`.
+async fn close_within(connection: &Connection, timeout: Duration) {
+    let closing = connection.close(200, ShortString::from("done"));
+    let _ = tokio::time::timeout(timeout, closing).await;
+}
