@@ -27,11 +27,12 @@ pub struct Cli {
     #[arg(
         long,
         env = "IDEM_BROKER_TIMEOUT",
-        default_value_t = 30.0,
+        default_value = "30",
+        value_parser = seconds,
         global = true,
         value_name = "SECONDS"
     )]
-    pub broker_timeout: f64,
+    pub broker_timeout: std::time::Duration,
     /// The database holding the inbox: a `postgres://`, `mysql://` or `sqlite:` URL.
     #[arg(
         long,
@@ -139,4 +140,35 @@ pub enum Inbox {
         #[arg(long, default_value_t = 1000)]
         batch: u32,
     },
+}
+
+/// A timeout in seconds (fractions allowed): above 0, at most a day.
+fn seconds(text: &str) -> Result<std::time::Duration, String> {
+    let secs: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number of seconds"))?;
+    if secs > 0.0 && secs <= 86_400.0 {
+        Ok(std::time::Duration::from_secs_f64(secs))
+    } else {
+        Err(format!(
+            "`{text}`: give a number of seconds above 0 and at most 86400"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::seconds;
+    use std::time::Duration;
+
+    #[test]
+    fn a_timeout_is_a_positive_finite_number_of_seconds() {
+        assert_eq!(seconds("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(seconds("0.5"), Ok(Duration::from_millis(500)));
+        for wrong in ["0", "-1", "inf", "NaN", "1e9", "soon", ""] {
+            let refused = seconds(wrong).unwrap_err();
+            assert!(refused.contains(wrong), "{wrong}: {refused}");
+        }
+    }
 }

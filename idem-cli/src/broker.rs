@@ -89,14 +89,12 @@ impl Broker {
             identity: None,
             cert_chain,
         };
-        let timeout = Duration::from_secs_f64(cli.broker_timeout.max(0.001));
+        let timeout = cli.broker_timeout;
         let connection = connect_first(&cli.amqp_url, tls, timeout).await?;
         let what = "opening a channel";
-        let channel = within(timeout, what, connection.create_channel()).await;
-        let channel = match channel {
-            Ok(opened) => opened.map_err(CliError::broker(what)),
-            Err(e) => Err(e),
-        };
+        let channel = within(timeout, what, connection.create_channel())
+            .await
+            .and_then(|opened| opened.map_err(CliError::broker(what)));
         let channel = match channel {
             Ok(channel) => channel,
             Err(e) => {

@@ -520,6 +520,29 @@ fn a_wrong_database_url_says_what_to_change() {
     );
 }
 
+#[test]
+fn a_wrong_broker_timeout_says_what_to_change() {
+    for wrong in ["0", "inf"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args([
+                "dlq",
+                "list",
+                "--queue",
+                "orders",
+                "--broker-timeout",
+                wrong,
+            ])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            err.contains("--broker-timeout") && err.contains("above 0 and at most 86400"),
+            "{err}"
+        );
+    }
+}
+
 /// A RabbitMQ node of the test's own (stopped when dropped), or `None`, said, when this
 /// machine cannot start one.
 async fn own_node() -> Option<tls_node::TlsNode> {
