@@ -38,7 +38,7 @@ async fn within<T>(
 ) -> Result<Result<T, lapin::Error>, CliError> {
     tokio::time::timeout(timeout, op)
         .await
-        .map_err(|_| CliError::Broker(no_answer(what, timeout)))
+        .map_err(|_| CliError::NoAnswer(no_answer(what, timeout)))
 }
 
 /// What the tool says when the broker did not answer `what` within `timeout`.

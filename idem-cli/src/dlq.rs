@@ -351,6 +351,13 @@ async fn replay<DB: Dialect>(
                         None => done.without_record += 1,
                     }
                 }
+                // A broker that does not answer would make every next letter wait as long.
+                Err(CliError::NoAnswer(why)) => {
+                    return Err(CliError::NoAnswer(format!(
+                        "{why}; stopped after {} replayed, the rest stays in the DLQ",
+                        done.replayed
+                    )));
+                }
                 Err(e) => {
                     let id = letter
                         .message_id()

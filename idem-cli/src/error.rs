@@ -17,6 +17,9 @@ pub enum CliError {
     /// The broker could not be reached or refused an operation.
     #[error("RabbitMQ: {0}")]
     Broker(String),
+    /// The broker did not answer within `--broker-timeout`.
+    #[error("RabbitMQ: {0}")]
+    NoAnswer(String),
     /// A setting is wrong.
     #[error("{0}")]
     Usage(String),
