@@ -1,5 +1,5 @@
-//! A worker keeps its database connection from one message to the next (no pool acquire, no
-//! ping on every return), gives it up when the database drops it without failing the message,
+//! A worker keeps its database connection from one message (or batch) to the next (no pool
+//! acquire, no ping on every return), gives it up when the database drops it without failing the message,
 //! and leaves connections in the pool for everything else: against real RabbitMQ and
 //! PostgreSQL, through `build()`.
 
@@ -204,4 +204,43 @@ async fn a_kept_connection_goes_back_after_its_time_and_zero_keeps_none() {
         "the connection was kept past its time: {pids:?}"
     );
     broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
+
+/// Runs 60 probes in batches of 5 (at most two batches in flight) on `inbox`, and returns
+/// the distinct backends their transactions ran on.
+async fn backends_of_batches(name: &str, inbox: PgInbox) -> BTreeSet<i32> {
+    let (queue, builder, backends) = setup(name, inbox, 1).await;
+    publish_probes(&queue, 0..60).await;
+    let running = start(builder.batch(5).prefetch(10));
+    wait_until("every message settled", DEADLINE, || async {
+        running.now().settled() >= 60
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.retried, seen.dead_lettered),
+        (60, 0, 0),
+        "{seen:?}"
+    );
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+    backends.all().into_iter().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_worker_keeps_a_connection_per_batch_in_flight() {
+    // Six idle connections the pool would hand out in turn; twelve batches, two in their
+    // transactions at once (one committing while the next claims; for a moment three, while
+    // one that has committed finishes).
+    let kept = backends_of_batches("batch-held", PgInbox::new(common::postgres(6).await)).await;
+    assert!(
+        kept.len() <= 3,
+        "twelve batches ran on {} connections: {kept:?}",
+        kept.len()
+    );
+    let inbox = PgInbox::new(common::postgres(6).await).hold_connections(Duration::ZERO);
+    let pooled = backends_of_batches("batch-pooled", inbox).await;
+    assert!(
+        pooled.len() > 3,
+        "without keeping, twelve batches still ran on {pooled:?}: the test cannot tell"
+    );
 }

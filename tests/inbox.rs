@@ -192,6 +192,12 @@ use idem::store::{Stores};
                     self.0.lock().unwrap().steps.get_mut(key)?.pop_front()
                 }
 
+                /// Whether the handler of `key` has taken its scripted steps (it has run, and
+                /// holds its claim while it follows the last one).
+                fn started(&self, key: &str) -> bool {
+                    self.0.lock().unwrap().steps.get(key).is_none_or(VecDeque::is_empty)
+                }
+
                 fn signalled(&self, key: &str) -> bool {
                     self.0.lock().unwrap().signalled.contains(key)
                 }
@@ -820,6 +826,46 @@ use idem::store::{Stores};
                 assert_eq!(labels, ["processed", "rejected"]);
                 assert_eq!(effects(&f.pool, "record", &id).await, 1);
                 assert_eq!(balance(&f.pool, &customer).await, Some(5));
+            }
+
+            /// A batch whose claim waits on another transaction's uncommitted claim of one of its
+            /// keys: once that commits, the key is a duplicate with the stored result, and the
+            /// batch's other keys are processed. On PostgreSQL the claim's own read cannot see a
+            /// row committed after its statement began, so this is the claim's second read.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_batch_waiting_on_an_uncommitted_claim_sees_it_committed() {
+                let f = Arc::new(fixture(3).await);
+                let (id, customer) = (unique("o"), unique("c"));
+                // The single copy holds its claim open until the batch queues behind it.
+                f.scripts.set(&id, vec![Step::AwaitLockWaiters(1)]);
+                let single = {
+                    let (f, envelope) = (f.clone(), order(&id, &customer, 7));
+                    tokio::spawn(async move { run(&f, "record", &envelope).await })
+                };
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                while !f.scripts.started(&id) {
+                    assert!(std::time::Instant::now() < deadline, "the single copy never ran");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let others = [unique("o"), unique("o")];
+                let batch: Vec<Envelope> = [&id, &others[0], &others[1]]
+                    .into_iter()
+                    .map(|key| order(key, &customer, 7))
+                    .collect();
+                let registration = idem::registry::find(&consumer("record")).unwrap();
+                let outcomes = registration.invoke_batch(&f.stores, &batch).await.unwrap();
+                assert_eq!(single.await.unwrap().label(), "processed");
+                let Outcome::Duplicate { key, output } = &outcomes[0] else { panic!("{outcomes:?}") };
+                assert_eq!(key, &id);
+                assert_eq!(output.decode::<Receipt>().unwrap(), Receipt { balance: 7 });
+                assert_eq!(
+                    outcomes[1..].iter().map(Outcome::label).collect::<Vec<_>>(),
+                    ["processed", "processed"]
+                );
+                for key in [&id, &others[0], &others[1]] {
+                    assert_eq!(effects(&f.pool, "record", key).await, 1, "effects of {key}");
+                }
+                assert_eq!(balance(&f.pool, &customer).await, Some(21));
             }
 
             #[tokio::test]

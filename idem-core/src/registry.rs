@@ -114,8 +114,7 @@ impl Registration {
         stores: &'a Stores,
         envelopes: &'a [Envelope],
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
-        self.handler
-            .process_batch(stores, envelopes, Stages::default())
+        self.invoke_batch_staged(stores, envelopes, Stages::default())
     }
 
     /// [`Self::invoke_batch`], overlapping with the neighbouring batches through `stages`.
@@ -125,7 +124,13 @@ impl Registration {
         envelopes: &'a [Envelope],
         stages: Stages,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
-        self.handler.process_batch(stores, envelopes, stages)
+        Box::pin(async move {
+            let mut held = crate::pipeline::HeldConnection::default();
+            let processed = self
+                .handler
+                .process_batch(stores, envelopes, stages, &mut held);
+            processed.await
+        })
     }
 }
 

@@ -14,7 +14,7 @@ use idem_core::{
 };
 use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 const MIGRATIONS: &[(i32, &[&str])] = &[
     (
@@ -156,15 +156,33 @@ const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{t
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 AND key = $3"#;
 
 /// Claims a batch's keys in one statement, in key order (two batches sharing keys lock them in
-/// the same order); returns the keys it inserted. The others exist, committed, and
-/// [`EXISTING_BATCH`] reads them in a fresh snapshot.
+/// the same order), and reads the committed rows of the keys it did not insert in the same
+/// round trip: one row per inserted key (`claimed`), one per existing key its snapshot sees.
+/// A key whose row was committed while the insert waited for it is in neither (the statement's
+/// snapshot predates that commit): [`EXISTING_BATCH`] reads those in a fresh one.
+///
+/// Each existing key is looked up on its own through the primary key (a `LATERAL` with
+/// `LIMIT 1`), so a generic plan cached while the table was small stays an index lookup per
+/// key however large the table grows.
 const CLAIM_BATCH: &str = r#"
-INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
-SELECT $1, i.key, i.fingerprint, 'completed', i.attempts, now(), now(), now() + $5 * interval '1 second'
-FROM unnest($2::text[], $3::bytea[], $4::int4[]) AS i(key, fingerprint, attempts)
-ORDER BY i.key
-ON CONFLICT (consumer, key) DO NOTHING
-RETURNING key"#;
+WITH claimed AS (
+    INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
+    SELECT $1, i.key, i.fingerprint, 'completed', i.attempts, now(), now(), now() + $5 * interval '1 second'
+    FROM unnest($2::text[], $3::bytea[], $4::int4[]) AS i(key, fingerprint, attempts)
+    ORDER BY i.key
+    ON CONFLICT (consumer, key) DO NOTHING
+    RETURNING key
+)
+SELECT key, TRUE AS claimed, NULL::bytea AS fingerprint, NULL::text AS outcome FROM claimed
+UNION ALL
+SELECT u.key, FALSE, e.fingerprint, e.outcome
+FROM unnest($2::text[]) AS u(key)
+CROSS JOIN LATERAL (
+    SELECT fingerprint, outcome FROM "{table}"
+    WHERE consumer = $1 AND key = u.key
+    LIMIT 1
+) AS e
+WHERE NOT EXISTS (SELECT 1 FROM claimed AS c WHERE c.key = u.key)"#;
 
 const EXISTING_BATCH: &str =
     r#"SELECT key, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
@@ -392,7 +410,8 @@ impl Dialect for Postgres {
         existing.as_ref().map(claim_from_row).transpose()
     }
 
-    /// Claims a batch's keys with one insert, then reads the keys that existed with one select.
+    /// Claims a batch's keys and reads the existing ones in one round trip; a key committed by
+    /// another transaction while the claim waited for it is read with one more select.
     async fn claim_batch(
         sql: &Prepared,
         conn: &mut PgConnection,
@@ -412,7 +431,7 @@ impl Dialect for Postgres {
             .iter()
             .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
             .collect();
-        let inserted: Vec<String> = sqlx::query_scalar(AssertSqlSafe(batch.claim.clone()))
+        let rows = sqlx::query(AssertSqlSafe(batch.claim.clone()))
             .bind(first.consumer)
             .bind(&keys)
             .bind(&fingerprints)
@@ -421,21 +440,24 @@ impl Dialect for Postgres {
             .fetch_all(&mut *conn)
             .await
             .map_err(fail)?;
-        let inserted: HashSet<&str> = inserted.iter().map(String::as_str).collect();
-        let taken: Vec<&str> = keys
+        let mut found = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            let key: String = row.try_get("key").map_err(fail)?;
+            found.insert(key, claim_from_row(row)?);
+        }
+        let unseen: Vec<&str> = keys
             .iter()
             .copied()
-            .filter(|k| !inserted.contains(k))
+            .filter(|k| !found.contains_key(*k))
             .collect();
-        let mut found = HashMap::with_capacity(taken.len());
-        if !taken.is_empty() {
-            // Planned for these keys each time (one statement per batch): a cached generic plan
-            // made while the table was small may scan the whole key range of the consumer, and
-            // without ANALYZE it is never replaced.
+        if !unseen.is_empty() {
+            // Planned for these keys each time: this runs rarely (a race with another claim),
+            // and a generic plan cached while the table was small may scan the whole key range
+            // of the consumer.
             let rows = sqlx::query(AssertSqlSafe(batch.existing.clone()))
                 .persistent(false)
                 .bind(first.consumer)
-                .bind(&taken)
+                .bind(&unseen)
                 .fetch_all(&mut *conn)
                 .await
                 .map_err(fail)?;
@@ -448,9 +470,6 @@ impl Dialect for Postgres {
         }
         keys.iter()
             .map(|key| {
-                if inserted.contains(key) {
-                    return Ok(Claim::Claimed);
-                }
                 found.remove(*key).ok_or_else(|| {
                     StoreError::new(
                         "claim",

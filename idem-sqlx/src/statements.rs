@@ -216,10 +216,12 @@ pub struct AdminStatements<S = &'static str> {
 /// A batch's claims with array parameters.
 #[derive(Debug, Clone)]
 pub struct BatchStatements<S = &'static str> {
-    /// Inserts the keys that are new; returns them (consumer, keys, fingerprints, attempts,
-    /// retention in seconds).
+    /// Inserts the keys that are new and reads the keys that existed, in one statement
+    /// (consumer, keys, fingerprints, attempts, retention in seconds): returns `key`,
+    /// `claimed`, `fingerprint`, `outcome`, one row per key inserted or seen existing.
     pub claim: S,
-    /// Reads `key`, `fingerprint`, `outcome` of the keys that existed (consumer, keys).
+    /// Reads `key`, `fingerprint`, `outcome` of keys `claim` returned no row for: committed
+    /// after its snapshot was taken (consumer, keys).
     pub existing: S,
     /// Stores the results (consumer, keys, outcomes).
     pub complete: S,

@@ -48,7 +48,7 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
 /// conflicts) of the first once that has committed, and are retried if it did not.
 pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope]) -> Vec<Outcome> {
     let limits = Limits::of::<H>(store, None, None);
-    run_batch::<H>(store, envelopes, Stages::default(), limits).await
+    run_batch::<H>(store, envelopes, Stages::default(), limits, &mut None).await
 }
 
 /// The one place the mode is picked, for one delivery; a transaction runs on the connection
@@ -62,7 +62,7 @@ async fn run<H: Handler>(
     if H::TAKES_BATCH {
         // A batch handler given one delivery runs it as a batch of one.
         let envelopes = std::slice::from_ref(envelope);
-        let outcomes = batch::process::<H>(store, envelopes, Stages::default(), limits).await;
+        let outcomes = batch::process::<H>(store, envelopes, Stages::default(), limits, held).await;
         return outcomes.into_iter().next().unwrap_or_else(|| {
             Outcome::Retry(crate::model::Transient {
                 message: "a batch of one gave no outcome".to_owned(),
@@ -76,17 +76,18 @@ async fn run<H: Handler>(
     }
 }
 
-/// The one place the mode is picked, for a batch. An external handler shares no transaction,
-/// so its batch is its messages one after another, each leased and settled on its own, after
-/// the previous batch.
+/// The one place the mode is picked, for a batch; a transaction runs on the connection in
+/// `held`. An external handler shares no transaction, so its batch is its messages one after
+/// another, each leased and settled on its own, after the previous batch.
 async fn run_batch<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
     limits: Limits<'_>,
+    held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
     let Mode::External { lease } = H::MODE else {
-        return batch::process::<H>(store, envelopes, stages, limits).await;
+        return batch::process::<H>(store, envelopes, stages, limits, held).await;
     };
     stages.wait_for_previous().await;
     let mut outcomes = Vec::with_capacity(envelopes.len());
@@ -140,13 +141,16 @@ pub trait ErasedHandler: Send + Sync + 'static {
         envelope: &'a Envelope,
         held: &'a mut HeldConnection,
     ) -> BoxFuture<'a, Result<Outcome, DispatchError>>;
-    /// Processes a batch with its store from `stores`, overlapping with the neighbouring
-    /// batches through `stages`; one outcome per envelope, in order.
+    /// Processes a batch with its store from `stores`, in a transaction on the connection
+    /// `held` keeps for the caller, overlapping with the neighbouring batches through
+    /// `stages`; one outcome per envelope, in order. A panic is caught as in
+    /// [`ErasedHandler::process`].
     fn process_batch<'a>(
         &'a self,
         stores: &'a Stores,
         envelopes: &'a [Envelope],
         stages: Stages,
+        held: &'a mut HeldConnection,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>>;
 }
 
@@ -253,17 +257,24 @@ impl<H: Handler> ErasedHandler for H {
         stores: &'a Stores,
         envelopes: &'a [Envelope],
         stages: Stages,
+        held: &'a mut HeldConnection,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
         Box::pin(async move {
             let store = store_of::<H>(stores)?;
             let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit())
                 .with_stores::<H::Store>(stores);
-            unwound(run_batch::<H>(store, envelopes, stages, limits)).await
+            let held = held.of::<H::Store>();
+            let processed = unwound(run_batch::<H>(store, envelopes, stages, limits, held)).await;
+            if processed.is_err() {
+                // A panic may have left the connection mid-way; the pool checks it.
+                *held = None;
+            }
+            processed
         })
     }
 }
 
-/// The connection one worker keeps between its deliveries ([`InboxStore::begin_on`]), whatever
+/// The connection one worker keeps between its deliveries or batches ([`InboxStore::begin_on`]), whatever
 /// its store: a worker runs one handler, and so holds its store's [`InboxStore::Held`]. Empty
 /// by default; dropped, it gives the connection back.
 #[derive(Default)]

@@ -1,15 +1,17 @@
 //! A handler's batch workers: take a batch from the mailbox (up to `size` deliveries, or what
 //! arrived within `linger` of the first), run it in one transaction and settle its deliveries
 //! after the commit. While one batch executes, the next one fills the mailbox; while it
-//! commits, the next one begins and claims its keys (its handlers wait for the commit).
+//! commits, the next one begins and claims its keys (its handlers wait for the commit). Each
+//! batch in flight runs on a database connection the worker keeps between batches.
 
 use super::actor::{BatchSpec, Shared};
 use super::settle;
 use crate::model::Envelope;
-use crate::pipeline::Stages;
+use crate::pipeline::{HeldConnection, Stages};
 use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal};
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, MutexGuard, PoisonError};
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout_at};
@@ -45,6 +47,7 @@ pub(crate) async fn run(
 ) {
     let mut in_flight = JoinSet::new();
     let mut previous: Option<oneshot::Receiver<()>> = None;
+    let connections = Connections::default();
     loop {
         let batch = {
             let mut mailbox = mailbox.lock().await;
@@ -68,7 +71,7 @@ pub(crate) async fn run(
             committing: Some(committing_tx),
             committed: Some(committed_tx),
         };
-        in_flight.spawn(handle(shared.clone(), batch, stages));
+        in_flight.spawn(handle(shared.clone(), batch, stages, connections.clone()));
         previous = Some(committed);
         // Pipelining: the next batch is gathered, begun and claimed while this one commits.
         let _ = committing.await;
@@ -77,8 +80,35 @@ pub(crate) async fn run(
     while in_flight.join_next().await.is_some() {}
 }
 
-/// Processes one batch in one transaction, then settles each delivery by its outcome.
-async fn handle(shared: Arc<Shared>, batch: Vec<Delivery>, stages: Stages) {
+/// The database connections a worker's batches keep between them: a batch takes the one
+/// free the longest and gives it back when its transaction is over, so a worker keeps about
+/// as many as it has batches in its transactions at once (two: one committing while the next
+/// claims), each in use and so given back to the pool on time (see `hold_connections`).
+#[derive(Clone, Default)]
+struct Connections(Arc<std::sync::Mutex<VecDeque<HeldConnection>>>);
+
+impl Connections {
+    fn free(&self) -> MutexGuard<'_, VecDeque<HeldConnection>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn take(&self) -> HeldConnection {
+        self.free().pop_front().unwrap_or_default()
+    }
+
+    fn give_back(&self, held: HeldConnection) {
+        self.free().push_back(held);
+    }
+}
+
+/// Processes one batch in one transaction on a connection of `connections`, then settles each
+/// delivery by its outcome.
+async fn handle(
+    shared: Arc<Shared>,
+    batch: Vec<Delivery>,
+    stages: Stages,
+    connections: Connections,
+) {
     let (envelopes, settles): (Vec<Envelope>, Vec<Box<dyn Settle>>) = batch
         .into_iter()
         .map(|delivery| (delivery.envelope, delivery.settle))
@@ -90,10 +120,12 @@ async fn handle(shared: Arc<Shared>, batch: Vec<Delivery>, stages: Stages) {
         size = envelopes.len()
     );
     async {
-        let outcomes = match handler
-            .process_batch(&shared.stores, &envelopes, stages)
-            .await
-        {
+        let mut held = connections.take();
+        let processed = handler
+            .process_batch(&shared.stores, &envelopes, stages, &mut held)
+            .await;
+        connections.give_back(held);
+        let outcomes = match processed {
             Ok(outcomes) => outcomes,
             Err(failed) => vec![settle::undispatched(&shared, failed); envelopes.len()],
         };

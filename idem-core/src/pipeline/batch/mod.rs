@@ -28,12 +28,13 @@ use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{Limits, prepare, reply_again};
-use run::{Batch, How, Pass};
+use crate::store::InboxStore;
+use run::{Batch, How, Pass, Place};
 use std::collections::VecDeque;
 
-/// Processes `envelopes` with handler `H` in one transaction of `store`, within `limits`; one
-/// outcome per envelope, in order. Overlaps with the batches before and after
-/// it through `stages`.
+/// Processes `envelopes` with handler `H` in one transaction of `store` on the connection in
+/// `held` (see [`InboxStore::begin_on`]), within `limits`; one outcome per envelope, in order.
+/// Overlaps with the batches before and after it through `stages`.
 ///
 /// A key that occurs twice in the batch is processed once; its later copies are duplicates (or
 /// conflicts) of the first once that has committed, and are retried if it did not.
@@ -42,6 +43,7 @@ pub(crate) async fn process<H: Handler>(
     envelopes: &[Envelope],
     mut stages: Stages,
     limits: Limits<'_>,
+    held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
     let refused = poisoned::<H>(store, envelopes, limits).await;
     let gather::Gathered {
@@ -51,6 +53,10 @@ pub(crate) async fn process<H: Handler>(
         mut outcomes,
     } = gather::gather::<H>(envelopes, refused);
     if !items.is_empty() {
+        let place = &mut Place {
+            stages: &mut stages,
+            held,
+        };
         let batch = Batch::<H> {
             store,
             envelopes,
@@ -59,12 +65,12 @@ pub(crate) async fn process<H: Handler>(
         let all: Vec<usize> = (0..items.len()).collect();
         if H::TAKES_BATCH {
             batch
-                .passes(&mut items, all, payloads, &mut outcomes, &mut stages)
+                .passes(&mut items, all, payloads, &mut outcomes, place)
                 .await;
         } else {
             let (items, outcomes) = (&mut items, &mut outcomes);
             let fast = batch
-                .pass(items, &all, payloads, outcomes, How::Fast, &mut stages)
+                .pass(items, &all, payloads, outcomes, How::Fast, place)
                 .await;
             if fast == Pass::NeedsIsolation {
                 // A handler failed in the fast pass, which was rolled back: run the batch
@@ -76,7 +82,7 @@ pub(crate) async fn process<H: Handler>(
                 }
                 let how = How::Isolated;
                 batch
-                    .pass(items, &all, payloads, outcomes, how, &mut stages)
+                    .pass(items, &all, payloads, outcomes, how, place)
                     .await;
             }
         }
@@ -112,7 +118,7 @@ impl<H: Handler> Batch<'_, H> {
         members: Vec<usize>,
         payloads: Vec<Option<H::Payload>>,
         outcomes: &mut [Option<Outcome>],
-        stages: &mut Stages,
+        place: &mut Place<'_, H::Store>,
     ) {
         let mut pending = VecDeque::from([members]);
         let mut payloads = Some(payloads);
@@ -126,14 +132,15 @@ impl<H: Handler> Batch<'_, H> {
             let held = if pending.is_empty() {
                 None
             } else {
+                let stages = &mut *place.stages;
                 Some((stages.committing.take(), stages.committed.take()))
             };
             let ended = self
-                .pass(items, &members, decoded, outcomes, How::Set, stages)
+                .pass(items, &members, decoded, outcomes, How::Set, place)
                 .await;
             if let Some((committing, committed)) = held {
-                stages.committing = committing;
-                stages.committed = committed;
+                place.stages.committing = committing;
+                place.stages.committed = committed;
             }
             if ended == Pass::Done {
                 continue;

@@ -8,12 +8,11 @@
 //! [`How::Set`]: a batch handler runs once on every new message (see [`super::set`]).
 
 use super::gather::Item;
-use super::run::{Batch, How, Pass, Run, SetEnd};
+use super::run::{Batch, How, Pass, Place, Run, SetEnd};
 use super::set;
 use crate::handler::Handler;
 use crate::model::outgoing::reply;
 use crate::model::{ErrorClass, Outcome, Outgoing, StoreError, StoredOutput};
-use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{advance, call, encode_result, failure};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
@@ -29,8 +28,9 @@ impl<H: Handler> Batch<'_, H> {
         payloads: Vec<Option<H::Payload>>,
         outcomes: &mut [Option<Outcome>],
         how: How,
-        stages: &mut Stages,
+        place: &mut Place<'_, H::Store>,
     ) -> Pass {
+        let Place { stages, held } = place;
         let mut run = Run {
             batch: self,
             items,
@@ -40,7 +40,7 @@ impl<H: Handler> Batch<'_, H> {
             kept: None,
         };
         let store = self.store;
-        let (mut tx, claims) = match run.claim().await {
+        let (mut tx, claims) = match run.claim(held).await {
             Ok(claimed) => claimed,
             Err(e) => return run.abort_store(e),
         };
@@ -98,7 +98,7 @@ impl<H: Handler> Batch<'_, H> {
     }
 }
 
-impl<H: Handler> Run<'_, '_, H> {
+impl<'a, H: Handler> Run<'a, '_, H> {
     /// The claims of the members, in order.
     fn requests(&self) -> Vec<ClaimRequest<'_>> {
         let Batch {
@@ -115,12 +115,17 @@ impl<H: Handler> Run<'_, '_, H> {
             .collect()
     }
 
-    /// Begins the transaction and claims every item's key with one statement.
-    async fn claim(
+    /// Begins the transaction on the connection in `held` and claims every item's key with
+    /// one statement.
+    async fn claim<'c>(
         &mut self,
-    ) -> Result<(<H::Store as InboxStore>::Tx<'static>, Vec<Claim>), StoreError> {
+        held: &'c mut Option<<H::Store as InboxStore>::Held>,
+    ) -> Result<(<H::Store as InboxStore>::Tx<'c>, Vec<Claim>), StoreError>
+    where
+        'a: 'c,
+    {
         let store = self.batch.store;
-        let mut tx = store.begin().await?;
+        let mut tx = store.begin_on(held).await?;
         let claimed = {
             let requests = self.requests();
             let claiming = Instant::now();

@@ -4,7 +4,9 @@
 use super::gather::Item;
 use crate::handler::Handler;
 use crate::model::{Envelope, ErrorClass, Outcome, Outgoing};
+use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::Limits;
+use crate::store::InboxStore;
 
 /// How a pass runs the handler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,4 +65,11 @@ pub(super) enum SetEnd {
     Again(Pass),
     /// Roll back; every unsettled member fails with this message, as the class says.
     Abort(ErrorClass, String),
+}
+
+/// Where a batch's passes run: after the batch before it and before the one after it
+/// (`stages`), on the database connection its worker keeps for it (`held`).
+pub(super) struct Place<'p, S: InboxStore> {
+    pub(super) stages: &'p mut Stages,
+    pub(super) held: &'p mut Option<S::Held>,
 }
