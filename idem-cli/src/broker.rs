@@ -6,10 +6,12 @@
 
 use crate::args::Cli;
 use crate::error::CliError;
+use idem::sql::DeadLetterRow;
+use idem::store::Fingerprint;
 use idem::telemetry::redact_url;
 use lapin::options::{BasicGetOptions, QueueDeclareOptions};
 use lapin::tcp::OwnedTLSConfig;
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use std::future::Future;
 use std::time::Duration;
@@ -19,6 +21,57 @@ pub(crate) struct Letter {
     pub(crate) tag: u64,
     pub(crate) properties: BasicProperties,
     pub(crate) body: Vec<u8>,
+}
+
+/// How a dead letter is named and traced back to its record.
+impl Letter {
+    pub(crate) fn message_id(&self) -> Option<&str> {
+        self.properties
+            .message_id()
+            .as_ref()
+            .map(ShortString::as_str)
+    }
+
+    pub(crate) fn fingerprint(&self) -> Fingerprint {
+        Fingerprint::of(&self.body)
+    }
+
+    /// `sha256:` and the first 12 hex digits of its body's fingerprint: its name when it has
+    /// no message id.
+    pub(crate) fn short_fingerprint(&self) -> String {
+        format!("sha256:{}", &self.fingerprint().to_string()[..12])
+    }
+
+    /// Whether `id` names this letter: its message id, or `sha256:<prefix>` of its body.
+    pub(crate) fn is(&self, id: &str) -> bool {
+        match id.strip_prefix("sha256:") {
+            Some(prefix) if !prefix.is_empty() => {
+                self.fingerprint().to_string().starts_with(prefix)
+            }
+            _ => self.message_id() == Some(id),
+        }
+    }
+
+    /// The queue it was dead-lettered from, as the broker recorded it.
+    pub(crate) fn source(&self) -> Option<String> {
+        match header(&self.properties, "x-first-death-queue")? {
+            AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+            AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+            _ => None,
+        }
+    }
+
+    /// Its record among `records`: the one with its fingerprint and message id.
+    pub(crate) fn record<'r>(&self, records: &'r [DeadLetterRow]) -> Option<&'r DeadLetterRow> {
+        records
+            .iter()
+            .rev()
+            .find(|r| r.describes(self.message_id(), &self.body))
+    }
+}
+
+fn header<'p>(properties: &'p BasicProperties, name: &str) -> Option<&'p AMQPValue> {
+    properties.headers().as_ref()?.inner().get(name)
 }
 
 /// The broker connection and the reading channel.

@@ -8,6 +8,7 @@ mod dlq;
 mod error;
 mod inbox;
 mod output;
+mod replay;
 mod store;
 
 use args::{Cli, Command};

@@ -184,8 +184,7 @@ CROSS JOIN LATERAL (
 ) AS e
 WHERE NOT EXISTS (SELECT 1 FROM claimed AS c WHERE c.key = u.key)"#;
 
-const EXISTING_BATCH: &str =
-    r#"SELECT key, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
+const EXISTING_BATCH: &str = r#"SELECT key, FALSE AS claimed, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
 
 const COMPLETE_BATCH: &str = r#"UPDATE "{table}" AS t SET outcome = u.outcome
 FROM unnest($2::text[], $3::text[]) AS u(key, outcome)
@@ -441,10 +440,7 @@ impl Dialect for Postgres {
             .await
             .map_err(fail)?;
         let mut found = HashMap::with_capacity(rows.len());
-        for row in &rows {
-            let key: String = row.try_get("key").map_err(fail)?;
-            found.insert(key, claim_from_row(row)?);
-        }
+        read_claims(&rows, &mut found)?;
         let unseen: Vec<&str> = keys
             .iter()
             .copied()
@@ -461,12 +457,7 @@ impl Dialect for Postgres {
                 .fetch_all(&mut *conn)
                 .await
                 .map_err(fail)?;
-            for row in rows {
-                let key: String = row.try_get("key").map_err(fail)?;
-                let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(fail)?;
-                let claim = existing_claim(&fingerprint, row.try_get("outcome").map_err(fail)?)?;
-                found.insert(key, claim);
-            }
+            read_claims(&rows, &mut found)?;
         }
         keys.iter()
             .map(|key| {
@@ -527,6 +518,15 @@ fn claim_from_row(row: &PgRow) -> Result<Claim, StoreError> {
     }
     let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(read)?;
     existing_claim(&fingerprint, row.try_get("outcome").map_err(read)?)
+}
+
+/// Adds each row's claim to `found`, by key.
+fn read_claims(rows: &[PgRow], found: &mut HashMap<String, Claim>) -> Result<(), StoreError> {
+    for row in rows {
+        let key: String = row.try_get("key").map_err(|e| store_error("claim", e))?;
+        found.insert(key, claim_from_row(row)?);
+    }
+    Ok(())
 }
 
 /// The batch statements; every PostgreSQL inbox has them.

@@ -83,10 +83,17 @@ pub(super) async fn handwritten_run(
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..WORKERS {
         let mut db = PgConnection::connect(&b.database_url).await?;
-        let mut deletes = PgConnection::connect(&b.database_url).await?;
-        sqlx::query("SET synchronous_commit = off")
-            .execute(&mut deletes)
-            .await?;
+        // The outbox variant's deletes, on a connection of their own; none without the outbox.
+        let mut deletes = match event {
+            HandEvent::Outbox => {
+                let mut deletes = PgConnection::connect(&b.database_url).await?;
+                sqlx::query("SET synchronous_commit = off")
+                    .execute(&mut deletes)
+                    .await?;
+                Some(deletes)
+            }
+            HandEvent::AfterCommit => None,
+        };
         let (consumer, publisher, took) = (consumer.clone(), publisher.clone(), took.clone());
         workers.spawn(async move {
             loop {
@@ -122,10 +129,10 @@ pub(super) async fn handwritten_run(
                     let message = Envelope::new(body).with_message_id(&id);
                     publisher.publish("", BILLED, &message).await?;
                     let elapsed = committed.elapsed();
-                    if event == HandEvent::Outbox {
+                    if let Some(deletes) = &mut deletes {
                         sqlx::query("DELETE FROM bench_outbox_hand_outbox WHERE message_id = $1")
                             .bind(&id)
-                            .execute(&mut deletes)
+                            .execute(&mut *deletes)
                             .await?;
                     }
                     took.lock()
