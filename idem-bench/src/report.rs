@@ -65,6 +65,23 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
+/// The lower quartile, median and upper quartile of `values` (each the median of its half, the
+/// middle value left out of both halves when their number is odd).
+fn quartiles(mut values: Vec<f64>) -> (f64, f64, f64) {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let (lower, upper) = (&values[..n / 2], &values[n.div_ceil(2)..]);
+    match n {
+        0 => (f64::NAN, f64::NAN, f64::NAN),
+        1 => (values[0], values[0], values[0]),
+        _ => (
+            median(lower.to_vec()),
+            median(values.clone()),
+            median(upper.to_vec()),
+        ),
+    }
+}
+
 impl Table {
     /// An empty table for these consumers.
     pub fn new(names: Vec<&'static str>) -> Self {
@@ -77,8 +94,24 @@ impl Table {
         self.samples[column].push(sample);
     }
 
+    /// Consumer `column`'s msgs/s in each run divided by the first consumer's in the same run:
+    /// the quartiles of those ratios. Pairing runs takes out what drifts from one run to the
+    /// next (the broker's and the database's state), which the ratio of medians keeps.
+    fn paired(&self, column: usize, messages: usize) -> (f64, f64, f64) {
+        let rate = |x: &Sample| messages as f64 / x.elapsed.as_secs_f64();
+        let first = self.samples.first().map(Vec::as_slice).unwrap_or_default();
+        quartiles(
+            self.samples[column]
+                .iter()
+                .zip(first)
+                .map(|(x, base)| rate(x) / rate(base))
+                .collect(),
+        )
+    }
+
     /// Medians of msgs/s and peak RSS, with ratios to the first two consumers (the handwritten
-    /// per-message and batched ones, in the default order).
+    /// per-message and batched ones, in the default order), and each consumer's per-run ratio
+    /// to the first one (median, and its quartiles).
     pub fn render(&self, messages: usize) -> String {
         let rates: Vec<f64> = self
             .samples
@@ -91,9 +124,9 @@ impl Table {
                 )
             })
             .collect();
+        let first = self.names.first().copied().unwrap_or("-");
         let mut out = format!(
-            "| consumer | runs | msgs/s (median) | min–max | consumer CPU µs/msg | peak RSS MiB (median) | × {} | × {} |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
-            self.names.first().copied().unwrap_or("-"),
+            "| consumer | runs | msgs/s (median) | min–max | consumer CPU µs/msg | peak RSS MiB (median) | × {first} | × {} | × {first} in the same run (quartiles) |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
             self.names.get(1).copied().unwrap_or("-"),
         );
         for (i, name) in self.names.iter().enumerate() {
@@ -122,8 +155,9 @@ impl Table {
                     .map(|base| format!("{:.2}", rates[i] / base))
                     .unwrap_or_else(|| "-".to_owned())
             };
+            let (q1, q2, q3) = self.paired(i, messages);
             out.push_str(&format!(
-                "| {name} | {} | {:.0} | {lo:.0}–{hi:.0} | {cpu:.0} | {rss:.1} | {} | {} |\n",
+                "| {name} | {} | {:.0} | {lo:.0}–{hi:.0} | {cpu:.0} | {rss:.1} | {} | {} | {q2:.2} ({q1:.2}–{q3:.2}) |\n",
                 all.len(),
                 rates[i],
                 ratio(0),
@@ -131,5 +165,43 @@ impl Table {
             ));
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(millis: u64) -> Sample {
+        Sample {
+            elapsed: Duration::from_millis(millis),
+            rss_kib: 1024,
+            cpu: Duration::from_millis(1),
+        }
+    }
+
+    #[test]
+    fn quartiles_split_the_sorted_values_in_halves() {
+        assert_eq!(quartiles(vec![4.0, 1.0, 3.0, 2.0]), (1.5, 2.5, 3.5));
+        assert_eq!(quartiles(vec![5.0, 1.0, 3.0, 2.0, 4.0]), (1.5, 3.0, 4.5));
+        assert_eq!(quartiles(vec![7.0]), (7.0, 7.0, 7.0));
+        assert!(quartiles(Vec::new()).1.is_nan());
+    }
+
+    #[test]
+    fn paired_ratios_compare_each_run_with_the_first_consumers_same_run() {
+        let mut table = Table::new(vec!["hand", "idem"]);
+        // The second run is 2.5 times as fast as the first for both consumers; idem is 0.8x
+        // the first consumer in each.
+        for (hand, idem) in [(1_000, 1_250), (400, 500)] {
+            table.add(0, sample(hand));
+            table.add(1, sample(idem));
+        }
+        let (q1, q2, q3) = table.paired(1, 1_000);
+        for q in [q1, q2, q3] {
+            assert!((q - 0.8).abs() < 1e-9, "{q}");
+        }
+        assert!(table.render(1_000).contains("| idem | 2 |"));
+        assert!(table.render(1_000).contains("0.80 (0.80–0.80)"));
     }
 }

@@ -108,6 +108,9 @@ pub(super) async fn backlog(
             raw[run - 1]
         );
     }
+    // Leaves no backlog behind: a queue kept full of persistent messages between invocations
+    // is a broker state the next invocation would measure too.
+    reset(pool, &b.amqp_url).await?;
     let (relay, raw) = (median(relayed), median(raw));
     println!(
         "outbox relay draining {} rows: {relay:.0} msgs/s; raw publish-with-confirms loop of the same messages: {raw:.0} msgs/s; ratio {:.2} (medians of {})",
