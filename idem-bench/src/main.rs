@@ -360,7 +360,7 @@ async fn bench(b: Bench) -> anyhow::Result<()> {
             eprintln!(
                 "run {run}: {:<26} {:>9.0} msgs/s  CPU {:>6.2} s  peak RSS {:>6.1} MiB  (effects exact)",
                 variant.name(),
-                b.messages as f64 / sample.elapsed.as_secs_f64(),
+                sample.rate(b.messages),
                 sample.cpu.as_secs_f64(),
                 sample.rss_kib as f64 / 1024.0
             );

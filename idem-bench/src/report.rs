@@ -15,6 +15,11 @@ pub struct Sample {
 }
 
 impl Sample {
+    /// Messages per second, for a run of `messages`.
+    pub fn rate(&self, messages: usize) -> f64 {
+        messages as f64 / self.elapsed.as_secs_f64()
+    }
+
     /// Reads `<elapsed µs> <peak RSS KiB> <CPU ms>`.
     pub fn parse(line: &str) -> anyhow::Result<Self> {
         let mut fields = line.split_whitespace().map(str::parse::<u64>);
@@ -98,13 +103,12 @@ impl Table {
     /// the quartiles of those ratios. Pairing runs takes out what drifts from one run to the
     /// next (the broker's and the database's state), which the ratio of medians keeps.
     fn paired(&self, column: usize, messages: usize) -> (f64, f64, f64) {
-        let rate = |x: &Sample| messages as f64 / x.elapsed.as_secs_f64();
         let first = self.samples.first().map(Vec::as_slice).unwrap_or_default();
         quartiles(
             self.samples[column]
                 .iter()
                 .zip(first)
-                .map(|(x, base)| rate(x) / rate(base))
+                .map(|(x, base)| x.rate(messages) / base.rate(messages))
                 .collect(),
         )
     }
@@ -116,13 +120,7 @@ impl Table {
         let rates: Vec<f64> = self
             .samples
             .iter()
-            .map(|s| {
-                median(
-                    s.iter()
-                        .map(|x| messages as f64 / x.elapsed.as_secs_f64())
-                        .collect(),
-                )
-            })
+            .map(|s| median(s.iter().map(|x| x.rate(messages)).collect()))
             .collect();
         let first = self.names.first().copied().unwrap_or("-");
         let mut out = format!(
@@ -130,10 +128,7 @@ impl Table {
             self.names.get(1).copied().unwrap_or("-"),
         );
         for (i, name) in self.names.iter().enumerate() {
-            let all: Vec<f64> = self.samples[i]
-                .iter()
-                .map(|x| messages as f64 / x.elapsed.as_secs_f64())
-                .collect();
+            let all: Vec<f64> = self.samples[i].iter().map(|x| x.rate(messages)).collect();
             let (lo, hi) = all.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &r| {
                 (lo.min(r), hi.max(r))
             });
