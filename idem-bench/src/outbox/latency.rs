@@ -1,10 +1,11 @@
 //! The dispatch latency at a steady rate: orders published at `--rate` for `--seconds`, each
 //! consumed by a handler that stages one event; from its commit until the broker confirmed the
-//! event. Against two handwritten lapin + sqlx consumers, run alternately under the same feed:
-//! one that publishes its event itself right after its commit and awaits the confirm (no
-//! outbox: the floor any post-commit publish pays), and one doing the same work as idem's
+//! event. Against three handwritten lapin + sqlx consumers, run alternately under the same
+//! feed: one that publishes its event itself right after its commit and awaits the confirm
+//! (no outbox: the floor any post-commit publish pays), one doing the same work as idem's
 //! outbox (the event's row staged in the order's transaction, published after the commit,
-//! deleted once confirmed).
+//! deleted once confirmed, then the ack), and one that also keeps idem's contract of acking
+//! without waiting for the dispatch.
 
 use super::handwritten::{HandEvent, handwritten_run};
 use super::next_hop::Events;
@@ -18,6 +19,13 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// The handwritten consumers run after idem in each run, by the names the output gives them.
+const HANDWRITTEN: [(&str, HandEvent); 3] = [
+    ("handwritten publish-after-commit", HandEvent::AfterCommit),
+    ("handwritten outbox", HandEvent::Outbox),
+    ("handwritten outbox acking first", HandEvent::OutboxDetached),
+];
 
 /// The runtime's dispatch histogram.
 const HISTOGRAM: &str = "idem_outbox_dispatch_seconds";
@@ -47,8 +55,8 @@ pub(super) struct Quantiles {
     max: f64,
 }
 
-/// Runs the runtime and the handwritten consumer alternately, `b.runs` times each, and prints
-/// each run's quantiles and their medians.
+/// Runs the runtime and the handwritten consumers alternately, `b.runs` times each, and
+/// prints each run's quantiles and their medians.
 pub(super) async fn latency(
     b: &OutboxBench,
     pool: &sqlx::PgPool,
@@ -56,84 +64,82 @@ pub(super) async fn latency(
     rabbit: &RabbitConfig,
     recorder: &PrometheusHandle,
 ) -> anyhow::Result<()> {
-    let (mut with_idem, mut by_hand, mut hand_outbox) = (Vec::new(), Vec::new(), Vec::new());
-    let mut end_to_end: [Vec<Quantiles>; 3] = Default::default();
-    let line = |q: &Quantiles| {
-        format!(
-            "p50 {:.2} ms p90 {:.2} ms p99 {:.2} ms max {:.1} ms",
-            q.p50, q.p90, q.p99, q.max
-        )
-    };
+    // By consumer: idem, then the handwritten ones in the order of `HANDWRITTEN`.
+    let mut dispatch: [Vec<Quantiles>; 4] = Default::default();
+    let mut end_to_end: [Vec<Quantiles>; 4] = Default::default();
+    let last = |name: &str, runs: &[Quantiles]| Some(format!("{name} {}", line(runs.last()?)));
     for run in 1..=b.runs {
-        let (idem, idem_e2e) = idem_run(b, pool, inbox, rabbit, recorder).await?;
-        let (hand, hand_e2e) = handwritten_run(b, pool, rabbit, HandEvent::AfterCommit).await?;
-        let (outbox, outbox_e2e) = handwritten_run(b, pool, rabbit, HandEvent::Outbox).await?;
-        eprintln!(
-            "latency run {run}: idem {}; handwritten, no outbox {}; handwritten outbox {}",
-            line(&idem),
-            line(&hand),
-            line(&outbox)
-        );
-        for (runs, e2e) in end_to_end.iter_mut().zip([idem_e2e, hand_e2e, outbox_e2e]) {
-            runs.extend(e2e);
+        let order = match b.idem_last {
+            false => [0_usize, 1, 2, 3],
+            true => [1, 2, 3, 0],
+        };
+        for n in order {
+            let (quantiles, e2e) = match n.checked_sub(1) {
+                None => idem_run(b, pool, inbox, rabbit, recorder).await?,
+                Some(hand) => handwritten_run(b, pool, rabbit, HANDWRITTEN[hand].1).await?,
+            };
+            dispatch[n].push(quantiles);
+            end_to_end[n].extend(e2e);
         }
-        if let [Some(idem), Some(hand), Some(outbox)] = end_to_end.each_ref().map(|r| r.last()) {
+        eprintln!("latency run {run}: {}", by_consumer(&dispatch, last));
+        if end_to_end.iter().all(|runs| runs.len() == run) {
             eprintln!(
-                "  end to end (order published → event at the next hop): idem {}; handwritten, no outbox {}; handwritten outbox {}",
-                line(idem),
-                line(hand),
-                line(outbox)
+                "  end to end (order published → event at the next hop): {}",
+                by_consumer(&end_to_end, last)
             );
         }
-        with_idem.push(idem);
-        by_hand.push(hand);
-        hand_outbox.push(outbox);
     }
-    let median_of =
-        |runs: &[Quantiles], f: fn(&Quantiles) -> f64| super::median(runs.iter().map(f).collect());
+    let medians = |runs: &[Vec<Quantiles>; 4]| {
+        by_consumer(runs, |name, runs| {
+            let median_of = |f: fn(&Quantiles) -> f64| super::median(runs.iter().map(f).collect());
+            let (p50, p99) = (median_of(|q| q.p50), median_of(|q| q.p99));
+            Some(format!("{name} p50 {p50:.2} ms, p99 {p99:.2} ms"))
+        })
+    };
+    let per_run = |runs: &[Vec<Quantiles>; 4]| {
+        by_consumer(runs, |name, runs| {
+            let p99: Vec<String> = runs.iter().map(|q| format!("{:.2}", q.p99)).collect();
+            Some(format!("{name} p99: {}", p99.join(", ")))
+        })
+    };
     println!(
-        "outbox dispatch latency (commit → confirm) at {} msgs/s, {} s per run, medians of {}: idem p50 {:.2} ms, p99 {:.2} ms; handwritten publish-after-commit p50 {:.2} ms, p99 {:.2} ms; handwritten outbox p50 {:.2} ms, p99 {:.2} ms",
+        "outbox dispatch latency (commit → confirm) at {} msgs/s, {} s per run, medians of {}: {}",
         b.rate,
         b.seconds,
         b.runs,
-        median_of(&with_idem, |q| q.p50),
-        median_of(&with_idem, |q| q.p99),
-        median_of(&by_hand, |q| q.p50),
-        median_of(&by_hand, |q| q.p99),
-        median_of(&hand_outbox, |q| q.p50),
-        median_of(&hand_outbox, |q| q.p99),
+        medians(&dispatch)
     );
-    println!(
-        "  per run, idem p99: {}; handwritten p99: {}; handwritten outbox p99: {}",
-        listed(&with_idem),
-        listed(&by_hand),
-        listed(&hand_outbox)
-    );
-    let [idem, hand, outbox] = &end_to_end;
-    if !idem.is_empty() {
+    println!("  per run, {}", per_run(&dispatch));
+    if !end_to_end[0].is_empty() {
         println!(
-            "end to end (order published → event at the next hop), medians of {}: idem p50 {:.2} ms, p99 {:.2} ms; handwritten publish-after-commit p50 {:.2} ms, p99 {:.2} ms; handwritten outbox p50 {:.2} ms, p99 {:.2} ms",
-            idem.len(),
-            median_of(idem, |q| q.p50),
-            median_of(idem, |q| q.p99),
-            median_of(hand, |q| q.p50),
-            median_of(hand, |q| q.p99),
-            median_of(outbox, |q| q.p50),
-            median_of(outbox, |q| q.p99),
+            "end to end (order published → event at the next hop), medians of {}: {}",
+            end_to_end[0].len(),
+            medians(&end_to_end)
         );
-        println!(
-            "  per run, idem p99: {}; handwritten p99: {}; handwritten outbox p99: {}",
-            listed(idem),
-            listed(hand),
-            listed(outbox)
-        );
+        println!("  per run, {}", per_run(&end_to_end));
     }
     Ok(())
 }
 
-fn listed(runs: &[Quantiles]) -> String {
-    let p99: Vec<String> = runs.iter().map(|q| format!("{:.2}", q.p99)).collect();
-    p99.join(", ")
+/// One line of a run's quantiles.
+fn line(q: &Quantiles) -> String {
+    format!(
+        "p50 {:.2} ms p90 {:.2} ms p99 {:.2} ms max {:.1} ms",
+        q.p50, q.p90, q.p99, q.max
+    )
+}
+
+/// What `show` says of each consumer's runs (idem's first), joined.
+fn by_consumer(
+    runs: &[Vec<Quantiles>; 4],
+    show: impl Fn(&str, &[Quantiles]) -> Option<String>,
+) -> String {
+    let names = std::iter::once("idem").chain(HANDWRITTEN.iter().map(|(name, _)| *name));
+    names
+        .zip(runs)
+        .filter_map(|(name, runs)| show(name, runs))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// One run of the runtime: its quantiles from the histogram's buckets, and the end-to-end

@@ -34,6 +34,9 @@ pub struct OutboxBench {
     /// second); by default a consumer takes them as they arrive, as the next hop would.
     #[arg(long)]
     events_unconsumed: bool,
+    /// Run idem after the handwritten consumers in each latency run, rather than first.
+    #[arg(long)]
+    idem_last: bool,
     /// The broker.
     #[arg(
         long,
