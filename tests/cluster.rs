@@ -148,10 +148,16 @@ async fn survive(disruption: Disruption) {
         );
     }
     let dlq = idem::rabbitmq::dlq(&queue);
+    // Two waits, so that a failure says which of the two did not happen.
     wait_until("every order stored", Duration::from_secs(120), || async {
         stored(&pool, &queue).await >= ORDERS
-            && broker::count_on(&cluster.urls, &dlq).await >= MALFORMED
     })
+    .await;
+    wait_until(
+        "every malformed message in the DLQ",
+        Duration::from_secs(60),
+        || async { broker::count_on(&cluster.urls, &dlq).await >= MALFORMED },
+    )
     .await;
     if let Disruption::LeaderStops = disruption {
         cluster.start_app(leader).await;
