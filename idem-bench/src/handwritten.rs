@@ -128,18 +128,61 @@ pub enum Writes {
     SetBased,
 }
 
-/// Up to `batch` messages per transaction (or what arrives within `linger`), keys claimed with
-/// one multi-row insert, the new orders written as `writes` says, then one
+/// The inbox a batched consumer claims its keys in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Inbox {
+    /// `(consumer, key)` and nothing else: no way to remove old rows but a full scan.
+    Bare,
+    /// The lean consumer's inbox: an arrival time with an index on it, so old rows can be
+    /// removed in bounded batches (what idem's `expires_at` index is for).
+    Retained,
+}
+
+impl Inbox {
+    /// The batch's claim: one multi-row insert returning the keys it inserted.
+    fn claim(self) -> &'static str {
+        match self {
+            Self::Bare => {
+                "INSERT INTO bench_inbox (consumer, key) SELECT $1, unnest($2::text[])
+                 ON CONFLICT DO NOTHING RETURNING key"
+            }
+            Self::Retained => {
+                "INSERT INTO bench_lean_inbox (consumer, key) SELECT $1, unnest($2::text[])
+                 ON CONFLICT DO NOTHING RETURNING key"
+            }
+        }
+    }
+}
+
+/// How a batched consumer gathers and writes its batches.
+#[derive(Debug, Clone, Copy)]
+pub struct Batching {
+    /// Messages per transaction at most.
+    pub size: usize,
+    /// How long a batch waits for more after its first delivery.
+    pub linger: Duration,
+    /// How the new orders are written.
+    pub writes: Writes,
+    /// Where the keys are claimed.
+    pub inbox: Inbox,
+}
+
+/// Up to `batching.size` messages per transaction (or what arrives within its linger), keys
+/// claimed in its inbox with one multi-row insert, the new orders written as it says, then one
 /// `basic.ack(multiple)` after the commit. One batch at a time.
 pub async fn batched(
     url: &str,
     pool: PgPool,
     queue: &str,
     expect: usize,
-    batch: usize,
-    linger: Duration,
-    writes: Writes,
+    batching: Batching,
 ) -> anyhow::Result<Duration> {
+    let Batching {
+        size: batch,
+        linger,
+        writes,
+        inbox,
+    } = batching;
     let prefetch = u16::try_from(batch * 2).unwrap_or(u16::MAX);
     let (connection, channel, mut consumer) = channel(url, queue, prefetch).await?;
     let mut first = None;
@@ -155,7 +198,7 @@ pub async fn batched(
                 Ok(None) | Err(_) => break,
             }
         }
-        while let Err(e) = process_batch(&pool, &deliveries, writes).await {
+        while let Err(e) = process_batch(&pool, &deliveries, writes, inbox).await {
             tracing::warn!(error = %e, "retrying the batch");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -177,6 +220,7 @@ async fn process_batch(
     pool: &PgPool,
     deliveries: &[Delivery],
     writes: Writes,
+    inbox: Inbox,
 ) -> anyhow::Result<()> {
     let parsed = deliveries
         .iter()
@@ -184,14 +228,11 @@ async fn process_batch(
         .collect::<anyhow::Result<Vec<_>>>()?;
     let keys: Vec<&str> = parsed.iter().map(|(key, _)| key.as_str()).collect();
     let mut tx = pool.begin().await?;
-    let claimed: Vec<String> = sqlx::query_scalar(
-        "INSERT INTO bench_inbox (consumer, key) SELECT $1, unnest($2::text[])
-         ON CONFLICT DO NOTHING RETURNING key",
-    )
-    .bind(CONSUMER)
-    .bind(&keys)
-    .fetch_all(&mut *tx)
-    .await?;
+    let claimed: Vec<String> = sqlx::query_scalar(inbox.claim())
+        .bind(CONSUMER)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await?;
     let mut new: HashSet<String> = claimed.into_iter().collect();
     // A key twice in the batch: only its first copy was claimed.
     let fresh: Vec<&Order> = parsed

@@ -15,6 +15,7 @@ mod workload;
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand, ValueEnum};
+use handwritten::{Inbox, Writes};
 use idem::RetryPolicy;
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::transport::Transport;
@@ -124,6 +125,9 @@ enum Variant {
     HandBatch,
     /// Handwritten, batched, the batch's orders written set-based, multiple ack.
     HandSet,
+    /// Handwritten, set-based batches as `hand-set`, claiming in the lean consumer's inbox
+    /// (an arrival time with an index on it, for removing old rows).
+    HandSetRetained,
     /// Handwritten, one transaction per message, N workers each holding its own connection,
     /// a narrow inbox with an arrival-time index.
     HandLean,
@@ -152,6 +156,7 @@ impl Variant {
             Self::Hand => "handwritten, per message",
             Self::HandBatch => "handwritten, batched",
             Self::HandSet => "handwritten, set-based batches",
+            Self::HandSetRetained => "handwritten, set-based, inbox with retention index",
             Self::HandLean => "handwritten, lean per message",
             Self::Idem => "idem, per message",
             Self::IdemPooled => "idem, per message, pooled",
@@ -190,7 +195,7 @@ impl Variant {
     fn uses_idem(self) -> bool {
         !matches!(
             self,
-            Self::Hand | Self::HandBatch | Self::HandSet | Self::HandLean
+            Self::Hand | Self::HandBatch | Self::HandSet | Self::HandSetRetained | Self::HandLean
         )
     }
 }
@@ -237,12 +242,19 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
             handwritten::per_message(&b.amqp_url, pool, queue, expect, b.workers, b.prefetch)
                 .await?
         }
-        Variant::HandBatch | Variant::HandSet => {
-            let writes = match variant {
-                Variant::HandSet => handwritten::Writes::SetBased,
-                _ => handwritten::Writes::PerOrder,
+        Variant::HandBatch | Variant::HandSet | Variant::HandSetRetained => {
+            let (writes, inbox) = match variant {
+                Variant::HandSet => (Writes::SetBased, Inbox::Bare),
+                Variant::HandSetRetained => (Writes::SetBased, Inbox::Retained),
+                _ => (Writes::PerOrder, Inbox::Bare),
             };
-            handwritten::batched(&b.amqp_url, pool, queue, expect, b.batch, linger, writes).await?
+            let batching = handwritten::Batching {
+                size: b.batch,
+                linger,
+                writes,
+                inbox,
+            };
+            handwritten::batched(&b.amqp_url, pool, queue, expect, batching).await?
         }
         Variant::HandLean => {
             drop(pool);

@@ -156,10 +156,11 @@ const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{t
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 AND key = $3"#;
 
 /// Claims a batch's keys in one statement, in key order (two batches sharing keys lock them in
-/// the same order), and reads the committed rows of the keys it did not insert in the same
-/// round trip: one row per inserted key (`claimed`), one per existing key its snapshot sees.
-/// A key whose row was committed while the insert waited for it is in neither (the statement's
-/// snapshot predates that commit): [`EXISTING_BATCH`] reads those in a fresh one.
+/// the same order), and answers only for the keys it did not insert: one row per such key,
+/// with the committed row's fingerprint and result when the statement's snapshot sees it, or
+/// NULLs when it does not (the row was committed while the insert waited for it, after the
+/// snapshot was taken): [`EXISTING_BATCH`] reads those in a fresh one. A key it does not
+/// answer for is claimed, so a batch of new keys costs no row in the answer.
 ///
 /// Each existing key is looked up on its own through the primary key (a `LATERAL` with
 /// `LIMIT 1`), so a generic plan cached while the table was small stays an index lookup per
@@ -173,15 +174,13 @@ WITH claimed AS (
     ON CONFLICT (consumer, key) DO NOTHING
     RETURNING key
 )
-SELECT key, TRUE AS claimed, NULL::bytea AS fingerprint, NULL::text AS outcome FROM claimed
-UNION ALL
-SELECT u.key, FALSE, e.fingerprint, e.outcome
+SELECT u.key, e.fingerprint, e.outcome
 FROM unnest($2::text[]) AS u(key)
-CROSS JOIN LATERAL (
+LEFT JOIN LATERAL (
     SELECT fingerprint, outcome FROM "{table}"
     WHERE consumer = $1 AND key = u.key
     LIMIT 1
-) AS e
+) AS e ON TRUE
 WHERE NOT EXISTS (SELECT 1 FROM claimed AS c WHERE c.key = u.key)"#;
 
 const EXISTING_BATCH: &str = r#"SELECT key, FALSE AS claimed, fingerprint, outcome FROM "{table}" WHERE consumer = $1 AND key = ANY($2)"#;
@@ -409,8 +408,9 @@ impl Dialect for Postgres {
         existing.as_ref().map(claim_from_row).transpose()
     }
 
-    /// Claims a batch's keys and reads the existing ones in one round trip; a key committed by
-    /// another transaction while the claim waited for it is read with one more select.
+    /// Claims a batch's keys and reads the existing ones in one round trip (a key missing from
+    /// the answer is claimed); a key committed by another transaction while the claim waited
+    /// for it is read with one more select.
     async fn claim_batch(
         sql: &Prepared,
         conn: &mut PgConnection,
@@ -439,13 +439,25 @@ impl Dialect for Postgres {
             .fetch_all(&mut *conn)
             .await
             .map_err(fail)?;
+        // Only the keys that were not inserted come back: with their committed row, or with
+        // NULLs when this statement's snapshot cannot see it.
+        let read = |e| store_error("claim", e);
         let mut found = HashMap::with_capacity(rows.len());
-        read_claims(&rows, &mut found)?;
-        let unseen: Vec<&str> = keys
-            .iter()
-            .copied()
-            .filter(|k| !found.contains_key(*k))
-            .collect();
+        let mut unseen = Vec::new();
+        for row in &rows {
+            let key: String = row.try_get("key").map_err(read)?;
+            match row
+                .try_get::<Option<Vec<u8>>, _>("fingerprint")
+                .map_err(read)?
+            {
+                Some(fingerprint) => {
+                    let claim =
+                        existing_claim(&fingerprint, row.try_get("outcome").map_err(read)?)?;
+                    found.insert(key, claim);
+                }
+                None => unseen.push(key),
+            }
+        }
         if !unseen.is_empty() {
             // Planned for these keys each time: this runs rarely (a race with another claim),
             // and a generic plan cached while the table was small may scan the whole key range
@@ -458,18 +470,20 @@ impl Dialect for Postgres {
                 .await
                 .map_err(fail)?;
             read_claims(&rows, &mut found)?;
+            if unseen.iter().any(|key| !found.contains_key(key)) {
+                // Only possible when the transaction's snapshot predates the winner's commit
+                // (REPEATABLE READ or SERIALIZABLE as the default isolation); a retry sees it.
+                return Err(StoreError::new(
+                    "claim",
+                    ErrorClass::Transient,
+                    "a key is taken by a transaction this snapshot cannot see yet",
+                ));
+            }
         }
-        keys.iter()
-            .map(|key| {
-                found.remove(*key).ok_or_else(|| {
-                    StoreError::new(
-                        "claim",
-                        ErrorClass::Transient,
-                        "a key is taken by a transaction this snapshot cannot see yet",
-                    )
-                })
-            })
-            .collect()
+        Ok(keys
+            .iter()
+            .map(|key| found.remove(*key).unwrap_or(Claim::Claimed))
+            .collect())
     }
 
     /// Stores a batch's results with one update.
