@@ -201,12 +201,11 @@ async fn survive(disruption: Disruption) {
             .all(|m| m.message_id().is_some_and(|id| !id.contains("-bad-"))),
         "only copies of stored orders may be left: {left:?}"
     );
-    broker::delete_topology_on(
-        &cluster.urls,
-        &queue,
-        &idem::RetryPolicy::default().delays(),
-    )
-    .await;
+    // Every queue and exchange of this run: the orders' and the example's next hops'.
+    let ours = format!("{queue}.");
+    cluster
+        .purge(|name| name == queue || name.starts_with(&ours))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -271,3 +271,69 @@ async fn publishes_under_way_when_the_connection_is_cut_always_return() {
     }
     f.cleanup().await;
 }
+
+/// AMQP `queue.declare-ok`: class and method ids.
+const DECLARE_OK: (u16, u16) = (50, 11);
+/// AMQP `basic.qos-ok`: class and method ids.
+const QOS_OK: (u16, u16) = (60, 11);
+
+/// A broker that takes the connection and answers everything else, but never the queue's
+/// declaration: the start fails once the broker has had its 15 s, naming the queue and what
+/// was awaited, instead of waiting for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_declaration_the_broker_never_answers_fails_the_start_in_time() {
+    let mut f = fixture(
+        "unanswered-declare",
+        fast_retries(),
+        QueueType::Classic,
+        None,
+    )
+    .await;
+    let proxy = Proxy::start_withholding(&amqp_address(), Some(DECLARE_OK)).await;
+    f.rabbit = RabbitConfig::new(through(&proxy));
+    let run = f.runtime().build().unwrap().run_until(async {});
+    let ran = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the start still waited for the declaration after 60 s");
+    let text = ran.expect_err("the start fails").to_string();
+    assert!(
+        text.contains(&f.queue) && text.contains("waiting for the broker to answer"),
+        "{text}"
+    );
+    f.cleanup().await;
+}
+
+/// A broker that takes the consumer's connection but never answers its `basic.qos`: the
+/// consumer gives that connection up after 15 s and tries again on a new one, and a shutdown
+/// meanwhile ends at once, not after the grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_subscription_the_broker_never_answers_is_tried_again_and_holds_up_no_shutdown() {
+    let mut f = fixture("unanswered-qos", fast_retries(), QueueType::Classic, None).await;
+    let proxy = Proxy::start_withholding(&amqp_address(), Some(QOS_OK)).await;
+    f.rabbit = RabbitConfig::new(through(&proxy));
+    f.publish_order(0, 4).await;
+    let running = start(f.runtime().shutdown_grace(Duration::from_secs(50)));
+    // The start's declarations, then the consumer's: its topology, its own connection.
+    wait_until(
+        "the consumer's connection",
+        Duration::from_secs(20),
+        || async { proxy.accepted() >= 3 },
+    )
+    .await;
+    let stuck = proxy.accepted();
+    wait_until(
+        "the consumer trying again on a new connection",
+        Duration::from_secs(40),
+        || async { proxy.accepted() > stuck },
+    )
+    .await;
+    assert_eq!(running.now().processed, 0, "a delivery came through");
+    let stopping = std::time::Instant::now();
+    running.shut_down().await;
+    assert!(
+        stopping.elapsed() < Duration::from_secs(10),
+        "the shutdown took {:?}",
+        stopping.elapsed()
+    );
+    f.cleanup().await;
+}

@@ -40,6 +40,9 @@ enum Lost {
     /// The queue's topology could not be declared.
     #[error(transparent)]
     Topology(#[from] TransportError),
+    /// The broker took the connection but did not answer the subscription in time.
+    #[error("the broker did not answer the subscription within {0:?}")]
+    Unanswered(Duration),
 }
 
 /// Why a session ended.
@@ -49,6 +52,9 @@ enum Ended {
     /// The runtime dropped the mailbox.
     MailboxClosed,
 }
+
+/// A subscription: its channel, lapin's consumer and the consumer tag.
+type Subscribed = Result<(Channel, lapin::Consumer, String), Lost>;
 
 /// The consumer of one handler's queue.
 pub(crate) struct Consumer {
@@ -128,20 +134,24 @@ impl Consumer {
     /// One connection's life: declare the queue's topology again first (an operator or a lost
     /// node may have deleted the queue, its retry and dead-letter queues or its bindings since;
     /// on a short connection of its own), then open the connection, consume on it, close it if
-    /// consuming failed. The backoff starts over once consuming has begun.
+    /// consuming failed. The backoff starts over once consuming has begun. Setting up is
+    /// bounded in time and ends at once on shutdown: a broker that takes connections but does
+    /// not answer (a cluster node recovering its queues) neither stops this queue's
+    /// consumption for good nor holds up the shutdown.
     async fn session(&mut self, backoff: &mut Duration) -> Result<Ended, Lost> {
-        let topology = std::slice::from_ref(&self.spec);
-        topology::declare_all(&self.connections, &self.config, topology).await?;
-        let connection = self
-            .connections
-            .open(&self.config, &self.spec.queue)
-            .await?;
-        let consuming = async {
-            let (channel, consumer, tag) = self.subscribe(&connection).await?;
-            *backoff = self.config.reconnect_min;
-            self.consume(channel, consumer, &tag).await
+        let mut stop = self.stop.clone();
+        let (connection, subscribed) = tokio::select! {
+            set_up = self.set_up() => set_up?,
+            // A connection opened meanwhile is closed with the others at shutdown.
+            _ = stop.wait_for(|stopped| *stopped) => return Ok(Ended::Stopped),
         };
-        let result = consuming.await;
+        let result = match subscribed {
+            Ok((channel, consumer, tag)) => {
+                *backoff = self.config.reconnect_min;
+                self.consume(channel, consumer, &tag).await
+            }
+            Err(e) => Err(e),
+        };
         if result.is_err() {
             // Whatever failed, start the next attempt on a fresh connection; a broker that
             // does not answer the close does not hold up the reconnection.
@@ -149,6 +159,23 @@ impl Consumer {
             let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
         }
         result
+    }
+
+    /// Declares the topology, opens the connection and subscribes on it: the connection, and
+    /// whether subscribing worked (within [`topology::ANSWER_TIMEOUT`]).
+    async fn set_up(&self) -> Result<(Arc<Connection>, Subscribed), Lost> {
+        let topology = std::slice::from_ref(&self.spec);
+        topology::declare_all(&self.connections, &self.config, topology).await?;
+        let connection = self
+            .connections
+            .open(&self.config, &self.spec.queue)
+            .await?;
+        let subscribing = self.subscribe(&connection);
+        let subscribed = match tokio::time::timeout(topology::ANSWER_TIMEOUT, subscribing).await {
+            Ok(subscribed) => subscribed.map_err(Lost::from),
+            Err(_) => Err(Lost::Unanswered(topology::ANSWER_TIMEOUT)),
+        };
+        Ok((connection, subscribed))
     }
 
     /// Opens the channel (prefetch, publisher confirms for retry copies and reasons) and starts

@@ -12,6 +12,11 @@ use std::time::Duration;
 /// `rabbitmq_consistent_hash_exchange` plugin that ships with RabbitMQ.
 pub const CONSISTENT_HASH: &str = "x-consistent-hash";
 
+/// How long the broker is given to answer the declarations of one queue's topology, or the
+/// steps of subscribing to it, before the attempt counts as failed (RabbitMQ's own
+/// `channel_operation_timeout` is 15 s).
+pub(crate) const ANSWER_TIMEOUT: Duration = Duration::from_secs(15);
+
 /// A partition queue's binding key: its weight on the hash ring (all equal).
 const PARTITION_WEIGHT: &str = "1";
 
@@ -68,15 +73,34 @@ pub(crate) async fn declare_all(
             })?;
     let result = async {
         for spec in specs {
-            declare(&connection, config, spec).await?;
+            // A broker that took the connection but never answers (a cluster node still
+            // recovering its queues was seen to) must not hold a consumer's reconnection, or
+            // the runtime's start, for good.
+            let declaring = declare(&connection, config, spec);
+            match tokio::time::timeout(ANSWER_TIMEOUT, declaring).await {
+                Ok(declared) => declared?,
+                Err(_) => return Err(unanswered(&spec.queue)),
+            }
         }
         Ok(())
     }
     .await;
-    let _ = connection
-        .close(200, ShortString::from("topology declared"))
-        .await;
+    let closing = connection.close(200, ShortString::from("topology declared"));
+    let _ = tokio::time::timeout(ANSWER_TIMEOUT, closing).await;
     result
+}
+
+/// The error of declarations the broker did not answer within [`ANSWER_TIMEOUT`].
+fn unanswered(queue: &str) -> TransportError {
+    let waited = std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no answer within {ANSWER_TIMEOUT:?}"),
+    );
+    TransportError::Topology {
+        queue: queue.to_owned(),
+        action: "waiting for the broker to answer its declaration (a cluster still recovering its queues can be that slow; the consumer tries again)",
+        source: waited.into(),
+    }
 }
 
 /// Declares the queues of `spec`. A queue that exists with other arguments is an error carrying

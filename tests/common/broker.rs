@@ -198,9 +198,31 @@ pub async fn delete_topology(queue: &str, delays: &[Duration]) {
     delete_topology_on(&amqp_url(), queue, delays).await
 }
 
+/// Deletes `queues` and `exchanges` on the broker(s) at `urls`, each on a channel of its own
+/// (a delete that fails closes its channel); one that is already gone is no error.
+pub async fn delete_on(urls: &str, queues: &[String], exchanges: &[String]) {
+    let connection = connect_to(urls).await;
+    for name in exchanges {
+        let channel = connection.create_channel().await.expect("channel");
+        let options = lapin::options::ExchangeDeleteOptions::default();
+        let _ = channel
+            .exchange_delete(ShortString::from(name.as_str()), options)
+            .await;
+    }
+    for name in queues {
+        let channel = connection.create_channel().await.expect("channel");
+        let _ = channel
+            .queue_delete(
+                ShortString::from(name.as_str()),
+                QueueDeleteOptions::default(),
+            )
+            .await;
+    }
+    close(connection).await;
+}
+
 /// [`delete_topology`] on the broker(s) at `url`.
 pub async fn delete_topology_on(url: &str, queue: &str, delays: &[Duration]) {
-    let connection = connect_to(url).await;
     let mut names = vec![queue.to_owned(), idem::rabbitmq::dlq(queue)];
     names.extend(
         delays
@@ -213,23 +235,7 @@ pub async fn delete_topology_on(url: &str, queue: &str, delays: &[Duration]) {
         names.push(idem::rabbitmq::dlq(&partition));
         names.push(partition);
     }
-    let channel = connection.create_channel().await.expect("channel");
-    let _ = channel
-        .exchange_delete(
-            ShortString::from(status.as_str()),
-            lapin::options::ExchangeDeleteOptions::default(),
-        )
-        .await;
-    for name in names {
-        let channel = connection.create_channel().await.expect("channel");
-        let _ = channel
-            .queue_delete(
-                ShortString::from(name.as_str()),
-                QueueDeleteOptions::default(),
-            )
-            .await;
-    }
-    close(connection).await;
+    delete_on(url, &names, &[status]).await;
 }
 
 /// Closes, from the broker's side (`rabbitmqctl close_connection`), every connection whose

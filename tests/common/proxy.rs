@@ -18,6 +18,13 @@ pub struct Proxy {
 impl Proxy {
     /// Starts forwarding to `target` (host:port).
     pub async fn start(target: &str) -> Proxy {
+        Proxy::start_withholding(target, None).await
+    }
+
+    /// Starts forwarding to `target`, an AMQP broker, dropping every method frame it sends
+    /// of `withheld` (class id, method id): a broker that takes the connection and answers
+    /// everything else, heartbeats included, but never that.
+    pub async fn start_withholding(target: &str, withheld: Option<(u16, u16)>) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy address");
         let open = Arc::new(AtomicBool::new(true));
@@ -34,7 +41,26 @@ impl Proxy {
                 let target = target.clone();
                 let pipe = tokio::spawn(async move {
                     if let Ok(mut server) = TcpStream::connect(&target).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                        match withheld {
+                            None => {
+                                let _ =
+                                    tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            }
+                            Some(method) => {
+                                let (mut from_client, to_client) = client.into_split();
+                                let (from_server, mut to_server) = server.into_split();
+                                // Each direction until its end, as `copy_bidirectional`.
+                                let to_broker = async {
+                                    let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                                    let _ =
+                                        tokio::io::AsyncWriteExt::shutdown(&mut to_server).await;
+                                };
+                                let _ = tokio::join!(
+                                    to_broker,
+                                    withhold(from_server, to_client, method)
+                                );
+                            }
+                        }
                     }
                 });
                 p.lock().unwrap().push(pipe.abort_handle());
@@ -71,6 +97,34 @@ impl Proxy {
     /// Accepts connections again.
     pub fn restore(&self) {
         self.open.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Copies AMQP frames from `from` to `to`, leaving out the method frames of `method`.
+async fn withhold(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    method: (u16, u16),
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const METHOD_FRAME: u8 = 1;
+    loop {
+        // type (1), channel (2), size (4); then the payload and the frame-end octet.
+        let mut header = [0u8; 7];
+        from.read_exact(&mut header).await?;
+        let size = u32::from_be_bytes([header[3], header[4], header[5], header[6]]) as usize;
+        let mut rest = vec![0u8; size + 1];
+        from.read_exact(&mut rest).await?;
+        let is_withheld = header[0] == METHOD_FRAME
+            && size >= 4
+            && (
+                u16::from_be_bytes([rest[0], rest[1]]),
+                u16::from_be_bytes([rest[2], rest[3]]),
+            ) == method;
+        if !is_withheld {
+            to.write_all(&header).await?;
+            to.write_all(&rest).await?;
+        }
     }
 }
 
