@@ -98,7 +98,7 @@ fn unanswered(queue: &str) -> TransportError {
     );
     TransportError::Topology {
         queue: queue.to_owned(),
-        action: "waiting for the broker to answer its declaration (a cluster still recovering its queues can be that slow; the consumer tries again)",
+        action: "waiting for the broker to answer its declaration (a cluster node still recovering its queues can be that slow)",
         source: waited.into(),
     }
 }
