@@ -133,8 +133,42 @@ async fn sqlite_lock_waiters(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> i64
     i64::MAX
 }
 
+/// How many sessions wait for a lock inside a statement on the inbox `table`.
+/// (The activity view is read once per transaction unless its snapshot is cleared.)
+async fn pg_claims_waiting(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, table: &str) -> i64 {
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut **tx)
+        .await
+        .expect("pg_stat_clear_snapshot");
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+         AND query LIKE '%\"' || $1 || '\"%' AND pid <> pg_backend_pid()",
+    )
+    .bind(table)
+    .fetch_one(&mut **tx)
+    .await
+    .expect("pg_stat_activity")
+}
+
+/// How many sessions are inside a claim on the inbox `table` (see [`mysql_lock_waiters`]).
+async fn mysql_claims_waiting(tx: &mut sqlx::Transaction<'_, sqlx::MySql>, table: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.PROCESSLIST
+         WHERE info LIKE CONCAT('INSERT IGNORE INTO `', ?, '`%') AND id <> CONNECTION_ID()",
+    )
+    .bind(table)
+    .fetch_one(&mut **tx)
+    .await
+    .expect("PROCESSLIST")
+}
+
+/// SQLite writers queue on the file lock, which nothing shows; carry on at once.
+async fn sqlite_claims_waiting(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>, _: &str) -> i64 {
+    i64::MAX
+}
+
 macro_rules! inbox_suite {
-    ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident, $sql:ident) => {
+    ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident, $claims_waiting:ident, $sql:ident) => {
         mod $module {
             use super::common::{unique, wait_until};
             use idem::{Context, Envelope, HandlerError, Outcome, RejectReason, idempotent};
@@ -169,6 +203,8 @@ use idem::store::{Stores};
                 AwaitLockWaiters(i64),
                 /// Wait for that many waiters, then fail permanently.
                 AwaitLockWaitersThenFail(i64),
+                /// Wait until that many sessions wait inside a claim on the inbox table named.
+                AwaitClaimsWaiting(String, i64),
                 SignalAndHang,
             }
 
@@ -229,6 +265,14 @@ use idem::store::{Stores};
                 }
             }
 
+            async fn await_claims_waiting(tx: &mut Tx<'_>, table: &str, n: i64) {
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                while super::$claims_waiting(tx, table).await < n {
+                    assert!(std::time::Instant::now() < deadline, "{n} claims never waited on {table}");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+
             /// Records an order (effect row, balance increment), then follows its script.
             #[idempotent(store = $store, key = "order.order_id")]
             async fn record(tx: &mut Tx<'_>, order: Order, ctx: &Context<'_>, scripts: &Scripts) -> Result<Receipt, HandlerError> {
@@ -241,6 +285,7 @@ use idem::store::{Stores};
                         sqlx::query(super::$sql.insert_balance).bind(&order.customer).execute(&mut **tx).await?;
                     }
                     Some(Step::AwaitLockWaiters(n)) => await_lock_waiters(tx, n).await,
+                    Some(Step::AwaitClaimsWaiting(table, n)) => await_claims_waiting(tx, &table, n).await,
                     Some(Step::AwaitLockWaitersThenFail(n)) => {
                         await_lock_waiters(tx, n).await;
                         return Err(HandlerError::permanent("scripted permanent failure"));
@@ -618,11 +663,7 @@ use idem::store::{Stores};
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn disjoint_batches_claimed_at_once_on_a_fresh_table_never_retry() {
                 let f = fixture(4).await;
-                let table = format!("idem_fresh_{}", std::process::id());
-                drop_inbox(&f.pool, &table).await;
-                let inbox = <$inbox>::new(f.pool.clone()).table(&table).unwrap();
-                inbox.migrate().await.unwrap();
-                let stores = Arc::new(Stores::new().with(inbox).with_state(f.scripts.clone()));
+                let (table, stores) = own_inbox(&f, "idem_fresh").await;
                 for _ in 0..20 {
                     let ids: Vec<String> = (0..400).map(|_| unique("o")).collect();
                     let runs = [0, 1].map(|side| {
@@ -649,6 +690,57 @@ use idem::store::{Stores};
                     }
                 }
                 drop_inbox(&f.pool, &table).await;
+            }
+
+            /// Two batches sharing keys, given in opposite orders, both held up inside their
+            /// claims by a third transaction that holds the middle key: each batch claims its
+            /// keys in key order, so neither takes a key the other is waiting to pass, and
+            /// none deadlocks (a deadlock would turn one batch's messages into retries).
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn batches_sharing_keys_in_opposite_orders_never_deadlock() {
+                let f = fixture(4).await;
+                let (table, stores) = own_inbox(&f, "idem_lock_order").await;
+                let (prefix, customer) = (unique("o"), unique("c"));
+                let [a, b, z] = ["a", "b", "z"].map(|k| format!("{prefix}-{k}"));
+                f.scripts.set(&b, vec![Step::AwaitClaimsWaiting(table.clone(), 2)]);
+                let holder = {
+                    let (stores, envelope) = (stores.clone(), order(&b, &customer, 1));
+                    tokio::spawn(async move {
+                        let registration = idem::registry::find(&consumer("record")).unwrap();
+                        registration.invoke(&stores, &envelope).await.unwrap()
+                    })
+                };
+                let deadline = std::time::Instant::now() + Duration::from_secs(20);
+                while !f.scripts.started(&b) {
+                    assert!(std::time::Instant::now() < deadline, "the middle key's copy never ran");
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let runs = [[&a, &b, &z], [&z, &b, &a]].map(|keys| {
+                    let stores = stores.clone();
+                    let batch: Vec<Envelope> = keys.iter().map(|k| order(k, &customer, 1)).collect();
+                    tokio::spawn(async move {
+                        let registration = idem::registry::find(&consumer("record")).unwrap();
+                        registration.invoke_batch(&stores, &batch).await.unwrap()
+                    })
+                });
+                let mut labels = Vec::new();
+                for run in runs {
+                    labels.extend(run.await.unwrap().iter().map(Outcome::label));
+                }
+                assert_eq!(holder.await.unwrap().label(), "processed");
+                assert!(labels.iter().all(|l| ["processed", "duplicate"].contains(l)), "{labels:?}");
+                assert_eq!(labels.iter().filter(|l| **l == "processed").count(), 2, "{labels:?}");
+                drop_inbox(&f.pool, &table).await;
+            }
+
+            /// A fresh inbox table of this process named after `name`, migrated, and stores
+            /// that use it with the fixture's scripts.
+            async fn own_inbox(f: &Fixture, name: &str) -> (String, Arc<Stores>) {
+                let table = format!("{name}_{}", std::process::id());
+                drop_inbox(&f.pool, &table).await;
+                let inbox = <$inbox>::new(f.pool.clone()).table(&table).unwrap();
+                inbox.migrate().await.unwrap();
+                (table, Arc::new(Stores::new().with(inbox).with_state(f.scripts.clone())))
             }
 
             /// Drops the inbox `table` with its companion tables and its schema version.
@@ -905,6 +997,7 @@ inbox_suite!(
     idem::sql::PgInbox,
     pg_setup,
     pg_lock_waiters,
+    pg_claims_waiting,
     PORTABLE_SQL
 );
 inbox_suite!(
@@ -914,6 +1007,7 @@ inbox_suite!(
     idem::sql::MySqlInbox,
     mysql_setup,
     mysql_lock_waiters,
+    mysql_claims_waiting,
     MYSQL_SQL
 );
 inbox_suite!(
@@ -923,6 +1017,7 @@ inbox_suite!(
     idem::sql::SqliteInbox,
     sqlite_setup,
     sqlite_lock_waiters,
+    sqlite_claims_waiting,
     PORTABLE_SQL
 );
 

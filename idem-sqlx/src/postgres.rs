@@ -155,11 +155,14 @@ const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{t
 
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 AND key = $3"#;
 
-/// Claims a batch's keys in one statement, in key order (two batches sharing keys lock them in
-/// the same order), and answers only for the keys it did not insert: one row per such key,
-/// with the committed row's fingerprint and result when the statement's snapshot sees it, or
-/// NULLs when it does not (the row was committed while the insert waited for it, after the
-/// snapshot was taken): [`EXISTING_BATCH`] reads those in a fresh one. A key it does not
+/// Claims a batch's keys in one statement, in the order of its arrays, which `claim_batch`
+/// below sorts by key: two batches sharing keys lock them in the same order, and the server
+/// sorts nothing (the insert takes the rows of `unnest` as they come; were a plan ever to
+/// reorder them, the deadlock it could cause is transient and retried). It answers only for
+/// the keys it did not insert: one row per such key, with the committed row's fingerprint and
+/// result when the statement's snapshot sees it, or NULLs when it does not (the row was
+/// committed while the insert waited for it, after the snapshot was taken): [`EXISTING_BATCH`]
+/// reads those in a fresh one. A key it does not
 /// answer for is claimed, so a batch of new keys costs no row in the answer.
 ///
 /// Each existing key is looked up on its own through the primary key (a `LATERAL` with
@@ -170,7 +173,6 @@ WITH claimed AS (
     INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
     SELECT $1, i.key, i.fingerprint, 'completed', i.attempts, now(), now(), now() + $5 * interval '1 second'
     FROM unnest($2::text[], $3::bytea[], $4::int4[]) AS i(key, fingerprint, attempts)
-    ORDER BY i.key
     ON CONFLICT (consumer, key) DO NOTHING
     RETURNING key
 )
@@ -421,12 +423,15 @@ impl Dialect for Postgres {
         };
         let batch = batch_statements(sql)?;
         let fail = |e| store_error("claim", e);
-        let keys: Vec<&str> = requests.iter().map(|r| r.key).collect();
-        let fingerprints: Vec<&[u8]> = requests
+        // In key order (bytes): the order in which the insert locks the keys.
+        let mut sorted: Vec<&ClaimRequest<'_>> = requests.iter().collect();
+        sorted.sort_unstable_by(|a, b| a.key.cmp(b.key));
+        let keys: Vec<&str> = sorted.iter().map(|r| r.key).collect();
+        let fingerprints: Vec<&[u8]> = sorted
             .iter()
             .map(|r| r.fingerprint.as_bytes().as_slice())
             .collect();
-        let attempts: Vec<i32> = requests
+        let attempts: Vec<i32> = sorted
             .iter()
             .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
             .collect();
@@ -480,9 +485,10 @@ impl Dialect for Postgres {
                 ));
             }
         }
-        Ok(keys
+        // In the requests' order, not the claim's.
+        Ok(requests
             .iter()
-            .map(|key| found.remove(*key).unwrap_or(Claim::Claimed))
+            .map(|request| found.remove(request.key).unwrap_or(Claim::Claimed))
             .collect())
     }
 
