@@ -710,11 +710,8 @@ use idem::store::{Stores};
                         registration.invoke(&stores, &envelope).await.unwrap()
                     })
                 };
-                let deadline = std::time::Instant::now() + Duration::from_secs(20);
-                while !f.scripts.started(&b) {
-                    assert!(std::time::Instant::now() < deadline, "the middle key's copy never ran");
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
+                let started = || async { f.scripts.started(&b) };
+                wait_until("the middle key's copy", Duration::from_secs(20), started).await;
                 let runs = [[&a, &b, &z], [&z, &b, &a]].map(|keys| {
                     let stores = stores.clone();
                     let batch: Vec<Envelope> = keys.iter().map(|k| order(k, &customer, 1)).collect();

@@ -162,8 +162,8 @@ const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 
 /// the keys it did not insert: one row per such key, with the committed row's fingerprint and
 /// result when the statement's snapshot sees it, or NULLs when it does not (the row was
 /// committed while the insert waited for it, after the snapshot was taken): [`EXISTING_BATCH`]
-/// reads those in a fresh one. A key it does not
-/// answer for is claimed, so a batch of new keys costs no row in the answer.
+/// reads those in a fresh one. A key it does not answer for is claimed, so a batch of new keys
+/// costs no row in the answer.
 ///
 /// Each existing key is looked up on its own through the primary key (a `LATERAL` with
 /// `LIMIT 1`), so a generic plan cached while the table was small stays an index lookup per
