@@ -52,6 +52,14 @@ pub(crate) async fn insert_then_read<DB: Sql>(
     )
 }
 
+/// A batch's claims in key order (by bytes): the order every store's batch claim locks its
+/// keys in, so that two batches sharing keys wait for each other instead of deadlocking.
+pub(crate) fn in_key_order<'r, 'a>(requests: &'r [ClaimRequest<'a>]) -> Vec<&'r ClaimRequest<'a>> {
+    let mut sorted: Vec<&ClaimRequest<'a>> = requests.iter().collect();
+    sorted.sort_unstable_by_key(|r| r.key);
+    sorted
+}
+
 /// Claims a batch's distinct keys with two statements per [`ROWS_PER_STATEMENT`] keys (see
 /// [`RowStatements`]): the markers inserted in key order (two batches sharing keys lock them
 /// in the same order), each naming this claim's token; then every key read, the rows with
@@ -67,8 +75,7 @@ pub(crate) async fn claim_rows<DB: Sql>(
 ) -> Result<Vec<Claim>, StoreError> {
     let fail = |e| store_error("claim", e);
     let token = owner_token();
-    let mut sorted: Vec<&ClaimRequest<'_>> = requests.iter().collect();
-    sorted.sort_by_key(|r| r.key);
+    let sorted = in_key_order(requests);
     let retention: Vec<i64> = sorted
         .iter()
         .map(|r| crate::config::secs(r.retention))

@@ -423,9 +423,8 @@ impl Dialect for Postgres {
         };
         let batch = batch_statements(sql)?;
         let fail = |e| store_error("claim", e);
-        // In key order (bytes): the order in which the insert locks the keys.
-        let mut sorted: Vec<&ClaimRequest<'_>> = requests.iter().collect();
-        sorted.sort_unstable_by(|a, b| a.key.cmp(b.key));
+        // The order in which the insert locks the keys.
+        let sorted = crate::claim::in_key_order(requests);
         let keys: Vec<&str> = sorted.iter().map(|r| r.key).collect();
         let fingerprints: Vec<&[u8]> = sorted
             .iter()
