@@ -1,7 +1,8 @@
 //! What operators see: a Prometheus scrape of idem's metrics (every outcome, handler and claim
 //! durations, rows swept, sweeper lag), a span per delivery with consumer, key, message id,
 //! correlation id, attempt and outcome, and duplicate/conflict log lines carrying the key and
-//! the correlation id. One test: it installs the process's recorder and subscriber.
+//! the correlation id, and how full batches are. One test: it installs the process's recorder
+//! and subscriber.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -64,6 +65,16 @@ async fn extra(
     if order.fail.as_deref() == Some("panic") && panicked.first(&order.order_id) {
         panic!("scripted panic on {}", order.order_id);
     }
+    Ok(())
+}
+
+/// Writes nothing but its inbox row; run in batch mode.
+#[idempotent(store = Sqlite, queue = "obs-batched", consumer = "obs.batched", key = "order.order_id")]
+async fn batched(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    order: Order,
+) -> Result<(), HandlerError> {
+    let _ = (order.order_id, order.fail);
     Ok(())
 }
 
@@ -367,6 +378,46 @@ async fn metrics_spans_and_log_lines() {
     ] {
         assert!(panicked.contains(field), "{field} missing from {panicked}");
     }
+
+    // Batch mode: five deliveries in batches of three make a full batch and one that waited
+    // its whole linger for a third delivery that never came.
+    let transport = MemoryTransport::new();
+    for id in ["b-1", "b-2", "b-3", "b-4", "b-5"] {
+        transport.publish("obs-batched", order(id, None, id));
+    }
+    let linger = Duration::from_millis(700);
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(SqliteInbox::new(pool.clone()))
+            .handlers(["obs.batched"])
+            .batch(3)
+            .linger(linger),
+    );
+    let stats = running.stats.clone();
+    wait_until("the five processed", Duration::from_secs(20), || async {
+        stats.snapshot().processed == 5
+    })
+    .await;
+    let scrape = prometheus.render();
+    running.shut_down().await;
+    let batched = |series: &str| sample(&scrape, &format!("{series}{{consumer=\"obs.batched\"}}"));
+    assert_eq!(
+        batched("idem_batch_deliveries_count"),
+        Some(2.0),
+        "{scrape}"
+    );
+    assert_eq!(batched("idem_batch_deliveries_sum"), Some(5.0), "{scrape}");
+    assert_eq!(
+        batched("idem_batch_fill_seconds_count"),
+        Some(2.0),
+        "{scrape}"
+    );
+    let filling = batched("idem_batch_fill_seconds_sum").unwrap_or_default();
+    assert!(
+        filling >= linger.as_secs_f64() && filling < 5.0,
+        "the partial batch waited its linger: {filling} s in all"
+    );
 }
 
 /// The response to `GET path` at `addr`, or nothing when nobody answers.

@@ -63,7 +63,7 @@ struct Bench {
     #[arg(long)]
     runtime_threads: Option<usize>,
     /// Install a Prometheus recorder in idem's consumers, so that its metrics are recorded
-    /// (and their cost measured).
+    /// (and their cost measured); batch-mode consumers then report how full their batches were.
     #[arg(long)]
     metrics: bool,
     /// Alternate the order of the consumers between runs: odd runs as listed in `--variants`,
@@ -276,11 +276,14 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
         | Variant::IdemSetOutbox
         | Variant::IdemOrdered4
         | Variant::IdemOrdered16 => {
-            if b.metrics {
-                metrics_exporter_prometheus::PrometheusBuilder::new()
-                    .install_recorder()
-                    .context("installing the metrics recorder")?;
-            }
+            let recorder = match b.metrics {
+                true => Some(
+                    metrics_exporter_prometheus::PrometheusBuilder::new()
+                        .install_recorder()
+                        .context("installing the metrics recorder")?,
+                ),
+                false => None,
+            };
             let batched = matches!(
                 variant,
                 Variant::IdemBatch | Variant::IdemSet | Variant::IdemSetOutbox
@@ -299,7 +302,11 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
                 keep_connections: variant != Variant::IdemPooled,
             };
             let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
-            with_idem::run(rabbit, pool, queue, expect, mode).await?
+            let elapsed = with_idem::run(rabbit, pool, queue, expect, mode).await?;
+            if let Some(recorder) = recorder.filter(|_| batched) {
+                eprintln!("{}", report::batch_fill(&recorder.render()));
+            }
+            elapsed
         }
     };
     println!(

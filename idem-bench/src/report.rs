@@ -61,6 +61,25 @@ pub struct Table {
     samples: Vec<Vec<Sample>>,
 }
 
+/// How full a batch-mode consumer's batches were, from a Prometheus scrape of its metrics:
+/// their count, mean deliveries and mean fill time.
+pub fn batch_fill(scrape: &str) -> String {
+    let value = |series: &str| {
+        scrape
+            .lines()
+            .find(|l| l.starts_with(series))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let batches = value("idem_batch_deliveries_count");
+    let per_batch = |series| value(series) / batches.max(1.0);
+    format!(
+        "batches {batches:.0}: {:.0} deliveries and {:.1} ms to fill on average",
+        per_batch("idem_batch_deliveries_sum"),
+        per_batch("idem_batch_fill_seconds_sum") * 1000.0
+    )
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     match values.len() {

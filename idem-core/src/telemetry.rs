@@ -13,6 +13,8 @@
 //! | `idem_handler_panics_total` | counter | `consumer` |
 //! | `idem_settle_failures_total` | counter | `consumer`: settlements the transport could not send |
 //! | `idem_mailbox_depth` | gauge | `consumer`: deliveries waiting in the handler's mailbox |
+//! | `idem_batch_deliveries` | histogram | `consumer` (batch mode): deliveries per batch, below the batch size when the linger ended the gathering |
+//! | `idem_batch_fill_seconds` | histogram | `consumer` (batch mode): from a batch's first delivery until it was gathered (at most the linger) |
 //! | `idem_broker_connected` | gauge | `queue`: 1 while its consumer is consuming, else 0 |
 //! | `idem_reconnects_total` | counter | `queue`: lost connections or channels of its consumer |
 //! | `idem_outbox_published_total` | counter | `store`, `by`: `dispatch` (right after the commit) or `relay` |
@@ -128,6 +130,10 @@ pub const PANICS: &str = "idem_handler_panics_total";
 pub const SETTLE_FAILURES: &str = "idem_settle_failures_total";
 /// Deliveries waiting in a handler's mailbox.
 pub const MAILBOX_DEPTH: &str = "idem_mailbox_depth";
+/// Deliveries per batch (batch mode).
+pub const BATCH_DELIVERIES: &str = "idem_batch_deliveries";
+/// From a batch's first delivery until it was gathered (batch mode).
+pub const BATCH_FILL: &str = "idem_batch_fill_seconds";
 /// Whether a queue's consumer is consuming.
 pub const BROKER_CONNECTED: &str = "idem_broker_connected";
 /// Lost connections or channels of a queue's consumer.
@@ -170,6 +176,16 @@ pub fn describe() {
         "Settlements the transport could not send (the broker redelivers)"
     );
     describe_gauge!(MAILBOX_DEPTH, "Deliveries waiting in the handler's mailbox");
+    describe_histogram!(
+        BATCH_DELIVERIES,
+        Unit::Count,
+        "Deliveries per batch (below the batch size when the linger ended the gathering)"
+    );
+    describe_histogram!(
+        BATCH_FILL,
+        Unit::Seconds,
+        "From a batch's first delivery until it was gathered (at most the linger)"
+    );
     describe_gauge!(
         BROKER_CONNECTED,
         "1 while the queue's consumer is consuming, else 0"
@@ -252,6 +268,12 @@ pub(crate) fn settle_failed(consumer: &'static str) {
 
 pub(crate) fn mailbox_depth(consumer: &'static str, depth: usize) {
     metrics::gauge!(MAILBOX_DEPTH, "consumer" => consumer).set(depth as f64);
+}
+
+/// Records a batch of `deliveries` gathered `filled_in` after its first delivery.
+pub(crate) fn batch_gathered(consumer: &'static str, deliveries: usize, filled_in: Duration) {
+    metrics::histogram!(BATCH_DELIVERIES, "consumer" => consumer).record(deliveries as f64);
+    metrics::histogram!(BATCH_FILL, "consumer" => consumer).record(filled_in.as_secs_f64());
 }
 
 /// Records whether `queue`'s consumer is consuming; transports call it.

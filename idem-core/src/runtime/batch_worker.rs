@@ -12,19 +12,25 @@ use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal};
 use std::collections::VecDeque;
 use std::sync::{Arc, MutexGuard, PoisonError};
+use std::time::Duration;
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout_at};
 use tracing::Instrument;
 
 /// Takes the next batch from the mailbox: what is there up to `size`, then whatever arrives
-/// within `linger` of the first delivery. Empty when the mailbox is closed and empty.
-async fn gather(mailbox: &mut mpsc::Receiver<Delivery>, spec: BatchSpec) -> Vec<Delivery> {
+/// within `linger` of the first delivery. Empty when the mailbox is closed and empty. Also
+/// returns how long the batch took to fill after its first delivery.
+async fn gather(
+    mailbox: &mut mpsc::Receiver<Delivery>,
+    spec: BatchSpec,
+) -> (Vec<Delivery>, Duration) {
     let mut batch = Vec::with_capacity(spec.size);
     if mailbox.recv_many(&mut batch, spec.size).await == 0 {
-        return batch;
+        return (batch, Duration::ZERO);
     }
-    let deadline = Instant::now() + spec.linger;
+    let first = Instant::now();
+    let deadline = first + spec.linger;
     while batch.len() < spec.size {
         let wanted = spec.size - batch.len();
         match timeout_at(deadline, mailbox.recv_many(&mut batch, wanted)).await {
@@ -32,7 +38,7 @@ async fn gather(mailbox: &mut mpsc::Receiver<Delivery>, spec: BatchSpec) -> Vec<
             Ok(_) => {}
         }
     }
-    batch
+    (batch, first.elapsed())
 }
 
 /// Gathers and runs batches until the mailbox is closed and empty. While a batch executes, the
@@ -51,8 +57,12 @@ pub(crate) async fn run(
     loop {
         let batch = {
             let mut mailbox = mailbox.lock().await;
-            let batch = gather(&mut mailbox, spec).await;
-            telemetry::mailbox_depth(shared.handler.consumer(), mailbox.len());
+            let (batch, filled_in) = gather(&mut mailbox, spec).await;
+            let consumer = shared.handler.consumer();
+            telemetry::mailbox_depth(consumer, mailbox.len());
+            if !batch.is_empty() {
+                telemetry::batch_gathered(consumer, batch.len(), filled_in);
+            }
             batch
         };
         if batch.is_empty() {
