@@ -48,8 +48,8 @@ pub mod store {
 pub mod transport {
     pub use idem_core::BoxFuture;
     pub use idem_core::{
-        DeadLetter, DeadLetterLog, Delivery, MemoryTransport, Outbound, OutboundError, Partition,
-        QueueSpec, Settle, Transport, TransportError,
+        DeadLetter, DeadLetterLog, Delivery, Demand, Gathering, MemoryTransport, Outbound,
+        OutboundError, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError, Wants,
     };
 }
 

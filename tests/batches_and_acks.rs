@@ -1,7 +1,8 @@
 //! Batch mode and coalesced acks against real RabbitMQ and PostgreSQL: an ack never covers a
 //! delivery whose transaction has not committed; batches take effect once through duplicates,
 //! handler failures, a closed broker connection and a database outage, with the handler run
-//! per message in batch mode and with the consumer's batch handler.
+//! per message in batch mode and with the consumer's batch handler; in batch mode the consumer
+//! reads the broker only while a batch gathers.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -12,9 +13,115 @@ mod runtime_fixture;
 use common::running::*;
 use common::{broker, wait_until};
 use idem::RetryPolicy;
-use idem::rabbitmq::QueueType;
+use idem::rabbitmq::{QueueType, RabbitTransport};
+use idem::transport::{
+    BoxFuture, Delivery, Demand, QueueSpec, StopSignal, Transport, TransportError,
+};
 use runtime_fixture::*;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+
+/// While no batch gathers, the consumer leaves what the broker delivered in its client's
+/// buffer (no wake-up per delivery); when one gathers, it hands all of it over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gated_consumer_hands_deliveries_over_only_while_a_batch_gathers() {
+    let f = fixture("gated", fast_retries(), QueueType::Classic, None).await;
+    const ORDERS: usize = 5;
+    for n in 0..ORDERS {
+        f.publish_order(n, 1).await;
+    }
+    let mut spec = QueueSpec::new(f.queue.clone(), CONSUMER);
+    spec.retry_delays = f.policy.delays();
+    let (wants, demand) = Demand::gated();
+    spec.demand = demand;
+    let transport = RabbitTransport::new(f.rabbit.clone());
+    let (mailbox_tx, mut mailbox) = mpsc::channel(32);
+    let (stop_tx, stop) = watch::channel(false);
+    let consuming = tokio::spawn(transport.consume(spec, 32, mailbox_tx, stop));
+    wait_until("the broker to deliver every order", DEADLINE, || async {
+        broker::count(&f.queue).await == 0 && broker::unacked(&f.queue) == ORDERS
+    })
+    .await;
+    // Nothing to await: the check is that nothing comes while no batch gathers.
+    let early = tokio::time::timeout(Duration::from_millis(500), mailbox.recv()).await;
+    assert!(
+        early.is_err(),
+        "a delivery was handed over while no batch gathered"
+    );
+    let gathering = wants.gathering();
+    let mut got = Vec::new();
+    while got.len() < ORDERS {
+        let delivery = tokio::time::timeout(DEADLINE, mailbox.recv()).await;
+        got.push(delivery.unwrap().expect("the consumer is running"));
+    }
+    drop(gathering);
+    for delivery in got {
+        delivery.settle.ack().await.unwrap();
+    }
+    stop_tx.send(true).unwrap();
+    consuming.await.unwrap();
+    transport.close().await;
+    wait_until("the acks to reach the broker", DEADLINE, || async {
+        broker::unacked(&f.queue) == 0 && broker::count(&f.queue).await == 0
+    })
+    .await;
+    f.cleanup().await;
+}
+
+/// The RabbitMQ transport, noting whether the runtime gated each queue's consumer.
+struct Noting {
+    inner: RabbitTransport,
+    gated: Arc<Mutex<Vec<bool>>>,
+}
+
+impl Transport for Noting {
+    fn declare<'a>(&'a self, queues: &'a [QueueSpec]) -> BoxFuture<'a, Result<(), TransportError>> {
+        self.inner.declare(queues)
+    }
+
+    fn consume(
+        &self,
+        queue: QueueSpec,
+        prefetch: u16,
+        mailbox: mpsc::Sender<Delivery>,
+        stop: StopSignal,
+    ) -> BoxFuture<'static, ()> {
+        let mut gated = self.gated.lock().unwrap_or_else(|e| e.into_inner());
+        gated.push(queue.demand.is_gated());
+        self.inner.consume(queue, prefetch, mailbox, stop)
+    }
+
+    fn close(&self) -> BoxFuture<'_, ()> {
+        self.inner.close()
+    }
+}
+
+/// The runtime gates the consumer of a handler in batch mode, and only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_runtime_gates_batch_mode_consumers_only() {
+    for batch in [0, 8] {
+        let f = fixture("gating", fast_retries(), QueueType::Classic, None).await;
+        const ORDERS: usize = 50;
+        for n in 0..ORDERS {
+            f.publish_order(n, 3).await;
+        }
+        let gated = Arc::new(Mutex::new(Vec::new()));
+        let transport = Noting {
+            inner: RabbitTransport::new(f.rabbit.clone()),
+            gated: gated.clone(),
+        };
+        let running = start(f.runtime().transport(transport).batch(batch));
+        wait_until("every order applied", DEADLINE, || async {
+            f.effects().await.len() == ORDERS
+        })
+        .await;
+        running.shut_down().await;
+        f.assert_exactly_once(ORDERS, |_| 3).await;
+        assert_eq!(*gated.lock().unwrap(), [batch > 0], "batch {batch}");
+        f.cleanup().await;
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_ack_never_covers_an_uncommitted_delivery() {

@@ -78,6 +78,6 @@ pub use store::{
     StoreKind, Stores, SweepReport,
 };
 pub use transport::{
-    DeadLetterLog, Delivery, MemoryTransport, Outbound, OutboundError, Partition, QueueSpec,
-    Settle, StopSignal, Transport, TransportError,
+    DeadLetterLog, Delivery, Demand, Gathering, MemoryTransport, Outbound, OutboundError,
+    Partition, QueueSpec, Settle, StopSignal, Transport, TransportError, Wants,
 };

@@ -207,7 +207,8 @@ impl Consumer {
         Ok((channel, consumer, tag))
     }
 
-    /// Hands every delivery to the mailbox until shutdown, the mailbox closing, or a failure.
+    /// Hands every delivery to the mailbox until shutdown, the mailbox closing, or a failure;
+    /// reads lapin's consumer only while the runtime wants deliveries (`QueueSpec::demand`).
     async fn consume(
         &mut self,
         channel: Channel,
@@ -224,6 +225,14 @@ impl Consumer {
         let (acks, settler) = settle::spawn(channel.clone(), queue.clone(), lag);
         self.connections.track(settler);
         loop {
+            // Batch mode: deliveries wait in lapin's buffer until a batch gathers.
+            if !self.spec.demand.is_wanted() {
+                let mut stopping = self.stop.clone();
+                tokio::select! {
+                    () = self.spec.demand.wanted() => {}
+                    _ = stopping.wait_for(|stopped| *stopped) => {}
+                }
+            }
             let next = tokio::select! {
                 next = consumer.next() => next,
                 _ = self.stop.changed() => {

@@ -1,15 +1,17 @@
 //! A handler's batch workers: take a batch from the mailbox (up to `size` deliveries, or what
-//! arrived within `linger` of the first), run it in one transaction and settle its deliveries
-//! after the commit. While one batch executes, the next one fills the mailbox; while it
-//! commits, the next one begins and claims its keys (its handlers wait for the commit). Each
-//! batch in flight runs on a database connection the worker keeps between batches.
+//! arrived within `linger` of the first; the transport reads the broker only while a batch
+//! gathers), run it in one transaction and settle its deliveries after the commit. While one
+//! batch executes, the broker delivers the next one into its client's buffer; while it
+//! commits, the next one is gathered, begins and claims its keys (its handlers wait for the
+//! commit). Each batch in flight runs on a database connection the worker keeps between
+//! batches.
 
 use super::actor::{BatchSpec, Shared};
 use super::settle;
 use crate::model::Envelope;
 use crate::pipeline::{HeldConnection, Stages};
 use crate::telemetry;
-use crate::transport::{Delivery, Settle, StopSignal};
+use crate::transport::{Delivery, Settle, StopSignal, Wants};
 use std::collections::VecDeque;
 use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -42,14 +44,16 @@ async fn gather(
 }
 
 /// Gathers and runs batches until the mailbox is closed and empty. While a batch executes, the
-/// broker keeps delivering the next one into the mailbox (prefetch is at least twice the batch
-/// size), so it is ready the moment this one is settled. After `stop` is raised, batches are
-/// released to the broker instead of processed.
+/// broker keeps delivering the next one (prefetch is at least twice the batch size); `wants`
+/// is raised only while a batch gathers, so the transport hands those deliveries over in one
+/// go when the next batch gathers, not one wake-up at a time. After `stop` is raised, batches
+/// are released to the broker instead of processed.
 pub(crate) async fn run(
     shared: Arc<Shared>,
     mailbox: Arc<Mutex<mpsc::Receiver<Delivery>>>,
     stop: StopSignal,
     spec: BatchSpec,
+    wants: Arc<Wants>,
 ) {
     let mut in_flight = JoinSet::new();
     let mut previous: Option<oneshot::Receiver<()>> = None;
@@ -57,7 +61,9 @@ pub(crate) async fn run(
     loop {
         let batch = {
             let mut mailbox = mailbox.lock().await;
+            let gathering = wants.gathering();
             let (batch, filled_in) = gather(&mut mailbox, spec).await;
+            drop(gathering);
             let consumer = shared.handler.consumer();
             telemetry::mailbox_depth(consumer, mailbox.len());
             if !batch.is_empty() {

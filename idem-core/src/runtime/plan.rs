@@ -187,6 +187,7 @@ impl RuntimeBuilder {
             retry_delays: self.retry.delays(),
             dead_letters: Default::default(),
             partition: None,
+            demand: Default::default(),
         };
         let Some(&count) = self.ordered.get(consumer) else {
             return Ok(vec![Actor {

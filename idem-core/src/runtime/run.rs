@@ -12,7 +12,7 @@ use super::sweeper::{self, SweepSettings};
 use super::{batch_worker, lanes, worker};
 use crate::pipeline::ErasedHandler;
 use crate::store::Stores;
-use crate::transport::{DeadLetterLog, QueueSpec, Transport};
+use crate::transport::{DeadLetterLog, Demand, QueueSpec, Transport};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -74,6 +74,12 @@ impl Runtime {
             let handler = actor.registration.handler();
             let mut spec = actor.spec.clone();
             spec.dead_letters = dead_letter_log(handler, &self.stores);
+            // Batch workers want deliveries only while a batch gathers.
+            let (wants, demand) = Demand::gated();
+            if actor.batch.is_some() {
+                spec.demand = demand;
+            }
+            let wants = Arc::new(wants);
             consumers.spawn(
                 self.transport
                     .consume(spec, actor.prefetch, mailbox_tx, stop.clone()),
@@ -117,6 +123,7 @@ impl Runtime {
                             mailbox.clone(),
                             stop.clone(),
                             spec,
+                            wants.clone(),
                         ));
                     }
                 }

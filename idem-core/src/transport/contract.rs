@@ -4,6 +4,7 @@
 //! is where a delivery enters); the runtime decides each one's settlement (`runtime/settle.rs`)
 //! and sends it exactly once through its [`Settle`]: ack, retry later, dead-letter or release.
 
+use super::demand::Demand;
 use super::outbound::Outbound;
 use crate::future::BoxFuture;
 use crate::model::{BoxError, DeadLetter, DeadLetterRecord, Envelope, StoreError};
@@ -68,6 +69,9 @@ pub struct QueueSpec {
     /// exchange's messages by routing key to the partitions and lets one consumer at a time
     /// (across processes) consume each.
     pub partition: Option<Partition>,
+    /// When the handler's workers want deliveries (batch mode: while a batch gathers); the
+    /// runtime sets it. A transport reads the broker only while they are wanted.
+    pub demand: Demand,
 }
 
 /// One partition queue of an ordered handler (see `RuntimeBuilder::ordered`).

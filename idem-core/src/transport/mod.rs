@@ -3,11 +3,13 @@
 //! RabbitMQ transport is in idem-rabbitmq.
 
 pub mod contract;
+pub mod demand;
 pub mod memory;
 pub mod outbound;
 
 pub use contract::{
     DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };
+pub use demand::{Demand, Gathering, Wants};
 pub use memory::MemoryTransport;
 pub use outbound::{Outbound, OutboundError};
