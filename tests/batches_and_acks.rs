@@ -2,7 +2,7 @@
 //! delivery whose transaction has not committed; batches take effect once through duplicates,
 //! handler failures, a closed broker connection and a database outage, with the handler run
 //! per message in batch mode and with the consumer's batch handler; in batch mode the consumer
-//! reads the broker only while a batch gathers.
+//! reads the broker only while a batch gathers, and the prefetch holds three batches.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -121,6 +121,44 @@ async fn the_runtime_gates_batch_mode_consumers_only() {
         assert_eq!(*gated.lock().unwrap(), [batch > 0], "batch {batch}");
         f.cleanup().await;
     }
+}
+
+/// In batch mode the prefetch defaults to three batches: while a batch is in its handlers the
+/// broker has sent the next two (one to claim while this one commits, one to gather), and no
+/// more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batch_mode_prefetches_three_batches_by_default() {
+    let f = fixture("prefetch", fast_retries(), QueueType::Classic, None).await;
+    // Above a third of the per-message default (32), which is the least it ever is.
+    const BATCH: usize = 20;
+    const ORDERS: usize = 5 * BATCH;
+    f.script.set(&f.key(0), &[Step::WaitForRelease]);
+    for n in 0..ORDERS {
+        f.publish_order(n, 1).await;
+    }
+    let running = start(f.runtime_with_defaults().batch(BATCH));
+    wait_until("the first batch's handlers to start", DEADLINE, || async {
+        f.script.started(&f.key(0))
+    })
+    .await;
+    wait_until("the broker to send three batches", DEADLINE, || async {
+        broker::unacked(&f.queue) >= 3 * BATCH
+    })
+    .await;
+    assert_eq!(
+        broker::unacked(&f.queue),
+        3 * BATCH,
+        "more than the prefetch"
+    );
+    assert_eq!(broker::count(&f.queue).await, ORDERS - 3 * BATCH);
+    f.script.release(&f.key(0));
+    wait_until("every order applied", DEADLINE, || async {
+        f.effects().await.len() == ORDERS
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(ORDERS, |_| 1).await;
+    f.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

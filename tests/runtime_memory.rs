@@ -220,7 +220,7 @@ async fn wrong_configuration_fails_at_start_saying_what_to_change() {
     );
     assert!(
         batch.contains("batches 100 deliveries but prefetch is 50")
-            && batch.contains("set .prefetch(200)"),
+            && batch.contains("set .prefetch(300)"),
         "{batch}"
     );
 }

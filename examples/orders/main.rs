@@ -224,7 +224,7 @@ fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
         .handler_concurrency(status::CONSUMER, settings.concurrency)
         .poison_limit(settings.poison_limit);
     // Batch mode (orders only; status updates run one transaction each, in order) keeps its
-    // defaults: one batch in flight, prefetch twice the batch.
+    // defaults: one batch in flight, prefetch three times the batch.
     let batch = match (settings.batch, settings.batch_handler) {
         (0, true) => DEFAULT_HANDLER_BATCH,
         (size, _) => size,

@@ -53,7 +53,7 @@ struct Bench {
     /// Workers of the per-message consumers.
     #[arg(long, default_value_t = 8)]
     workers: usize,
-    /// Prefetch of the per-message consumers (the batched ones use 2 × batch).
+    /// Prefetch of the per-message consumers (the batched ones use 3 × batch, idem's default).
     #[arg(long, default_value_t = 32)]
     prefetch: u16,
     /// Batches in flight in idem's batch mode.

@@ -97,7 +97,7 @@ pub struct Mode {
     pub batch: usize,
     /// Workers (per message) or batches in flight (batch mode).
     pub concurrency: usize,
-    /// Prefetch (per message; batch mode uses its default, 2 × batch).
+    /// Prefetch (per message; batch mode uses its default, 3 × batch).
     pub prefetch: u16,
     /// Ordered over this many partitions (the queue is then their exchange).
     pub partitions: Option<usize>,

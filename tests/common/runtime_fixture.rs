@@ -262,6 +262,16 @@ impl Fixture {
 
     /// The runtime with the consumer's function `function`.
     fn runtime_of(&self, function: &str, pool: sqlx::PgPool) -> RuntimeBuilder {
+        self.defaults_of(function, pool).concurrency(4).prefetch(16)
+    }
+
+    /// The runtime with the consumer's `record` handler, idem's default concurrency and
+    /// prefetch.
+    pub fn runtime_with_defaults(&self) -> RuntimeBuilder {
+        self.defaults_of("record", self.pool.clone())
+    }
+
+    fn defaults_of(&self, function: &str, pool: sqlx::PgPool) -> RuntimeBuilder {
         Runtime::builder()
             .transport(RabbitTransport::new(self.rabbit.clone()))
             .store(PgInbox::new(pool))
@@ -269,8 +279,6 @@ impl Fixture {
             .handlers([function])
             .handler_queue(CONSUMER, &self.queue)
             .retry(self.policy.clone())
-            .concurrency(4)
-            .prefetch(16)
     }
 
     pub fn runtime(&self) -> RuntimeBuilder {

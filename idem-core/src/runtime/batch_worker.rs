@@ -44,9 +44,9 @@ async fn gather(
 }
 
 /// Gathers and runs batches until the mailbox is closed and empty. While a batch executes, the
-/// broker keeps delivering the next one (prefetch is at least twice the batch size); `wants`
-/// is raised only while a batch gathers, so the transport hands those deliveries over in one
-/// go when the next batch gathers, not one wake-up at a time. After `stop` is raised, batches
+/// broker keeps delivering the next ones (the default prefetch is three batches); `wants` is
+/// raised only while a batch gathers, so the transport hands those deliveries over in one go
+/// when the next batch gathers, not one wake-up at a time. After `stop` is raised, batches
 /// are released to the broker instead of processed.
 pub(crate) async fn run(
     shared: Arc<Shared>,

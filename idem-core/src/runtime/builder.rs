@@ -144,7 +144,7 @@ impl RuntimeBuilder {
     }
 
     /// Unsettled deliveries per handler the broker may send ahead (default 32; in batch mode
-    /// twice the batch size). This bounds what is held in memory: the mailbox holds at most
+    /// three times the batch size). This bounds what is held in memory: the mailbox holds at most
     /// this many.
     pub fn prefetch(mut self, prefetch: u16) -> Self {
         self.prefetch = Some(prefetch);
@@ -154,8 +154,9 @@ impl RuntimeBuilder {
     /// Batch mode for every handler: up to `size` deliveries per transaction (0, the default:
     /// one transaction per delivery). Keys are claimed with one statement, each new message
     /// runs under its own savepoint (a failure rolls back and dead-letters that message only),
-    /// and the deliveries are acked after the one commit. Prefetch defaults to `2 × size`, so
-    /// the next batch gathers while one commits; a batch larger than the prefetch is refused.
+    /// and the deliveries are acked after the one commit. Prefetch defaults to `3 × size`, so
+    /// the broker keeps delivering while one batch commits and the next one claims; a batch
+    /// larger than the prefetch is refused.
     pub fn batch(mut self, size: usize) -> Self {
         self.batch = size;
         self

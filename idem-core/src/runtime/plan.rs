@@ -151,11 +151,13 @@ impl RuntimeBuilder {
         let prefetch = match (self.prefetch, batch) {
             (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
                 return Err(RuntimeError::setting(
-"prefetch", format!(
-                    "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
-                    batch.size,
-                    batch.size.saturating_mul(2).min(usize::from(u16::MAX)),
-                )));
+                    "prefetch",
+                    format!(
+                        "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
+                        batch.size,
+                        batch.size.saturating_mul(3).min(usize::from(u16::MAX)),
+                    ),
+                ));
             }
             (Some(prefetch), Some(batch)) => {
                 if batch.size * 2 > usize::from(prefetch) {
@@ -169,16 +171,7 @@ impl RuntimeBuilder {
                 prefetch
             }
             (Some(prefetch), None) => prefetch,
-            (None, Some(batch)) => u16::try_from(batch.size.saturating_mul(2))
-                .map_err(|_| {
-                    RuntimeError::setting(
-"batch", format!(
-                        "`{consumer}` batches {} deliveries; at most {} fit twice in a prefetch",
-                        batch.size,
-                        u16::MAX / 2
-                    ))
-                })?
-                .max(DEFAULT_PREFETCH),
+            (None, Some(batch)) => default_batch_prefetch(consumer, batch.size)?,
             (None, None) => DEFAULT_PREFETCH,
         };
         let spec = QueueSpec {
@@ -248,5 +241,38 @@ impl RuntimeBuilder {
             }
         }
         Ok(())
+    }
+}
+
+/// Batch mode's default prefetch: room for three batches (one committing, the next claimed and
+/// in its handlers, a third gathering), so the broker keeps delivering while two batches are in
+/// their transactions; at least [`DEFAULT_PREFETCH`], at most `u16::MAX`. A batch that does
+/// not fit twice is refused: the next one could not gather while it commits.
+fn default_batch_prefetch(consumer: &str, size: usize) -> Result<u16, RuntimeError> {
+    if size.saturating_mul(2) > usize::from(u16::MAX) {
+        return Err(RuntimeError::setting(
+            "batch",
+            format!(
+                "`{consumer}` batches {size} deliveries; at most {} fit twice in a prefetch",
+                u16::MAX / 2
+            ),
+        ));
+    }
+    let prefetch = size.saturating_mul(3).min(usize::from(u16::MAX));
+    Ok(u16::try_from(prefetch)
+        .unwrap_or(u16::MAX)
+        .max(DEFAULT_PREFETCH))
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::runtime::plan::default_batch_prefetch;
+
+    #[test]
+    fn batch_mode_prefetches_three_batches_within_the_bounds() {
+        assert_eq!(default_batch_prefetch("c", 5).ok(), Some(32));
+        assert_eq!(default_batch_prefetch("c", 200).ok(), Some(600));
+        assert_eq!(default_batch_prefetch("c", 30_000).ok(), Some(u16::MAX));
+        assert!(default_batch_prefetch("c", 32_768).is_err());
     }
 }
