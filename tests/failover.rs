@@ -272,6 +272,52 @@ async fn publishes_under_way_when_the_connection_is_cut_always_return() {
     f.cleanup().await;
 }
 
+/// Two tasks share one publisher: one keeps publishing unconfirmed messages while the other
+/// waits for its confirms again and again. Every wait returns. (lapin's own wait awaits only
+/// the channel's last confirm, which never answers once another task published after it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn waits_for_confirms_return_while_another_task_publishes() {
+    use idem::rabbitmq::Publisher;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let f = fixture("publisher-shared", fast_retries(), QueueType::Classic, None).await;
+    let publisher = Publisher::connect(&f.rabbit).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (publisher, queue, stop) = (publisher.clone(), f.queue.clone(), stop.clone());
+        tokio::spawn(async move {
+            let message = idem::Envelope::new("{}").with_message_id("other");
+            let mut sent = 0;
+            while !stop.load(Ordering::SeqCst) {
+                publisher
+                    .publish_unconfirmed(&queue, &message)
+                    .await
+                    .unwrap();
+                sent += 1;
+            }
+            bounded(publisher.wait_for_confirms()).await.unwrap();
+            sent
+        })
+    };
+    let message = idem::Envelope::new("{}").with_message_id("waiter");
+    for _ in 0..100 {
+        for _ in 0..5 {
+            publisher
+                .publish_unconfirmed(&f.queue, &message)
+                .await
+                .unwrap();
+        }
+        bounded(publisher.wait_for_confirms()).await.unwrap();
+    }
+    stop.store(true, Ordering::SeqCst);
+    let sent = bounded(other).await.unwrap();
+    wait_until("every message in the queue", DEADLINE, || async {
+        common::broker::count(&f.queue).await == 500 + sent
+    })
+    .await;
+    f.cleanup().await;
+}
+
 /// AMQP `queue.declare-ok`: class and method ids.
 const DECLARE_OK: (u16, u16) = (50, 11);
 /// AMQP `basic.qos-ok`: class and method ids.

@@ -5,12 +5,11 @@ use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::properties;
 use idem_core::{BoxError, Envelope};
-use lapin::Channel;
-use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
+use lapin::{Channel, Confirmation, PublisherConfirm};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 
 /// Every publish asks the broker to return a message no queue takes.
 const MANDATORY: BasicPublishOptions = BasicPublishOptions {
@@ -44,6 +43,13 @@ pub enum PublishError {
     },
 }
 
+/// Unconfirmed publishes whose connection was lost: the broker may or may not have them.
+fn lost_unconfirmed() -> PublishError {
+    PublishError::Broker(
+        "the connection was lost before every publish was confirmed; publish them again".into(),
+    )
+}
+
 /// A lapin error as a [`PublishError`] (no `From` impl: lapin stays out of the public API).
 fn broker(error: lapin::Error) -> PublishError {
     PublishError::Broker(error.into())
@@ -75,6 +81,14 @@ struct Inner {
     /// Unconfirmed publishes were made on the current channel since the last
     /// [`Publisher::wait_for_confirms`].
     unconfirmed: AtomicBool,
+    /// The confirms of the unconfirmed publishes not yet waited for, each with its channel.
+    /// Kept here, not left to lapin's `Channel::wait_for_confirms`: that one awaits only the
+    /// channel's last confirm, and never answers if another task publishes before that
+    /// confirm arrives.
+    confirms: Mutex<Vec<(Channel, PublisherConfirm)>>,
+    /// One waiter at a time: a waiter that comes while another awaits the confirms it took
+    /// waits for those too.
+    waiting: tokio::sync::Mutex<()>,
 }
 
 /// A confirm-mode channel on a new connection of `connections`.
@@ -115,6 +129,8 @@ impl Publisher {
                 channel: RwLock::new(channel),
                 reconnecting: tokio::sync::Mutex::new(()),
                 unconfirmed: AtomicBool::new(false),
+                confirms: Mutex::default(),
+                waiting: tokio::sync::Mutex::new(()),
             }),
         })
     }
@@ -322,30 +338,48 @@ impl Publisher {
             &message.body,
             properties(message),
         );
-        on_channel(&channel, publish).await.map_err(broker)?;
+        let confirm = on_channel(&channel, publish).await.map_err(broker)?;
+        self.pending().push((channel, confirm));
         Ok(())
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<(Channel, PublisherConfirm)>> {
+        self.inner
+            .confirms
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Waits until every message published so far is confirmed; fails if any was refused or
     /// could not be routed.
+    ///
+    /// Safe to call from several tasks sharing the publisher: each call returns once every
+    /// message published before it is confirmed; a refusal is reported to the call that
+    /// awaited that message's confirm.
     pub async fn wait_for_confirms(&self) -> Result<(), PublishError> {
-        let channel = self.current();
-        let waited = on_channel(&channel, channel.wait_for_confirms()).await;
+        let _turn = self.inner.waiting.lock().await;
+        let confirms = std::mem::take(&mut *self.pending());
         // Reported either way: the next publish may connect again.
         let unconfirmed = self.inner.unconfirmed.swap(false, Ordering::SeqCst);
-        let returned = waited.map_err(broker)?;
-        if unconfirmed && !channel.status().connected() {
-            return Err(PublishError::Broker(
-                "the connection was lost before every publish was confirmed; publish them again"
-                    .into(),
-            ));
+        let mut first_failure = None;
+        // Every confirm is awaited, also after a failure: none is left behind unanswered.
+        for (channel, confirm) in confirms {
+            let failure = match on_channel(&channel, confirm).await {
+                Ok(Confirmation::Ack(None)) => continue,
+                Ok(Confirmation::Ack(Some(message))) => PublishError::Unroutable {
+                    exchange: message.delivery.exchange.to_string(),
+                    routing_key: message.delivery.routing_key.to_string(),
+                },
+                Ok(Confirmation::Nack(_) | Confirmation::NotRequested) => PublishError::Refused,
+                Err(_) if !channel.status().connected() => lost_unconfirmed(),
+                Err(e) => broker(e),
+            };
+            first_failure.get_or_insert(failure);
         }
-        match returned.first() {
-            None => Ok(()),
-            Some(message) => Err(PublishError::Unroutable {
-                exchange: message.delivery.exchange.to_string(),
-                routing_key: message.delivery.routing_key.to_string(),
-            }),
+        let channel = self.current();
+        if first_failure.is_none() && unconfirmed && !channel.status().connected() {
+            first_failure = Some(lost_unconfirmed());
         }
+        first_failure.map_or(Ok(()), Err)
     }
 }
