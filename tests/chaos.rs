@@ -16,6 +16,9 @@
 //! cluster of `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the
 //! consumers given every node's address.
 //!
+//! A run that does not converge says where its unshipped orders are; with
+//! `IDEM_CHAOS_LOGS=<dir>` the consumers also log at debug level into `<dir>/<queue>.log`.
+//!
 //! The default is a short run (`cargo test --workspace` includes it). The long run:
 //! `IDEM_CHAOS_ORDERS=20000 IDEM_CHAOS_PROCESSES=4 cargo test --release --test chaos -- --nocapture`.
 
@@ -142,6 +145,19 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     }
     publisher.wait_for_confirms().await.unwrap();
 
+    // IDEM_CHAOS_LOGS=<dir>: the consumers log at debug level, all into <dir>/<queue>.log.
+    let logs = std::env::var("IDEM_CHAOS_LOGS")
+        .ok()
+        .map(|dir| std::path::Path::new(&dir).join(format!("{queue}.log")));
+    let log = || {
+        logs.as_ref().map_or_else(Stdio::null, |path| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_or_else(|_| Stdio::null(), Stdio::from)
+        })
+    };
     let spawn = || -> Child {
         Command::new(&binary)
             .arg("consume")
@@ -158,10 +174,17 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
                 "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3,\
                  after_commit_before_dispatch=0.003,after_publish_before_mark=0.003",
             )
-            .env("RUST_LOG", "error")
+            .env(
+                "RUST_LOG",
+                if logs.is_some() {
+                    "info,idem=debug"
+                } else {
+                    "error"
+                },
+            )
             .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stdout(log())
+            .stderr(log())
             .spawn()
             .expect("start orders consume")
     };
@@ -219,10 +242,11 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         if started.elapsed() >= Duration::from_secs(600) {
             // Which of the four did not come, so that a failure says where to look.
             let dead_now = dead().await;
+            let whereabouts = common::whereabouts::report(&pool, &queue, urls == amqp_url()).await;
             panic!(
                 "chaos run did not converge in 600 s: orders stored {stored_now} of {orders}, \
                  dead letters {dead_now} of {malformed}, shipments {shipments} of {orders}, \
-                 outbox rows unpublished {unpublished}"
+                 outbox rows unpublished {unpublished}\n{whereabouts}"
             );
         }
         tokio::time::sleep(Duration::from_millis(200 + rng.below(600))).await;

@@ -243,6 +243,50 @@ async fn retries_exhausted_end_in_the_dead_letter_queue() {
     f.cleanup().await;
 }
 
+/// A delivery lost with its connection (a crash, a connection closed by the broker) is not a
+/// failed attempt: its redelivery comes back as the same attempt, so the message still gets
+/// every attempt of its retry policy. (Counting redeliveries as attempts let random kills and a
+/// few transient failures dead-letter a message as `retries-exhausted`; deliveries that never
+/// settle are the poison limit's to count.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delivery_lost_with_its_connection_is_not_a_failed_attempt() {
+    let policy = RetryPolicy::new(3, Duration::from_millis(50), 2, Duration::from_secs(1)).unwrap();
+    let f = fixture("lost-attempt", policy, QueueType::Classic, None).await;
+    // The first delivery waits in its transaction while its connection is closed, then fails:
+    // its settlement cannot be sent. The redelivery and the first retry copy fail too; the
+    // policy's third attempt succeeds.
+    f.script.set(
+        &f.key(0),
+        &[Step::WaitThenFail, Step::FailTransient, Step::FailTransient],
+    );
+    let running = start(f.runtime());
+    f.publish_order(0, 7).await;
+    wait_until(
+        "the first delivery in its transaction",
+        DEADLINE,
+        || async { f.script.started(&f.key(0)) },
+    )
+    .await;
+    assert!(broker::close_connections(&format!("idem-test:{}", f.queue)) >= 1);
+    f.script.release(&f.key(0));
+    wait_until("the order settled", DEADLINE, || async {
+        let seen = running.now();
+        seen.processed + seen.dead_lettered >= 1
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.dead_lettered),
+        (1, 0),
+        "the lost delivery used up an attempt: {:?}",
+        f.script.attempts(&f.key(0))
+    );
+    assert_eq!(f.script.attempts(&f.key(0)), [1, 1, 2, 3]);
+    assert!(f.dead_letters().await.is_empty());
+    f.assert_exactly_once(1, |_| 7).await;
+    f.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broker_connection_closed_under_load_loses_and_doubles_nothing() {
     let f = fixture("reconnect", fast_retries(), QueueType::Classic, None).await;
@@ -701,7 +745,8 @@ async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
     )
     .await;
 
-    // A message given back once arrives as attempt 2; duplicates still take effect once.
+    // A message given back once arrives flagged redelivered but as attempt 1 still (nothing
+    // failed: x-delivery-count does not use up the retry policy); duplicates take effect once.
     f.publish_order(1, 5).await;
     assert!(broker::give_back(&f.queue, DEADLINE).await);
     f.publish_order(2, 6).await;
@@ -715,8 +760,8 @@ async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
     assert_eq!((seen.processed, seen.duplicates), (2, 1));
     assert_eq!(
         f.script.attempts(&f.key(1)),
-        [2],
-        "x-delivery-count counts the give-back"
+        [1],
+        "a give-back is not a failed attempt"
     );
     let effects = f.effects().await;
     assert_eq!(

@@ -157,8 +157,8 @@ impl Harness {
     }
 
     /// Delivers `envelope` again as the broker does when the transaction committed but the ack
-    /// was lost (a crash or a dropped connection after the commit): flagged redelivered, next
-    /// attempt. A handler that is idempotent through idem answers [`Outcome::Duplicate`].
+    /// was lost (a crash or a dropped connection after the commit): flagged redelivered, the
+    /// same attempt. A handler that is idempotent through idem answers [`Outcome::Duplicate`].
     pub async fn redeliver(
         &self,
         consumer: &str,
@@ -166,7 +166,6 @@ impl Harness {
     ) -> Result<Outcome, HarnessError> {
         let mut again = envelope.clone();
         again.redelivered = true;
-        again.attempt = envelope.attempt.saturating_add(1);
         self.send(consumer, again).await
     }
 

@@ -7,9 +7,10 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 /// The header idem sets on a retried copy: which attempt it is.
 pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
 
-/// Builds the envelope of a delivery. The attempt is the retry copy's attempt (from
-/// [`ATTEMPT_HEADER`], 1 for an original) plus the broker's redeliveries of this copy (quorum
-/// queues count them in `x-delivery-count`; classic queues only flag a redelivery).
+/// Builds the envelope of a delivery. The attempt is the retry copy's (from
+/// [`ATTEMPT_HEADER`], 1 for an original): a redelivery of the same copy (its consumer died or
+/// lost its connection, or gave it back) is the same attempt, so it does not use up the retry
+/// policy's attempts; deliveries that never settle are the poison limit's to count.
 pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered: bool) -> Envelope {
     let headers = properties
         .headers()
@@ -20,9 +21,8 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
         Some(HeaderValue::Int(n)) => u32::try_from(*n).ok(),
         _ => None,
     };
-    let base = int(ATTEMPT_HEADER).unwrap_or(1).max(1);
-    let redeliveries = int("x-delivery-count").unwrap_or(u32::from(redelivered));
-    let mut envelope = Envelope::new(body).with_attempt(base.saturating_add(redeliveries));
+    let attempt = int(ATTEMPT_HEADER).unwrap_or(1).max(1);
+    let mut envelope = Envelope::new(body).with_attempt(attempt);
     envelope.message_id = properties.message_id().as_ref().map(ToString::to_string);
     envelope.correlation_id = properties
         .correlation_id()
@@ -167,10 +167,18 @@ mod tests {
             Some(&HeaderValue::Str("k-1".into()))
         );
         assert_eq!(env.attempt, 3);
+        // A redelivery is the same attempt, also when a quorum queue counts it.
         assert_eq!(
             envelope(&BasicProperties::default(), vec![], true).attempt,
-            2
+            1
         );
+        let mut counted = FieldTable::default();
+        counted.insert(
+            ShortString::from("x-delivery-count"),
+            AMQPValue::LongLongInt(2),
+        );
+        let given_back = BasicProperties::default().with_headers(counted);
+        assert_eq!(envelope(&given_back, vec![], true).attempt, 1);
         assert_eq!(
             envelope(&BasicProperties::default(), vec![], false).attempt,
             1

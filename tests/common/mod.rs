@@ -179,3 +179,4 @@ pub mod proxy;
 pub mod raw_amqp;
 pub mod running;
 pub mod tls_node;
+pub mod whereabouts;

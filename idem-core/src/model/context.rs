@@ -219,7 +219,8 @@ impl<'a> Context<'a> {
         self.envelope.headers.get(name)
     }
 
-    /// Which delivery attempt this is, starting at 1.
+    /// Which attempt this is: 1, plus one for each transient failure before it (a redelivery
+    /// of the same copy is the same attempt; see [`Envelope::attempt`]).
     pub fn attempt(&self) -> u32 {
         self.envelope.attempt
     }

@@ -21,7 +21,10 @@ pub struct Envelope {
     pub content_type: Option<String>,
     /// The message body.
     pub body: Vec<u8>,
-    /// Which delivery attempt this is, starting at 1.
+    /// Which attempt this is: 1, plus one for each transient failure before it (each retry
+    /// copy). A redelivery of the same copy (its consumer died, lost its connection or gave it
+    /// back) is the same attempt: the retry policy's attempts count failures, and the poison
+    /// limit counts deliveries that never settled.
     pub attempt: u32,
     /// Whether the broker flagged this delivery as a redelivery.
     pub redelivered: bool,
@@ -79,7 +82,7 @@ impl Envelope {
         self
     }
 
-    /// Sets the delivery attempt (1 for the first delivery).
+    /// Sets the attempt (1 for the first; see [`Envelope::attempt`]).
     pub fn with_attempt(mut self, attempt: u32) -> Self {
         self.attempt = attempt;
         self

@@ -240,8 +240,8 @@ impl MemorySettle {
 impl Drop for MemorySettle {
     fn drop(&mut self) {
         if let Some(mut envelope) = self.envelope.take() {
+            // Redelivered, as the same attempt: nothing failed.
             envelope.redelivered = true;
-            envelope.attempt += 1;
             self.transport
                 .settle(&self.queue, |q| q.ready.push_front(envelope));
         }
