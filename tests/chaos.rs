@@ -16,7 +16,8 @@
 //! cluster of `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the
 //! consumers given every node's address.
 //!
-//! A run that does not converge says where its unshipped orders are; with
+//! An order's or a shipment's message in a dead-letter queue fails the run at once; that and a
+//! run that does not converge say where the missing orders and shipments are; with
 //! `IDEM_CHAOS_LOGS=<dir>` the consumers also log at debug level into `<dir>/<queue>.log`.
 //!
 //! The default is a short run (`cargo test --workspace` includes it). The long run:
@@ -209,6 +210,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         .await
         .unwrap_or((0, -1))
     };
+    let billed = format!("{queue}.billed");
     let (mut cut, mut closed) = (false, false);
     loop {
         // Keep every slot running: count the faults (self-aborts), restart the dead.
@@ -219,6 +221,17 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
                 }
                 *child = spawn();
             }
+        }
+        // An order or a shipment in a dead-letter queue will not come back: say so at once,
+        // not after the time limit. (The malformed messages are the only expected ones.)
+        let dead_now = dead().await;
+        let billed_dead = broker::count_on(urls, &idem::rabbitmq::dlq(&billed)).await;
+        if dead_now > malformed || billed_dead > 0 {
+            let whereabouts = common::whereabouts::report(&pool, &queue, urls == amqp_url()).await;
+            panic!(
+                "dead-lettered: {dead_now} orders' messages (only the {malformed} malformed \
+                 ones belong there) and {billed_dead} shipments' messages\n{whereabouts}"
+            );
         }
         let stored_now = stored(pool.clone(), queue.clone()).await;
         if !cut && stored_now >= orders as i64 / 3 {
@@ -233,7 +246,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         }
         let (shipments, unpublished) = shipped(pool.clone(), queue.clone()).await;
         if stored_now >= orders as i64
-            && dead().await >= malformed
+            && dead_now >= malformed
             && shipments >= orders as i64
             && unpublished == 0
         {
@@ -241,7 +254,6 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         }
         if started.elapsed() >= Duration::from_secs(600) {
             // Which of the four did not come, so that a failure says where to look.
-            let dead_now = dead().await;
             let whereabouts = common::whereabouts::report(&pool, &queue, urls == amqp_url()).await;
             panic!(
                 "chaos run did not converge in 600 s: orders stored {stored_now} of {orders}, \
@@ -340,6 +352,5 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     assert_eq!(reasons, dead_letters, "a dead letter without its record");
     assert!(kills > 0, "nothing was killed; the run proves nothing");
     broker::delete_topology_on(urls, &queue, &RetryPolicy::default().delays()).await;
-    let billed = format!("{queue}.billed");
     broker::delete_topology_on(urls, &billed, &RetryPolicy::default().delays()).await;
 }

@@ -1,9 +1,10 @@
 //! Where a chaos run's unshipped orders are (`tests/chaos.rs`), for the message of a run that
 //! does not converge.
 
-/// Where the orders stored but not shipped are: their rows in the inbox tables and the outbox,
-/// and (on the machine's broker) the run's queues with their ready and unacked counts, so that
-/// a run that does not converge says where its missing shipments went.
+/// Where the orders stored but not shipped are (their rows in the inbox tables and the
+/// outbox), the dead letters of orders and shipments but for the malformed ones, and (on the
+/// machine's broker) the run's queues with their ready and unacked counts: so that a run that
+/// does not converge says where its missing orders and shipments went.
 pub async fn report(pool: &sqlx::PgPool, queue: &str, on_machine_broker: bool) -> String {
     let missing: Vec<String> = sqlx::query_scalar(
         "SELECT o.order_id FROM orders o LEFT JOIN shipments s USING (order_id)
@@ -48,15 +49,18 @@ pub async fn report(pool: &sqlx::PgPool, queue: &str, on_machine_broker: bool) -
             report.push_str(&format!("  {order} {table}: {rows:?}\n"));
         }
     }
-    let billed: Result<Vec<String>, _> = sqlx::query_scalar(
+    let dead: Result<Vec<String>, _> = sqlx::query_scalar(
         "SELECT consumer || ' ' || key || ' ' || coalesce(message_id, '-') || ' attempts '
                 || attempts || ' ' || reason || ': ' || detail
-         FROM idem_inbox_dead_letters WHERE queue = $1",
+         FROM idem_inbox_dead_letters WHERE queue IN ($1, $2) AND reason <> 'decode'",
     )
+    .bind(queue)
     .bind(format!("{queue}.billed"))
     .fetch_all(pool)
     .await;
-    report.push_str(&format!("dead letters of {queue}.billed: {billed:?}\n"));
+    report.push_str(&format!(
+        "dead letters of {queue} and {queue}.billed, but for the malformed: {dead:?}\n"
+    ));
     if on_machine_broker {
         let listed = super::rabbitmqctl()
             .args([
