@@ -15,40 +15,25 @@ mod status;
 mod tests;
 
 use idem::sql::PgInbox;
-use idem::sqlx::{self, PgPool};
+use idem::sqlx;
 use idem::store::Stores;
 use idem::testing::{Harness, json};
-use std::str::FromStr;
 
-/// A pool of 8 connections whose tables (the inbox among them) live in a schema of their own,
-/// and the schema's name.
-async fn pool_in_own_schema() -> (PgPool, String) {
-    let schema = common::unique("harness").replace('-', "_");
-    let admin = common::postgres(1).await;
-    // The name is made here from a prefix, the process id and a counter.
-    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let options = sqlx::postgres::PgConnectOptions::from_str(&common::postgres_url())
-        .unwrap()
-        .options([("search_path", schema.as_str())]);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(8)
-        .connect_with(options)
-        .await
-        .unwrap();
+/// A schema of its own holding the example's tables, with a pool of 8 connections on it.
+async fn pool_in_own_schema() -> common::OwnSchema {
+    let schema = common::OwnSchema::create("harness", 8).await;
     for statement in handlers::SCHEMA {
-        sqlx::query(statement).execute(&pool).await.unwrap();
+        sqlx::query(statement).execute(&schema.pool).await.unwrap();
     }
-    (pool, schema)
+    schema
 }
 
 /// Copies sent at once run on separate connections of the pool: the database's unique key lets
 /// one through, and the balance is booked once; a lost ack's redelivery is a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_a_postgres_pool_copies_at_once_book_an_order_once() {
-    let (pool, schema) = pool_in_own_schema().await;
+    let schema = pool_in_own_schema().await;
+    let pool = schema.pool.clone();
     let inbox = PgInbox::new(pool.clone());
     inbox.migrate().await.unwrap();
     let harness = Harness::new(Stores::new().with(inbox)).state(handlers::Billing::of("orders"));
@@ -72,9 +57,5 @@ async fn on_a_postgres_pool_copies_at_once_book_an_order_once() {
         .await
         .unwrap();
     assert_eq!(cents, 40);
-    pool.close().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
-        .execute(&common::postgres(1).await)
-        .await
-        .unwrap();
+    schema.drop().await;
 }

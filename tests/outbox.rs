@@ -714,7 +714,11 @@ async fn crash_between_hops(point: &str) {
     use std::process::{Command, Stdio};
 
     let binary = common::faulty_orders::build();
-    let pool = common::postgres(2).await;
+    // The processes' tables live in a schema of the test's own: a relay publishes whatever its
+    // outbox table holds, and a row another test left in the public one would crash the first
+    // process before it published an event of its own.
+    let schema = common::OwnSchema::create("idem_test_ob_crash", 2).await;
+    let pool = schema.pool.clone();
     let queue = common::unique("idem-test-ob-crash");
     let billed = format!("{queue}.billed");
     broker::declare_orders_queue(&queue).await;
@@ -738,7 +742,7 @@ async fn crash_between_hops(point: &str) {
         Command::new(&binary)
             .arg("consume")
             .env("AMQP_URL", broker::amqp_url())
-            .env("DATABASE_URL", common::postgres_url())
+            .env("DATABASE_URL", &schema.url)
             .env("ORDERS_QUEUE", &queue)
             .env("ORDERS_CONCURRENCY", "1")
             .env("IDEM_FAULT", fault)
@@ -822,6 +826,7 @@ async fn crash_between_hops(point: &str) {
     assert_eq!(parcels, expected, "each order shipped once");
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
     broker::delete_topology(&billed, &idem::RetryPolicy::default().delays()).await;
+    schema.drop().await;
 }
 
 /// On PostgreSQL a row staged outside any handler is published at once: its transaction

@@ -49,6 +49,47 @@ pub async fn postgres(connections: u32) -> sqlx::PgPool {
     .await
 }
 
+/// A PostgreSQL schema of a test's own, for tables whose names other tests use too (the
+/// example's tables, `idem_inbox`, `idem_outbox`): a relay publishes whatever rows its outbox
+/// table holds, so a process sharing the public one would also publish the rows other tests
+/// left there.
+pub struct OwnSchema {
+    /// The schema's name.
+    pub name: String,
+    /// `DATABASE_URL` for a process whose tables live in the schema (it is its search path).
+    pub url: String,
+    /// A pool of connections whose search path is the schema.
+    pub pool: sqlx::PgPool,
+}
+
+impl OwnSchema {
+    /// Creates a schema named from `prefix`, the process id and a counter, and a pool of
+    /// `connections` on it.
+    pub async fn create(prefix: &str, connections: u32) -> Self {
+        let name = unique(prefix).replace('-', "_");
+        // The name is made here from a prefix, the process id and a counter.
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {name}")))
+            .execute(&postgres(1).await)
+            .await
+            .unwrap();
+        let base = postgres_url();
+        let separator = if base.contains('?') { '&' } else { '?' };
+        let url = format!("{base}{separator}options[search_path]={name}");
+        let pool = connect(&url, connections, "PostgreSQL", "").await;
+        Self { name, url, pool }
+    }
+
+    /// Closes the pool and drops the schema with everything in it.
+    pub async fn drop(self) {
+        self.pool.close().await;
+        let name = self.name;
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {name} CASCADE")))
+            .execute(&postgres(1).await)
+            .await
+            .unwrap();
+    }
+}
+
 /// Connects to `url` with `connections` connections, all opened up front, or fails naming the
 /// server and how to start it.
 async fn connect<DB: sqlx::Database>(
