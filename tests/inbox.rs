@@ -1187,6 +1187,75 @@ async fn a_version_1_table_is_upgraded_in_place() {
     inbox.rollback(tx).await;
 }
 
+/// On PostgreSQL, version 8 drops version 1's check of `status` (the server prepares a table's
+/// checks anew in every statement that writes it, so each claim paid for it): a table of version 7
+/// with the check and a row loses the check in `migrate`, keeps the row, and claims still write
+/// `completed`.
+#[tokio::test]
+async fn a_postgres_table_loses_its_status_check_in_version_8() {
+    use idem::store::{ClaimRequest, Fingerprint, InboxStore};
+    let schema = common::OwnSchema::create("idem_test_check", 2).await;
+    let pool = schema.pool.clone();
+    let inbox = idem::sql::PgInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    let checks = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_constraint WHERE conrelid = 'idem_inbox'::regclass AND contype = 'c'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(checks().await, 0, "a new table has no check");
+    // The table as version 7 left it: the check of version 1, and a row.
+    for statement in [
+        "ALTER TABLE idem_inbox ADD CONSTRAINT idem_inbox_status_check CHECK (status IN ('in_progress', 'completed', 'failed'))",
+        "UPDATE idem_schema_version SET version = 7 WHERE inbox_table = 'idem_inbox'",
+        "INSERT INTO idem_inbox (consumer, key, fingerprint, status, attempts, created_at, expires_at)
+         VALUES ('c', 'old', '\\x00', 'completed', 1, now(), now() + interval '1 day')",
+    ] {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    assert_eq!(checks().await, 1);
+    inbox.migrate().await.unwrap();
+    assert_eq!(checks().await, 0, "version 8 dropped the check");
+    let version: i32 = sqlx::query_scalar(
+        "SELECT version FROM idem_schema_version WHERE inbox_table = 'idem_inbox'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(version, idem::sql::SCHEMA_VERSION);
+    let fingerprint = Fingerprint::of(b"new");
+    let request = ClaimRequest {
+        consumer: "c",
+        key: "new",
+        fingerprint: &fingerprint,
+        attempt: 1,
+        retention: std::time::Duration::from_secs(60),
+    };
+    let mut tx = inbox.begin().await.unwrap();
+    assert_eq!(
+        inbox.claim(&mut tx, &request).await.unwrap(),
+        idem::store::Claim::Claimed
+    );
+    inbox.commit(tx).await.unwrap();
+    let statuses: Vec<(String, String)> =
+        sqlx::query_as("SELECT key, status FROM idem_inbox ORDER BY key")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        statuses,
+        [
+            ("new".into(), "completed".into()),
+            ("old".into(), "completed".into())
+        ]
+    );
+    drop(inbox);
+    schema.drop().await;
+}
+
 /// A migration cancelled while it holds MySQL's migration lock (`GET_LOCK`, which belongs to
 /// the session) must not leave that lock with a pooled connection: the next migration, from
 /// another pool, goes through while the first pool lives on.

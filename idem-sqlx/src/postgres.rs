@@ -86,6 +86,14 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     ),
     (6, crate::outbox::POSTGRES_TABLE),
     (7, crate::outbox::POSTGRES_UNOWNED_INDEX),
+    // PostgreSQL prepares a table's CHECK expressions anew in every statement that writes it:
+    // version 1's check of `status` cost each per-message claim 10–25 µs of the server's CPU
+    // in a pgbench run (BENCHMARKS.md, 2026-12-04, night). Only idem's own statements write
+    // the column, each with a literal.
+    (
+        8,
+        &[r#"ALTER TABLE "{table}" DROP CONSTRAINT IF EXISTS "{table}_status_check""#],
+    ),
 ];
 
 /// Wakes `wake` at each notification on [`crate::notify::CHANNEL`] naming `outbox`, on a

@@ -94,6 +94,9 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     // Version 7 indexed the rows staged outside any handler for the pass a NOTIFY wakes,
     // which this dialect does not have.
     (7, &[]),
+    // Version 8 dropped PostgreSQL's check of `status`, which that server builds again for
+    // every statement; this dialect keeps it.
+    (8, &[]),
 ];
 
 const CLAIM: &str = r#"
