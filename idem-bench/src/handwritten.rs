@@ -3,6 +3,7 @@
 //! prepared statements, a pool per worker, concurrent workers or batches with one multiple ack,
 //! and a lean per-message consumer whose workers each hold their own connection.
 
+use crate::full_row;
 use crate::workload::{Order, apply, apply_set};
 use anyhow::Context as _;
 use futures_util::StreamExt;
@@ -136,6 +137,11 @@ pub enum Inbox {
     /// The lean consumer's inbox: an arrival time with an index on it, so old rows can be
     /// removed in bounded batches (what idem's `expires_at` index is for).
     Retained,
+    /// idem's own inbox row, written by hand: the body's SHA-256, status, attempts, three
+    /// timestamps and the `expires_at` index; the claim answers with the stored fingerprint of
+    /// each key it did not insert, which the consumer compares (payload-conflict detection).
+    /// What idem's guarantees cost in SQL, without idem's runtime.
+    Full,
 }
 
 impl Inbox {
@@ -150,6 +156,7 @@ impl Inbox {
                 "INSERT INTO bench_lean_inbox (consumer, key) SELECT $1, unnest($2::text[])
                  ON CONFLICT DO NOTHING RETURNING key"
             }
+            Self::Full => full_row::CLAIM_BATCH,
         }
     }
 }
@@ -227,20 +234,25 @@ async fn process_batch(
         .iter()
         .map(parse)
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let keys: Vec<&str> = parsed.iter().map(|(key, _)| key.as_str()).collect();
     let mut tx = pool.begin().await?;
-    let claimed: Vec<String> = sqlx::query_scalar(inbox.claim())
-        .bind(CONSUMER)
-        .bind(&keys)
-        .fetch_all(&mut *tx)
-        .await?;
-    let mut new: HashSet<String> = claimed.into_iter().collect();
-    // A key twice in the batch: only its first copy was claimed.
-    let fresh: Vec<&Order> = parsed
-        .iter()
-        .filter(|(key, _)| new.remove(key))
-        .map(|(_, order)| order)
-        .collect();
+    let fresh = if inbox == Inbox::Full {
+        let bodies: Vec<&[u8]> = deliveries.iter().map(|d| d.data.as_slice()).collect();
+        full_row::claim_batch(&mut tx, CONSUMER, &bodies, &parsed).await?
+    } else {
+        let keys: Vec<&str> = parsed.iter().map(|(key, _)| key.as_str()).collect();
+        let claimed: Vec<String> = sqlx::query_scalar(inbox.claim())
+            .bind(CONSUMER)
+            .bind(&keys)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut new: HashSet<String> = claimed.into_iter().collect();
+        // A key twice in the batch: only its first copy was claimed.
+        parsed
+            .iter()
+            .filter(|(key, _)| new.remove(key))
+            .map(|(_, order)| order)
+            .collect()
+    };
     match writes {
         Writes::PerOrder => {
             for order in fresh {
@@ -257,7 +269,8 @@ async fn process_batch(
 /// The lean per-message consumer: `workers` tasks, each holding its own PostgreSQL connection
 /// for the whole run and taking deliveries from one shared consumer; a narrow inbox row
 /// (consumer, key, received_at; an index on received_at for cleanup), one transaction per
-/// message, the ack awaited after the commit.
+/// message, the ack awaited after the commit. With `Inbox::Full` it claims in idem's own inbox
+/// row instead, with idem's claim statement.
 pub async fn lean_per_message(
     url: &str,
     database_url: &str,
@@ -265,6 +278,7 @@ pub async fn lean_per_message(
     expect: usize,
     workers: usize,
     prefetch: u16,
+    inbox: Inbox,
 ) -> anyhow::Result<Duration> {
     let (connection, _channel, consumer) = channel(url, queue, prefetch).await?;
     let consumer = Arc::new(tokio::sync::Mutex::new(consumer.take(expect)));
@@ -281,7 +295,7 @@ pub async fn lean_per_message(
                 };
                 let delivery = delivery?;
                 first.get_or_init(Instant::now);
-                while let Err(e) = process_lean(&mut db, &delivery).await {
+                while let Err(e) = process_lean(&mut db, &delivery, inbox).await {
                     tracing::warn!(error = %e, "retrying");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
@@ -297,9 +311,18 @@ pub async fn lean_per_message(
     Ok(elapsed)
 }
 
-async fn process_lean(db: &mut PgConnection, delivery: &Delivery) -> anyhow::Result<()> {
+async fn process_lean(
+    db: &mut PgConnection,
+    delivery: &Delivery,
+    inbox: Inbox,
+) -> anyhow::Result<()> {
     let mut tx = db.begin().await?;
-    claim_and_apply(&mut tx, CLAIM_LEAN, delivery).await?;
+    if inbox == Inbox::Full {
+        let (key, order) = parse(delivery)?;
+        full_row::claim_and_apply(&mut tx, CONSUMER, &key, &order, &delivery.data).await?;
+    } else {
+        claim_and_apply(&mut tx, CLAIM_LEAN, delivery).await?;
+    }
     tx.commit().await?;
     Ok(())
 }

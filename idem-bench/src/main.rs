@@ -6,6 +6,7 @@
 //! to its last settlement; afterwards the effects are checked (every distinct order once,
 //! balances exact, queue empty). The table gives medians and ratios.
 
+mod full_row;
 mod handwritten;
 mod http;
 mod outbox;
@@ -128,9 +129,16 @@ enum Variant {
     /// Handwritten, set-based batches as `hand-set`, claiming in the lean consumer's inbox
     /// (an arrival time with an index on it, for removing old rows).
     HandSetRetained,
+    /// Handwritten, set-based batches as `hand-set`, writing idem's own inbox row (fingerprint,
+    /// status, timestamps, the `expires_at` index) with idem's claim statement and comparing
+    /// the stored fingerprints of duplicates: idem's guarantees in SQL, by hand.
+    HandSetFull,
     /// Handwritten, one transaction per message, N workers each holding its own connection,
     /// a narrow inbox with an arrival-time index.
     HandLean,
+    /// Handwritten, lean per message as `hand-lean`, writing idem's own inbox row with idem's
+    /// claim statement and comparing the stored fingerprint of a duplicate.
+    HandLeanFull,
     /// idem, one transaction per message.
     Idem,
     /// idem, one transaction per message, each on a connection acquired from the pool (no
@@ -157,7 +165,9 @@ impl Variant {
             Self::HandBatch => "handwritten, batched",
             Self::HandSet => "handwritten, set-based batches",
             Self::HandSetRetained => "handwritten, set-based, inbox with retention index",
+            Self::HandSetFull => "handwritten, set-based, idem's inbox row",
             Self::HandLean => "handwritten, lean per message",
+            Self::HandLeanFull => "handwritten, lean, idem's inbox row",
             Self::Idem => "idem, per message",
             Self::IdemPooled => "idem, per message, pooled",
             Self::IdemBatch => "idem, batch mode",
@@ -195,7 +205,13 @@ impl Variant {
     fn uses_idem(self) -> bool {
         !matches!(
             self,
-            Self::Hand | Self::HandBatch | Self::HandSet | Self::HandSetRetained | Self::HandLean
+            Self::Hand
+                | Self::HandBatch
+                | Self::HandSet
+                | Self::HandSetRetained
+                | Self::HandSetFull
+                | Self::HandLean
+                | Self::HandLeanFull
         )
     }
 }
@@ -242,10 +258,11 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
             handwritten::per_message(&b.amqp_url, pool, queue, expect, b.workers, b.prefetch)
                 .await?
         }
-        Variant::HandBatch | Variant::HandSet | Variant::HandSetRetained => {
+        Variant::HandBatch | Variant::HandSet | Variant::HandSetRetained | Variant::HandSetFull => {
             let (writes, inbox) = match variant {
                 Variant::HandSet => (Writes::SetBased, Inbox::Bare),
                 Variant::HandSetRetained => (Writes::SetBased, Inbox::Retained),
+                Variant::HandSetFull => (Writes::SetBased, Inbox::Full),
                 _ => (Writes::PerOrder, Inbox::Bare),
             };
             let batching = handwritten::Batching {
@@ -256,8 +273,12 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
             };
             handwritten::batched(&b.amqp_url, pool, queue, expect, batching).await?
         }
-        Variant::HandLean => {
+        Variant::HandLean | Variant::HandLeanFull => {
             drop(pool);
+            let inbox = match variant {
+                Variant::HandLeanFull => Inbox::Full,
+                _ => Inbox::Retained,
+            };
             handwritten::lean_per_message(
                 &b.amqp_url,
                 &b.database_url,
@@ -265,6 +286,7 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
                 expect,
                 b.workers,
                 b.prefetch,
+                inbox,
             )
             .await?
         }

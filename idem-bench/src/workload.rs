@@ -112,12 +112,15 @@ impl Workload {
 
 /// The business tables and the handwritten consumers' inboxes (the lean consumer's with the
 /// arrival time its cleanup would use, and that index).
-const SCHEMA: [&str; 5] = [
+const SCHEMA: [&str; 7] = [
     "CREATE TABLE IF NOT EXISTS bench_orders (order_id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS bench_balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS bench_inbox (consumer TEXT NOT NULL, key TEXT NOT NULL, PRIMARY KEY (consumer, key))",
     "CREATE TABLE IF NOT EXISTS bench_lean_inbox (consumer TEXT NOT NULL, key TEXT NOT NULL, received_at TIMESTAMPTZ NOT NULL DEFAULT now(), PRIMARY KEY (consumer, key))",
     "CREATE INDEX IF NOT EXISTS bench_lean_inbox_received_at ON bench_lean_inbox (received_at)",
+    // idem's inbox table at schema version 8, for the consumer that writes its row by hand.
+    "CREATE TABLE IF NOT EXISTS bench_full_inbox (consumer TEXT NOT NULL, key TEXT NOT NULL, fingerprint BYTEA NOT NULL, status TEXT NOT NULL, outcome TEXT, attempts INTEGER NOT NULL, created_at TIMESTAMPTZ NOT NULL, completed_at TIMESTAMPTZ, expires_at TIMESTAMPTZ NOT NULL, owner TEXT, locked_until TIMESTAMPTZ, PRIMARY KEY (consumer, key))",
+    "CREATE INDEX IF NOT EXISTS bench_full_inbox_expires_at ON bench_full_inbox (expires_at)",
 ];
 
 /// The business writes of one order, the same in every consumer: the order row, then the
@@ -185,7 +188,7 @@ pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {
     // The outbox beside idem's inbox (`bench_idem_inbox` → `bench_idem_outbox`) too.
     let outbox = idem_table.replace("_inbox", "_outbox");
     let truncate = format!(
-        "TRUNCATE bench_orders, bench_balances, bench_inbox, bench_lean_inbox, \"{idem_table}\", \"{outbox}\""
+        "TRUNCATE bench_orders, bench_balances, bench_inbox, bench_lean_inbox, bench_full_inbox, \"{idem_table}\", \"{outbox}\""
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(truncate))
         .execute(pool)
