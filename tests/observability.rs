@@ -291,6 +291,15 @@ async fn metrics_spans_and_log_lines() {
         ),
         Some(7.0)
     );
+    // Commits: o-1 and o-2's second run; the other transactions were rolled back.
+    assert_eq!(
+        sample(
+            &scrape,
+            "idem_commit_duration_seconds_count{consumer=\"obs.orders\"}"
+        ),
+        Some(2.0),
+        "{scrape}"
+    );
     assert!(
         scrape.contains("idem_sweeper_lag_seconds{store=\"sqlite\"}"),
         "{scrape}"
@@ -399,24 +408,49 @@ async fn metrics_spans_and_log_lines() {
         stats.snapshot().processed == 5
     })
     .await;
+    // The worker now waits for its next batch; the sixth delivery comes after a pause, which
+    // is what its batch's wait must show (the pause is the stimulus, not a synchronisation).
+    let idle = Duration::from_millis(400);
+    tokio::time::sleep(idle).await;
+    transport.publish("obs-batched", order("b-6", None, "b-6"));
+    wait_until("the sixth processed", Duration::from_secs(20), || async {
+        stats.snapshot().processed == 6
+    })
+    .await;
     let scrape = prometheus.render();
     running.shut_down().await;
     let batched = |series: &str| sample(&scrape, &format!("{series}{{consumer=\"obs.batched\"}}"));
     assert_eq!(
         batched("idem_batch_deliveries_count"),
-        Some(2.0),
+        Some(3.0),
         "{scrape}"
     );
-    assert_eq!(batched("idem_batch_deliveries_sum"), Some(5.0), "{scrape}");
+    assert_eq!(batched("idem_batch_deliveries_sum"), Some(6.0), "{scrape}");
     assert_eq!(
         batched("idem_batch_fill_seconds_count"),
-        Some(2.0),
+        Some(3.0),
         "{scrape}"
     );
     let filling = batched("idem_batch_fill_seconds_sum").unwrap_or_default();
     assert!(
-        filling >= linger.as_secs_f64() && filling < 5.0,
-        "the partial batch waited its linger: {filling} s in all"
+        filling >= 2.0 * linger.as_secs_f64() && filling < 10.0,
+        "the two partial batches waited their linger: {filling} s in all"
+    );
+    assert_eq!(
+        batched("idem_batch_wait_seconds_count"),
+        Some(3.0),
+        "{scrape}"
+    );
+    let waiting = batched("idem_batch_wait_seconds_sum").unwrap_or_default();
+    assert!(
+        waiting >= idle.as_secs_f64() && waiting < 10.0,
+        "the third batch waited out the pause for its first delivery: {waiting} s in all"
+    );
+    // One commit per batch.
+    assert_eq!(
+        batched("idem_commit_duration_seconds_count"),
+        Some(3.0),
+        "{scrape}"
     );
 }
 

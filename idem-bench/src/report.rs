@@ -61,8 +61,9 @@ pub struct Table {
     samples: Vec<Vec<Sample>>,
 }
 
-/// How full a batch-mode consumer's batches were, from a Prometheus scrape of its metrics:
-/// their count, mean deliveries and mean fill time.
+/// Where a batch-mode consumer's batches spent their time, from a Prometheus scrape of its
+/// metrics: their count and mean deliveries, then per batch on average the wait for the first
+/// delivery, the fill, the claim, the handler and the commit.
 pub fn batch_fill(scrape: &str) -> String {
     let value = |series: &str| {
         scrape
@@ -72,11 +73,17 @@ pub fn batch_fill(scrape: &str) -> String {
             .unwrap_or(0.0)
     };
     let batches = value("idem_batch_deliveries_count");
-    let per_batch = |series| value(series) / batches.max(1.0);
+    let per_batch = |series: &str| value(series) / batches.max(1.0);
+    let ms = |histogram: &str| per_batch(&format!("{histogram}_sum")) * 1000.0;
     format!(
-        "batches {batches:.0}: {:.0} deliveries and {:.1} ms to fill on average",
+        "batches {batches:.0}: {:.0} deliveries; per batch {:.2} ms waiting for the first \
+         delivery, {:.2} filling, {:.2} claiming, {:.2} in the handler, {:.2} committing",
         per_batch("idem_batch_deliveries_sum"),
-        per_batch("idem_batch_fill_seconds_sum") * 1000.0
+        ms("idem_batch_wait_seconds"),
+        ms("idem_batch_fill_seconds"),
+        ms("idem_claim_duration_seconds"),
+        ms("idem_handler_duration_seconds"),
+        ms("idem_commit_duration_seconds"),
     )
 }
 
@@ -217,5 +224,22 @@ mod tests {
         }
         assert!(table.render(1_000).contains("| idem | 2 |"));
         assert!(table.render(1_000).contains("0.80 (0.80–0.80)"));
+    }
+
+    #[test]
+    fn a_scrape_becomes_the_mean_time_of_each_step_per_batch() {
+        let scrape = "idem_batch_deliveries_count{consumer=\"c\"} 4
+idem_batch_deliveries_sum{consumer=\"c\"} 800
+idem_batch_wait_seconds_sum{consumer=\"c\"} 0.008
+idem_batch_fill_seconds_sum{consumer=\"c\"} 0.002
+idem_claim_duration_seconds_sum{consumer=\"c\"} 0.006
+idem_handler_duration_seconds_sum{consumer=\"c\"} 0.007
+idem_commit_duration_seconds_sum{consumer=\"c\"} 0.0032
+";
+        assert_eq!(
+            batch_fill(scrape),
+            "batches 4: 200 deliveries; per batch 2.00 ms waiting for the first delivery, \
+             0.50 filling, 1.50 claiming, 1.75 in the handler, 0.80 committing"
+        );
     }
 }

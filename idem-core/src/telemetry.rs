@@ -8,6 +8,7 @@
 //! | `idem_dead_letters_total` | counter | `consumer`, `reason` (the `x-idem-reason` header) |
 //! | `idem_handler_duration_seconds` | histogram | `consumer` |
 //! | `idem_claim_duration_seconds` | histogram | `consumer` (a claim, a lease, or a batch's claim) |
+//! | `idem_commit_duration_seconds` | histogram | `consumer`: the commit of a transaction that processed a message or a batch |
 //! | `idem_inbox_rows_swept_total` | counter | `store` |
 //! | `idem_sweeper_lag_seconds` | gauge | `store`: age of the oldest expired row left after a sweep |
 //! | `idem_handler_panics_total` | counter | `consumer` |
@@ -15,6 +16,7 @@
 //! | `idem_mailbox_depth` | gauge | `consumer`: deliveries waiting in the handler's mailbox |
 //! | `idem_batch_deliveries` | histogram | `consumer` (batch mode): deliveries per batch, below the batch size when the linger ended the gathering |
 //! | `idem_batch_fill_seconds` | histogram | `consumer` (batch mode): from a batch's first delivery until it was gathered (at most the linger) |
+//! | `idem_batch_wait_seconds` | histogram | `consumer` (batch mode): how long a worker ready for its next batch waited for that batch's first delivery |
 //! | `idem_broker_connected` | gauge | `queue`: 1 while its consumer is consuming, else 0 |
 //! | `idem_reconnects_total` | counter | `queue`: lost connections or channels of its consumer |
 //! | `idem_outbox_published_total` | counter | `store`, `by`: `dispatch` (right after the commit) or `relay` |
@@ -120,6 +122,8 @@ pub const DEAD_LETTERS: &str = "idem_dead_letters_total";
 pub const HANDLER_DURATION: &str = "idem_handler_duration_seconds";
 /// Time claiming keys.
 pub const CLAIM_DURATION: &str = "idem_claim_duration_seconds";
+/// Time committing a transaction that processed a message or a batch.
+pub const COMMIT_DURATION: &str = "idem_commit_duration_seconds";
 /// Expired inbox rows deleted.
 pub const ROWS_SWEPT: &str = "idem_inbox_rows_swept_total";
 /// How far the sweeper is behind.
@@ -134,6 +138,8 @@ pub const MAILBOX_DEPTH: &str = "idem_mailbox_depth";
 pub const BATCH_DELIVERIES: &str = "idem_batch_deliveries";
 /// From a batch's first delivery until it was gathered (batch mode).
 pub const BATCH_FILL: &str = "idem_batch_fill_seconds";
+/// How long a batch worker waited for its next batch's first delivery (batch mode).
+pub const BATCH_WAIT: &str = "idem_batch_wait_seconds";
 /// Whether a queue's consumer is consuming.
 pub const BROKER_CONNECTED: &str = "idem_broker_connected";
 /// Lost connections or channels of a queue's consumer.
@@ -164,6 +170,11 @@ pub fn describe() {
         Unit::Seconds,
         "Time spent claiming dedup keys"
     );
+    describe_histogram!(
+        COMMIT_DURATION,
+        Unit::Seconds,
+        "Time spent committing the transaction of a message or a batch"
+    );
     describe_counter!(ROWS_SWEPT, "Expired inbox rows deleted by the sweeper");
     describe_gauge!(
         SWEEPER_LAG,
@@ -185,6 +196,11 @@ pub fn describe() {
         BATCH_FILL,
         Unit::Seconds,
         "From a batch's first delivery until it was gathered (at most the linger)"
+    );
+    describe_histogram!(
+        BATCH_WAIT,
+        Unit::Seconds,
+        "How long a batch worker ready for its next batch waited for that batch's first delivery"
     );
     describe_gauge!(
         BROKER_CONNECTED,
@@ -258,6 +274,10 @@ pub(crate) fn claim_duration(consumer: &'static str, elapsed: Duration) {
     metrics::histogram!(CLAIM_DURATION, "consumer" => consumer).record(elapsed.as_secs_f64());
 }
 
+pub(crate) fn commit_duration(consumer: &'static str, elapsed: Duration) {
+    metrics::histogram!(COMMIT_DURATION, "consumer" => consumer).record(elapsed.as_secs_f64());
+}
+
 pub(crate) fn panicked(consumer: &'static str) {
     metrics::counter!(PANICS, "consumer" => consumer).increment(1);
 }
@@ -270,9 +290,16 @@ pub(crate) fn mailbox_depth(consumer: &'static str, depth: usize) {
     metrics::gauge!(MAILBOX_DEPTH, "consumer" => consumer).set(depth as f64);
 }
 
-/// Records a batch of `deliveries` gathered `filled_in` after its first delivery.
-pub(crate) fn batch_gathered(consumer: &'static str, deliveries: usize, filled_in: Duration) {
+/// Records a batch of `deliveries` whose first delivery came `waited` after its worker was
+/// ready for it, and which was gathered `filled_in` after that first delivery.
+pub(crate) fn batch_gathered(
+    consumer: &'static str,
+    deliveries: usize,
+    waited: Duration,
+    filled_in: Duration,
+) {
     metrics::histogram!(BATCH_DELIVERIES, "consumer" => consumer).record(deliveries as f64);
+    metrics::histogram!(BATCH_WAIT, "consumer" => consumer).record(waited.as_secs_f64());
     metrics::histogram!(BATCH_FILL, "consumer" => consumer).record(filled_in.as_secs_f64());
 }
 

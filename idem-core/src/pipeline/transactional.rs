@@ -111,7 +111,10 @@ pub(crate) async fn process<H: Handler>(
     }
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
-    match store.commit(tx).await {
+    let committing = Instant::now();
+    let committed = store.commit(tx).await;
+    telemetry::commit_duration(H::CONSUMER, committing.elapsed());
+    match committed {
         Ok(()) => {
             if staged > 0 {
                 telemetry::staged(H::CONSUMER, u64::from(staged));

@@ -21,15 +21,12 @@ use tokio::time::{Instant, timeout_at};
 use tracing::Instrument;
 
 /// Takes the next batch from the mailbox: what is there up to `size`, then whatever arrives
-/// within `linger` of the first delivery. Empty when the mailbox is closed and empty. Also
-/// returns how long the batch took to fill after its first delivery.
-async fn gather(
-    mailbox: &mut mpsc::Receiver<Delivery>,
-    spec: BatchSpec,
-) -> (Vec<Delivery>, Duration) {
+/// within `linger` of the first delivery. Empty when the mailbox is closed and empty.
+async fn gather(mailbox: &mut mpsc::Receiver<Delivery>, spec: BatchSpec) -> Gathered {
+    let ready = Instant::now();
     let mut batch = Vec::with_capacity(spec.size);
     if mailbox.recv_many(&mut batch, spec.size).await == 0 {
-        return (batch, Duration::ZERO);
+        return Gathered::default();
     }
     let first = Instant::now();
     let deadline = first + spec.linger;
@@ -40,7 +37,20 @@ async fn gather(
             Ok(_) => {}
         }
     }
-    (batch, first.elapsed())
+    Gathered {
+        batch,
+        waited: first - ready,
+        filled_in: first.elapsed(),
+    }
+}
+
+/// A batch taken from the mailbox, with how long its worker waited for its first delivery and
+/// how long the batch then took to fill.
+#[derive(Default)]
+struct Gathered {
+    batch: Vec<Delivery>,
+    waited: Duration,
+    filled_in: Duration,
 }
 
 /// Gathers and runs batches until the mailbox is closed and empty. While a batch executes, the
@@ -62,12 +72,17 @@ pub(crate) async fn run(
         let batch = {
             let mut mailbox = mailbox.lock().await;
             let gathering = wants.gathering();
-            let (batch, filled_in) = gather(&mut mailbox, spec).await;
+            let gathered = gather(&mut mailbox, spec).await;
             drop(gathering);
             let consumer = shared.handler.consumer();
             telemetry::mailbox_depth(consumer, mailbox.len());
+            let Gathered {
+                batch,
+                waited,
+                filled_in,
+            } = gathered;
             if !batch.is_empty() {
-                telemetry::batch_gathered(consumer, batch.len(), filled_in);
+                telemetry::batch_gathered(consumer, batch.len(), waited, filled_in);
             }
             batch
         };

@@ -87,7 +87,9 @@ impl<H: Handler> Batch<'_, H> {
         #[cfg(feature = "fault-injection")]
         crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
         stages.fire_committing();
+        let committing = Instant::now();
         let committed = store.commit(tx).await;
+        telemetry::commit_duration(H::CONSUMER, committing.elapsed());
         stages.fire_committed();
         if let Err(e) = committed {
             // It may or may not have committed; the retries find out (duplicates if it did).
