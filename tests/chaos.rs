@@ -167,9 +167,8 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
             .env("DATABASE_URL", &database_url)
             .env("ORDERS_QUEUE", &queue)
             .env("ORDERS_CONCURRENCY", "4")
-            // Random kills can catch one order in five deaths in a row, which is what the
-            // poison limit is for (tests/poison.rs); here every order must be stored.
-            .env("ORDERS_POISON_LIMIT", "100")
+            // The default poison limit: only runs that started and never settled count, and
+            // no valid order may be refused by it.
             .env(
                 "IDEM_FAULT",
                 "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3,\

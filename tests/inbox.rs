@@ -237,6 +237,11 @@ use idem::store::{Stores};
                 fn signalled(&self, key: &str) -> bool {
                     self.0.lock().unwrap().signalled.contains(key)
                 }
+
+                /// Whether the handler of `key` signalled since the last call.
+                fn take_signal(&self, key: &str) -> bool {
+                    self.0.lock().unwrap().signalled.remove(key)
+                }
             }
 
             async fn apply(tx: &mut Tx<'_>, consumer: &str, key: &str, customer: &str, cents: i64) -> Result<i64, sqlx::Error> {
@@ -430,34 +435,59 @@ use idem::store::{Stores};
                 assert_eq!(balance(&f.pool, &customer).await, Some(100));
             }
 
-            /// Redeliveries (the consumer died on the message each time) are counted in the store,
-            /// each in a transaction of its own; at the poison limit the message is refused as
-            /// `poison` and nothing runs. A fresh delivery of the key (a replay) still runs.
+            /// The poison limit counts only runs of the handler on redeliveries that started and
+            /// never settled (here the run is dropped mid-handler, as a consumer that dies there
+            /// leaves it), each counted in a transaction of its own. Runs that settled (transient
+            /// failures) do not count; past the limit the message is refused as `poison` and
+            /// nothing runs; a fresh delivery of the key (a replay) still runs; a copy of a
+            /// completed key is a duplicate whatever its count.
             #[tokio::test]
-            async fn a_redelivery_at_the_poison_limit_is_refused_as_poison() {
+            async fn only_runs_that_never_settled_count_toward_the_poison_limit() {
                 let f = fixture(2).await;
                 let stores = Stores::new()
                     .with(<$inbox>::new(f.pool.clone()))
                     .with_state(f.scripts.clone())
-                    .with_poison_limit(Some(3));
+                    .with_poison_limit(Some(2));
                 let record = idem::registry::find(&consumer("record")).expect("registered handler");
                 let (id, customer) = (unique("o"), unique("c"));
                 let mut redelivered = order(&id, &customer, 9);
                 redelivered.redelivered = true;
-                // Two redeliveries that end without a commit (as a crash would leave them).
-                f.scripts.set(&id, vec![Step::FailTransient, Step::FailTransient]);
-                for _ in 0..2 {
+                let dies_in_handler = || async {
+                    let run = record.invoke(&stores, &redelivered);
+                    let signalled = wait_until("the handler ran", Duration::from_secs(20), || async {
+                        f.scripts.take_signal(&id)
+                    });
+                    tokio::select! {
+                        outcome = run => panic!("the run was to hang: {outcome:?}"),
+                        () = signalled => {}
+                    }
+                };
+                // Three redeliveries whose handler failed transiently: settled, never counted.
+                f.scripts.set(&id, vec![Step::FailTransient, Step::FailTransient, Step::FailTransient]);
+                for _ in 0..3 {
                     let outcome = record.invoke(&stores, &redelivered).await.unwrap();
                     assert_eq!(outcome.label(), "retry", "{outcome:?}");
                 }
+                // Two redeliveries whose consumer died in the handler: the next one is refused.
+                f.scripts.set(&id, vec![Step::SignalAndHang, Step::SignalAndHang]);
+                dies_in_handler().await;
+                dies_in_handler().await;
                 let third = record.invoke(&stores, &redelivered).await.unwrap();
                 let Outcome::Rejected(r) = &third else { panic!("{third:?}") };
                 assert_eq!((r.reason, r.key.as_deref()), (RejectReason::Poison, Some(id.as_str())));
-                assert!(r.message.contains("delivered 3 times"), "{r}");
+                assert!(r.message.contains("started 2 times"), "{r}");
                 assert_eq!(effects(&f.pool, "record", &id).await, 0);
                 assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
+
+                // Two more deaths, then a replay (a fresh delivery) completes the key: a redelivered
+                // copy of it is a duplicate, past the limit or not.
+                f.scripts.set(&id, vec![Step::SignalAndHang, Step::SignalAndHang]);
+                dies_in_handler().await;
+                dies_in_handler().await;
                 let replayed = record.invoke(&stores, &order(&id, &customer, 9)).await.unwrap();
                 assert_eq!(replayed.label(), "processed", "{replayed:?}");
+                let copy = record.invoke(&stores, &redelivered).await.unwrap();
+                assert_eq!(copy.label(), "duplicate", "{copy:?}");
                 assert_eq!(balance(&f.pool, &customer).await, Some(9));
             }
 

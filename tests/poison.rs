@@ -1,7 +1,11 @@
-//! A message that crashes its consumer every time, on a classic queue: real `orders consume`
-//! processes abort on it (fault injection before the commit) and are restarted, until the
-//! message is dead-lettered as `poison` after the poison limit's 5 deliveries without a
-//! settlement; then the queue moves on.
+//! The poison limit with real `orders consume` processes:
+//! - a message that crashes its consumer every time (fault injection before the commit), on a
+//!   classic queue, is dead-lettered as `poison` once its handler started on redeliveries more
+//!   often than the limit without settling (the first delivery's run is not recorded), and the
+//!   queue moves on;
+//! - deliveries that were never handed to a handler (waiting behind a stuck one in a killed
+//!   process, or given back at a graceful stop) never count, however often that happens;
+//! - a redelivered copy of a completed key is a duplicate, whatever its count.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -10,7 +14,7 @@ mod common;
 use common::broker::{self, amqp_url};
 use idem::{DEFAULT_POISON_LIMIT, RetryPolicy};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,7 +53,7 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
             "never dead-lettered ({crashes} crashes)"
         );
         assert!(
-            crashes <= DEFAULT_POISON_LIMIT,
+            crashes <= DEFAULT_POISON_LIMIT + 1,
             "{crashes} crashes and still delivered"
         );
         let mut child = consume("before_commit=1");
@@ -73,8 +77,9 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
         }
     }
     assert_eq!(
-        crashes, DEFAULT_POISON_LIMIT,
-        "one crash per delivery up to the limit"
+        crashes,
+        DEFAULT_POISON_LIMIT + 1,
+        "the first delivery's crash, then one per counted redelivery up to the limit"
     );
     assert_eq!(broker::count(&dlq).await, 1, "dead-lettered once");
     let pool = idem::sql::sqlite::pool(&database.to_string_lossy())
@@ -117,5 +122,202 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
         0,
         "the poison message never committed"
     );
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}
+
+/// The orders example's `consume` on `queue`, its tables and inbox at `database`, one worker.
+fn consume_one_at_a_time(queue: &str, database: &str) -> Child {
+    Command::new(common::orders_example())
+        .arg("consume")
+        .env("AMQP_URL", amqp_url())
+        .env("DATABASE_URL", database)
+        .env("ORDERS_QUEUE", queue)
+        .env("ORDERS_CONCURRENCY", "1")
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for `child` to exit, failing after `deadline`.
+async fn exited(child: &mut Child, deadline: Duration) {
+    common::wait_until("the consumer to exit", deadline, || {
+        let gone = child.try_wait().unwrap().is_some();
+        async move { gone }
+    })
+    .await;
+}
+
+/// Process churn: 20 orders of one customer whose balance row the test keeps locked, so that a
+/// consumer (one worker) has one order stuck in its handler and its prefetch waiting behind it. The
+/// consumer is stopped twelve times, more than twice the poison limit: with SIGKILL (the stuck
+/// run dies unsettled, the waiting deliveries were never started), and with SIGTERM while the
+/// lock is let go (the stuck order commits and the graceful stop gives the waiting ones back).
+/// Every order is a redelivery many times over, none is refused, and every order is applied
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_never_handed_to_a_handler_do_not_count() {
+    const ORDERS: usize = 20;
+    let schema = common::OwnSchema::create("idem_churn", 2).await;
+    let queue = common::unique("idem-churn");
+    let customer = format!("{queue}-c");
+    for table in [
+        "CREATE TABLE orders (order_id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
+        "CREATE TABLE balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+    ] {
+        sqlx::query(table).execute(&schema.pool).await.unwrap();
+    }
+    sqlx::query("INSERT INTO balances (customer, cents) VALUES ($1, 0)")
+        .bind(&customer)
+        .execute(&schema.pool)
+        .await
+        .unwrap();
+    broker::declare_orders_queue(&queue).await;
+    let publisher = broker::publisher().await;
+    for n in 0..ORDERS {
+        let id = format!("{queue}-{n}");
+        let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": 1});
+        broker::publish(&publisher, &queue, Some(&id), body.to_string().as_bytes()).await;
+    }
+    let observer = common::postgres(1).await;
+    let stuck = || {
+        let observer = observer.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%balances%'",
+            )
+            .fetch_one(&observer)
+            .await
+            .unwrap()
+                >= 1
+        }
+    };
+    let dlq = idem::rabbitmq::dlq(&queue);
+    let rounds = 2 * (DEFAULT_POISON_LIMIT as usize + 1);
+    for round in 0..rounds {
+        let mut lock = schema.pool.begin().await.unwrap();
+        sqlx::query("SELECT cents FROM balances WHERE customer = $1 FOR UPDATE")
+            .bind(&customer)
+            .fetch_one(&mut *lock)
+            .await
+            .unwrap();
+        let mut child = common::KillOnDrop(consume_one_at_a_time(&queue, &schema.url));
+        let queue_ref = &queue;
+        common::wait_until(
+            "orders delivered to the consumer, one stuck in its handler and more waiting",
+            Duration::from_secs(60),
+            || async move { stuck().await && broker::unacked(queue_ref) >= 2 },
+        )
+        .await;
+        if round % 2 == 0 {
+            child.0.kill().unwrap();
+            lock.rollback().await.unwrap();
+        } else {
+            // A graceful stop: the stuck order finishes once the lock goes, the rest go back.
+            let pid = i32::try_from(child.0.id()).unwrap();
+            assert!(
+                Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+            lock.rollback().await.unwrap();
+        }
+        exited(&mut child.0, Duration::from_secs(30)).await;
+        assert_eq!(
+            broker::count(&dlq).await,
+            0,
+            "round {round}: an order was dead-lettered"
+        );
+    }
+
+    let healthy = common::KillOnDrop(consume_one_at_a_time(&queue, &schema.url));
+    let pool = schema.pool.clone();
+    common::wait_until("every order applied", Duration::from_secs(60), || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == ORDERS as i64
+        }
+    })
+    .await;
+    drop(healthy);
+    let cents: i64 = sqlx::query_scalar("SELECT cents FROM balances WHERE customer = $1")
+        .bind(&customer)
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap();
+    assert_eq!(cents, ORDERS as i64, "every order applied once");
+    assert_eq!(broker::count(&dlq).await, 0, "nothing dead-lettered");
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+    schema.drop().await;
+}
+
+/// A completed order whose poison-limit count is far past the limit (as churn, or an earlier
+/// version of idem that never removed counts, can leave it): a redelivered copy of it is acked
+/// as a duplicate, not refused as poison.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_copy_of_a_completed_key_is_a_duplicate_whatever_its_count() {
+    let queue = common::unique("idem-counted");
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("orders.db").to_string_lossy().into_owned();
+    broker::declare_orders_queue(&queue).await;
+    let publisher = broker::publisher().await;
+    let id = format!("{queue}-order");
+    let body = serde_json::json!({"order_id": id, "customer": "c", "amount_cents": 7}).to_string();
+    broker::publish(&publisher, &queue, Some(&id), body.as_bytes()).await;
+    let pool = idem::sql::sqlite::pool(&database).await.unwrap();
+    let applied = |pool: sqlx::SqlitePool, id: String| async move {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE order_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+    };
+    let consumer = common::KillOnDrop(consume_one_at_a_time(&queue, &database));
+    common::wait_until("the order applied", Duration::from_secs(30), || {
+        let applied = applied(pool.clone(), id.clone());
+        async move { applied.await == 1 }
+    })
+    .await;
+    drop(consumer);
+    // The example's order handler is the consumer `orders`.
+    sqlx::query(
+        "INSERT INTO idem_inbox_deliveries (consumer, key, deliveries, expires_at) VALUES ($1, $2, 100, $3)",
+    )
+    .bind("orders")
+    .bind(&id)
+    .bind(i64::MAX / 2)
+    .execute(&pool)
+    .await
+    .unwrap();
+
+    // A copy, given back once so that the broker flags it redelivered.
+    broker::publish(&publisher, &queue, Some(&id), body.as_bytes()).await;
+    assert!(broker::give_back(&queue, Duration::from_secs(10)).await);
+
+    let consumer = common::KillOnDrop(consume_one_at_a_time(&queue, &database));
+    let queue_ref = &queue;
+    common::wait_until("the copy settled", Duration::from_secs(30), || async move {
+        broker::count(queue_ref).await == 0 && broker::unacked(queue_ref) == 0
+    })
+    .await;
+    drop(consumer);
+    assert_eq!(
+        broker::count(&idem::rabbitmq::dlq(&queue)).await,
+        0,
+        "refused"
+    );
+    assert_eq!(applied(pool.clone(), id.clone()).await, 1);
+    let cents: i64 = sqlx::query_scalar("SELECT cents FROM balances WHERE customer = 'c'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(cents, 7, "applied once");
     broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
 }

@@ -10,7 +10,7 @@ pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
 /// Builds the envelope of a delivery. The attempt is the retry copy's (from
 /// [`ATTEMPT_HEADER`], 1 for an original): a redelivery of the same copy (its consumer died or
 /// lost its connection, or gave it back) is the same attempt, so it does not use up the retry
-/// policy's attempts; deliveries that never settle are the poison limit's to count.
+/// policy's attempts; handler runs that never settle are the poison limit's to count.
 pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered: bool) -> Envelope {
     let headers = properties
         .headers()

@@ -1,6 +1,6 @@
-//! The poison limit's count: per (consumer, key), how many deliveries of a message came after a
-//! delivery without a settlement. Counted in a short transaction of its own, so that the count
-//! survives the crash it is there to notice.
+//! The poison limit's count: per (consumer, key), how many runs of its handler on redeliveries
+//! have not settled. Counted in a short transaction of its own before the handler runs, so that
+//! the count survives the crash it is there to notice, and removed once the delivery settles.
 
 use crate::dialect::Dialect;
 use crate::error::store_error;
@@ -32,5 +32,24 @@ impl<DB: Dialect> SqlInbox<DB> {
         .map_err(fail)?;
         tx.commit().await.map_err(fail)?;
         Ok(u32::try_from(count).unwrap_or(u32::MAX))
+    }
+}
+
+impl<DB: Dialect> SqlInbox<DB> {
+    /// Removes the counts of `keys` for `consumer` (their deliveries settled), in one short
+    /// transaction.
+    pub(crate) async fn settle_deliveries_of(
+        &self,
+        consumer: &str,
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        let fail = |e| store_error("settle deliveries", e);
+        let forget = &self.sql.admin.forget_deliveries;
+        let mut tx = self.begin_tx().await?;
+        for key in keys {
+            let params = [Param::Text(consumer), Param::Text(key)];
+            DB::execute(&mut *tx, forget, &params).await.map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)
     }
 }

@@ -259,6 +259,10 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.count_delivery_of(request).await
     }
 
+    async fn settle_deliveries(&self, consumer: &str, keys: &[&str]) -> Result<(), StoreError> {
+        self.settle_deliveries_of(consumer, keys).await
+    }
+
     async fn record_dead_letter(&self, record: &DeadLetterRecord) -> Result<(), StoreError> {
         self.record(record).await
     }

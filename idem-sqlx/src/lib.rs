@@ -24,8 +24,9 @@
 //! ([`statements`]), its migrations and the claims it makes its own way; the code they share
 //! is generic (`inbox.rs`, `claim.rs`, `lease.rs`, `sweep.rs`, `migrate.rs`), with sqlx's
 //! per-type bounds written once ([`exec`]). Database errors are classified here
-//! ([`classify_sqlx`]). Beside the inbox table, `{table}_deliveries` counts redeliveries (the
-//! poison limit) and `{table}_dead_letters` records why each dead letter was refused
+//! ([`classify_sqlx`]). Beside the inbox table, `{table}_deliveries` counts the handler runs on
+//! redeliveries that never settled (the poison limit) and `{table}_dead_letters` records why
+//! each dead letter was refused
 //! ([`dead_letters`]); [`admin`] holds what an operator reads and changes. The outbox
 //! (`idem_outbox` beside `idem_inbox`) is staged in the caller's transaction ([`outbox`]) and
 //! published by relay passes (`relay.rs`), which PostgreSQL's notifications wake

@@ -32,7 +32,7 @@ pub struct Statements<S = &'static str> {
     pub lease: LeaseStatements<S>,
     /// The retention sweeper.
     pub sweep: SweepStatements<S>,
-    /// The poison limit's count of deliveries without a settlement.
+    /// The poison limit's count of handler runs on redeliveries that never settled.
     pub deliveries: DeliveryStatements<S>,
     /// Dead-letter records, and what an operator reads and changes.
     pub admin: AdminStatements<S>,
@@ -168,8 +168,9 @@ pub struct SweepStatements<S = &'static str> {
     pub delete_deliveries: S,
 }
 
-/// The poison limit: per (consumer, key), how many deliveries came after a delivery without a
-/// settlement, in the table `{table}_deliveries`, expiring with the inbox rows.
+/// The poison limit: per (consumer, key), how many runs of its handler on redeliveries started
+/// and never settled, in the table `{table}_deliveries`, expiring with the inbox rows (removed
+/// by `forget_deliveries` of [`AdminStatements`] when a delivery settles).
 #[derive(Debug, Clone)]
 pub struct DeliveryStatements<S = &'static str> {
     /// Adds one to the count, creating it at 1 (consumer, key, retention in seconds); where

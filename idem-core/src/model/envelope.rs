@@ -24,7 +24,7 @@ pub struct Envelope {
     /// Which attempt this is: 1, plus one for each transient failure before it (each retry
     /// copy). A redelivery of the same copy (its consumer died, lost its connection or gave it
     /// back) is the same attempt: the retry policy's attempts count failures, and the poison
-    /// limit counts deliveries that never settled.
+    /// limit counts handler runs that never settled.
     pub attempt: u32,
     /// Whether the broker flagged this delivery as a redelivery.
     pub redelivered: bool,

@@ -182,8 +182,8 @@ pub enum RejectReason {
     Store,
     /// External mode: an earlier copy of this key failed permanently, so it is not run again.
     PreviouslyFailed,
-    /// The message was delivered the poison limit's number of times without a settlement: its
-    /// consumers died on it (or lost their connection) each time.
+    /// The message's handler started the poison limit's number of times on redeliveries and
+    /// never settled: its consumers died (or lost their connection) while it ran each time.
     Poison,
     /// A versioned message without a usable entity or version.
     Version,

@@ -5,7 +5,10 @@
 //! An `in_progress` row whose lease expired is taken over by the next copy (attempts + 1), which
 //! runs the handler again with the same key: the downstream service deduplicates on it.
 
-use super::steps::{Limits, encode_result, existing, poisoned, prepare, store_failure};
+use super::steps::{
+    Keyed, Limits, count_start, encode_result, existing, poison_verdict, prepare, settle_counts,
+    store_failure,
+};
 use crate::handler::Handler;
 use crate::model::{
     Context, Envelope, ErrorClass, Fingerprint, Outcome, RejectReason, Rejection, StoreError,
@@ -23,14 +26,32 @@ pub(crate) async fn process<H: Handler>(
     lease: Duration,
     limits: Limits<'_>,
 ) -> Outcome {
-    let (payload, keyed) = match prepare::<H>(envelope) {
+    let (payload, mut keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
     let request = keyed.request(H::CONSUMER, envelope, limits.retention);
-    if let Some(refused) = poisoned::<H>(store, envelope, &request, limits.poison).await {
-        return refused;
+    keyed.unsettled = match count_start::<H>(store, envelope, &request, limits.poison).await {
+        Ok(unsettled) => unsettled,
+        Err(failed) => return failed,
+    };
+    let outcome = run::<H>(store, envelope, payload, &keyed, lease, limits).await;
+    if keyed.unsettled.is_some() {
+        settle_counts::<H>(store, &[keyed.key.as_str()]).await;
     }
+    outcome
+}
+
+/// [`process`] once the delivery is read and its handler's run counted: lease, run, settle.
+async fn run<H: Handler>(
+    store: &H::Store,
+    envelope: &Envelope,
+    payload: H::Payload,
+    keyed: &Keyed,
+    lease: Duration,
+    limits: Limits<'_>,
+) -> Outcome {
+    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
     let (key, fingerprint) = (&keyed.key, &keyed.fingerprint);
     if limits.inject_failure {
         return super::steps::injected_failure(key);
@@ -41,6 +62,13 @@ pub(crate) async fn process<H: Handler>(
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
     if let Err(outcome) = may_run::<H>(leased, envelope, key, fingerprint) {
         return outcome;
+    }
+    if let Some(refused) = poison_verdict::<H>(keyed, limits.poison) {
+        if let Err(e) = store.release(&request, &owner).await {
+            // The lease then runs out on its own.
+            tracing::warn!(consumer = H::CONSUMER, %key, error = %e, "releasing the lease failed");
+        }
+        return refused;
     }
 
     let ctx = Context::new(envelope, H::CONSUMER, key).with_state(limits.state);

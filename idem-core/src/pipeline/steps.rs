@@ -19,6 +19,9 @@ pub(crate) struct Keyed {
     pub(crate) fingerprint: Fingerprint,
     /// The entity and version, for a versioned handler.
     pub(crate) versioned: Option<Versioned>,
+    /// The poison limit's count of this key's handler runs on redeliveries that did not settle,
+    /// this one included, when this delivery was counted (see [`count_start`]).
+    pub(crate) unsettled: Option<u32>,
 }
 
 impl Keyed {
@@ -63,6 +66,7 @@ pub(crate) fn prepare<H: Handler>(envelope: &Envelope) -> Result<(H::Payload, Ke
             key,
             fingerprint,
             versioned,
+            unsettled: None,
         },
     ))
 }
@@ -299,33 +303,61 @@ impl Limits<'_> {
     }
 }
 
-/// The outcome of a redelivered message that reached the poison limit: this delivery is
-/// counted in the store first (only redeliveries pay for it). `None`: the message may run.
-pub(crate) async fn poisoned<H: Handler>(
+/// Counts the run of the handler that this redelivery is about to start, in the store's
+/// transaction of its own (first deliveries and handlers without a poison limit pay nothing):
+/// `Ok(Some(n))`, this key's runs on redeliveries that did not settle, this one included;
+/// `Ok(None)`: not counted. The count is removed when the delivery settles ([`settle_counts`]),
+/// and judged only once its key is claimed ([`poison_verdict`]): a copy of a completed key is a
+/// duplicate whatever its count.
+pub(crate) async fn count_start<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
     request: &ClaimRequest<'_>,
     limit: Option<u32>,
-) -> Option<Outcome> {
-    let limit = limit.filter(|_| envelope.redelivered)?;
+) -> Result<Option<u32>, Outcome> {
+    if limit.is_none() || !envelope.redelivered {
+        return Ok(None);
+    }
     match store.count_delivery(request).await {
-        Err(e) => Some(store_failure(e, request.key)),
-        Ok(unsettled) if unsettled >= limit => {
-            tracing::warn!(
-                consumer = H::CONSUMER,
-                key = request.key,
-                unsettled,
-                limit,
-                "a message its consumers died on; refusing it as poison"
-            );
-            Some(Outcome::Rejected(Rejection::new(
-                RejectReason::Poison,
-                format!(
-                    "delivered {unsettled} times after a delivery without a settlement: its consumers died or lost their connection each time (poison limit {limit})"
-                ),
-                Some(request.key.to_owned()),
-            )))
-        }
-        Ok(_) => None,
+        Ok(unsettled) => Ok(Some(unsettled)),
+        Err(e) => Err(store_failure(e, request.key)),
+    }
+}
+
+/// The poison limit's verdict on a delivery whose key it has just claimed (the key is new):
+/// refused when more than `limit` runs of its handler on redeliveries did not settle before
+/// this one (its consumers died or lost their connection while it ran). `None`: it may run.
+pub(crate) fn poison_verdict<H: Handler>(keyed: &Keyed, limit: Option<u32>) -> Option<Outcome> {
+    let (Some(limit), Some(unsettled)) = (limit, keyed.unsettled) else {
+        return None;
+    };
+    let before = unsettled.saturating_sub(1);
+    if before < limit {
+        return None;
+    }
+    tracing::warn!(
+        consumer = H::CONSUMER,
+        key = keyed.key,
+        unsettled = before,
+        limit,
+        "a message its consumers died on; refusing it as poison"
+    );
+    Some(Outcome::Rejected(Rejection::new(
+        RejectReason::Poison,
+        format!(
+            "its handler started {before} times on redeliveries and never settled: its consumers died or lost their connection while it ran (poison limit {limit})"
+        ),
+        Some(keyed.key.clone()),
+    )))
+}
+
+/// Removes the poison limit's counts of `keys`: their deliveries settled. A failure is logged:
+/// a count left behind expires with its key, and only a later crash in the handler adds to it.
+pub(crate) async fn settle_counts<H: Handler>(store: &H::Store, keys: &[&str]) {
+    if keys.is_empty() {
+        return;
+    }
+    if let Err(e) = store.settle_deliveries(H::CONSUMER, keys).await {
+        tracing::warn!(consumer = H::CONSUMER, error = %e, keys = keys.len(), "could not remove the poison limit's counts of settled deliveries");
     }
 }

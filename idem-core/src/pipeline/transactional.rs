@@ -6,7 +6,8 @@
 //! (`runtime/settle.rs`).
 
 use super::steps::{
-    Limits, advance, call, encode_result, existing, poisoned, prepare, reply_again, store_failure,
+    Keyed, Limits, advance, call, count_start, encode_result, existing, poison_verdict, prepare,
+    reply_again, settle_counts, store_failure,
 };
 use crate::handler::Handler;
 use crate::model::outgoing::reply;
@@ -27,16 +28,34 @@ pub(crate) async fn process<H: Handler>(
     limits: Limits<'_>,
     held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Outcome {
-    let (payload, keyed) = match prepare::<H>(envelope) {
+    let (payload, mut keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
     let request = keyed.request(H::CONSUMER, envelope, limits.retention);
-    let key = &keyed.key;
-    if let Some(refused) = poisoned::<H>(store, envelope, &request, limits.poison).await {
-        return refused;
+    keyed.unsettled = match count_start::<H>(store, envelope, &request, limits.poison).await {
+        Ok(unsettled) => unsettled,
+        Err(failed) => return failed,
+    };
+    let outcome = run::<H>(store, envelope, payload, &keyed, limits, held).await;
+    if keyed.unsettled.is_some() {
+        settle_counts::<H>(store, &[keyed.key.as_str()]).await;
     }
+    outcome
+}
 
+/// [`process`] once the delivery is read and its handler's run counted: claim, run, complete,
+/// commit.
+async fn run<H: Handler>(
+    store: &H::Store,
+    envelope: &Envelope,
+    payload: H::Payload,
+    keyed: &Keyed,
+    limits: Limits<'_>,
+    held: &mut Option<<H::Store as InboxStore>::Held>,
+) -> Outcome {
+    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
+    let key = &keyed.key;
     let mut tx = match store.begin_on(held).await {
         Ok(tx) => tx,
         Err(e) => return store_failure(e, key),
@@ -72,7 +91,11 @@ pub(crate) async fn process<H: Handler>(
         }
     }
 
-    match advance::<H>(store, &mut tx, &keyed, &limits).await {
+    if let Some(refused) = poison_verdict::<H>(keyed, limits.poison) {
+        store.rollback(tx).await;
+        return refused;
+    }
+    match advance::<H>(store, &mut tx, keyed, &limits).await {
         Ok(None) => {}
         Ok(Some(stale)) => {
             store.rollback(tx).await;

@@ -22,7 +22,8 @@ pub(super) const DEFAULT_BATCHES_IN_FLIGHT: usize = 1;
 pub(super) const DEFAULT_PREFETCH: u16 = 32;
 /// How long a batch waits for more deliveries after its first, unless configured.
 pub(super) const DEFAULT_LINGER: Duration = Duration::from_millis(5);
-/// Deliveries without a settlement before a message is refused as poison, unless configured.
+/// Runs of a handler on redeliveries that never settled before a message is refused as poison,
+/// unless configured.
 pub const DEFAULT_POISON_LIMIT: u32 = 5;
 
 impl Runtime {
@@ -184,11 +185,14 @@ impl RuntimeBuilder {
         self
     }
 
-    /// A message delivered `limit` times without a settlement (its consumers died on it, or
-    /// lost their connection) is dead-lettered with reason `poison` at its next delivery
-    /// (default [`DEFAULT_POISON_LIMIT`], 5), on every queue type. Each redelivery is counted in
-    /// the handler's store, in a short transaction of its own (a first delivery pays nothing).
-    /// A delivery given back at shutdown counts too.
+    /// A message whose handler started `limit` times on redeliveries and never settled (its
+    /// process died, or lost its connection, while the handler ran) is dead-lettered with reason
+    /// `poison` at its next delivery (default [`DEFAULT_POISON_LIMIT`], 5), on every queue type.
+    /// Each such run is counted in the handler's store before it starts, in a short transaction
+    /// of its own, and the count is removed when the delivery settles; a first delivery pays
+    /// nothing and is not counted. Deliveries never handed to a handler (waiting in a killed
+    /// process, given back at shutdown) never count, and a copy of a completed key is always a
+    /// duplicate.
     pub fn poison_limit(mut self, limit: u32) -> Self {
         self.stores = std::mem::take(&mut self.stores).with_poison_limit(Some(limit));
         self

@@ -297,18 +297,31 @@ pub trait InboxStore: Send + Sync + 'static {
         async { Err(no_external("release", Self::KIND)) }
     }
 
-    /// Counts one more delivery of `request`'s message that came after a delivery without a
-    /// settlement (the broker flagged it redelivered: its consumer died, or lost its
-    /// connection), in a transaction of its own committed before this returns, so that the
-    /// count survives the next crash; returns the count. Only redeliveries call this. The
-    /// count expires with `request.retention`. The default counts nothing (`0`): such a store
-    /// has no poison limit.
+    /// Counts one more run of the handler on a redelivery of `request`'s message (the broker
+    /// flagged it redelivered), just before that run, in a transaction of its own committed
+    /// before this returns, so that the count survives a crash in the handler; returns the
+    /// count. The runtime removes it when the delivery settles
+    /// ([`InboxStore::settle_deliveries`]), so it counts runs that started and never settled.
+    /// The count expires with `request.retention`. The default counts nothing (`0`): such a
+    /// store has no poison limit.
     fn count_delivery(
         &self,
         request: &ClaimRequest<'_>,
     ) -> impl Future<Output = Result<u32, StoreError>> + Send {
         let _ = request;
         async { Ok(0) }
+    }
+
+    /// Removes the counts of [`InboxStore::count_delivery`] for `consumer`'s `keys`: their
+    /// deliveries settled (processed, duplicate, retried or dead-lettered). In a transaction of
+    /// its own. The default keeps no counts.
+    fn settle_deliveries(
+        &self,
+        consumer: &str,
+        keys: &[&str],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (consumer, keys);
+        async { Ok(()) }
     }
 
     /// Records why a message is dead-lettered, keyed by `(record.consumer, record.key)`, in a

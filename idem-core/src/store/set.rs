@@ -157,9 +157,10 @@ impl Stores {
         self
     }
 
-    /// Counts, in the handler's store, the deliveries of a message that end without a
-    /// settlement, and refuses a message at its delivery after `limit` of them as `poison`
-    /// (default: no limit here; the runtime sets 5). See [`InboxStore::count_delivery`].
+    /// Counts, in the handler's store, the runs of a handler on redeliveries that started and
+    /// never settled, and refuses a message whose key is new at its delivery after `limit` of
+    /// them as `poison` (default: no limit here; the runtime sets 5). See
+    /// [`InboxStore::count_delivery`].
     pub fn with_poison_limit(mut self, limit: Option<u32>) -> Self {
         self.poison_limit = limit.map(|l| l.max(1));
         self

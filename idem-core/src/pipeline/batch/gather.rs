@@ -61,10 +61,12 @@ pub(super) struct Gathered<P> {
     pub(super) outcomes: Vec<Option<Outcome>>,
 }
 
-/// Reads `envelopes` for handler `H`; those with an outcome in `refused` are left out.
+/// Reads `envelopes` for handler `H`; those with an outcome in `refused` are left out. Each
+/// item carries its key's poison-limit count from `unsettled`.
 pub(super) fn gather<H: Handler>(
     envelopes: &[Envelope],
     refused: Vec<Option<Outcome>>,
+    unsettled: &HashMap<String, u32>,
 ) -> Gathered<H::Payload> {
     let mut gathered = Gathered {
         items: Vec::with_capacity(envelopes.len()),
@@ -79,13 +81,14 @@ pub(super) fn gather<H: Handler>(
         }
         match prepare::<H>(envelope) {
             Err(rejected) => gathered.outcomes[index] = Some(rejected),
-            Ok((payload, keyed)) => match first_of.get(&keyed.key) {
+            Ok((payload, mut keyed)) => match first_of.get(&keyed.key) {
                 Some(&first) => gathered.copies.push(Copy {
                     index,
                     first,
                     keyed,
                 }),
                 None => {
+                    keyed.unsettled = unsettled.get(&keyed.key).copied();
                     first_of.insert(keyed.key.clone(), gathered.items.len());
                     gathered.payloads.push(Some(payload));
                     gathered.items.push(Item {

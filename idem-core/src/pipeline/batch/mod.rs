@@ -1,8 +1,9 @@
 //! The pipeline for a batch of deliveries of a transactional handler: one transaction, one
 //! multi-row claim, the handler of each new message, one commit. In three steps:
 //!
-//! 1. [`gather`]: read every delivery, keep one message per key (a redelivery that reached the
-//!    poison limit is refused before);
+//! 1. [`gather`]: read every delivery, keep one message per key (the handler run that each
+//!    redelivery is about to start counted for the poison limit, which is judged on the keys
+//!    the pass claims);
 //! 2. [`pass`]: the transaction. The fast pass runs the handlers back to back. If one fails,
 //!    that pass is rolled back and the batch runs again with each new message under its own
 //!    savepoint: a message whose handler fails permanently is rolled back to its savepoint and
@@ -27,10 +28,10 @@ mod set;
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{Limits, prepare, reply_again};
+use crate::pipeline::steps::{Limits, count_start, prepare, reply_again, settle_counts};
 use crate::store::InboxStore;
 use run::{Batch, How, Pass, Place};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 /// Processes `envelopes` with handler `H` in one transaction of `store` on the connection in
 /// `held` (see [`InboxStore::begin_on`]), within `limits`; one outcome per envelope, in order.
@@ -45,13 +46,13 @@ pub(crate) async fn process<H: Handler>(
     limits: Limits<'_>,
     held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
-    let refused = poisoned::<H>(store, envelopes, limits).await;
+    let counted = count_starts::<H>(store, envelopes, limits).await;
     let gather::Gathered {
         mut items,
         payloads,
         copies,
         mut outcomes,
-    } = gather::gather::<H>(envelopes, refused);
+    } = gather::gather::<H>(envelopes, counted.refused, &counted.unsettled);
     if !items.is_empty() {
         let place = &mut Place {
             stages: &mut stages,
@@ -88,6 +89,8 @@ pub(crate) async fn process<H: Handler>(
         }
     }
     let outcomes = finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes);
+    let settled: Vec<&str> = counted.unsettled.keys().map(String::as_str).collect();
+    settle_counts::<H>(store, &settled).await;
     reply_to_duplicates::<H>(envelopes, outcomes, limits).await
 }
 
@@ -167,27 +170,43 @@ impl<H: Handler> Batch<'_, H> {
     }
 }
 
-/// The outcomes of the redelivered envelopes that reached the poison limit (each redelivery is
-/// counted in the store, one short transaction each; first deliveries pay nothing).
-async fn poisoned<H: Handler>(
+/// The poison limit's counts of a batch (see `steps::count_start`).
+struct Counted {
+    /// By delivery: the outcome of one whose count failed.
+    refused: Vec<Option<Outcome>>,
+    /// By key: the count of each key with a redelivery in the batch (counted once).
+    unsettled: HashMap<String, u32>,
+}
+
+/// Counts the handler run that each redelivered key of the batch is about to start (one short
+/// transaction each; first deliveries pay nothing).
+async fn count_starts<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     limits: Limits<'_>,
-) -> Vec<Option<Outcome>> {
-    let mut refused = vec![None; envelopes.len()];
-    if limits.poison.is_none() {
-        return refused;
-    }
+) -> Counted {
+    let mut counted = Counted {
+        refused: vec![None; envelopes.len()],
+        unsettled: HashMap::new(),
+    };
     for (index, envelope) in envelopes.iter().enumerate() {
-        if !envelope.redelivered {
+        if limits.poison.is_none() || !envelope.redelivered {
             continue;
         }
-        if let Ok((_, keyed)) = prepare::<H>(envelope) {
-            let request = keyed.request(H::CONSUMER, envelope, limits.retention);
-            refused[index] =
-                crate::pipeline::steps::poisoned::<H>(store, envelope, &request, limits.poison)
-                    .await;
+        let Ok((_, keyed)) = prepare::<H>(envelope) else {
+            continue;
+        };
+        if counted.unsettled.contains_key(&keyed.key) {
+            continue;
+        }
+        let request = keyed.request(H::CONSUMER, envelope, limits.retention);
+        match count_start::<H>(store, envelope, &request, limits.poison).await {
+            Ok(Some(unsettled)) => {
+                counted.unsettled.insert(keyed.key.clone(), unsettled);
+            }
+            Ok(None) => {}
+            Err(failed) => counted.refused[index] = Some(failed),
         }
     }
-    refused
+    counted
 }

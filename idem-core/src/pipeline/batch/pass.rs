@@ -13,7 +13,7 @@ use super::set;
 use crate::handler::Handler;
 use crate::model::outgoing::reply;
 use crate::model::{ErrorClass, Outcome, Outgoing, StoreError, StoredOutput};
-use crate::pipeline::steps::{advance, call, encode_result, failure};
+use crate::pipeline::steps::{advance, call, encode_result, failure, poison_verdict};
 use crate::store::{Claim, ClaimRequest, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
@@ -187,6 +187,12 @@ impl<'a, H: Handler> Run<'a, '_, H> {
                         continue;
                     };
                     let limits = &self.batch.limits;
+                    if let Some(refused) = poison_verdict::<H>(&item.keyed, limits.poison) {
+                        // Nothing was written for it; its marker goes.
+                        *slot = Some(refused);
+                        failed.push(k);
+                        continue;
+                    }
                     if let Some(stale) = advance::<H>(store, tx, &item.keyed, limits).await? {
                         // Nothing was written for it; its marker goes.
                         *slot = Some(stale);

@@ -10,7 +10,7 @@
 use super::run::{Batch, Pass, Run, SetEnd};
 use crate::handler::Handler;
 use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, StoreError};
-use crate::pipeline::steps::{advance, encode_result, handler_failure};
+use crate::pipeline::steps::{advance, encode_result, handler_failure, poison_verdict};
 use crate::store::{Claim, InboxStore};
 use crate::telemetry;
 use std::time::Instant;
@@ -28,7 +28,7 @@ pub(super) async fn handle<H: Handler>(
         limits,
     } = *run.batch;
     let mut fresh = Vec::with_capacity(claims.len());
-    let mut stale = Vec::new();
+    let mut unclaimed = Vec::new();
     for (&k, claim) in run.members.iter().zip(claims) {
         let item = &mut run.items[k];
         let envelope = &envelopes[item.index];
@@ -44,10 +44,16 @@ pub(super) async fn handle<H: Handler>(
                 let Some(payload) = payloads[k].take() else {
                     continue;
                 };
+                if let Some(refused) = poison_verdict::<H>(&item.keyed, limits.poison) {
+                    // Nothing was written for it, and its marker goes.
+                    run.outcomes[item.index] = Some(refused);
+                    unclaimed.push(k);
+                    continue;
+                }
                 if let Some(outcome) = advance::<H>(store, tx, &item.keyed, &limits).await? {
                     // Stale: nothing is written for it, and its marker goes.
                     run.outcomes[item.index] = Some(outcome);
-                    stale.push(k);
+                    unclaimed.push(k);
                     continue;
                 }
                 fresh.push((k, payload));
@@ -55,7 +61,7 @@ pub(super) async fn handle<H: Handler>(
         }
     }
     let Some(&(first, _)) = fresh.first() else {
-        return Ok(SetEnd::Failed(stale));
+        return Ok(SetEnd::Failed(unclaimed));
     };
     let fresh_items: Vec<usize> = fresh.iter().map(|(k, _)| *k).collect();
     let batch = crate::model::Batch::new(
@@ -100,7 +106,7 @@ pub(super) async fn handle<H: Handler>(
                     Err(failure) => return Ok(SetEnd::Again(Pass::Exclude(k, failure))),
                 }
             }
-            return Ok(SetEnd::Failed(stale));
+            return Ok(SetEnd::Failed(unclaimed));
         }
         Ok(outputs) => HandlerError::permanent(format!(
             "the batch handler returned {} results for {} messages",
