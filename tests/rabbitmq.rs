@@ -868,3 +868,43 @@ async fn existing_topology_with_other_arguments_stops_the_start() {
     assert!(error.contains("x-queue-type"), "{error}");
     f.cleanup().await;
 }
+
+/// A dead letter whose record can never be written (the store refuses it with an error that
+/// retrying will not fix: here a trigger on the records' table) is moved all the same, once,
+/// counted as dead-lettered: it does not go round for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_whose_record_can_never_be_written_is_moved_all_the_same() {
+    let f = fixture("unrecordable", fast_retries(), QueueType::Classic, None).await;
+    let schema = common::OwnSchema::create("idem_unrecordable", 4).await;
+    PgInbox::new(schema.pool.clone()).migrate().await.unwrap();
+    for statement in [
+        "CREATE FUNCTION refuse_records() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'records refused by the test' USING ERRCODE = '22023'; END $$",
+        "CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON idem_inbox_dead_letters
+         FOR EACH ROW EXECUTE FUNCTION refuse_records()",
+    ] {
+        sqlx::query(statement).execute(&schema.pool).await.unwrap();
+    }
+    let running = start(f.runtime_with(schema.pool.clone()));
+    publish(&f.publisher, &f.queue, Some(&f.key(0)), b"not json").await;
+    let dlq = idem::rabbitmq::dlq(&f.queue);
+    wait_until("moved to the DLQ without its record", DEADLINE, || async {
+        broker::count(&dlq).await == 1
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.dead_lettered, seen.rejected, seen.retried),
+        (1, 1, 0),
+        "moved at once, counted once"
+    );
+    let dead = broker::drain(&dlq).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].message_id(), Some(f.key(0)));
+    assert!(
+        broker::drain(&f.queue).await.is_empty(),
+        "nothing left behind"
+    );
+    f.cleanup().await;
+    schema.drop().await;
+}

@@ -5,7 +5,8 @@
 //! | name | kind | labels |
 //! |---|---|---|
 //! | `idem_messages_total` | counter | `consumer`, `outcome`: `processed`, `duplicate`, `stale`, `conflict`, `rejected`, `retried`, `dead_lettered` (retries exhausted) |
-//! | `idem_dead_letters_total` | counter | `consumer`, `reason` (the `x-idem-reason` header) |
+//! | `idem_dead_letters_total` | counter | `consumer`, `reason` (the record's reason code) |
+//! | `idem_dead_letters_unrecorded_total` | counter | `consumer`: dead letters moved without their record, which the store refused for a reason retrying will not fix (the reason is logged) |
 //! | `idem_handler_duration_seconds` | histogram | `consumer` |
 //! | `idem_claim_duration_seconds` | histogram | `consumer` (a claim, a lease, or a batch's claim) |
 //! | `idem_commit_duration_seconds` | histogram | `consumer`: the commit of a transaction that processed a message or a batch |
@@ -118,6 +119,9 @@ pub fn record_outcome(span: &tracing::Span, outcome: &Outcome) {
 pub const MESSAGES: &str = "idem_messages_total";
 /// Dead letters, by consumer and reason.
 pub const DEAD_LETTERS: &str = "idem_dead_letters_total";
+/// Dead letters moved without their record in the store (it could not be written for a reason
+/// that retrying will not fix), by consumer: their reason is only in their headers.
+pub const DEAD_LETTERS_UNRECORDED: &str = "idem_dead_letters_unrecorded_total";
 /// Time in the user's handler.
 pub const HANDLER_DURATION: &str = "idem_handler_duration_seconds";
 /// Time claiming keys.
@@ -163,6 +167,10 @@ pub fn describe() {
     describe_counter!(
         DEAD_LETTERS,
         "Deliveries dead-lettered, by consumer and reason"
+    );
+    describe_counter!(
+        DEAD_LETTERS_UNRECORDED,
+        "Dead letters moved without their record (it could not be written), by consumer"
     );
     describe_histogram!(HANDLER_DURATION, Unit::Seconds, "Time spent in the handler");
     describe_histogram!(
@@ -264,6 +272,12 @@ pub(crate) fn message(consumer: &'static str, outcome: &'static str) {
 pub fn dead_letter(consumer: &str, reason: &str) {
     metrics::counter!(DEAD_LETTERS, "consumer" => consumer.to_owned(), "reason" => reason.to_owned())
         .increment(1);
+}
+
+/// Counts a dead letter of `consumer` moved without its record in the store; transports call
+/// it for the deliveries they dead-letter themselves.
+pub fn dead_letter_unrecorded(consumer: &str) {
+    metrics::counter!(DEAD_LETTERS_UNRECORDED, "consumer" => consumer.to_owned()).increment(1);
 }
 
 pub(crate) fn handler_duration(consumer: &'static str, elapsed: Duration) {

@@ -290,12 +290,20 @@ impl Consumer {
         );
         tracing::warn!(queue = self.spec.queue, message_id = envelope.message_id.as_deref(), detail = %reason.detail, "dead-lettering");
         let record = DeadLetterRecord::new(&reason, &envelope, &self.spec.queue);
-        if let Err(e) = self.spec.dead_letters.record(record).await {
-            // Not moved without its reason: back to the queue, after a pause.
-            tracing::warn!(error = %e, "could not record the dead letter; it stays in the queue");
-            tokio::time::sleep(RECORD_RETRY).await;
-            drop(settle);
-            return;
+        match self.spec.dead_letters.record(record).await {
+            Ok(()) => {}
+            Err(e) if e.class() == idem_core::ErrorClass::Permanent => {
+                // Retrying will not write it: moved all the same (its reason logged), counted.
+                tracing::error!(error = %e, detail = %reason.detail, "the dead letter's record cannot be written; moving it without one");
+                idem_core::telemetry::dead_letter_unrecorded(&self.spec.consumer);
+            }
+            Err(e) => {
+                // Not moved without its reason: back to the queue, after a pause.
+                tracing::warn!(error = %e, "could not record the dead letter; it stays in the queue");
+                tokio::time::sleep(RECORD_RETRY).await;
+                drop(settle);
+                return;
+            }
         }
         idem_core::telemetry::dead_letter(&self.spec.consumer, &reason.reason);
         if let Err(e) = settle.dead_letter(&envelope, &reason).await {

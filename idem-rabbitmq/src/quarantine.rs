@@ -145,7 +145,15 @@ async fn record(spec: &QueueSpec, deliveries: &[Delivery]) -> Result<(), StoreEr
             .as_deref()
             .map(|id| String::from_utf8_lossy(id).into_owned());
         let record = DeadLetterRecord::new(&letter, &envelope, &spec.queue);
-        spec.dead_letters.record(record).await?;
+        match spec.dead_letters.record(record).await {
+            Ok(()) => {}
+            // Retrying will not write it: it is taken out all the same, and counted.
+            Err(e) if e.class() == idem_core::ErrorClass::Permanent => {
+                tracing::error!(queue = spec.queue, error = %e, "the dead letter's record cannot be written; taking it out without one");
+                idem_core::telemetry::dead_letter_unrecorded(spec.consumer.as_str());
+            }
+            Err(e) => return Err(e),
+        }
         idem_core::telemetry::dead_letter(spec.consumer.as_str(), "unparsable");
     }
     Ok(())

@@ -137,6 +137,7 @@ impl<DB: Dialect> SqlInbox<DB> {
 
     /// What the inbox holds for `key` of `consumer`.
     pub async fn show(&self, consumer: &str, key: &str) -> Result<KeyReport, StoreError> {
+        let key = &*crate::keys::stored::<DB>(key);
         let fail = |e| store_error("inbox show", e);
         let params = [Param::Text(consumer), Param::Text(key)];
         let admin = &self.sql.admin;
@@ -200,7 +201,8 @@ impl<DB: Dialect> SqlInbox<DB> {
         row_statement: &std::sync::Arc<str>,
     ) -> Result<Removed, StoreError> {
         let fail = |e| store_error("inbox forget", e);
-        let params = [Param::Text(consumer), Param::Text(key)];
+        let key = crate::keys::stored::<DB>(key);
+        let params = [Param::Text(consumer), Param::Text(&key)];
         let admin = &self.sql.admin;
         let mut tx = self.begin_tx().await?;
         let mut removed = Removed::default();

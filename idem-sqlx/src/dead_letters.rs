@@ -6,6 +6,7 @@ use crate::dialect::Dialect;
 use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
+use crate::keys;
 use idem_core::{ClaimRequest, DeadLetterRecord, Fingerprint, StoreError};
 use std::time::Duration;
 
@@ -64,15 +65,18 @@ impl<DB: Dialect> SqlInbox<DB> {
                 (substitute.as_str(), false)
             }
         };
+        let stored = keys::stored::<DB>;
+        let (key, queue, detail) = (stored(key), stored(&record.queue), stored(&record.detail));
+        let message_id = stored(record.message_id.as_deref().unwrap_or(""));
         let params = [
             Param::Text(&record.consumer),
-            Param::Text(key),
+            Param::Text(&key),
             Param::Int32(i32::from(keyed)),
-            Param::Text(&record.queue),
+            Param::Text(&queue),
             Param::Text(&record.reason),
-            Param::Text(&record.detail),
+            Param::Text(&detail),
             Param::Int32(i32::try_from(record.attempts).unwrap_or(i32::MAX)),
-            Param::Text(record.message_id.as_deref().unwrap_or("")),
+            Param::Text(&message_id),
             Param::Bytes(record.fingerprint.as_bytes()),
         ];
         let fail = |e| store_error("record dead letter", e);
@@ -90,7 +94,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let rows = DB::fetch_all(
             &mut *conn,
             &self.sql.admin.dead_letters,
-            &[Param::Text(queue)],
+            &[Param::Text(&keys::stored::<DB>(queue))],
         )
         .await
         .map_err(fail)?;
@@ -108,7 +112,8 @@ impl<DB: Dialect> SqlInbox<DB> {
     ) -> Result<Option<DeadLetterRow>, StoreError> {
         let fail = |e| store_error("read dead letter", e);
         let mut conn = self.pool.acquire().await.map_err(fail)?;
-        let params = [Param::Text(consumer), Param::Text(key)];
+        let key = keys::stored::<DB>(key);
+        let params = [Param::Text(consumer), Param::Text(&key)];
         let row = DB::fetch_optional(&mut *conn, &self.sql.admin.dead_letter_of, &params)
             .await
             .map_err(fail)?;
@@ -116,15 +121,17 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 }
 
+/// A record as stored, its texts read back as they were given ([`keys::shown`]).
 fn read_row<DB: Dialect>(row: &DB::Row) -> Result<DeadLetterRow, sqlx::Error> {
-    let message_id = DB::text(row, "message_id")?;
+    let text = |column| DB::text(row, column).map(keys::shown::<DB>);
+    let message_id = text("message_id")?;
     Ok(DeadLetterRow {
         consumer: DB::text(row, "consumer")?,
-        key: DB::text(row, "key")?,
+        key: text("key")?,
         keyed: DB::int32(row, "keyed")? != 0,
-        queue: DB::text(row, "queue")?,
+        queue: text("queue")?,
         reason: DB::text(row, "reason")?,
-        detail: DB::text(row, "detail")?,
+        detail: text("detail")?,
         attempts: u32::try_from(DB::int32(row, "attempts")?).unwrap_or(0),
         message_id: (!message_id.is_empty()).then_some(message_id),
         fingerprint: Fingerprint::from_slice(&DB::bytes(row, "fingerprint")?),

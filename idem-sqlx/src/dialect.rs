@@ -25,6 +25,9 @@ pub trait Dialect: Sql {
     /// Whether sweepers must also exclude each other inside this process (SQLite, whose
     /// sweeper lock cannot span processes).
     const LOCAL_SWEEP_LOCK: bool = false;
+    /// Whether keys and the text of records are written escaped where they hold NUL, which
+    /// the database's text type refuses (PostgreSQL), as the module `keys` says.
+    const ESCAPES_NUL: bool = false;
 
     /// Bind parameter `n` (from 1) in statement text put together at run time (default `?`).
     fn placeholder(n: usize) -> String {

@@ -5,6 +5,7 @@ use crate::claim;
 use crate::config::{ConfigError, InboxConfig};
 use crate::dialect::Dialect;
 use crate::error::{classify_error, store_error};
+use crate::keys;
 use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
 use idem_core::{
@@ -155,7 +156,8 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         request: &ClaimRequest<'_>,
     ) -> Result<Claim, StoreError> {
         DB::check_request(request)?;
-        DB::claim(&self.sql, &mut **tx, request).await
+        let key = keys::stored::<DB>(request.key);
+        DB::claim(&self.sql, &mut **tx, &with_key(request, &key)).await
     }
 
     async fn try_claim(
@@ -164,7 +166,8 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         request: &ClaimRequest<'_>,
     ) -> Result<Option<Claim>, StoreError> {
         DB::check_request(request)?;
-        DB::try_claim(&self.sql, &mut **tx, request).await
+        let key = keys::stored::<DB>(request.key);
+        DB::try_claim(&self.sql, &mut **tx, &with_key(request, &key)).await
     }
 
     async fn complete(
@@ -173,6 +176,8 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         request: &ClaimRequest<'_>,
         output: &StoredOutput,
     ) -> Result<(), StoreError> {
+        let key = keys::stored::<DB>(request.key);
+        let request = &with_key(request, &key);
         claim::complete::<DB>(&self.sql, &mut **tx, request, output).await
     }
 
@@ -182,7 +187,13 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         requests: &[ClaimRequest<'_>],
     ) -> Result<Vec<Claim>, StoreError> {
         requests.iter().try_for_each(DB::check_request)?;
-        DB::claim_batch(&self.sql, &mut **tx, requests).await
+        let keys: Vec<_> = requests.iter().map(|r| keys::stored::<DB>(r.key)).collect();
+        let requests: Vec<_> = requests
+            .iter()
+            .zip(&keys)
+            .map(|(r, k)| with_key(r, k))
+            .collect();
+        DB::claim_batch(&self.sql, &mut **tx, &requests).await
     }
 
     async fn complete_batch(
@@ -190,7 +201,16 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         tx: &mut Self::Tx<'_>,
         completed: &[(ClaimRequest<'_>, &StoredOutput)],
     ) -> Result<(), StoreError> {
-        DB::complete_batch(&self.sql, &mut **tx, completed).await
+        let keys: Vec<_> = completed
+            .iter()
+            .map(|(r, _)| keys::stored::<DB>(r.key))
+            .collect();
+        let completed: Vec<_> = completed
+            .iter()
+            .zip(&keys)
+            .map(|((r, output), k)| (with_key(r, k), *output))
+            .collect();
+        DB::complete_batch(&self.sql, &mut **tx, &completed).await
     }
 
     async fn savepoint(&self, tx: &mut Self::Tx<'_>, first: bool) -> Result<(), StoreError> {
@@ -218,7 +238,8 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         entity: &str,
         version: i64,
     ) -> Result<Option<i64>, StoreError> {
-        crate::versions::advance::<DB>(&self.sql, &mut **tx, consumer, entity, version).await
+        let entity = keys::stored::<DB>(entity);
+        crate::versions::advance::<DB>(&self.sql, &mut **tx, consumer, &entity, version).await
     }
 
     async fn unclaim(
@@ -227,7 +248,9 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         consumer: &str,
         keys: &[&str],
     ) -> Result<(), StoreError> {
-        DB::unclaim(&self.sql, &mut **tx, consumer, keys).await
+        let stored: Vec<_> = keys.iter().map(|k| keys::stored::<DB>(k)).collect();
+        let keys: Vec<&str> = stored.iter().map(|k| k.as_ref()).collect();
+        DB::unclaim(&self.sql, &mut **tx, consumer, &keys).await
     }
 
     async fn lease(
@@ -237,7 +260,8 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         lease: Duration,
     ) -> Result<Lease, StoreError> {
         DB::check_request(request)?;
-        self.lease_key(request, owner, lease).await
+        let key = keys::stored::<DB>(request.key);
+        self.lease_key(&with_key(request, &key), owner, lease).await
     }
 
     async fn settle(
@@ -247,20 +271,26 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         end: LeaseEnd,
         output: &StoredOutput,
     ) -> Result<bool, StoreError> {
-        self.settle_key(request, owner, end, output).await
+        let key = keys::stored::<DB>(request.key);
+        self.settle_key(&with_key(request, &key), owner, end, output)
+            .await
     }
 
     async fn release(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<(), StoreError> {
-        self.release_key(request, owner).await
+        let key = keys::stored::<DB>(request.key);
+        self.release_key(&with_key(request, &key), owner).await
     }
 
     async fn count_delivery(&self, request: &ClaimRequest<'_>) -> Result<u32, StoreError> {
         DB::check_request(request)?;
-        self.count_delivery_of(request).await
+        let key = keys::stored::<DB>(request.key);
+        self.count_delivery_of(&with_key(request, &key)).await
     }
 
     async fn settle_deliveries(&self, consumer: &str, keys: &[&str]) -> Result<(), StoreError> {
-        self.settle_deliveries_of(consumer, keys).await
+        let stored: Vec<_> = keys.iter().map(|k| keys::stored::<DB>(k)).collect();
+        let keys: Vec<&str> = stored.iter().map(|k| k.as_ref()).collect();
+        self.settle_deliveries_of(consumer, &keys).await
     }
 
     async fn record_dead_letter(&self, record: &DeadLetterRecord) -> Result<(), StoreError> {
@@ -357,4 +387,9 @@ impl Drop for SweepGuard<'_> {
 pub(crate) fn transaction_identity<DB: Dialect>(tx: &Transaction<'_, DB>) -> usize {
     let connection: &DB::Connection = tx;
     std::ptr::from_ref(connection) as usize
+}
+
+/// `request` with `key`, its key as the dialect stores it ([`keys::stored`]).
+fn with_key<'a>(request: &ClaimRequest<'a>, key: &'a str) -> ClaimRequest<'a> {
+    ClaimRequest { key, ..*request }
 }

@@ -49,6 +49,7 @@ mod error;
 pub mod exec;
 pub mod held;
 pub mod inbox;
+pub mod keys;
 mod lease;
 pub mod migrate;
 #[cfg(feature = "mysql")]

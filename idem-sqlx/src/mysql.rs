@@ -21,9 +21,10 @@ use idem_core::{ClaimRequest, ErrorClass, StoreError, StoreKind};
 use sqlx::MySql;
 use sqlx::mysql::MySqlQueryResult;
 
-/// The longest key (and consumer) the MySQL inbox holds, in characters: the primary key of two
-/// `utf8mb4` columns must fit InnoDB's 3072-byte index limit.
-pub const MAX_KEY_CHARS: usize = 191;
+/// The longest consumer name the MySQL inbox holds, in characters: the primary key of the
+/// consumer (191 `utf8mb4` characters) and the key (512 bytes of any UTF-8) fits InnoDB's
+/// 3,072-byte index limit.
+pub const MAX_CONSUMER_CHARS: usize = 191;
 
 const MIGRATIONS: &[(i32, &[&str])] = &[
     (
@@ -91,6 +92,19 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     // Version 8 dropped PostgreSQL's check of `status`, which that server builds again for
     // every statement; this dialect keeps it.
     (8, &[]),
+    // Version 9: a key is any UTF-8 string of up to 512 bytes, and two keys that differ in any
+    // byte are two keys. `utf8mb4_bin` pads with spaces (`'k'` and `'k '` were one key) and 191
+    // characters held less; `utf8mb4_nopad_bin` compares code points without padding, and the
+    // primary key (764 + 2,048 bytes) stays within InnoDB's 3,072.
+    (
+        9,
+        &[
+            "ALTER TABLE `{table}` MODIFY `key` VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
+            "ALTER TABLE `{table}_deliveries` MODIFY `key` VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
+            "ALTER TABLE `{table}_dead_letters` MODIFY `key` VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
+            "ALTER TABLE `{outbox}` MODIFY `key` VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
+        ],
+    ),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
@@ -254,19 +268,29 @@ impl Dialect for MySql {
     }
 }
 
-/// Refuses keys the columns cannot hold (`INSERT IGNORE` would truncate them).
+/// Refuses what the columns cannot hold (`INSERT IGNORE` would truncate it): a consumer name
+/// over [`MAX_CONSUMER_CHARS`], a key over the 512 bytes any key is limited to.
 fn check_lengths(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
-    for (what, value) in [("key", request.key), ("consumer", request.consumer)] {
-        let chars = value.chars().count();
-        if chars > MAX_KEY_CHARS {
-            return Err(StoreError::new(
-                "claim",
-                ErrorClass::Permanent,
-                format!(
-                    "the {what} has {chars} characters; the MySQL inbox holds at most {MAX_KEY_CHARS}"
-                ),
-            ));
-        }
+    let consumer = request.consumer.chars().count();
+    if consumer > MAX_CONSUMER_CHARS {
+        return Err(StoreError::new(
+            "claim",
+            ErrorClass::Permanent,
+            format!(
+                "the consumer name has {consumer} characters; the MySQL inbox holds at most {MAX_CONSUMER_CHARS}"
+            ),
+        ));
+    }
+    if request.key.len() > idem_core::MAX_KEY_LEN {
+        return Err(StoreError::new(
+            "claim",
+            ErrorClass::Permanent,
+            format!(
+                "the key has {} bytes; a key holds at most {}",
+                request.key.len(),
+                idem_core::MAX_KEY_LEN
+            ),
+        ));
     }
     Ok(())
 }

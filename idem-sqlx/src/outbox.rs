@@ -260,6 +260,8 @@ async fn insert_rows<DB: Dialect>(
     run: &str,
     messages: &[Outgoing],
 ) -> Result<(), StoreError> {
+    // The run is the staging handler's key.
+    let run = &*crate::keys::stored::<DB>(run);
     for chunk in messages.chunks(ROWS_PER_STATEMENT) {
         let headers: Vec<String> = chunk
             .iter()

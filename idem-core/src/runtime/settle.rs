@@ -7,7 +7,7 @@
 use super::actor::Shared;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
-use crate::model::{DeadLetter, DeadLetterRecord, Envelope, Outcome, Transient};
+use crate::model::{DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, Transient};
 use crate::pipeline::DispatchError;
 use crate::telemetry;
 use crate::transport::{Delivery, Settle};
@@ -104,11 +104,21 @@ pub(crate) async fn settle(
         Settlement::DeadLetter(reason) => {
             tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
             let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);
-            if let Err(e) = shared
+            let recorded = shared
                 .handler
                 .record_dead_letter(&shared.stores, &record)
-                .await
-            {
+                .await;
+            let recorded = match recorded {
+                Err(e) if e.class() == ErrorClass::Permanent => {
+                    // Retrying will not write it: moved all the same (its reason logged here),
+                    // and counted.
+                    tracing::error!(error = %e, key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "the dead letter's record cannot be written; moving it without one");
+                    telemetry::dead_letter_unrecorded(consumer);
+                    Ok(())
+                }
+                recorded => recorded,
+            };
+            if let Err(e) = recorded {
                 // Not moved without its reason: deliver it again later and decide again.
                 tracing::warn!(error = %e, "could not record the dead letter; retrying it later");
                 Stats::add(&stats.retried);
