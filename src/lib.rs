@@ -4,10 +4,11 @@
 // What a handler author uses sits at the root; what a store, a transport or a test harness
 // implements sits in the modules below.
 pub use idem_core::{
-    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT, Envelope,
-    ErrorClass, HandlerError, HeaderValue, Headers, Health, MAX_PARTITIONS, Outcome, Outgoing,
-    Readiness, RejectReason, Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder,
-    RuntimeError, Snapshot, Stale, Stats, StopSignal, Transient, VersionValue,
+    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT,
+    DEFAULT_START_DEADLINE, Envelope, ErrorClass, HandlerError, HeaderValue, Headers, Health,
+    MAX_PARTITIONS, Outcome, Outgoing, Readiness, RejectReason, Rejection, RetryPolicy,
+    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stale, Stats, StopSignal,
+    Transient, VersionValue,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;

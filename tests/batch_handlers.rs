@@ -235,6 +235,45 @@ macro_rules! batch_suite {
                 assert_eq!(balances(&pool, &prefix).await, HashMap::from([(format!("{prefix}-c"), 10)]));
             }
 
+            /// One member whose claim the store refuses (a trigger on the inbox refuses its
+            /// key) is settled alone, dead-lettered with reason `store`; the batch handler
+            /// commits every other member once.
+            #[tokio::test]
+            async fn a_member_the_store_refuses_is_settled_alone() {
+                let (pool, _dir) = $pool;
+                let table = format!("bh_refusing_{}", std::process::id());
+                let inbox = <$inbox>::new(pool.clone()).table(&table).unwrap();
+                let outbox = idem::store::InboxStore::outbox_table(&inbox).unwrap().to_owned();
+                let drop_all = || async {
+                    for name in [table.clone(), format!("{table}_deliveries"), format!("{table}_dead_letters"), format!("{table}_versions"), outbox.clone()] {
+                        let drop = format!("DROP TABLE IF EXISTS {name}");
+                        sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&pool).await.unwrap();
+                    }
+                };
+                drop_all().await;
+                inbox.migrate().await.unwrap();
+                let prefix = unique("bh-refused");
+                let ids: Vec<String> = (0..20).map(|n| format!("{prefix}-{n}")).collect();
+                for statement in crate::common::refusing::$module(&table, &ids[7]) {
+                    sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&pool).await.unwrap();
+                }
+                let stores = idem::store::Stores::new().with(inbox).with_state(Seen::default());
+                let batch: Vec<Envelope> = ids.iter().map(|id| order(id, &format!("{prefix}-c"), 1)).collect();
+                let outcomes = registration().invoke_batch(&stores, &batch).await.unwrap();
+                for (n, outcome) in outcomes.iter().enumerate() {
+                    match (n, outcome) {
+                        (7, Outcome::Rejected(r)) => assert_eq!(r.reason, idem::RejectReason::Store, "{r}"),
+                        (7, other) => panic!("the refused member: {other:?}"),
+                        (_, outcome) => assert_eq!(outcome.label(), "processed", "member {n}: {outcome:?}"),
+                    }
+                }
+                let applied = applied(&pool, &prefix).await;
+                assert_eq!(applied.len(), 19, "{applied:?}");
+                assert!(applied.values().all(|n| *n == 1) && !applied.contains_key(&ids[7]), "{applied:?}");
+                assert_eq!(balances(&pool, &prefix).await, HashMap::from([(format!("{prefix}-c"), 19)]));
+                drop_all().await;
+            }
+
             /// Through `build()` on RabbitMQ: 600 orders (copies inside batches and across
             /// them), one failed by index, one failing transiently once, one failing the batch
             /// with no culprit. Only the transient one is retried: the batch ran again without

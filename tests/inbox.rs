@@ -168,7 +168,7 @@ async fn sqlite_claims_waiting(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>, _: &
 }
 
 macro_rules! inbox_suite {
-    ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident, $claims_waiting:ident, $sql:ident) => {
+    ($module:ident, $store:ident, $db:ty, $inbox:ty, $setup:ident, $lock_waiters:ident, $claims_waiting:ident, $sql:ident, $refusing:ident) => {
         mod $module {
             use super::common::{unique, wait_until};
             use idem::{Context, Envelope, HandlerError, Outcome, RejectReason, idempotent};
@@ -760,6 +760,35 @@ use idem::store::{Stores};
                 drop_inbox(&f.pool, &table).await;
             }
 
+            /// One member of a batch whose claim the store refuses (a trigger refuses its key)
+            /// is settled alone, dead-lettered with reason `store`; every other member commits,
+            /// once.
+            #[tokio::test]
+            async fn a_member_the_store_refuses_is_settled_alone() {
+                let f = fixture(2).await;
+                let (table, stores) = own_inbox(&f, "refusing").await;
+                let customer = unique("c");
+                let ids: Vec<String> = (0..20).map(|_| unique("o")).collect();
+                for statement in super::common::refusing::$refusing(&table, &ids[7]) {
+                    sqlx::query(sqlx::AssertSqlSafe(statement)).execute(&f.pool).await.unwrap();
+                }
+                let batch: Vec<Envelope> = ids.iter().map(|id| order(id, &customer, 1)).collect();
+                let registration = idem::registry::find(&consumer("record")).unwrap();
+                let outcomes = registration.invoke_batch(&stores, &batch).await.unwrap();
+                for (n, outcome) in outcomes.iter().enumerate() {
+                    match (n, outcome) {
+                        (7, Outcome::Rejected(r)) => assert_eq!(r.reason, RejectReason::Store, "{r}"),
+                        (7, other) => panic!("the refused member: {other:?}"),
+                        (_, outcome) => assert_eq!(outcome.label(), "processed", "member {n}: {outcome:?}"),
+                    }
+                }
+                for (n, id) in ids.iter().enumerate() {
+                    assert_eq!(effects(&f.pool, "record", id).await, i64::from(n != 7), "effects of member {n}");
+                }
+                assert_eq!(balance(&f.pool, &customer).await, Some(19));
+                drop_inbox(&f.pool, &table).await;
+            }
+
             /// A fresh inbox table of this process named after `name`, migrated, and stores
             /// that use it with the fixture's scripts.
             async fn own_inbox(f: &Fixture, name: &str) -> (String, Arc<Stores>) {
@@ -1025,7 +1054,8 @@ inbox_suite!(
     pg_setup,
     pg_lock_waiters,
     pg_claims_waiting,
-    PORTABLE_SQL
+    PORTABLE_SQL,
+    postgres
 );
 inbox_suite!(
     mysql,
@@ -1035,7 +1065,8 @@ inbox_suite!(
     mysql_setup,
     mysql_lock_waiters,
     mysql_claims_waiting,
-    MYSQL_SQL
+    MYSQL_SQL,
+    mysql
 );
 inbox_suite!(
     sqlite,
@@ -1045,7 +1076,8 @@ inbox_suite!(
     sqlite_setup,
     sqlite_lock_waiters,
     sqlite_claims_waiting,
-    PORTABLE_SQL
+    PORTABLE_SQL,
+    sqlite
 );
 
 #[test]

@@ -908,3 +908,67 @@ async fn a_dead_letter_whose_record_can_never_be_written_is_moved_all_the_same()
     f.cleanup().await;
     schema.drop().await;
 }
+
+/// Started while its database cannot be reached (a proxy in front of PostgreSQL drops every
+/// connection, as a server that is restarting does), the runtime waits for it with backoff
+/// instead of exiting, and consumes once it is back. (An inbox never migrated still ends the
+/// start at once: `tests/runtime_memory.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_runtime_started_while_its_database_is_away_waits_for_it() {
+    let f = fixture("late-db", fast_retries(), QueueType::Classic, None).await;
+    let (proxy, url) = common::proxy::postgres().await;
+    proxy.cut();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(1))
+        .connect_lazy(&url)
+        .unwrap();
+    let running = start(f.runtime_with(pool));
+    wait_until(
+        "the runtime trying the database, or exiting",
+        DEADLINE,
+        || async { proxy.refused() >= 3 || running.task.is_finished() },
+    )
+    .await;
+    assert!(!running.task.is_finished(), "it waits instead of exiting");
+    proxy.restore();
+    f.publish_order(0, 5).await;
+    wait_until("the order processed", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(1, |_| 5).await;
+    f.cleanup().await;
+}
+
+/// The same with the broker away: the runtime waits for it with backoff, then declares its
+/// topology and consumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_runtime_started_while_its_broker_is_away_waits_for_it() {
+    let f = fixture("late-broker", fast_retries(), QueueType::Classic, None).await;
+    let proxy = common::proxy::Proxy::start(&broker::amqp_address()).await;
+    proxy.cut();
+    let url = amqp_url().replace(
+        &broker::amqp_address(),
+        &format!("127.0.0.1:{}", proxy.port()),
+    );
+    let rabbit = RabbitConfig::new(url).connection_name(format!("idem-test:{}", f.queue));
+    let running = start(f.runtime().transport(RabbitTransport::new(rabbit)));
+    wait_until(
+        "the runtime trying the broker, or exiting",
+        DEADLINE,
+        || async { proxy.refused() >= 3 || running.task.is_finished() },
+    )
+    .await;
+    assert!(!running.task.is_finished(), "it waits instead of exiting");
+    proxy.restore();
+    f.publish_order(0, 5).await;
+    wait_until("the order processed", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    running.shut_down().await;
+    f.assert_exactly_once(1, |_| 5).await;
+    f.cleanup().await;
+}

@@ -126,10 +126,13 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
             let mut conn = self.pool.acquire().await?;
             DB::execute(&mut *conn, &self.sql.probe, &[]).await
         };
+        // A database that cannot be reached, or is restarting (57P01), fails transiently;
+        // a missing table or column for good.
         probed.await.map(drop).map_err(|e| {
+            let class = crate::error::classify_sqlx(&e);
             StoreError::new(
                 "check",
-                ErrorClass::Permanent,
+                class,
                 format!("inbox table `{}`: {e}", self.config.table_name()),
             )
         })

@@ -218,6 +218,7 @@ pub mod cluster;
 pub mod faulty_orders;
 pub mod proxy;
 pub mod raw_amqp;
+pub mod refusing;
 pub mod running;
 pub mod tls_node;
 pub mod whereabouts;

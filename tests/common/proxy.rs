@@ -11,6 +11,7 @@ pub struct Proxy {
     addr: SocketAddr,
     open: Arc<AtomicBool>,
     accepted: Arc<AtomicUsize>,
+    refused: Arc<AtomicUsize>,
     pipes: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
 }
@@ -31,10 +32,17 @@ impl Proxy {
         let pipes: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
         let target = target.to_owned();
         let accepted = Arc::new(AtomicUsize::new(0));
-        let (o, p, a) = (open.clone(), pipes.clone(), accepted.clone());
+        let refused = Arc::new(AtomicUsize::new(0));
+        let (o, p, a, r) = (
+            open.clone(),
+            pipes.clone(),
+            accepted.clone(),
+            refused.clone(),
+        );
         let accept = tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 if !o.load(Ordering::SeqCst) {
+                    r.fetch_add(1, Ordering::SeqCst);
                     continue; // dropped: the client sees the connection closed
                 }
                 a.fetch_add(1, Ordering::SeqCst);
@@ -71,6 +79,7 @@ impl Proxy {
             addr,
             open,
             accepted,
+            refused,
             pipes,
             accept,
         }
@@ -84,6 +93,12 @@ impl Proxy {
     /// How many connections it has forwarded (not counting those refused while cut).
     pub fn accepted(&self) -> usize {
         self.accepted.load(Ordering::SeqCst)
+    }
+
+    /// How many connections it refused while cut.
+    #[allow(dead_code)]
+    pub fn refused(&self) -> usize {
+        self.refused.load(Ordering::SeqCst)
     }
 
     /// Breaks every open connection and refuses new ones.

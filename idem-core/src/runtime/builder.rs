@@ -28,7 +28,7 @@ pub const DEFAULT_POISON_LIMIT: u32 = 5;
 
 impl Runtime {
     /// A builder with the defaults: every registered handler, concurrency 8, prefetch 32,
-    /// [`RetryPolicy::default`], 30 s shutdown grace.
+    /// [`RetryPolicy::default`], 30 s shutdown grace, 30 s start deadline.
     pub fn builder() -> RuntimeBuilder {
         RuntimeBuilder::default()
     }
@@ -48,6 +48,7 @@ pub struct RuntimeBuilder {
     pub(super) linger: Duration,
     pub(super) retry: RetryPolicy,
     pub(super) shutdown_grace: Duration,
+    pub(super) start_deadline: Duration,
     pub(super) sweep: Option<SweepSettings>,
     pub(super) relay: Option<RelaySettings>,
     pub(super) ordered: HashMap<String, usize>,
@@ -68,6 +69,7 @@ impl Default for RuntimeBuilder {
             linger: DEFAULT_LINGER,
             retry: RetryPolicy::default(),
             shutdown_grace: Duration::from_secs(30),
+            start_deadline: super::startup::DEFAULT_START_DEADLINE,
             sweep: Some(SweepSettings::default()),
             relay: Some(RelaySettings::default()),
             ordered: HashMap::new(),
@@ -266,6 +268,16 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How long start-up waits for a database or broker that is not reachable yet (it is
+    /// restarting, or starting beside this process), trying again with backoff (default
+    /// [`DEFAULT_START_DEADLINE`](crate::DEFAULT_START_DEADLINE), 30 s). A failure that waiting
+    /// will not mend (an inbox table never migrated, topology the broker refuses) ends the
+    /// start at once.
+    pub fn start_deadline(mut self, deadline: Duration) -> Self {
+        self.start_deadline = deadline;
+        self
+    }
+
     /// Checks the configuration.
     pub fn build(self) -> Result<Runtime, RuntimeError> {
         let handlers = self.select_handlers()?;
@@ -346,6 +358,7 @@ impl RuntimeBuilder {
             actors,
             retry: self.retry,
             shutdown_grace: self.shutdown_grace,
+            start_deadline: self.start_deadline,
             stats: Arc::new(Stats::default()),
             sweep: self.sweep,
             relay: self.relay,

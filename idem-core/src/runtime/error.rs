@@ -77,6 +77,20 @@ pub enum RuntimeError {
         #[source]
         error: StoreError,
     },
+    /// A handler's inbox could not be reached within the start deadline (the database is
+    /// down, or restarting).
+    #[error(
+        "the inbox of handler `{consumer}` could not be reached within {waited:?}: {error}; start the database or check its URL (DATABASE_URL), or wait longer with .start_deadline(…)"
+    )]
+    StoreUnreachable {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// How long start-up waited.
+        waited: std::time::Duration,
+        /// What the store said last.
+        #[source]
+        error: StoreError,
+    },
     /// A setting is out of range or contradicts another.
     #[error("invalid setting `{setting}`: {problem}")]
     Setting {

@@ -30,6 +30,8 @@ pub struct Runtime {
     pub(crate) actors: Vec<Actor>,
     pub(crate) retry: RetryPolicy,
     pub(crate) shutdown_grace: Duration,
+    /// How long start-up waits for a store or broker that fails transiently.
+    pub(crate) start_deadline: Duration,
     pub(crate) stats: Arc<Stats>,
     pub(crate) sweep: Option<SweepSettings>,
     pub(crate) relay: Option<RelaySettings>,
@@ -47,22 +49,16 @@ impl Runtime {
         self.health.clone()
     }
 
-    /// Declares the topology, consumes until `shutdown` completes, then shuts down gracefully:
+    /// Checks every handler's store and declares the topology (waiting, up to the start
+    /// deadline, for a database or broker that is not reachable yet), consumes until
+    /// `shutdown` completes, then shuts down gracefully:
     /// consumers stop, deliveries not yet started are released, in-flight ones may finish
     /// within the grace period, and so may the dispatch of what they staged in the outbox;
     /// then the transport is closed (anything unsettled goes back to
     /// the broker, unacked).
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), RuntimeError> {
-        for actor in &self.actors {
-            let consumer = actor.registration.consumer();
-            actor
-                .registration
-                .check_store(&self.stores)
-                .await
-                .map_err(|error| RuntimeError::Store { consumer, error })?;
-        }
         let specs: Vec<QueueSpec> = self.actors.iter().map(|a| a.spec.clone()).collect();
-        self.transport.declare(&specs).await?;
+        self.start(&specs).await?;
 
         let (stop_tx, stop) = watch::channel(false);
         let mut consumers = JoinSet::new();

@@ -9,9 +9,11 @@
 //!    savepoint: a message whose handler fails permanently is rolled back to its savepoint and
 //!    its marker removed, so it alone is dead-lettered and the rest commit; a transient handler
 //!    failure likewise retries only that message. The happy path pays no round trip for
-//!    savepoints; a failing batch runs twice. A failure of the batch itself (begin, claim,
-//!    savepoint, commit: the database went away) leaves nothing committed, and every message
-//!    whose outcome depended on it is retried;
+//!    savepoints; a failing batch runs twice. A transient failure of the batch itself (begin,
+//!    claim, savepoint, commit: the database went away) leaves nothing committed, and every
+//!    message whose outcome depended on it is retried; a permanent one (the store refused the
+//!    claim of one member's key, say) runs the members again in halves, so that only the
+//!    member that fails alone is dead-lettered;
 //! 3. [`finish`]: the outcomes of the copies and of every delivery.
 //!
 //! A batch handler ([`Handler::TAKES_BATCH`]) runs once per pass on every new message
@@ -64,29 +66,9 @@ pub(crate) async fn process<H: Handler>(
             limits,
         };
         let all: Vec<usize> = (0..items.len()).collect();
-        if H::TAKES_BATCH {
-            batch
-                .passes(&mut items, all, payloads, &mut outcomes, place)
-                .await;
-        } else {
-            let (items, outcomes) = (&mut items, &mut outcomes);
-            let fast = batch
-                .pass(items, &all, payloads, outcomes, How::Fast, place)
-                .await;
-            if fast == Pass::NeedsIsolation {
-                // A handler failed in the fast pass, which was rolled back: run the batch
-                // again with every message under its own savepoint. The payloads are decoded
-                // anew.
-                let payloads = gather::decode_again::<H>(items, &all, envelopes);
-                for item in items.iter() {
-                    outcomes[item.index] = None;
-                }
-                let how = How::Isolated;
-                batch
-                    .pass(items, &all, payloads, outcomes, how, place)
-                    .await;
-            }
-        }
+        batch
+            .passes(&mut items, all, payloads, &mut outcomes, place)
+            .await;
     }
     let outcomes = finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes);
     let settled: Vec<&str> = counted.unsettled.keys().map(String::as_str).collect();
@@ -112,9 +94,9 @@ async fn reply_to_duplicates<H: Handler>(
 }
 
 impl<H: Handler> Batch<'_, H> {
-    /// Runs the batch handler over `members` (their payloads in `payloads`), again without a
-    /// message it failed, and in halves after a permanent failure with no culprit, until every
-    /// member has its outcome.
+    /// Runs the handler over `members` (their payloads in `payloads`), again without a message
+    /// a batch handler failed, and in halves after a permanent failure with no culprit (a batch
+    /// handler's, or the store's), until every member has its outcome.
     async fn passes(
         &self,
         items: &mut [gather::Item],
@@ -139,7 +121,7 @@ impl<H: Handler> Batch<'_, H> {
                 Some((stages.committing.take(), stages.committed.take()))
             };
             let ended = self
-                .pass(items, &members, decoded, outcomes, How::Set, place)
+                .pass_of(items, &members, decoded, outcomes, place)
                 .await;
             if let Some((committing, committed)) = held {
                 place.stages.committing = committing;
@@ -167,6 +149,38 @@ impl<H: Handler> Batch<'_, H> {
                 }
             }
         }
+    }
+}
+
+impl<H: Handler> Batch<'_, H> {
+    /// One pass over `members`: a batch handler's, or single handlers' run back to back and,
+    /// when one of them failed (the fast pass was rolled back), again with every message
+    /// under its own savepoint, its payloads decoded anew.
+    async fn pass_of(
+        &self,
+        items: &mut [gather::Item],
+        members: &[usize],
+        payloads: Vec<Option<H::Payload>>,
+        outcomes: &mut [Option<Outcome>],
+        place: &mut Place<'_, H::Store>,
+    ) -> Pass {
+        if H::TAKES_BATCH {
+            return self
+                .pass(items, members, payloads, outcomes, How::Set, place)
+                .await;
+        }
+        let fast = self
+            .pass(items, members, payloads, outcomes, How::Fast, place)
+            .await;
+        if fast != Pass::NeedsIsolation {
+            return fast;
+        }
+        let payloads = gather::decode_again::<H>(items, members, self.envelopes);
+        for &k in members {
+            outcomes[items[k].index] = None;
+        }
+        self.pass(items, members, payloads, outcomes, How::Isolated, place)
+            .await
     }
 }
 

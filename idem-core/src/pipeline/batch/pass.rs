@@ -293,8 +293,18 @@ impl<'a, H: Handler> Run<'a, '_, H> {
         dispatch.after_commit(H::CONSUMER, self.run_key(), kept);
     }
 
-    /// The pass failed in its store: see [`Run::abort`].
+    /// The pass failed in its store: a permanent failure of several members splits them (one
+    /// member may have made the store refuse the pass, and only it is to be dead-lettered),
+    /// anything else ends the pass as [`Run::abort`] says.
     fn abort_store(&mut self, error: StoreError) -> Pass {
+        if error.class() == ErrorClass::Permanent && self.members.len() > 1 {
+            tracing::info!(consumer = H::CONSUMER, members = self.members.len(), error = %error,
+                "the store refused a batch's pass; running its members again in halves");
+            for &k in self.members {
+                self.outcomes[self.items[k].index] = None;
+            }
+            return Pass::Split;
+        }
         self.abort(error.class(), error.to_string())
     }
 

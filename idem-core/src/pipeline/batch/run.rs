@@ -29,8 +29,10 @@ pub(super) enum Pass {
     /// The batch handler failed the item at this index with this outcome; the transaction
     /// was rolled back, and the others are to run again without it.
     Exclude(usize, Outcome),
-    /// The batch handler failed permanently without naming a culprit; the transaction was
-    /// rolled back, and the members are to run again in halves.
+    /// The batch handler failed permanently without naming a culprit, or the store refused
+    /// the pass of several members for good (a claim, a completion, the commit); the
+    /// transaction was rolled back, and the members are to run again in halves, so that the
+    /// one that fails alone is found and settled alone.
     Split,
 }
 
