@@ -31,7 +31,10 @@ pub mod prelude {
 pub mod outbox {
     pub use idem_core::model::outgoing::{reply, reply_message_id};
     pub use idem_core::model::{CAUSATION_HEADER, TRACEPARENT_HEADER};
-    pub use idem_core::{Outgoing, outbox_message_id};
+    pub use idem_core::{
+        MAX_SHORT_TEXT, Outgoing, OutgoingError, batch_message_id, check_outgoing,
+        outbox_message_id,
+    };
     pub use idem_sqlx::outbox::{stage, stage_all};
 }
 

@@ -37,6 +37,7 @@ const UNROUTABLE: &str = "idem_ob_unroutable_inbox";
 const NOTIFY: &str = "idem_ob_notify_inbox";
 const STOP: &str = "idem_ob_stop_inbox";
 const BATCH: &str = "idem_ob_batch_inbox";
+const LONG: &str = "idem_ob_long_inbox";
 
 /// Publishes through a confirmed publisher and counts, per message id, the confirms it got.
 struct Counting {
@@ -289,6 +290,61 @@ macro_rules! outbox_suite {
                 );
                 broker::delete_topology(&queue, &[]).await;
                 broker::delete_topology(&billed, &[]).await;
+            }
+
+            /// Through `build()`: a handler that stages a message no broker can carry (its
+            /// routing key is 300 bytes; AMQP's short strings hold 255) is refused at `stage()`:
+            /// its transaction rolls back, the order is dead-lettered with reason `handler`
+            /// saying why, nothing is left in the outbox, and the runtime goes on (before, the
+            /// message committed and the dispatch panicked on it).
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_message_no_broker_can_carry_is_refused_where_it_is_staged() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-long");
+                let transport = RabbitTransport::new(RabbitConfig::new(amqp_url()));
+                transport
+                    .declare(&[QueueSpec::new(queue.clone(), consumer())])
+                    .await
+                    .unwrap();
+                let publisher = broker::publisher().await;
+                for n in 0..2 {
+                    let order = Order {
+                        order_id: format!("{queue}-{n}"),
+                        customer: format!("{queue}-c"),
+                        amount_cents: 1,
+                    };
+                    let envelope = Envelope::new(serde_json::to_vec(&order).unwrap())
+                        .with_message_id(format!("{queue}-{n}"));
+                    publisher.publish("", &queue, &envelope).await.unwrap();
+                }
+                let store = inbox(&pool, LONG).await;
+                let running = start(
+                    Runtime::builder()
+                        .transport(transport)
+                        .store(store.clone())
+                        .state(Target("q".repeat(300)))
+                        .handlers([consumer()])
+                        .handler_queue(consumer(), &queue),
+                );
+                wait_until("both orders dead-lettered", DEADLINE, || async {
+                    running.now().dead_lettered == 2
+                })
+                .await;
+                assert!(!running.task.is_finished(), "the runtime goes on");
+                let seen = running.shut_down().await;
+                assert_eq!((seen.processed, seen.rejected), (0, 2), "{seen:?}");
+                let records = store.dead_letters(&queue).await.unwrap();
+                assert_eq!(records.len(), 2, "{records:?}");
+                for record in &records {
+                    assert_eq!(record.reason, "handler");
+                    assert!(
+                        record.detail.contains("routing key is 300 bytes"),
+                        "{}",
+                        record.detail
+                    );
+                }
+                assert_eq!(outbox_rows(&pool, LONG, &queue).await, 0);
+                broker::delete_topology(&queue, &[]).await;
             }
 
             fn consumer() -> &'static str {

@@ -972,3 +972,42 @@ async fn a_runtime_started_while_its_broker_is_away_waits_for_it() {
     f.assert_exactly_once(1, |_| 5).await;
     f.cleanup().await;
 }
+
+/// A publish no broker can carry (a routing key or message id over AMQP's 255 bytes) is an
+/// error, never a panic, through every publishing call; in a run of messages the ones before it
+/// go out and the ones behind it do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_no_broker_can_carry_is_an_error_not_a_panic() {
+    use idem::rabbitmq::PublishError;
+    let queue = common::unique("idem-test-long-publish");
+    broker::declare_orders_queue(&queue).await;
+    let publisher = broker::publisher().await;
+    let long = "x".repeat(256);
+    let plain = idem::Envelope::new("{}");
+    let long_id = idem::Envelope::new("{}").with_message_id(long.as_str());
+    let refused = |r: Result<(), PublishError>| matches!(r, Err(PublishError::Invalid(_)));
+    assert!(refused(publisher.publish("", &long, &plain).await));
+    assert!(refused(publisher.publish("", &queue, &long_id).await));
+    assert!(refused(
+        publisher.publish_unconfirmed_to("", &long, &plain).await
+    ));
+    let first = idem::Envelope::new("1").with_message_id("first");
+    let last = idem::Envelope::new("3").with_message_id("last");
+    let results = publisher
+        .publish_many(&[
+            ("", &queue, &first),
+            ("", &queue, &long_id),
+            ("", &queue, &last),
+        ])
+        .await;
+    assert!(results[0].is_ok(), "{results:?}");
+    assert!(
+        matches!(results[1], Err(PublishError::Invalid(_))),
+        "{results:?}"
+    );
+    assert!(results[2].is_err(), "not sent behind it: {results:?}");
+    let got = broker::drain(&queue).await;
+    let ids: Vec<_> = got.iter().filter_map(Got::message_id).collect();
+    assert_eq!(ids, ["first"]);
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+}

@@ -1,6 +1,6 @@
 //! Mapping between lapin deliveries and idem envelopes.
 
-use idem_core::{Envelope, HeaderValue, Headers};
+use idem_core::{Envelope, HeaderValue, Headers, OutgoingError};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
@@ -35,21 +35,33 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
     envelope
 }
 
+/// `text` as an AMQP short string, or what is wrong with it: over
+/// [`MAX_SHORT_TEXT`](idem_core::MAX_SHORT_TEXT) bytes
+/// (lapin's `ShortString::from` would panic on it).
+pub(crate) fn short(field: &str, text: &str) -> Result<ShortString, OutgoingError> {
+    ShortString::try_new(text).map_err(|_| OutgoingError {
+        field: field.to_owned(),
+        len: text.len(),
+    })
+}
+
 /// The AMQP properties of an outgoing message: its message id, correlation id, content type,
-/// reply-to queue and headers (text as long strings, integers as 64-bit, bytes as byte arrays), persistent.
-pub(crate) fn properties(message: &Envelope) -> BasicProperties {
+/// reply-to queue and headers (text as long strings, integers as 64-bit, bytes as byte arrays),
+/// persistent; a short field over [`MAX_SHORT_TEXT`](idem_core::MAX_SHORT_TEXT) bytes is an
+/// error, never a panic.
+pub(crate) fn properties(message: &Envelope) -> Result<BasicProperties, OutgoingError> {
     let mut properties = BasicProperties::default().with_delivery_mode(2);
     if let Some(id) = &message.message_id {
-        properties = properties.with_message_id(ShortString::from(id.as_str()));
+        properties = properties.with_message_id(short("message id", id)?);
     }
     if let Some(id) = &message.correlation_id {
-        properties = properties.with_correlation_id(ShortString::from(id.as_str()));
+        properties = properties.with_correlation_id(short("correlation id", id)?);
     }
     if let Some(content_type) = &message.content_type {
-        properties = properties.with_content_type(ShortString::from(content_type.as_str()));
+        properties = properties.with_content_type(short("content type", content_type)?);
     }
     if let Some(queue) = &message.reply_to {
-        properties = properties.with_reply_to(ShortString::from(queue.as_str()));
+        properties = properties.with_reply_to(short("reply-to queue", queue)?);
     }
     if !message.headers.is_empty() {
         let mut table = FieldTable::default();
@@ -62,11 +74,11 @@ pub(crate) fn properties(message: &Envelope) -> BasicProperties {
                 HeaderValue::Bytes(b) => AMQPValue::ByteArray(b.clone().into()),
                 _ => continue,
             };
-            table.insert(ShortString::from(name), value);
+            table.insert(short("header name", name)?, value);
         }
         properties = properties.with_headers(table);
     }
-    properties
+    Ok(properties)
 }
 
 /// About how many bytes `table` takes on the wire (names, type tags, lengths and values).
@@ -147,6 +159,40 @@ mod tests {
         table.insert(ShortString::from("t"), AMQPValue::FieldTable(inner));
         // "ab": 1 + 2 + (1 + 4 + 3); "t": 1 + 1 + (1 + 4 + (1 + 1 + 1 + 8)).
         assert_eq!(table_size(&table), 4 + 11 + 18);
+    }
+
+    /// Every short field over 255 bytes is an error, never lapin's panic; 255 bytes fit.
+    #[test]
+    fn properties_too_long_for_amqp_are_an_error() {
+        let long = "x".repeat(256);
+        let fits = "x".repeat(255);
+        let message = |set: &dyn Fn(&mut Envelope, &str)| {
+            let mut envelope = Envelope::new(b"{}".to_vec());
+            set(&mut envelope, &long);
+            let failed = properties(&envelope).unwrap_err();
+            set(&mut envelope, &fits);
+            assert!(properties(&envelope).is_ok());
+            failed.field
+        };
+        assert_eq!(
+            message(&|e, t| e.message_id = Some(t.to_owned())),
+            "message id"
+        );
+        assert_eq!(
+            message(&|e, t| e.correlation_id = Some(t.to_owned())),
+            "correlation id"
+        );
+        assert_eq!(
+            message(&|e, t| e.content_type = Some(t.to_owned())),
+            "content type"
+        );
+        assert_eq!(
+            message(&|e, t| e.reply_to = Some(t.to_owned())),
+            "reply-to queue"
+        );
+        let mut named = Envelope::new(b"{}".to_vec());
+        named.headers.insert(long.as_str(), 1);
+        assert_eq!(properties(&named).unwrap_err().field, "header name");
     }
 
     #[test]

@@ -91,6 +91,7 @@ fn outbound(error: PublishError) -> OutboundError {
             routing_key,
         },
         PublishError::Refused => OutboundError::Refused,
+        PublishError::Invalid(e) => OutboundError::Invalid(e),
         other => OutboundError::Broker(other.into()),
     }
 }

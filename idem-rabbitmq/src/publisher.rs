@@ -27,6 +27,10 @@ pub enum PublishError {
     /// The body could not be serialized.
     #[error("cannot serialize the message: {0}")]
     Serialize(#[from] serde_json::Error),
+    /// The message cannot be carried as it is (a short field over 255 bytes); nothing was
+    /// sent.
+    #[error(transparent)]
+    Invalid(#[from] idem_core::OutgoingError),
     /// The broker refused the message (nack).
     #[error("the broker refused the message")]
     Refused,
@@ -41,6 +45,21 @@ pub enum PublishError {
         /// The routing key (on the default exchange, the queue name).
         routing_key: String,
     },
+}
+
+/// What `basic.publish` takes for `message` to `exchange` with `routing_key`, or why a broker
+/// cannot carry it ([`idem_core::check_outgoing`]).
+fn prepared(
+    exchange: &str,
+    routing_key: &str,
+    message: &Envelope,
+) -> Result<(ShortString, ShortString, lapin::BasicProperties), PublishError> {
+    idem_core::check_outgoing(exchange, routing_key, message)?;
+    Ok((
+        crate::envelope::short("exchange", exchange)?,
+        crate::envelope::short("routing key", routing_key)?,
+        properties(message)?,
+    ))
 }
 
 /// Unconfirmed publishes whose connection was lost: the broker may or may not have them.
@@ -179,16 +198,11 @@ impl Publisher {
         routing_key: &str,
         message: &Envelope,
     ) -> Result<(), PublishError> {
+        let (exchange_name, routing, properties) = prepared(exchange, routing_key, message)?;
         let channel = self.channel().await?;
         let confirm = on_channel(&channel, async {
             channel
-                .basic_publish(
-                    ShortString::from(exchange),
-                    ShortString::from(routing_key),
-                    MANDATORY,
-                    &message.body,
-                    properties(message),
-                )
+                .basic_publish(exchange_name, routing, MANDATORY, &message.body, properties)
                 .await?
                 .await
         })
@@ -226,6 +240,22 @@ impl Publisher {
         let not_sent = |why: &str| {
             PublishError::Broker(format!("not sent: an earlier publish failed ({why})").into())
         };
+        // A message that cannot be carried fails as a send would: those before it go out,
+        // those behind it do not.
+        let mut prepared_all = Vec::with_capacity(messages.len());
+        for (exchange, routing_key, message) in messages {
+            match prepared(exchange, routing_key, message) {
+                Ok(prepared) => prepared_all.push(prepared),
+                Err(e) => {
+                    let at = prepared_all.len();
+                    let why = e.to_string();
+                    let mut results = Box::pin(self.publish_many_then(&messages[..at], sent)).await;
+                    results.push(Err(e));
+                    results.extend((at + 1..messages.len()).map(|_| Err(not_sent(&why))));
+                    return results;
+                }
+            }
+        }
         let channel = match self.channel().await {
             Ok(channel) => channel,
             Err(e) => {
@@ -242,13 +272,14 @@ impl Publisher {
         // in order, and its I/O loop writes them together instead of one wake-up each.
         let mut publishes: Vec<_> = messages
             .iter()
-            .map(|(exchange, routing_key, message)| {
+            .zip(prepared_all)
+            .map(|((_, _, message), (exchange, routing_key, properties))| {
                 Box::pin(channel.basic_publish(
-                    ShortString::from(*exchange),
-                    ShortString::from(*routing_key),
+                    exchange,
+                    routing_key,
                     MANDATORY,
                     &message.body,
-                    properties(message),
+                    properties,
                 ))
             })
             .collect();
@@ -329,15 +360,11 @@ impl Publisher {
         routing_key: &str,
         message: &Envelope,
     ) -> Result<(), PublishError> {
+        let (exchange, routing_key, properties) = prepared(exchange, routing_key, message)?;
         let channel = self.channel().await?;
         self.inner.unconfirmed.store(true, Ordering::SeqCst);
-        let publish = channel.basic_publish(
-            ShortString::from(exchange),
-            ShortString::from(routing_key),
-            MANDATORY,
-            &message.body,
-            properties(message),
-        );
+        let publish =
+            channel.basic_publish(exchange, routing_key, MANDATORY, &message.body, properties);
         let confirm = on_channel(&channel, publish).await.map_err(broker)?;
         self.pending().push((channel, confirm));
         Ok(())

@@ -260,6 +260,12 @@ async fn insert_rows<DB: Dialect>(
     run: &str,
     messages: &[Outgoing],
 ) -> Result<(), StoreError> {
+    // A message a broker cannot carry is refused here, where it is made, not by the relay.
+    for message in messages {
+        message
+            .check()
+            .map_err(|e| StoreError::new("stage", ErrorClass::Permanent, e))?;
+    }
     // The run is the staging handler's key.
     let run = &*crate::keys::stored::<DB>(run);
     for chunk in messages.chunks(ROWS_PER_STATEMENT) {

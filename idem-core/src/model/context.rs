@@ -1,7 +1,9 @@
 //! What a handler may know about the delivery it is processing.
 
 use super::envelope::{Envelope, HeaderValue};
-use super::outgoing::{CAUSATION_HEADER, Outgoing, TRACEPARENT_HEADER, outbox_message_id};
+use super::outgoing::{
+    CAUSATION_HEADER, Outgoing, TRACEPARENT_HEADER, batch_message_id, outbox_message_id,
+};
 use crate::state::{self, State};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -160,7 +162,12 @@ impl<'a> Context<'a> {
         let mut message = message;
         let envelope = &mut message.envelope;
         if envelope.message_id.is_none() {
-            envelope.message_id = Some(outbox_message_id(self.consumer, self.key, ordinal));
+            // A batch handler's own context derives its ids apart from its messages' contexts
+            // (the first of which has the same key), so the two never stamp one id.
+            envelope.message_id = Some(match self.items.is_empty() {
+                true => outbox_message_id(self.consumer, self.key, ordinal),
+                false => batch_message_id(self.consumer, self.key, ordinal),
+            });
         }
         if envelope.correlation_id.is_none() {
             envelope.correlation_id = self
@@ -237,6 +244,32 @@ mod tests {
 
     fn stamped(ctx: &Context<'_>) -> Outgoing {
         ctx.outgoing(Outgoing::new("", "q", "x"))
+    }
+
+    /// A batch handler staging through the batch's own context and through its first
+    /// message's context (the same key) gets two ids, and the same two on a re-run.
+    #[test]
+    fn a_batch_context_and_its_first_item_never_stamp_one_id() {
+        let envelope = Envelope::new(b"{}".to_vec());
+        let ids = || {
+            let items = [
+                Context::new(&envelope, "billing", "k1"),
+                Context::new(&envelope, "billing", "k2"),
+            ];
+            let batch = Context::new(&envelope, "billing", "k1").with_items(&items);
+            let first = batch.item(0).expect("the first item");
+            [
+                stamped(&batch),
+                stamped(first),
+                stamped(&batch),
+                stamped(first),
+            ]
+            .map(|m| m.message_id().map(str::to_owned))
+        };
+        let once = ids();
+        let distinct: std::collections::HashSet<_> = once.iter().collect();
+        assert_eq!(distinct.len(), 4, "{once:?}");
+        assert_eq!(once, ids(), "a re-run stamps the same ids");
     }
 
     /// Only a run whose every message was staged in the handler's own transaction, outside any

@@ -22,5 +22,8 @@ pub use error::{BoxError, ErrorClass, HandlerError, StoreError};
 pub use fingerprint::Fingerprint;
 pub use key::{KeyError, KeySource, KeyValue, MAX_KEY_LEN, field_key};
 pub use outcome::{Outcome, RejectReason, Rejection, Stale, StoredOutput, Transient};
-pub use outgoing::{CAUSATION_HEADER, Outgoing, TRACEPARENT_HEADER, outbox_message_id};
+pub use outgoing::{
+    CAUSATION_HEADER, MAX_SHORT_TEXT, Outgoing, OutgoingError, TRACEPARENT_HEADER,
+    batch_message_id, check_outgoing, outbox_message_id,
+};
 pub use version::{VersionError, VersionValue, Versioned, version_value, versioned};

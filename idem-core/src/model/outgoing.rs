@@ -85,6 +85,58 @@ impl Outgoing {
     }
 }
 
+/// The longest text a broker carries in a short field (AMQP's short strings: the exchange, the
+/// routing key, the message id, the correlation id, the content type, the reply-to queue and
+/// every header name), in bytes.
+pub const MAX_SHORT_TEXT: usize = 255;
+
+/// An outgoing message a broker cannot carry as it is: refused where it is made (staged,
+/// replied, published), never sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the outgoing message's {field} is {len} bytes long; a broker carries at most {MAX_SHORT_TEXT}"
+)]
+pub struct OutgoingError {
+    /// What is too long (`routing key`, `message id`, `header name "…"`, …).
+    pub field: String,
+    /// Its length in bytes.
+    pub len: usize,
+}
+
+/// Checks that a message to `exchange` with `routing_key` and `envelope`'s properties fits a
+/// broker's short fields ([`MAX_SHORT_TEXT`]).
+pub fn check_outgoing(
+    exchange: &str,
+    routing_key: &str,
+    envelope: &Envelope,
+) -> Result<(), OutgoingError> {
+    let short = |field: &str, text: Option<&str>| match text {
+        Some(text) if text.len() > MAX_SHORT_TEXT => Err(OutgoingError {
+            field: field.to_owned(),
+            len: text.len(),
+        }),
+        _ => Ok(()),
+    };
+    short("exchange", Some(exchange))?;
+    short("routing key", Some(routing_key))?;
+    short("message id", envelope.message_id.as_deref())?;
+    short("correlation id", envelope.correlation_id.as_deref())?;
+    short("content type", envelope.content_type.as_deref())?;
+    short("reply-to queue", envelope.reply_to.as_deref())?;
+    for (name, _) in envelope.headers.iter() {
+        let shown: String = name.chars().take(32).collect();
+        short(&format!("header name \"{shown}…\""), Some(name))?;
+    }
+    Ok(())
+}
+
+impl Outgoing {
+    /// Checks that a broker can carry this message ([`check_outgoing`]).
+    pub fn check(&self) -> Result<(), OutgoingError> {
+        check_outgoing(&self.exchange, &self.routing_key, &self.envelope)
+    }
+}
+
 /// The reply to `request` (processed by `consumer` under `key`) carrying `output`, when the
 /// request names a `reply_to` queue: sent there through the default exchange, as JSON, with
 /// the request's correlation id (else its message id) and the id [`reply_message_id`], the
@@ -120,17 +172,34 @@ pub fn reply_message_id(consumer: &str, key: &str) -> String {
     uuid::Uuid::new_v5(&NAMESPACE, name.as_bytes()).to_string()
 }
 
+/// The namespace of the ids a batch handler's own context stamps (a UUIDv5 namespace of idem's
+/// own, apart from [`NAMESPACE`]).
+const BATCH_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x2b7e_9f41_06d3_4c8a_b1e5_93a0_5c7d_e214);
+
+/// The id of the `ordinal`-th message (from 0) a batch handler staged through the batch's own
+/// context, whose first message has key `key`: like [`outbox_message_id`], in a namespace of
+/// its own, so that it never equals an id the batch's messages' contexts stamp.
+pub fn batch_message_id(consumer: &str, key: &str, ordinal: u32) -> String {
+    uuid::Uuid::new_v5(&BATCH_NAMESPACE, &message_name(consumer, key, ordinal)).to_string()
+}
+
 /// The id of the `ordinal`-th message (from 0) staged while `consumer` processed key `key`: a
 /// UUIDv5 of the three, so a run repeated after a rollback, or a message published again after
 /// a crash, carries the same id, and the next idem consumer deduplicates it.
 pub fn outbox_message_id(consumer: &str, key: &str, ordinal: u32) -> String {
+    uuid::Uuid::new_v5(&NAMESPACE, &message_name(consumer, key, ordinal)).to_string()
+}
+
+/// The name a staged message's id is derived from.
+fn message_name(consumer: &str, key: &str, ordinal: u32) -> Vec<u8> {
     let mut name = Vec::with_capacity(consumer.len() + key.len() + 16);
     name.extend_from_slice(consumer.as_bytes());
     name.push(0x1f);
     name.extend_from_slice(key.as_bytes());
     name.push(0x1f);
     name.extend_from_slice(ordinal.to_string().as_bytes());
-    uuid::Uuid::new_v5(&NAMESPACE, &name).to_string()
+    name
 }
 
 /// The headers as JSON text, for an outbox row: text as strings, integers, booleans and
@@ -179,6 +248,50 @@ pub fn headers_from_json(text: &str) -> Result<Headers, serde_json::Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_message_no_broker_can_carry_is_named_by_its_field() {
+        let long = "x".repeat(MAX_SHORT_TEXT + 1);
+        let fits = "x".repeat(MAX_SHORT_TEXT);
+        assert!(
+            Outgoing::new(fits.as_str(), fits.as_str(), "b")
+                .check()
+                .is_ok()
+        );
+        let cases = [
+            (Outgoing::new(long.as_str(), "q", "b"), "exchange"),
+            (Outgoing::new("", long.as_str(), "b"), "routing key"),
+            (
+                Outgoing::new("", "q", "b").with_message_id(long.as_str()),
+                "message id",
+            ),
+            (
+                Outgoing::new("", "q", "b").with_correlation_id(long.as_str()),
+                "correlation id",
+            ),
+            (
+                Outgoing::new("", "q", "b").with_header(long.as_str(), 1),
+                "header name",
+            ),
+        ];
+        for (message, field) in cases {
+            let error = message.check().unwrap_err();
+            assert!(error.field.starts_with(field), "{error}");
+            assert_eq!(error.len, MAX_SHORT_TEXT + 1);
+        }
+        let mut envelope = Envelope::new(b"b".to_vec());
+        envelope.content_type = Some(long.clone());
+        assert_eq!(
+            check_outgoing("", "q", &envelope).unwrap_err().field,
+            "content type"
+        );
+        envelope.content_type = None;
+        envelope.reply_to = Some(long);
+        assert_eq!(
+            check_outgoing("", "q", &envelope).unwrap_err().field,
+            "reply-to queue"
+        );
+    }
 
     #[test]
     fn ids_are_derived_from_consumer_key_and_ordinal() {

@@ -59,6 +59,9 @@ pub enum OutboundError {
     /// The broker refused the message (nack).
     #[error("the broker refused the message")]
     Refused,
+    /// The message cannot be carried as it is (a short field too long); nothing was sent.
+    #[error(transparent)]
+    Invalid(#[from] crate::model::OutgoingError),
     /// Connecting or publishing failed.
     #[error("publish failed: {0}")]
     Broker(#[source] BoxError),
