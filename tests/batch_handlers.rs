@@ -245,7 +245,7 @@ macro_rules! batch_suite {
                 let inbox = <$inbox>::new(pool.clone()).table(&table).unwrap();
                 let outbox = idem::store::InboxStore::outbox_table(&inbox).unwrap().to_owned();
                 let drop_all = || async {
-                    for name in [table.clone(), format!("{table}_deliveries"), format!("{table}_dead_letters"), format!("{table}_versions"), outbox.clone()] {
+                    for name in [table.clone(), format!("{table}_deliveries"), format!("{table}_dead_letters"), format!("{table}_versions"), format!("{outbox}_parked"), outbox.clone()] {
                         let drop = format!("DROP TABLE IF EXISTS {name}");
                         sqlx::query(sqlx::AssertSqlSafe(drop)).execute(&pool).await.unwrap();
                     }

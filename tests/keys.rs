@@ -3,7 +3,7 @@
 //! byte are two keys. Each store claims, completes, counts and records keys that PostgreSQL's
 //! `text` (NUL) and MySQL's former key columns (191 characters, space-padded comparison) could
 //! not hold as given, one by one and in one batch, and reads them back as they were given. On
-//! MariaDB, a table of schema version 8 is migrated to 9 without losing a row.
+//! MariaDB, a table of schema version 8 is migrated without losing a row.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -278,8 +278,8 @@ async fn mariadb_holds_every_key() {
 }
 
 /// A table of schema version 8 (keys of at most 191 characters, compared with trailing spaces
-/// ignored) with rows in it is migrated to version 9: the rows stay, and the keys it could not
-/// hold apart are two keys.
+/// ignored) with rows in it is migrated to the current version: the rows stay, and the keys it
+/// could not hold apart are two keys.
 #[tokio::test]
 async fn a_mariadb_table_of_version_8_is_migrated_to_9_without_losing_a_row() {
     let own = OwnTables::new("v8").await;

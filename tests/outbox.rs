@@ -569,58 +569,67 @@ macro_rules! outbox_suite {
                 broker::delete_topology(&billed, &[]).await;
             }
 
-            /// A message no queue takes is returned by the broker: its row stays (counted as
-            /// unroutable) and holds back the later messages of its run, while other runs go
-            /// out; once the queue exists, the next pass publishes them in order.
+            /// A message no queue takes is returned by the broker: the relay parks its row, with
+            /// the broker's reason, out of the way of the rows behind it, and removes the row of
+            /// its run sent behind it that the broker confirmed (it is never sent again); released
+            /// once the queue exists, the parked row goes out, once.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn an_unroutable_message_stays_and_goes_out_once_its_queue_exists() {
+            async fn an_unroutable_message_is_parked_and_goes_out_once_released() {
+                use idem::store::InboxStore;
                 let (pool, _dir) = $pool;
                 let queue = unique("idem-test-ob-unroutable");
                 let missing = format!("{queue}.missing");
                 broker::declare_orders_queue(&queue).await;
                 let inbox = inbox(&pool, UNROUTABLE).await;
-                let mut tx = pool.begin().await.unwrap();
                 let message =
                     |to: &str, id: String| Outgoing::new("", to, id.clone()).with_message_id(id);
+                let run = [
+                    message(&missing, format!("{queue}-1")),
+                    message(&queue, format!("{queue}-2")),
+                ];
+                let mut tx = inbox.begin().await.unwrap();
                 inbox
-                    .stage(&mut tx, message(&missing, format!("{queue}-1")))
+                    .stage_rows(&mut tx, "c", &format!("{queue}-run"), &run)
                     .await
                     .unwrap();
-                inbox
-                    .stage(&mut tx, message(&queue, format!("{queue}-2")))
-                    .await
-                    .unwrap();
-                tx.commit().await.unwrap();
+                inbox.commit(tx).await.unwrap();
                 let counting = Counting {
                     publisher: broker::publisher().await,
                     confirmed: Mutex::default(),
                 };
-                use idem::store::InboxStore;
                 let select = OutboxSelect::Older {
                     age: Duration::ZERO,
                     limit: 1000,
                 };
                 let report = inbox.relay(&select, &counting).await.unwrap();
-                assert!(report.unroutable >= 1, "{report:?}");
-                assert!(
-                    report
-                        .failure
-                        .as_deref()
-                        .is_some_and(|f| f.contains(&missing)),
-                    "{report:?}"
-                );
+                assert!(report.parked >= 1 && report.failure.is_none(), "{report:?}");
                 assert_eq!(
                     outbox_rows(&pool, UNROUTABLE, &queue).await,
-                    1,
-                    "the unroutable row stays"
+                    0,
+                    "both rows gone"
                 );
-                wait_until("the routable message", DEADLINE, || async {
-                    broker::count(&queue).await == 1
-                })
-                .await;
+                assert_eq!(broker::count(&queue).await, 1, "the routable row went out");
+                // Another pass sends nothing of the run again.
+                inbox.relay(&select, &counting).await.unwrap();
+                assert_eq!(broker::count(&queue).await, 1, "never sent again");
+                let parked: Vec<_> = inbox
+                    .parked()
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .filter(|p| p.routing_key == missing)
+                    .collect();
+                assert_eq!(parked.len(), 1, "{parked:?}");
+                assert_eq!(parked[0].message_id, format!("{queue}-1"));
+                assert!(
+                    parked[0].failure.contains(&missing),
+                    "{}",
+                    parked[0].failure
+                );
                 broker::declare_orders_queue(&missing).await;
+                assert_eq!(inbox.release_parked(&[parked[0].seq]).await.unwrap(), 1);
                 let report = inbox.relay(&select, &counting).await.unwrap();
-                assert_eq!(report.unroutable, 0, "{report:?}");
+                assert_eq!(report.parked, 0, "{report:?}");
                 assert_eq!(outbox_rows(&pool, UNROUTABLE, &queue).await, 0);
                 let got = broker::drain(&missing).await;
                 assert_eq!(
@@ -628,6 +637,14 @@ macro_rules! outbox_suite {
                         .filter_map(|m| m.message_id())
                         .collect::<Vec<_>>(),
                     [format!("{queue}-1")]
+                );
+                assert!(
+                    inbox
+                        .parked()
+                        .await
+                        .unwrap()
+                        .iter()
+                        .all(|p| p.routing_key != missing)
                 );
                 broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
                 broker::delete_topology(&missing, &RetryPolicy::default().delays()).await;

@@ -2,7 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 
-/// The idem operator tool: dead letters with their reasons, and the inbox.
+/// The idem operator tool: dead letters with their reasons, the inbox, and parked outbox rows.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, about, long_about = None)]
 pub struct Cli {
@@ -64,6 +64,27 @@ pub enum Command {
     /// The inbox: rows per consumer and status, one key, forgetting a key, sweeping.
     #[command(subcommand)]
     Inbox(Inbox),
+    /// The outbox: rows the broker refused (no queue bound, or not carriable), parked out of
+    /// the relay's way.
+    #[command(subcommand)]
+    Outbox(Outbox),
+}
+
+/// `idem outbox …`
+#[derive(Debug, Subcommand)]
+pub enum Outbox {
+    /// List the parked rows, oldest first, each with why the broker refused it.
+    Parked,
+    /// Put parked rows back into the outbox (once their queue exists): the relay publishes
+    /// them at its next pass, with their ids.
+    Release {
+        /// The rows to release (`seq` as `idem outbox parked` lists them).
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        seqs: Vec<i64>,
+        /// Release every parked row.
+        #[arg(long)]
+        all: bool,
+    },
 }
 
 /// The queue whose dead letters are meant.

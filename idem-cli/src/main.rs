@@ -1,5 +1,5 @@
-//! `idem`, the operator tool of idem: dead letters with their reasons (list, show, replay) and
-//! inbox rows (stats, show, forget, sweep), configured like the services it looks after
+//! `idem`, the operator tool of idem: dead letters with their reasons (list, show, replay),
+//! inbox rows (stats, show, forget, sweep) and parked outbox rows (parked, release), configured like the services it looks after
 //! (`AMQP_URL`, `DATABASE_URL`). `idem --help` and `idem <command> --help` say the rest.
 
 mod args;
@@ -7,6 +7,7 @@ mod broker;
 mod dlq;
 mod error;
 mod inbox;
+mod outbox;
 mod output;
 mod replay;
 mod store;
@@ -40,5 +41,6 @@ async fn run<DB: Dialect>(cli: &Cli, inbox: SqlInbox<DB>) -> Result<(), CliError
     match &cli.command {
         Command::Dlq(command) => dlq::run(cli, &inbox, command).await,
         Command::Inbox(command) => inbox::run(cli, &inbox, command).await,
+        Command::Outbox(command) => outbox::run(cli, &inbox, command).await,
     }
 }

@@ -770,3 +770,179 @@ async fn a_replay_to_a_blocked_broker_stops_within_the_timeout_and_keeps_the_dea
     .await;
     let _ = connection.close(200, ShortString::from("done")).await;
 }
+
+/// A relay that is fair and finite: 600 rows staged for a queue that does not exist, then 10
+/// for one that does. The relay parks the 600 out of its way (each with the broker's reason)
+/// and publishes the 10, each once; `idem outbox parked` lists the 600, and once their queue
+/// exists `idem outbox release --all` puts them back and the relay publishes them, once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unroutable_outbox_rows_are_parked_listed_and_released() {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&postgres_url())
+        .await
+        .expect("PostgreSQL at DATABASE_URL");
+    let table = format!("cli_relay_{}_inbox", std::process::id());
+    let inbox = PgInbox::new(pool.clone()).table(&table).unwrap();
+    inbox.migrate().await.unwrap();
+    let queue = unique("idem-cli-relay");
+    let (missing, routable) = (format!("{queue}.missing"), format!("{queue}.routable"));
+    let rabbit = RabbitConfig::new(amqp_url());
+    let transport = RabbitTransport::new(rabbit.clone());
+    let specs = [
+        idem::transport::QueueSpec::new(queue.clone(), CONSUMER),
+        idem::transport::QueueSpec::new(routable.clone(), "routable"),
+    ];
+    transport.declare(&specs).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for (target, n) in (0..600)
+        .map(|n| (&missing, n))
+        .chain((600..610).map(|n| (&routable, n)))
+    {
+        let message = idem::Outgoing::to_queue(target.as_str(), &n)
+            .unwrap()
+            .with_message_id(format!("{queue}-{n}"));
+        inbox.stage(&mut tx, message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let started = Instant::now();
+    let runtime = Runtime::builder()
+        .transport(transport)
+        .store(PgInbox::new(pool.clone()).table(&table).unwrap())
+        .handlers([CONSUMER])
+        .handler_queue(CONSUMER, &queue)
+        .build()
+        .unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    let count = |queue: String| async move {
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = connection.create_channel().await.unwrap();
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let count = channel
+            .queue_declare(
+                ShortString::from(queue.as_str()),
+                passive,
+                Default::default(),
+            )
+            .await
+            .map_or(0, |q| q.message_count());
+        let _ = connection.close(200, ShortString::from("counted")).await;
+        count
+    };
+    wait_until("the 10 routable rows published", || {
+        count(routable.clone()).map_eq(10)
+    })
+    .await;
+    let waited = started.elapsed();
+    wait_until("the 600 parked", || async {
+        inbox.parked().await.unwrap().len() == 600
+    })
+    .await;
+    eprintln!("the 10 routable rows arrived {waited:?} after the runtime started");
+    let idem = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .arg("--json")
+            .args(args)
+            .env("DATABASE_URL", postgres_url())
+            .env("IDEM_INBOX_TABLE", &table)
+            .output()
+            .expect("run idem");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).unwrap()
+    };
+    let parked = idem(&["outbox", "parked"]);
+    let rows = parked["parked"].as_array().unwrap();
+    assert_eq!(rows.len(), 600);
+    assert!(
+        rows.iter().all(|r| r["routing_key"] == missing.as_str()
+            && r["failure"].as_str().unwrap().contains("no queue is bound")),
+        "{}",
+        rows[0]
+    );
+
+    // The queue exists now: released, the 600 go out, once each.
+    RabbitTransport::new(rabbit)
+        .declare(&[idem::transport::QueueSpec::new(missing.clone(), "missing")])
+        .await
+        .unwrap();
+    assert_eq!(idem(&["outbox", "release", "--all"])["released"], 600);
+    wait_until("the 600 released rows published", || {
+        count(missing.clone()).map_eq(600)
+    })
+    .await;
+    assert!(inbox.parked().await.unwrap().is_empty());
+    let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        table.replace("_inbox", "_outbox")
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "every row published and removed");
+    assert_eq!(
+        count(routable.clone()).await,
+        10,
+        "the routable rows went out once"
+    );
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    for name in [&queue, &missing, &routable] {
+        for q in [name.clone(), idem::rabbitmq::dlq(name)] {
+            let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
+                .await
+                .unwrap();
+            let channel = connection.create_channel().await.unwrap();
+            let _ = channel
+                .queue_delete(ShortString::from(q.as_str()), Default::default())
+                .await;
+            let _ = connection.close(200, ShortString::from("done")).await;
+        }
+    }
+    for suffix in ["", "_deliveries", "_dead_letters", "_versions"] {
+        let drop = format!("DROP TABLE IF EXISTS {table}{suffix}");
+        sqlx::query(sqlx::AssertSqlSafe(drop))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let outbox = table.replace("_inbox", "_outbox");
+    for drop in [
+        format!("DROP TABLE IF EXISTS {outbox}_parked"),
+        format!("DROP TABLE IF EXISTS {outbox}"),
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(drop))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    sqlx::query("DELETE FROM idem_schema_version WHERE inbox_table = $1")
+        .bind(&table)
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+/// `future == n`, as a future.
+trait MapEq: Future<Output = u32> + Sized {
+    fn map_eq(self, n: u32) -> impl Future<Output = bool> {
+        async move { self.await == n }
+    }
+}
+
+impl<F: Future<Output = u32>> MapEq for F {}

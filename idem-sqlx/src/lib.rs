@@ -56,6 +56,7 @@ pub mod migrate;
 pub mod mysql;
 mod notify;
 pub mod outbox;
+pub mod parked;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod relay;

@@ -105,15 +105,25 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             "ALTER TABLE `{outbox}` MODIFY `key` VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin NOT NULL",
         ],
     ),
+    // Version 10: a message id holds the 255 bytes a broker carries, and the outbox rows the
+    // broker refused are parked out of the relay's way (`parked.rs`).
+    (
+        10,
+        &[
+            "ALTER TABLE `{outbox}` MODIFY message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            crate::parked::MYSQL_TABLE,
+        ],
+    ),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
     i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
     l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
     v.entity, v.version, v.updated_at, o.seq, o.message_id, o.consumer, o.`key`, o.exchange,
-    o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at
+    o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at,
+    p.seq, p.parked_at, p.failure
     FROM `{table}` i, `{table}_deliveries` d, `{table}_dead_letters` l, `{table}_versions` v,
-    `{outbox}` o
+    `{outbox}` o, `{outbox}_parked` p
     WHERE 1 = 0"#;
 
 const CLAIM: &str = r#"INSERT IGNORE INTO `{table}`
@@ -249,6 +259,7 @@ impl Dialect for MySql {
         admin: ADMIN,
         versions: crate::versions::MYSQL,
         outbox: crate::outbox::MYSQL,
+        parked: crate::parked::MYSQL,
         batch: None,
         rows: Some(ROWS),
     };

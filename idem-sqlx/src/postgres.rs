@@ -97,6 +97,9 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     // Version 9 made MySQL's key columns hold any key of up to 512 bytes, without padding;
     // this dialect's already do (see `keys` for how PostgreSQL holds keys with NUL).
     (9, &[]),
+    // Version 10: the outbox rows the broker refused are parked out of the relay's way
+    // (`parked.rs`).
+    (10, &[crate::parked::POSTGRES_TABLE]),
 ];
 
 /// Wakes `wake` at each notification on [`crate::notify::CHANNEL`] naming `outbox`, on a
@@ -333,6 +336,7 @@ impl Dialect for Postgres {
         admin: ADMIN,
         versions: crate::versions::POSTGRES,
         outbox: crate::outbox::POSTGRES,
+        parked: crate::parked::POSTGRES,
         rows: None,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,

@@ -10,7 +10,6 @@ use crate::inbox::SqlInbox;
 use idem_core::model::outgoing::headers_from_json;
 use idem_core::transport::{Outbound, OutboundError};
 use idem_core::{Envelope, OutboxSelect, Outgoing, RelayReport, StoreError};
-use std::collections::HashSet;
 use std::time::Duration;
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -30,8 +29,7 @@ impl<DB: Dialect> SqlInbox<DB> {
 
     /// One relay pass: takes the rows `select` names (skipping rows another pass holds),
     /// publishes them in the order staged, and removes those confirmed, in one transaction. A
-    /// row the broker cannot route holds back the later rows of its run; a broker failure ends
-    /// the pass.
+    /// row the broker cannot route (or carry) is parked; a broker failure ends the pass.
     pub(crate) async fn relay_rows(
         &self,
         select: &OutboxSelect,
@@ -97,23 +95,20 @@ impl<DB: Dialect> SqlInbox<DB> {
             ));
             messages.push(message::<DB>(row).map_err(fail)?);
         }
-        // All sent before any confirm is awaited; judged in the order staged.
+        // All sent before any confirm is awaited; judged in the order staged. Every confirmed
+        // row goes, and is never sent again; a row the broker refused for good is parked out
+        // of the way of the rows behind it (`parked.rs`); any other failure keeps the rows
+        // from there on for a later pass.
         let results = publish.publish_all(&messages).await;
         let mut done = Vec::with_capacity(rows.len());
-        let mut held: HashSet<(&str, &str)> = HashSet::new();
+        let mut parked = Vec::new();
         for ((seq, consumer, key), result) in runs.iter().zip(results) {
-            let run = (consumer.as_str(), key.as_str());
-            if held.contains(&run) {
-                // Sent behind a message of its run that was not: kept, to go out again after
-                // it, with its id.
-                continue;
-            }
             match result {
                 Ok(()) => done.push(*seq),
-                Err(e @ OutboundError::Unroutable { .. }) => {
+                Err(e @ (OutboundError::Unroutable { .. } | OutboundError::Invalid(_))) => {
+                    tracing::warn!(seq, consumer, key, error = %e, "the broker refused an outbox row; parking it (`idem outbox parked`)");
                     report.unroutable += 1;
-                    report.failure = Some(e.to_string());
-                    held.insert(run);
+                    parked.push((*seq, e.to_string()));
                 }
                 Err(e) => {
                     report.failure = Some(e.to_string());
@@ -121,6 +116,13 @@ impl<DB: Dialect> SqlInbox<DB> {
                 }
             }
         }
+        for (seq, failure) in &parked {
+            crate::parked::park::<DB>(&self.sql.parked, &mut *tx, *seq, failure)
+                .await
+                .map_err(fail)?;
+            done.push(*seq);
+        }
+        report.parked = parked.len() as u64;
         // After the publishes, so that its round trip is not theirs to wait for.
         if let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit {
             DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
@@ -132,7 +134,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             DB::execute(&mut *tx, &delete, &[]).await.map_err(fail)?;
         }
         tx.commit().await.map_err(fail)?;
-        report.published = done.len() as u64;
+        report.published = done.len() as u64 - report.parked;
         Ok(report)
     }
 }

@@ -98,8 +98,11 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     // every statement; this dialect keeps it.
     (8, &[]),
     // Version 9 made MySQL's key columns hold any key of up to 512 bytes, without padding;
-    // this dialect's already do (see `keys` for how PostgreSQL holds keys with NUL).
+    // this dialect's already do.
     (9, &[]),
+    // Version 10: the outbox rows the broker refused are parked out of the relay's way
+    // (`parked.rs`).
+    (10, &[crate::parked::SQLITE_TABLE]),
 ];
 
 const CLAIM: &str = r#"
@@ -258,6 +261,7 @@ impl Dialect for Sqlite {
         admin: ADMIN,
         versions: crate::versions::SQLITE,
         outbox: crate::outbox::SQLITE,
+        parked: crate::parked::SQLITE,
         batch: None,
         rows: Some(ROWS),
     };

@@ -44,6 +44,8 @@ pub struct Statements<S = &'static str> {
     pub versions: VersionStatements<S>,
     /// The outbox (`{outbox}`).
     pub outbox: OutboxStatements<S>,
+    /// The outbox rows the broker refused, out of the relay's way (`{outbox}_parked`).
+    pub parked: crate::parked::ParkedStatements<S>,
 }
 
 /// The outbox (`{outbox}`, named after the inbox: `idem_outbox` beside `idem_inbox`): staging
@@ -122,9 +124,10 @@ pub const PROBE: &str = r#"SELECT i.consumer, i.key, i.fingerprint, i.status, i.
     i.completed_at, i.expires_at, i.owner, i.locked_until, d.deliveries, d.expires_at,
     l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
     v.entity, v.version, v.updated_at, o.seq, o.message_id, o.consumer, o.key, o.exchange,
-    o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at
+    o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at,
+    p.seq, p.parked_at, p.failure
     FROM "{table}" i, "{table}_deliveries" d, "{table}_dead_letters" l, "{table}_versions" v,
-    "{outbox}" o
+    "{outbox}" o, "{outbox}_parked" p
     WHERE 1 = 0"#;
 
 /// The savepoints of dialects that release one before starting the next.
@@ -333,6 +336,12 @@ impl Statements {
                 lazy_commit: self.outbox.lazy_commit,
                 in_order: self.outbox.in_order,
                 now: self.outbox.now,
+            },
+            parked: crate::parked::ParkedStatements {
+                park: fill(self.parked.park),
+                list: fill(self.parked.list),
+                unpark: fill(self.parked.unpark),
+                remove: fill(self.parked.remove),
             },
             rows: self.rows.as_ref().map(|rows| RowStatements {
                 insert: fill(rows.insert),

@@ -104,7 +104,9 @@ fn judge(
             if report.published > 0 {
                 tracing::debug!(store, published = report.published, "outbox rows relayed");
             }
-            Some(report.published >= full as u64)
+            // Parked rows count: a pass full of rows the broker refused goes on at once to
+            // the rows behind them.
+            Some(report.published + report.parked >= full as u64)
         }
         Err(e) => {
             tracing::warn!(store, error = %e, "the outbox relay failed; retrying at the next interval");

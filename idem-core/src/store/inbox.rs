@@ -376,10 +376,10 @@ pub trait InboxStore: Send + Sync + 'static {
 
     /// Publishes the committed outbox rows `select` names through `publish`, in the order they
     /// were staged, and removes those the broker confirmed, in a transaction of its own that
-    /// keeps other passes (of this or other processes) off the rows it holds. A message the
-    /// broker cannot route keeps itself and the later rows of its run; another failure keeps
-    /// every row from there on: they go out again (with their ids) in a later pass. The
-    /// default has no rows.
+    /// keeps other passes (of this or other processes) off the rows it holds. A confirmed row is
+    /// removed; a message the broker cannot route (or carry) is moved out of the relay's way
+    /// (parked, for an operator); another failure keeps every row from there on: they go out
+    /// again (with their ids) in a later pass. The default has no rows.
     fn relay<'a>(
         &'a self,
         select: &'a OutboxSelect,

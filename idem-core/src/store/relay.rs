@@ -35,9 +35,11 @@ pub enum OutboxSelect {
 pub struct RelayReport {
     /// Rows published, confirmed and removed.
     pub published: u64,
-    /// Rows taken and published, but left for a later pass because the broker could not route
-    /// one of them (this one, or one staged before it in the same pass).
+    /// Rows the broker could not route (or carry), counted as unroutable.
     pub unroutable: u64,
+    /// Rows moved out of the relay's way for good because the broker refused them (a store
+    /// that parks them); an operator lists and releases them.
+    pub parked: u64,
     /// Why the pass stopped before the end of its rows, if it did: the rows from there on stay
     /// for a later pass.
     pub failure: Option<String>,
