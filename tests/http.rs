@@ -81,12 +81,21 @@ impl Probe {
                 Json(serde_json::json!({"error": "refused after the write", "payment_id": id})),
             )
                 .into_response(),
-            None => (
-                StatusCode::CREATED,
-                [("location", format!("/payments/{id}"))],
-                Json(serde_json::json!({"payment_id": id})),
-            )
-                .into_response(),
+            None => {
+                let mut response = (
+                    StatusCode::CREATED,
+                    [("location", format!("/payments/{id}"))],
+                    Json(serde_json::json!({"payment_id": id})),
+                )
+                    .into_response();
+                // A request with `x-cookie` gets it back as its session's cookie and header.
+                if let Some(cookie) = headers.get("x-cookie") {
+                    let answer = response.headers_mut();
+                    answer.insert("set-cookie", cookie.clone());
+                    answer.insert("x-session", cookie.clone());
+                }
+                response
+            }
         }
     }
 }
@@ -131,6 +140,8 @@ struct Answer {
     replayed: bool,
     retry_after: Option<String>,
     location: Option<String>,
+    /// `set-cookie` and `x-session`, when answered.
+    cookie: (Option<String>, Option<String>),
     body: Vec<u8>,
 }
 
@@ -141,7 +152,21 @@ impl Answer {
 }
 
 async fn post(url: &str, client: Option<&str>, key: Option<&str>, pay: &Pay) -> Answer {
+    post_with(url, client, key, pay, None).await
+}
+
+/// [`post`], with an `x-cookie` header when `cookie` is given.
+async fn post_with(
+    url: &str,
+    client: Option<&str>,
+    key: Option<&str>,
+    pay: &Pay,
+    cookie: Option<&str>,
+) -> Answer {
     let mut request = reqwest::Client::new().post(url).json(pay);
+    if let Some(cookie) = cookie {
+        request = request.header("x-cookie", cookie);
+    }
     if let Some(client) = client {
         request = request.header("authorization", format!("Bearer {client}"));
     }
@@ -160,6 +185,7 @@ async fn post(url: &str, client: Option<&str>, key: Option<&str>, pay: &Pay) -> 
         replayed: header("idempotent-replayed").as_deref() == Some("true"),
         retry_after: header("retry-after"),
         location: header("location"),
+        cookie: (header("set-cookie"), header("x-session")),
         body: response.bytes().await.unwrap().to_vec(),
     }
 }
@@ -240,6 +266,12 @@ macro_rules! suite {
                 Json(pay): Json<Pay>,
             ) -> Response {
                 if let Some(refused) = invalid(&pay) {
+                    return (Execution::NotBegun, refused).into_response();
+                }
+                // Refused before any effect, but only once the gate opens.
+                if headers.contains_key("x-refuse-late") {
+                    let _permit = app.probe.gate.acquire().await.unwrap();
+                    let refused = (StatusCode::BAD_REQUEST, "refused late");
                     return (Execution::NotBegun, refused).into_response();
                 }
                 app.probe.runs.fetch_add(1, Ordering::SeqCst);
@@ -618,6 +650,16 @@ macro_rules! suite {
                     (201, true, 0)
                 );
 
+                // The longest key the layer accepts fits every store (MySQL's key column held
+                // 191 characters, the layer's prefix included, and such keys were answered 503).
+                let longest = "k".repeat(255);
+                let other = Pay::new(&unique("ref"));
+                let taken = post(&url, Some("alice"), Some(&longest), &other).await;
+                assert_eq!((taken.status, taken.replayed), (201, false), "{taken:?}");
+                let again = post(&url, Some("alice"), Some(&longest), &other).await;
+                assert_eq!((again.status, again.replayed), (201, true), "{again:?}");
+                assert_eq!(effects(&pool, &other.r#ref).await, 1);
+
                 broken.close().await;
                 let unavailable =
                     serve(&broken, &probe, transactional(&broken, &operation), true).await;
@@ -835,6 +877,107 @@ macro_rules! suite {
                 assert_eq!(probe.runs(), 1);
             }
 
+            /// External mode: a request refused before it ran (`Execution::NotBegun`) frees its
+            /// key only while it still holds it. Here its lease ran out while it waited, a retry
+            /// took the key over and completed it; the refusal then leaves the retry's row, and
+            /// the next retry gets the stored response instead of running again.
+            #[tokio::test]
+            async fn a_late_refusal_never_frees_a_key_a_retry_completed() {
+                let (pool, _db) = $connect().await;
+                setup(&pool).await;
+                let operation = unique("late");
+                let probe = Probe::new();
+                let layer = external(&pool, &operation, Duration::from_millis(300));
+                let server = serve(&pool, &probe, layer, false).await;
+                // The retries come through another process's layer (this one knows the first
+                // request is still in flight here, and answers 409).
+                let layer = external(&pool, &operation, Duration::from_millis(300));
+                let other = serve(&pool, &probe, layer, false).await;
+                let (key, pay) = (unique("k"), Pay::new(&unique("ref")));
+                let (url, retries) = (server.url(), other.url());
+                let refused = {
+                    let (url, key, pay) = (url.clone(), key.clone(), pay.clone());
+                    tokio::spawn(async move {
+                        reqwest::Client::new()
+                            .post(url)
+                            .json(&pay)
+                            .header("authorization", "Bearer alice")
+                            .header("idempotency-key", format!("\"{key}\""))
+                            .header("x-refuse-late", "1")
+                            .send()
+                            .await
+                            .unwrap()
+                            .status()
+                            .as_u16()
+                    })
+                };
+                // The first request holds the key (its row is leased) ...
+                wait_until(
+                    "the first request holding the key",
+                    Duration::from_secs(30),
+                    || async { rows(&pool, &operation).await == 1 },
+                )
+                .await;
+                // ... until its lease runs out and a retry takes the key over.
+                let completed = std::sync::Mutex::new(None);
+                wait_until(
+                    "a retry that takes the key over",
+                    Duration::from_secs(30),
+                    || async {
+                        let answer = post(&retries, Some("alice"), Some(&key), &pay).await;
+                        let done = answer.status == 201;
+                        if done {
+                            *completed.lock().unwrap() = Some(answer);
+                        }
+                        done
+                    },
+                )
+                .await;
+                let completed = completed.into_inner().unwrap().unwrap();
+                probe.open();
+                assert_eq!(refused.await.unwrap(), 400);
+                let again = post(&retries, Some("alice"), Some(&key), &pay).await;
+                assert_eq!((again.status, again.replayed), (201, true), "{again:?}");
+                assert_eq!(again.body, completed.body);
+                assert_eq!(effects(&pool, &pay.r#ref).await, 1, "the payment ran once");
+            }
+
+            /// Under one key space for every client, the first client's response sets its
+            /// cookie (and a session header the layer is told never to store); the second
+            /// client, retrying the same key, gets the stored response without either.
+            #[tokio::test]
+            async fn a_cookie_is_never_stored_nor_replayed() {
+                let (pool, _db) = $connect().await;
+                setup(&pool).await;
+                let operation = unique("cookie");
+                let probe = Probe::new();
+                for in_tx in [true, false] {
+                    let layer = match in_tx {
+                        true => Idempotency::transactional(<$inbox>::new(pool.clone()), &operation),
+                        false => Idempotency::external(<$inbox>::new(pool.clone()), &operation),
+                    }
+                    .shared_key_space()
+                    .never_store_header(axum::http::HeaderName::from_static("x-session"));
+                    let server = serve(&pool, &probe, layer, in_tx).await;
+                    let key = unique("k");
+                    let pay = Pay::new(&unique("ref"));
+                    let first =
+                        post_with(&server.url(), None, Some(&key), &pay, Some("session=alice"))
+                            .await;
+                    assert_eq!((first.status, first.replayed), (201, false));
+                    let alice = Some("session=alice".to_owned());
+                    assert_eq!(
+                        first.cookie,
+                        (alice.clone(), alice),
+                        "the first client gets its own"
+                    );
+                    let second = post(&server.url(), None, Some(&key), &pay).await;
+                    assert_eq!((second.status, second.replayed), (201, true));
+                    assert_eq!(second.cookie, (None, None), "never another client's cookie");
+                    assert_eq!(second.body, first.body);
+                }
+            }
+
             #[tokio::test]
             async fn one_run_under_100_concurrent_requests() {
                 let (pool, _db) = $connect().await;
@@ -993,7 +1136,7 @@ mod databases {
 }
 
 /// `cargo run --example payments`, as its README section describes it: one payment per key, the
-/// same answer replayed, 422, 400 and 401.
+/// same answer replayed (also to the client's refreshed token), 422, 400 and 401.
 #[tokio::test]
 async fn the_payments_example_takes_one_payment_per_key() {
     let dir = tempfile::tempdir().unwrap();
@@ -1045,6 +1188,10 @@ async fn the_payments_example_takes_one_payment_per_key() {
     assert!(payment["payment_id"].is_string());
     let (status, replayed, again) = send(Some("alice"), Some("\"order-1\""), order.clone()).await;
     assert_eq!((status, replayed, &again), (201, true, &first));
+    // A refreshed token of the same client: the same principal, the same payment.
+    let (status, replayed, refreshed) =
+        send(Some("alice.v2"), Some("\"order-1\""), order.clone()).await;
+    assert_eq!((status, replayed, &refreshed), (201, true, &first));
     let other = serde_json::json!({"customer": "alice", "amount_cents": 1251});
     assert_eq!(send(Some("alice"), Some("\"order-1\""), other).await.0, 422);
     assert_eq!(send(Some("alice"), None, order.clone()).await.0, 400);

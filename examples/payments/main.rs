@@ -10,8 +10,10 @@
 //!      -d '{"customer": "alice", "amount_cents": 1250}'
 //! ```
 //! The same command again answers the stored `201` with `Idempotent-Replayed: true`; another
-//! body with the same key answers 422, and no key 400. The client's identity, which scopes its
-//! keys, is the bearer token.
+//! body with the same key answers 422, and no key 400. Keys are scoped by the client's stable
+//! principal, never by the raw token: here the subject a token names (`alice` for `alice` and
+//! for a refreshed `alice.v2`), so a client that refreshes its token and retries is still the
+//! same client, and is charged once.
 
 use anyhow::Context as _;
 use axum::Router;
@@ -124,11 +126,17 @@ create_payment!(
     "INSERT INTO payments (payment_id, customer, amount_cents) VALUES (?, ?, ?)"
 );
 
-/// The client a request comes from: its bearer token (none: the layer answers 401).
-fn bearer(parts: &Parts) -> Option<String> {
+/// The client a request comes from, as a stable principal (none: the layer answers 401): the
+/// subject its bearer token names, before the first `.` (`alice.v2` is `alice`). What follows
+/// the subject (here a rotation, in a real token a signature and an expiry) changes when the
+/// client refreshes its token and is never part of its identity. This demo checks no
+/// signature: a real service takes the subject its authentication verified (a JWT's `sub`,
+/// the account an API key belongs to), never the raw token.
+fn principal(parts: &Parts) -> Option<String> {
     let value = parts.headers.get("authorization")?.to_str().ok()?;
     let token = value.strip_prefix("Bearer ")?;
-    (!token.is_empty()).then(|| token.to_owned())
+    let subject = token.split('.').next()?;
+    (!subject.is_empty()).then(|| subject.to_owned())
 }
 
 /// The route, its layer on `store`, and a sweeper expiring old keys.
@@ -143,7 +151,7 @@ where
         Duration::from_secs(60),
     ));
     let idempotent = Idempotency::transactional(store, "payments.create")
-        .identity(bearer)
+        .identity(principal)
         .layer()?;
     Ok(Router::new().route("/payments", post(handler).layer(idempotent)))
 }

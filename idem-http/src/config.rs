@@ -81,13 +81,13 @@ pub enum ConfigError {
 /// with [`Idempotency::layer`].
 ///
 /// ```no_run
+/// # #[derive(Clone)] struct Principal(String);
 /// # async fn f(pool: sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
 /// use idem_http::Idempotency;
 /// let layer = Idempotency::transactional(idem_sqlx::SqliteInbox::new(pool), "payments.create")
-///     .identity(|parts| {
-///         let value = parts.headers.get("authorization")?;
-///         Some(String::from_utf8_lossy(value.as_bytes()).into_owned())
-///     })
+///     // The verified subject of the client's credential (here a request extension that the
+///     // authentication middleware set), never the raw token.
+///     .identity(|parts| parts.extensions.get::<Principal>().map(|p| p.0.clone()))
 ///     .layer()?;
 /// # let _ = layer; Ok(()) }
 /// ```
@@ -103,6 +103,8 @@ pub struct Idempotency<S> {
     pub(crate) max_response_bytes: usize,
     pub(crate) retention: Duration,
     pub(crate) policy: Option<String>,
+    /// Response headers never stored nor replayed, besides those idem never stores.
+    pub(crate) unstored: Vec<http::HeaderName>,
 }
 
 impl<S: InboxStore> Idempotency<S> {
@@ -135,6 +137,7 @@ impl<S: InboxStore> Idempotency<S> {
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
             retention: DEFAULT_KEY_RETENTION,
             policy: None,
+            unstored: Vec::new(),
         }
     }
 
@@ -170,6 +173,14 @@ impl<S: InboxStore> Idempotency<S> {
         if let HttpMode::External { lease: current } = &mut self.mode {
             *current = lease;
         }
+        self
+    }
+
+    /// Never stores nor replays the response header `name` (beside `set-cookie` and the
+    /// headers of one connection or transfer, which are never stored): for headers that belong
+    /// to the session that got the response, not to the operation.
+    pub fn never_store_header(mut self, name: http::HeaderName) -> Self {
+        self.unstored.push(name);
         self
     }
 

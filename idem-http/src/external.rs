@@ -8,7 +8,7 @@ use crate::telemetry::{self, Result as Seen};
 use crate::tx::Execution;
 use axum_core::body::Body;
 use http::{Request, Response};
-use idem_core::{ClaimRequest, InboxStore, Lease, LeaseEnd, StoredOutput};
+use idem_core::{InboxStore, Lease, LeaseEnd, StoredOutput};
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -60,9 +60,16 @@ where
     let response = keyed::call(inner, request).await?;
     let (parts, body) = response.into_parts();
     if parts.extensions.get::<Execution>() == Some(&Execution::NotBegun) {
-        // Refused before execution: the key is freed for a corrected request.
-        if let Err(e) = forget(store, &claim).await {
-            tracing::warn!(error = %e, "could not free the key; it is free again when its lease expires");
+        // Refused before execution: the key is freed for a corrected request, while this
+        // request still holds it (a retry may have taken it over, and completed it, meanwhile).
+        match store.abandon(&claim, &owner).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::info!("the key was taken over while this request ran; left as it is")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not free the key; it is free again when its lease expires")
+            }
         }
         telemetry::request(keyed.operation(), Seen::NotStored);
         return Ok(Response::from_parts(parts, Body::new(body)));
@@ -71,20 +78,27 @@ where
     // and a body over the limit is stored without it.
     let limit = keyed.shared.config.max_response_bytes;
     let (stored, body) = match keyed::read(body, usize::MAX).await {
-        Read::Whole(body) if body.len() <= limit => {
-            (StoredResponse::capture(&parts, &body), Body::from(body))
-        }
+        Read::Whole(body) if body.len() <= limit => (
+            StoredResponse::capture(&parts, &body, &keyed.shared.config.unstored),
+            Body::from(body),
+        ),
         Read::Whole(body) => {
             tracing::error!(
                 limit,
                 len = body.len(),
                 "the response is larger than max_response_bytes; its body is not stored, and retries get an empty body"
             );
-            (StoredResponse::without_body(&parts), Body::from(body))
+            (
+                StoredResponse::without_body(&parts, &keyed.shared.config.unstored),
+                Body::from(body),
+            )
         }
         Read::TooLarge | Read::Failed(_) => {
             tracing::warn!("the response body failed; storing the status and headers");
-            (StoredResponse::without_body(&parts), Body::empty())
+            (
+                StoredResponse::without_body(&parts, &keyed.shared.config.unstored),
+                Body::empty(),
+            )
         }
     };
     let end = match stored.is_server_error() {
@@ -113,14 +127,4 @@ where
         }
     }
     Ok(Response::from_parts(parts, body))
-}
-
-/// Deletes the key's row (this request holds its lease).
-async fn forget<S: InboxStore>(
-    store: &S,
-    claim: &ClaimRequest<'_>,
-) -> Result<(), idem_core::StoreError> {
-    let mut tx = store.begin().await?;
-    store.unclaim(&mut tx, claim.consumer, &[claim.key]).await?;
-    store.commit(tx).await
 }

@@ -16,10 +16,12 @@
 //!     Ok(StatusCode::CREATED)
 //! }
 //!
+//! # #[derive(Clone)] struct Principal(String);
 //! # async fn app(pool: sqlx::SqlitePool) -> Result<Router, idem_http::ConfigError> {
 //! let idempotent = Idempotency::transactional(idem_sqlx::SqliteInbox::new(pool), "payments.create")
-//!     .identity(|parts| parts.headers.get("authorization")
-//!         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned()))
+//!     // The client's stable principal, as your authentication verified it (set here as a
+//!     // request extension), never the raw token: a refreshed token is the same client.
+//!     .identity(|parts| parts.extensions.get::<Principal>().map(|p| p.0.clone()))
 //!     .layer()?;
 //! Ok(Router::new().route("/payments", post(create).layer(idempotent)))
 //! # }

@@ -11,8 +11,12 @@ use serde::{Deserialize, Serialize};
 /// The response header that marks a replay of a stored response.
 pub const REPLAYED: &str = "idempotent-replayed";
 
-/// Headers that describe one connection or one transfer, not the response: never stored.
-const NOT_STORED: [&str; 9] = [
+/// Headers never stored: those that describe one connection or one transfer, not the response,
+/// and `set-cookie`, which belongs to the session that got the response (replayed, it would
+/// hand one client's cookie to another under `shared_key_space()`). More can be named with
+/// [`crate::Idempotency::never_store_header`].
+const NOT_STORED: [&str; 10] = [
+    "set-cookie",
     "connection",
     "content-length",
     "date",
@@ -57,12 +61,17 @@ pub struct StoredHeader {
 }
 
 impl StoredResponse {
-    /// Captures a response's status, headers and body.
-    pub fn capture(parts: &Parts, body: &Bytes) -> Self {
+    /// Captures a response's status, headers (but those never stored, and `unstored`) and
+    /// body.
+    pub fn capture(parts: &Parts, body: &Bytes, unstored: &[HeaderName]) -> Self {
         let headers = parts
             .headers
             .iter()
-            .filter(|(name, _)| !NOT_STORED.contains(&name.as_str()) && name.as_str() != REPLAYED)
+            .filter(|(name, _)| {
+                !NOT_STORED.contains(&name.as_str())
+                    && name.as_str() != REPLAYED
+                    && !unstored.contains(name)
+            })
             .map(|(name, value)| match value.to_str() {
                 Ok(text) => StoredHeader {
                     name: name.as_str().to_owned(),
@@ -90,11 +99,11 @@ impl StoredResponse {
     }
 
     /// Captures status and headers only: the body was too large to keep.
-    pub fn without_body(parts: &Parts) -> Self {
+    pub fn without_body(parts: &Parts, unstored: &[HeaderName]) -> Self {
         Self {
             body: None,
             body_omitted: true,
-            ..Self::capture(parts, &Bytes::new())
+            ..Self::capture(parts, &Bytes::new(), unstored)
         }
     }
 
@@ -136,20 +145,25 @@ mod tests {
     }
 
     #[test]
-    fn keeps_what_belongs_to_the_response() {
+    fn keeps_what_belongs_to_the_response_and_never_a_cookie() {
         let response = Response::builder()
             .status(201)
             .header("content-type", "application/json")
             .header("location", "/payments/1")
             .header("set-cookie", "a=1")
             .header("set-cookie", "b=2")
+            .header("x-session", "s-1")
             .header("date", "Tue, 01 Dec 2026 00:00:00 GMT")
             .header("content-length", "12")
             .header("x-binary", HeaderValue::from_bytes(b"\xff\xfe").unwrap())
             .body(())
             .unwrap();
-        let stored =
-            StoredResponse::capture(&parts(response), &Bytes::from_static(b"{\"id\":\"1\"}"));
+        let unstored = [HeaderName::from_static("x-session")];
+        let stored = StoredResponse::capture(
+            &parts(response),
+            &Bytes::from_static(b"{\"id\":\"1\"}"),
+            &unstored,
+        );
         let json = serde_json::to_string(&stored).unwrap();
         let back: StoredResponse = serde_json::from_str(&json).unwrap();
         assert_eq!(back, stored);
@@ -157,7 +171,14 @@ mod tests {
         assert_eq!(replay.status(), 201);
         let headers = replay.headers();
         assert_eq!(headers["content-type"], "application/json");
-        assert_eq!(headers.get_all("set-cookie").iter().count(), 2);
+        assert!(
+            headers.get("set-cookie").is_none(),
+            "a cookie is never stored"
+        );
+        assert!(
+            headers.get("x-session").is_none(),
+            "nor a header named never to be"
+        );
         assert_eq!(headers["x-binary"].as_bytes(), b"\xff\xfe");
         assert_eq!(headers[REPLAYED], "true");
         assert!(headers.get("date").is_none() && headers.get("content-length").is_none());
@@ -166,7 +187,7 @@ mod tests {
     #[test]
     fn keeps_bodies_that_are_not_text() {
         let body = Bytes::from_static(b"\x00\xff\x10");
-        let stored = StoredResponse::capture(&parts(Response::new(())), &body);
+        let stored = StoredResponse::capture(&parts(Response::new(())), &body, &[]);
         assert!(stored.body.is_none());
         let replay = stored.replay().unwrap();
         let bytes = futures_bytes(replay.into_body());

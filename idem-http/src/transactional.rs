@@ -103,7 +103,7 @@ where
             return Ok(keyed.problem(Seen::NotStored, problem));
         }
     };
-    let stored = StoredResponse::capture(&parts, &body);
+    let stored = StoredResponse::capture(&parts, &body, &keyed.shared.config.unstored);
     if stored.is_server_error() {
         // A server error undoes the handler's writes; the key and the error are recorded on
         // their own, and replayed to retries.

@@ -284,6 +284,11 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.release_key(&with_key(request, &key), owner).await
     }
 
+    async fn abandon(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<bool, StoreError> {
+        let key = keys::stored::<DB>(request.key);
+        self.abandon_key(&with_key(request, &key), owner).await
+    }
+
     async fn count_delivery(&self, request: &ClaimRequest<'_>) -> Result<u32, StoreError> {
         DB::check_request(request)?;
         let key = keys::stored::<DB>(request.key);

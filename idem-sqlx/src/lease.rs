@@ -118,6 +118,28 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 }
 
+impl<DB: Dialect> SqlInbox<DB> {
+    /// Removes `request`'s key while `owner` still holds it in progress; `false`: it no longer
+    /// does (its lease was taken over), and nothing was removed.
+    pub(crate) async fn abandon_key(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+    ) -> Result<bool, StoreError> {
+        let fail = |e| store_error("abandon", e);
+        let params = [
+            Param::Text(request.consumer),
+            Param::Text(request.key),
+            Param::Text(owner),
+        ];
+        let mut conn = self.pool.acquire().await.map_err(fail)?;
+        DB::execute(&mut *conn, &self.sql.lease.abandon, &params)
+            .await
+            .map(|removed| removed > 0)
+            .map_err(fail)
+    }
+}
+
 /// A lease length in whole milliseconds, as bound into the statements.
 fn millis(lease: Duration) -> i64 {
     i64::try_from(lease.as_millis()).unwrap_or(i64::MAX)

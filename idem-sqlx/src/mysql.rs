@@ -172,6 +172,8 @@ const LEASE: LeaseStatements = LeaseStatements {
     WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
     release: r#"UPDATE `{table}` SET locked_until = UTC_TIMESTAMP(6)
     WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
+    abandon: r#"DELETE FROM `{table}`
+    WHERE consumer = ? AND `key` = ? AND owner = ? AND status = 'in_progress'"#,
 };
 
 /// The sweeper's statements; see [`SweepStatements`].

@@ -224,6 +224,8 @@ const LEASE: LeaseStatements = LeaseStatements {
     WHERE consumer = $3 AND key = $4 AND owner = $5 AND status = 'in_progress'"#,
     release: r#"UPDATE "{table}" SET locked_until = now()
     WHERE consumer = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'"#,
+    abandon: r#"DELETE FROM "{table}"
+    WHERE consumer = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'"#,
 };
 
 /// The sweeper's statements; see [`SweepStatements`].

@@ -153,6 +153,8 @@ pub struct LeaseStatements<S = &'static str> {
     pub settle: S,
     /// Gives the owner's lease up (consumer, key, owner).
     pub release: S,
+    /// Removes the key's row while the owner still holds it in progress (consumer, key, owner).
+    pub abandon: S,
 }
 
 /// The retention sweeper: deletes expired rows in bounded batches through the index on
@@ -288,6 +290,7 @@ impl Statements {
                 read: fill(self.lease.read),
                 settle: fill(self.lease.settle),
                 release: fill(self.lease.release),
+                abandon: fill(self.lease.abandon),
             },
             sweep: SweepStatements {
                 lock: fill(self.sweep.lock),

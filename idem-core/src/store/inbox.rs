@@ -297,6 +297,18 @@ pub trait InboxStore: Send + Sync + 'static {
         async { Err(no_external("release", Self::KIND)) }
     }
 
+    /// External mode: removes `request`'s key while `owner` still holds it in progress (the
+    /// request was refused before it ran: the key is free for a corrected one). `false`: the
+    /// lease was taken over and the key is another's; nothing was removed.
+    fn abandon(
+        &self,
+        request: &ClaimRequest<'_>,
+        owner: &str,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let _ = (request, owner);
+        async { Err(no_external("abandon", Self::KIND)) }
+    }
+
     /// Counts one more run of the handler on a redelivery of `request`'s message (the broker
     /// flagged it redelivered), just before that run, in a transaction of its own committed
     /// before this returns, so that the count survives a crash in the handler; returns the
