@@ -73,7 +73,8 @@ pub const SCHEMA: [&str; 2] = [
 
 /// The same tables on MySQL/MariaDB (keys need a length there).
 pub const MYSQL_SCHEMA: [&str; 2] = [
-    "CREATE TABLE IF NOT EXISTS orders (order_id VARCHAR(191) PRIMARY KEY, customer VARCHAR(191) NOT NULL, amount_cents BIGINT NOT NULL) ENGINE = InnoDB",
+    // An order id is any key idem takes: up to 512 bytes, compared without padding.
+    "CREATE TABLE IF NOT EXISTS orders (order_id VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PRIMARY KEY, customer VARCHAR(191) NOT NULL, amount_cents BIGINT NOT NULL) ENGINE = InnoDB",
     "CREATE TABLE IF NOT EXISTS balances (customer VARCHAR(191) PRIMARY KEY, cents BIGINT NOT NULL) ENGINE = InnoDB",
 ];
 

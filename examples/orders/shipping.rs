@@ -19,7 +19,7 @@ pub const SCHEMA: [&str; 2] = [
 
 /// The same tables on MySQL/MariaDB.
 pub const MYSQL_SCHEMA: [&str; 2] = [
-    "CREATE TABLE IF NOT EXISTS shipments (order_id VARCHAR(191) PRIMARY KEY, customer VARCHAR(191)) ENGINE = InnoDB",
+    "CREATE TABLE IF NOT EXISTS shipments (order_id VARCHAR(512) CHARACTER SET utf8mb4 COLLATE utf8mb4_nopad_bin PRIMARY KEY, customer VARCHAR(191)) ENGINE = InnoDB",
     "CREATE TABLE IF NOT EXISTS parcels (customer VARCHAR(191) PRIMARY KEY, n BIGINT) ENGINE = InnoDB",
 ];
 
