@@ -114,6 +114,11 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             crate::parked::MYSQL_TABLE,
         ],
     ),
+    // Version 11: the relay finds the rows parked long enough to try again by their time.
+    (
+        11,
+        &["CREATE INDEX IF NOT EXISTS parked_at ON `{outbox}_parked` (parked_at)"],
+    ),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,

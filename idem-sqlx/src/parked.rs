@@ -1,15 +1,19 @@
-//! Parked outbox rows (`{outbox}_parked`): a row the broker refused for good (no queue is bound
-//! for it, or it cannot be carried as it is) is moved out of the relay's way, with the reason,
-//! by the relay pass that sent it, so that the rows behind it are always relayed and it is never
-//! sent again by itself. An operator lists them and releases them (`idem outbox parked`,
-//! `idem outbox release`): a released row goes back to the outbox, with its id, and the relay
-//! takes it at its next pass.
+//! Parked outbox rows (`{outbox}_parked`): a row the broker refused (no queue is bound for it,
+//! or it cannot be carried as it is) is moved out of the relay's way, with the reason, by the
+//! relay pass that sent it, so that the rows behind it are always relayed. The relay puts a
+//! row parked for [`PARK_RETRY`] back into the outbox, behind the rows staged since (a queue
+//! declared late takes it then); an operator lists parked rows and releases them at once
+//! (`idem outbox parked`, `idem outbox release`). A released row keeps its id.
 
 use crate::dialect::Dialect;
 use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use idem_core::StoreError;
+use std::time::Duration;
+
+/// How long a row stays parked before the relay tries it again.
+pub const PARK_RETRY: Duration = Duration::from_secs(30);
 
 /// The statements of the parked rows. Times are read as milliseconds since the Unix epoch.
 #[derive(Debug, Clone)]
@@ -23,6 +27,10 @@ pub struct ParkedStatements<S = &'static str> {
     pub unpark: S,
     /// Removes a parked row (its `seq`).
     pub remove: S,
+    /// Takes the `seq` of rows parked longer ago than the given milliseconds, oldest first
+    /// (milliseconds, the number of rows), skipping rows another pass holds where the dialect
+    /// can.
+    pub due: S,
 }
 
 /// PostgreSQL's parked rows.
@@ -40,6 +48,8 @@ pub(crate) const POSTGRES: ParkedStatements = ParkedStatements {
     SELECT message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, created_at FROM "{outbox}_parked" WHERE seq = $1"#,
     remove: r#"DELETE FROM "{outbox}_parked" WHERE seq = $1"#,
+    due: r#"SELECT seq FROM "{outbox}_parked" WHERE parked_at < now() - $1 * interval '1 millisecond'
+    ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED"#,
 };
 
 /// PostgreSQL's table of parked rows (schema version 9).
@@ -75,6 +85,8 @@ pub(crate) const MYSQL: ParkedStatements = ParkedStatements {
     SELECT message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, created_at FROM `{outbox}_parked` WHERE seq = ?"#,
     remove: "DELETE FROM `{outbox}_parked` WHERE seq = ?",
+    due: r#"SELECT seq FROM `{outbox}_parked` WHERE parked_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
+    ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"#,
 };
 
 /// MySQL's and MariaDB's table of parked rows (schema version 9).
@@ -109,6 +121,7 @@ pub(crate) const SQLITE: ParkedStatements = ParkedStatements {
     SELECT message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, created_at FROM "{outbox}_parked" WHERE seq = ?1"#,
     remove: r#"DELETE FROM "{outbox}_parked" WHERE seq = ?1"#,
+    due: r#"SELECT seq FROM "{outbox}_parked" WHERE parked_at < {now} - ?1 ORDER BY seq LIMIT ?2"#,
 };
 
 /// SQLite's table of parked rows (schema version 9).
@@ -180,21 +193,54 @@ impl<DB: Dialect> SqlInbox<DB> {
     /// at its next pass), in one transaction; returns how many it released.
     pub async fn release_parked(&self, seqs: &[i64]) -> Result<u64, StoreError> {
         let fail = |e| store_error("release parked rows", e);
-        let sql = &self.sql.parked;
         let mut tx = self.begin_tx().await?;
-        let mut released = 0;
-        for seq in seqs {
-            let params = [Param::Int(*seq)];
-            released += DB::execute(&mut *tx, &sql.unpark, &params)
-                .await
-                .map_err(fail)?;
-            DB::execute(&mut *tx, &sql.remove, &params)
-                .await
-                .map_err(fail)?;
-        }
+        let released = unpark::<DB>(&self.sql.parked, &mut tx, seqs)
+            .await
+            .map_err(fail)?;
         tx.commit().await.map_err(fail)?;
         Ok(released)
     }
+
+    /// Puts back into the outbox at most `limit` rows parked longer than `after` ago, so that a
+    /// row refused for a while (its queue was not declared yet, say) is tried again, behind the
+    /// rows staged since; returns how many it released.
+    pub(crate) async fn release_due(&self, after: Duration, limit: u32) -> Result<u64, StoreError> {
+        let fail = |e| store_error("release parked rows", e);
+        let sql = &self.sql.parked;
+        let mut tx = self.begin_tx().await?;
+        let after = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        let params = [Param::Int(after), Param::Int(i64::from(limit))];
+        let due = DB::fetch_all(&mut *tx, &sql.due, &params)
+            .await
+            .map_err(fail)?;
+        if due.is_empty() {
+            tx.commit().await.map_err(fail)?;
+            return Ok(0);
+        }
+        let seqs = due
+            .iter()
+            .map(|row| DB::int(row, "seq"))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(fail)?;
+        let released = unpark::<DB>(sql, &mut tx, &seqs).await.map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        Ok(released)
+    }
+}
+
+/// Moves the parked rows `seqs` back into the outbox in `tx`; how many it moved.
+async fn unpark<DB: Dialect>(
+    sql: &ParkedStatements<std::sync::Arc<str>>,
+    tx: &mut sqlx::Transaction<'_, DB>,
+    seqs: &[i64],
+) -> Result<u64, sqlx::Error> {
+    let mut released = 0;
+    for seq in seqs {
+        let params = [Param::Int(*seq)];
+        released += DB::execute(&mut **tx, &sql.unpark, &params).await?;
+        DB::execute(&mut **tx, &sql.remove, &params).await?;
+    }
+    Ok(released)
 }
 
 /// The parked rows' statements, for a relay pass's transaction: moves the row `seq` out of

@@ -36,6 +36,16 @@ impl<DB: Dialect> SqlInbox<DB> {
         publish: &dyn Outbound,
     ) -> Result<RelayReport, StoreError> {
         let fail = |e| store_error("relay", e);
+        if let OutboxSelect::Older { limit, .. } = select {
+            // Rows parked long enough go back behind the rows staged since.
+            let released = self.release_due(crate::parked::PARK_RETRY, *limit).await?;
+            if released > 0 {
+                tracing::info!(
+                    released,
+                    "parked outbox rows put back for the relay to try again"
+                );
+            }
+        }
         let sql = &self.sql.outbox;
         let mut conn = self.pool.acquire().await.map_err(fail)?;
         if let Some(prelude) = DB::STATEMENTS.outbox.prelude {

@@ -103,6 +103,11 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     // Version 10: the outbox rows the broker refused are parked out of the relay's way
     // (`parked.rs`).
     (10, &[crate::parked::SQLITE_TABLE]),
+    // Version 11: the relay finds the rows parked long enough to try again by their time.
+    (
+        11,
+        &[r#"CREATE INDEX IF NOT EXISTS "{outbox}_parked_at" ON "{outbox}_parked" (parked_at)"#],
+    ),
 ];
 
 const CLAIM: &str = r#"

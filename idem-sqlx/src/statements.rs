@@ -345,6 +345,7 @@ impl Statements {
                 list: fill(self.parked.list),
                 unpark: fill(self.parked.unpark),
                 remove: fill(self.parked.remove),
+                due: fill(self.parked.due),
             },
             rows: self.rows.as_ref().map(|rows| RowStatements {
                 insert: fill(rows.insert),
