@@ -75,12 +75,16 @@ pub struct RabbitConfig {
     pub(crate) message_ttl: Option<Duration>,
     pub(crate) max_body: usize,
     pub(crate) max_headers: usize,
+    pub(crate) publish_timeout: Duration,
     /// PEM certificates trusted for `amqps://` besides the system's roots.
     pub(crate) tls_ca: Option<std::sync::Arc<str>>,
 }
 
 /// The largest body handed to a handler unless configured: 16 MiB.
 pub const DEFAULT_MAX_BODY: usize = 16 << 20;
+
+/// How long a publish may wait for the broker unless configured: 30 s.
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The largest header table handed to a handler unless configured: 64 KiB.
 pub const DEFAULT_MAX_HEADERS: usize = 64 << 10;
@@ -113,6 +117,7 @@ impl RabbitConfig {
             message_ttl: None,
             max_body: DEFAULT_MAX_BODY,
             max_headers: DEFAULT_MAX_HEADERS,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
             tls_ca: None,
         }
     }
@@ -129,6 +134,17 @@ impl RabbitConfig {
     /// one is dead-lettered with reason `too-large` before it is decoded.
     pub fn max_body(mut self, bytes: usize) -> Self {
         self.max_body = bytes;
+        self
+    }
+
+    /// How long one publish (or one call of `publish_many`, or `wait_for_confirms`) may wait
+    /// for the broker, a blocked connection included (default [`DEFAULT_PUBLISH_TIMEOUT`],
+    /// 30 s). Past it the publish fails as the broker's failure, its connection is dropped and
+    /// the next publish connects again; the outbox keeps the rows and relays them later.
+    /// Nothing is sent while the broker blocks the connection (a resource alarm), so waiting
+    /// holds no message in memory beyond those of the calls under way.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
         self
     }
 
@@ -232,6 +248,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("message_ttl", &self.message_ttl)
             .field("max_body", &self.max_body)
             .field("max_headers", &self.max_headers)
+            .field("publish_timeout", &self.publish_timeout)
             .field("tls_ca", &self.tls_ca.as_ref().map(|_| "PEM"))
             .finish()
     }

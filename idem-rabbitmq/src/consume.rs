@@ -108,7 +108,14 @@ impl Consumer {
         // The delivery is among those lapin held; after the connection loss they are back at
         // the head of the queue.
         let window = self.prefetch.saturating_mul(2).max(64);
-        match quarantine::run(&self.config, &self.spec, window).await {
+        let mut stop = self.stop.clone();
+        let pass = tokio::select! {
+            pass = quarantine::run(&self.config, &self.spec, window) => pass,
+            // Shutdown ends the pass where it is: every delivery it held goes back to the
+            // queue when its connection drops; none was rejected without its record.
+            _ = stop.wait_for(|stopped| *stopped) => return false,
+        };
+        match pass {
             Ok(0) => {
                 tracing::warn!(
                     queue = self.spec.queue,

@@ -42,7 +42,8 @@ mod watermark;
 mod wire;
 
 pub use config::{
-    Binding, DEFAULT_MAX_BODY, DEFAULT_MAX_HEADERS, ExchangeKind, QueueType, RabbitConfig,
+    Binding, DEFAULT_MAX_BODY, DEFAULT_MAX_HEADERS, DEFAULT_PUBLISH_TIMEOUT, ExchangeKind,
+    QueueType, RabbitConfig,
 };
 pub use envelope::ATTEMPT_HEADER;
 pub use publisher::{PublishError, Publisher};

@@ -7,9 +7,14 @@ use crate::envelope::properties;
 use idem_core::{BoxError, Envelope};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
-use lapin::{Channel, Confirmation, PublisherConfirm};
+use lapin::{Channel, Confirmation, Connection, PublisherConfirm};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+use tokio::time::{Instant, timeout_at};
+
+/// How often a publish waiting on a blocked connection looks again.
+const BLOCKED_POLL: Duration = Duration::from_millis(50);
 
 /// Every publish asks the broker to return a message no queue takes.
 const MANDATORY: BasicPublishOptions = BasicPublishOptions {
@@ -34,6 +39,16 @@ pub enum PublishError {
     /// The broker refused the message (nack).
     #[error("the broker refused the message")]
     Refused,
+    /// The broker did not take or confirm the message within
+    /// [`RabbitConfig::publish_timeout`]; it may have it (its id tells the copies apart).
+    #[error("the broker did not confirm the publish within {0:?}")]
+    TimedOut(Duration),
+    /// The broker blocked publishing (a resource alarm: memory or disk) for longer than
+    /// [`RabbitConfig::publish_timeout`]; nothing was sent.
+    #[error(
+        "the broker blocks publishing (a memory or disk alarm) and did not lift it within {0:?}; nothing was sent"
+    )]
+    Blocked(Duration),
     /// No queue is bound for the message: the broker returned it (every publish is
     /// `mandatory`), so it was not silently dropped.
     #[error(
@@ -94,7 +109,7 @@ struct Inner {
     config: RabbitConfig,
     connections: Connections,
     /// The confirm-mode channel in use.
-    channel: RwLock<Channel>,
+    channel: RwLock<Current>,
     /// Serializes reconnections.
     reconnecting: tokio::sync::Mutex<()>,
     /// Unconfirmed publishes were made on the current channel since the last
@@ -104,17 +119,62 @@ struct Inner {
     /// Kept here, not left to lapin's `Channel::wait_for_confirms`: that one awaits only the
     /// channel's last confirm, and never answers if another task publishes before that
     /// confirm arrives.
-    confirms: Mutex<Vec<(Channel, PublisherConfirm)>>,
+    confirms: Mutex<Vec<(Current, PublisherConfirm)>>,
     /// One waiter at a time: a waiter that comes while another awaits the confirms it took
     /// waits for those too.
     waiting: tokio::sync::Mutex<()>,
+}
+
+/// A confirm-mode channel and its connection.
+#[derive(Debug, Clone)]
+struct Current {
+    connection: Arc<Connection>,
+    channel: Channel,
+    /// A publish on it timed out: it is being closed, and the next publish connects again.
+    abandoned: Arc<AtomicBool>,
+}
+
+impl Current {
+    /// Whether publishes may go on it.
+    fn usable(&self) -> bool {
+        self.channel.status().connected() && !self.abandoned.load(Ordering::SeqCst)
+    }
+
+    /// Waits, until `deadline`, while the broker blocks the connection (a resource alarm):
+    /// nothing is queued on a connection the broker does not read.
+    async fn unblocked(&self, deadline: Instant, limit: Duration) -> Result<(), PublishError> {
+        while self.connection.status().blocked() {
+            if Instant::now() >= deadline {
+                return Err(PublishError::Blocked(limit));
+            }
+            tokio::time::sleep(BLOCKED_POLL.min(deadline - Instant::now())).await;
+        }
+        Ok(())
+    }
+
+    /// Gives the channel up after a publish on it timed out: its connection is closed in the
+    /// background (dropping whatever lapin still buffers for it) and the next publish opens
+    /// another.
+    fn abandon(&self) {
+        if self.abandoned.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        tracing::warn!(
+            "a publish timed out; closing its connection, the next publish connects again"
+        );
+        let connection = self.connection.clone();
+        tokio::spawn(async move {
+            let close = connection.close(320, ShortString::from("publish timed out"));
+            let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
+        });
+    }
 }
 
 /// A confirm-mode channel on a new connection of `connections`.
 async fn confirm_channel(
     config: &RabbitConfig,
     connections: &Connections,
-) -> Result<Channel, PublishError> {
+) -> Result<Current, PublishError> {
     let connection = connections
         .open(config, "publisher")
         .await
@@ -132,7 +192,11 @@ async fn confirm_channel(
     )
     .await
     .map_err(broker)?;
-    Ok(channel)
+    Ok(Current {
+        connection,
+        channel,
+        abandoned: Arc::default(),
+    })
 }
 
 impl Publisher {
@@ -154,16 +218,32 @@ impl Publisher {
         })
     }
 
+    /// When a call that starts now must be done.
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.inner.config.publish_timeout
+    }
+
     /// The channel in use, or a new one when its connection is gone and no unconfirmed
-    /// publish is waiting to be reported.
-    async fn channel(&self) -> Result<Channel, PublishError> {
+    /// publish is waiting to be reported; once the broker does not block it, until
+    /// `deadline`.
+    async fn channel(&self, deadline: Instant) -> Result<Current, PublishError> {
+        let limit = self.inner.config.publish_timeout;
+        let current = match timeout_at(deadline, self.usable_channel()).await {
+            Ok(current) => current?,
+            Err(_) => return Err(PublishError::TimedOut(limit)),
+        };
+        current.unblocked(deadline, limit).await?;
+        Ok(current)
+    }
+
+    async fn usable_channel(&self) -> Result<Current, PublishError> {
         let current = self.current();
-        if current.status().connected() {
+        if current.usable() {
             return Ok(current);
         }
         let _turn = self.inner.reconnecting.lock().await;
         let current = self.current();
-        if current.status().connected() {
+        if current.usable() {
             return Ok(current); // another publish reconnected meanwhile
         }
         if self.inner.unconfirmed.load(Ordering::SeqCst) {
@@ -180,7 +260,7 @@ impl Publisher {
         Ok(channel)
     }
 
-    fn current(&self) -> Channel {
+    fn current(&self) -> Current {
         self.inner
             .channel
             .read()
@@ -199,15 +279,20 @@ impl Publisher {
         message: &Envelope,
     ) -> Result<(), PublishError> {
         let (exchange_name, routing, properties) = prepared(exchange, routing_key, message)?;
-        let channel = self.channel().await?;
-        let confirm = on_channel(&channel, async {
+        let deadline = self.deadline();
+        let current = self.channel(deadline).await?;
+        let channel = &current.channel;
+        let publishing = on_channel(channel, async {
             channel
                 .basic_publish(exchange_name, routing, MANDATORY, &message.body, properties)
                 .await?
                 .await
-        })
-        .await
-        .map_err(broker)?;
+        });
+        let Ok(confirm) = timeout_at(deadline, publishing).await else {
+            current.abandon();
+            return Err(PublishError::TimedOut(self.inner.config.publish_timeout));
+        };
+        let confirm = confirm.map_err(broker)?;
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
@@ -256,8 +341,10 @@ impl Publisher {
                 }
             }
         }
-        let channel = match self.channel().await {
-            Ok(channel) => channel,
+        let deadline = self.deadline();
+        let limit = self.inner.config.publish_timeout;
+        let current = match self.channel(deadline).await {
+            Ok(current) => current,
             Err(e) => {
                 sent();
                 let why = e.to_string();
@@ -267,6 +354,7 @@ impl Publisher {
                 return results;
             }
         };
+        let channel = &current.channel;
         // Every publish is queued before any is awaited: lapin queues a publish's frames (and
         // registers its confirm) on its first poll, so polling each once, in order, queues them
         // in order, and its I/O loop writes them together instead of one wake-up each.
@@ -295,7 +383,16 @@ impl Publisher {
         for (publish, queued) in publishes.into_iter().zip(queued) {
             let sent = match queued {
                 std::task::Poll::Ready(sent) => sent,
-                std::task::Poll::Pending => on_channel(&channel, publish).await,
+                std::task::Poll::Pending => {
+                    match timeout_at(deadline, on_channel(channel, publish)).await {
+                        Ok(sent) => sent,
+                        Err(_) => {
+                            current.abandon();
+                            failed = Some(PublishError::TimedOut(limit).to_string());
+                            break;
+                        }
+                    }
+                }
             };
             match sent {
                 Ok(confirm) => confirms.push(confirm),
@@ -308,7 +405,12 @@ impl Publisher {
         sent();
         let mut results = Vec::with_capacity(messages.len());
         for (confirm, (exchange, routing_key, _)) in confirms.into_iter().zip(messages) {
-            results.push(match on_channel(&channel, confirm).await {
+            let Ok(confirmed) = timeout_at(deadline, on_channel(channel, confirm)).await else {
+                current.abandon();
+                results.push(Err(PublishError::TimedOut(limit)));
+                continue;
+            };
+            results.push(match confirmed {
                 Ok(Confirmation::Ack(None)) => Ok(()),
                 Ok(Confirmation::Ack(Some(_))) => Err(PublishError::Unroutable {
                     exchange: (*exchange).to_owned(),
@@ -361,16 +463,21 @@ impl Publisher {
         message: &Envelope,
     ) -> Result<(), PublishError> {
         let (exchange, routing_key, properties) = prepared(exchange, routing_key, message)?;
-        let channel = self.channel().await?;
+        let deadline = self.deadline();
+        let current = self.channel(deadline).await?;
         self.inner.unconfirmed.store(true, Ordering::SeqCst);
+        let channel = &current.channel;
         let publish =
             channel.basic_publish(exchange, routing_key, MANDATORY, &message.body, properties);
-        let confirm = on_channel(&channel, publish).await.map_err(broker)?;
-        self.pending().push((channel, confirm));
+        let Ok(confirm) = timeout_at(deadline, on_channel(channel, publish)).await else {
+            current.abandon();
+            return Err(PublishError::TimedOut(self.inner.config.publish_timeout));
+        };
+        self.pending().push((current, confirm.map_err(broker)?));
         Ok(())
     }
 
-    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<(Channel, PublisherConfirm)>> {
+    fn pending(&self) -> std::sync::MutexGuard<'_, Vec<(Current, PublisherConfirm)>> {
         self.inner
             .confirms
             .lock()
@@ -389,9 +496,18 @@ impl Publisher {
         // Reported either way: the next publish may connect again.
         let unconfirmed = self.inner.unconfirmed.swap(false, Ordering::SeqCst);
         let mut first_failure = None;
-        // Every confirm is awaited, also after a failure: none is left behind unanswered.
-        for (channel, confirm) in confirms {
-            let failure = match on_channel(&channel, confirm).await {
+        let deadline = self.deadline();
+        // Every confirm is awaited, also after a failure, until the deadline: none is left
+        // behind unanswered.
+        for (current, confirm) in confirms {
+            let channel = &current.channel;
+            let Ok(confirmed) = timeout_at(deadline, on_channel(channel, confirm)).await else {
+                current.abandon();
+                first_failure
+                    .get_or_insert(PublishError::TimedOut(self.inner.config.publish_timeout));
+                continue;
+            };
+            let failure = match confirmed {
                 Ok(Confirmation::Ack(None)) => continue,
                 Ok(Confirmation::Ack(Some(message))) => PublishError::Unroutable {
                     exchange: message.delivery.exchange.to_string(),
@@ -403,8 +519,8 @@ impl Publisher {
             };
             first_failure.get_or_insert(failure);
         }
-        let channel = self.current();
-        if first_failure.is_none() && unconfirmed && !channel.status().connected() {
+        let current = self.current();
+        if first_failure.is_none() && unconfirmed && !current.channel.status().connected() {
             first_failure = Some(lost_unconfirmed());
         }
         first_failure.map_or(Ok(()), Err)

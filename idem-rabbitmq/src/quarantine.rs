@@ -11,8 +11,9 @@
 //! redelivered.
 
 use crate::config::RabbitConfig;
-use crate::wire::{BODY, HEADER, METHOD, RawConnection, long, short};
-use idem_core::{DeadLetter, DeadLetterRecord, Envelope, QueueSpec, StoreError};
+use crate::wire::{BODY, Frame, HEADER, METHOD, RawConnection, long, short};
+use idem_core::{DeadLetter, DeadLetterRecord, Fingerprint, QueueSpec, StoreError};
+use sha2::{Digest, Sha256};
 use std::time::Duration;
 use tokio::time::{Instant, timeout};
 
@@ -32,19 +33,91 @@ pub(crate) enum QuarantineError {
     Record(#[from] StoreError),
 }
 
-/// One delivery as the reader assembles it.
+/// One delivery as the reader assembles it. Its body is never kept: only its fingerprint,
+/// computed as its frames pass, so a pass holds a few hundred bytes per delivery whatever the
+/// bodies weigh.
 #[derive(Default)]
 struct Delivery {
     tag: u64,
     /// Why lapin's parser refuses one of its frames, if it does.
     unparsable: Option<String>,
     message_id: Option<Vec<u8>>,
-    /// The body, kept only for a delivery refused before its body came (its fingerprint is
-    /// recorded).
-    body: Vec<u8>,
+    /// The body's SHA-256 so far (recorded with the dead letter).
+    digest: Sha256,
     body_size: u64,
     body_read: u64,
     header_seen: bool,
+}
+
+/// A delivery the reader has seen whole and lapin's parser refuses.
+struct Refused {
+    tag: u64,
+    why: String,
+    message_id: Option<Vec<u8>>,
+    fingerprint: Fingerprint,
+}
+
+/// Judges the frames of the deliveries at a queue's head, one at a time, as they come.
+#[derive(Default)]
+pub(crate) struct Judge {
+    current: Delivery,
+    /// Deliveries seen whole.
+    seen: u32,
+    refused: Vec<Refused>,
+}
+
+impl Judge {
+    /// Takes the next frame.
+    pub(crate) fn frame(&mut self, frame: &Frame) {
+        let refused = parse_error(&frame.bytes());
+        let current = &mut self.current;
+        match frame.kind {
+            METHOD if frame.method() == Some((60, 60)) => {
+                *current = Delivery {
+                    tag: frame.payload.get(4..).and_then(delivery_tag).unwrap_or(0),
+                    unparsable: refused,
+                    ..Delivery::default()
+                };
+            }
+            HEADER => {
+                current.header_seen = true;
+                current.body_size = frame
+                    .payload
+                    .get(4..12)
+                    .and_then(|size| size.try_into().ok())
+                    .map_or(0, u64::from_be_bytes);
+                current.message_id = message_id(&frame.payload);
+                current.unparsable = current.unparsable.take().or(refused);
+            }
+            BODY => {
+                current.body_read += frame.payload.len() as u64;
+                current.digest.update(&frame.payload);
+            }
+            _ => return,
+        }
+        if current.header_seen && current.body_read >= current.body_size {
+            self.seen += 1;
+            let done = std::mem::take(current);
+            if let (Some(why), true) = (done.unparsable, done.tag != 0) {
+                self.refused.push(Refused {
+                    tag: done.tag,
+                    why,
+                    message_id: done.message_id,
+                    fingerprint: Fingerprint::of_digest(done.digest.finalize().into()),
+                });
+            }
+        }
+    }
+
+    /// How many deliveries it has seen whole.
+    pub(crate) fn seen(&self) -> u32 {
+        self.seen
+    }
+
+    /// The tags of the deliveries it refuses, in the order seen.
+    pub(crate) fn refused_tags(&self) -> impl Iterator<Item = u64> + '_ {
+        self.refused.iter().map(|refused| refused.tag)
+    }
 }
 
 /// Reads up to `window` deliveries at the head of `spec.queue` and takes out those lapin cannot
@@ -71,55 +144,19 @@ pub(crate) async fn run(
     raw.method(1, 60, 20, &consume).await?;
     raw.expect(60, 21).await?;
 
-    let mut unparsable = Vec::new();
-    let mut current = Delivery::default();
-    let mut seen = 0u32;
+    let mut judge = Judge::default();
     let deadline = Instant::now() + PASS;
-    while seen < u32::from(window) && Instant::now() < deadline {
+    while judge.seen() < u32::from(window) && Instant::now() < deadline {
         let Ok(frame) = timeout(IDLE, raw.read()).await else {
             break;
         };
-        let frame = frame?;
-        let refused = parse_error(&frame.bytes());
-        match frame.kind {
-            METHOD if frame.method() == Some((60, 60)) => {
-                current = Delivery {
-                    tag: delivery_tag(&frame.payload[4..]).unwrap_or(0),
-                    unparsable: refused,
-                    ..Delivery::default()
-                };
-            }
-            HEADER => {
-                current.header_seen = true;
-                current.body_size = frame
-                    .payload
-                    .get(4..12)
-                    .and_then(|size| size.try_into().ok())
-                    .map_or(0, u64::from_be_bytes);
-                current.message_id = message_id(&frame.payload);
-                current.unparsable = current.unparsable.take().or(refused);
-            }
-            BODY => {
-                current.body_read += frame.payload.len() as u64;
-                if current.unparsable.is_some() {
-                    current.body.extend_from_slice(&frame.payload);
-                }
-            }
-            _ => continue,
-        }
-        if current.header_seen && current.body_read >= current.body_size {
-            seen += 1;
-            let done = std::mem::take(&mut current);
-            if done.unparsable.is_some() && done.tag != 0 {
-                unparsable.push(done);
-            }
-        }
+        judge.frame(&frame?);
     }
-    let taken = unparsable.len();
+    let taken = judge.refused.len();
     if taken > 0 {
-        record(spec, &unparsable).await?;
-        for delivery in &unparsable {
-            let mut reject = delivery.tag.to_be_bytes().to_vec();
+        record(spec, &judge.refused).await?;
+        for tag in judge.refused_tags() {
+            let mut reject = tag.to_be_bytes().to_vec();
             reject.push(0); // requeue = false: the broker dead-letters it
             raw.method(1, 60, 90, &reject).await?;
         }
@@ -130,21 +167,25 @@ pub(crate) async fn run(
 }
 
 /// Records why each of `deliveries` is dead-lettered, before any of them is rejected.
-async fn record(spec: &QueueSpec, deliveries: &[Delivery]) -> Result<(), StoreError> {
+async fn record(spec: &QueueSpec, deliveries: &[Refused]) -> Result<(), StoreError> {
     for delivery in deliveries {
         let detail = format!(
             "the AMQP client cannot parse this delivery's frames ({}); taken out of the queue by idem's own reader",
-            delivery.unparsable.as_deref().unwrap_or("unknown")
+            delivery.why
         );
         tracing::warn!(queue = spec.queue, consumer = spec.consumer, %detail, "dead-lettering a delivery lapin cannot parse");
         let letter = DeadLetter::new("unparsable", detail, spec.consumer.clone(), None, 1);
-        let mut envelope = Envelope::new(delivery.body.clone());
         // The id as far as it reads; the record's fingerprint ties it to the message.
-        envelope.message_id = delivery
+        let message_id = delivery
             .message_id
             .as_deref()
             .map(|id| String::from_utf8_lossy(id).into_owned());
-        let record = DeadLetterRecord::new(&letter, &envelope, &spec.queue);
+        let record = DeadLetterRecord::of_fingerprint(
+            &letter,
+            message_id,
+            delivery.fingerprint,
+            &spec.queue,
+        );
         match spec.dead_letters.record(record).await {
             Ok(()) => {}
             // Retrying will not write it: it is taken out all the same, and counted.
@@ -239,5 +280,93 @@ mod tests {
         short(&mut tag, b"ctag");
         tag.extend_from_slice(&42u64.to_be_bytes());
         assert_eq!(delivery_tag(&tag), Some(42));
+    }
+}
+
+#[cfg(test)]
+mod judged {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The frames of one delivery (tag, message id, body in frames of `chunk` bytes).
+    fn delivery(tag: u64, message_id: &[u8], body: &[u8], chunk: usize) -> Vec<Frame> {
+        let mut deliver = 60u16.to_be_bytes().to_vec();
+        deliver.extend_from_slice(&60u16.to_be_bytes());
+        short(&mut deliver, b"ctag");
+        deliver.extend_from_slice(&tag.to_be_bytes());
+        deliver.push(0);
+        short(&mut deliver, b"");
+        short(&mut deliver, b"q");
+        let mut header = 60u16.to_be_bytes().to_vec();
+        header.extend_from_slice(&0u16.to_be_bytes());
+        header.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        header.extend_from_slice(&(1u16 << 7).to_be_bytes());
+        short(&mut header, message_id);
+        let mut frames = vec![
+            Frame {
+                kind: METHOD,
+                channel: 1,
+                payload: deliver,
+            },
+            Frame {
+                kind: HEADER,
+                channel: 1,
+                payload: header,
+            },
+        ];
+        frames.extend(body.chunks(chunk.max(1)).map(|part| Frame {
+            kind: BODY,
+            channel: 1,
+            payload: part.to_vec(),
+        }));
+        frames
+    }
+
+    fn any_frame() -> impl Strategy<Value = Frame> {
+        (
+            prop_oneof![Just(METHOD), Just(HEADER), Just(BODY), any::<u8>()],
+            any::<u16>(),
+            proptest::collection::vec(any::<u8>(), 0..300),
+        )
+            .prop_map(|(kind, channel, payload)| Frame {
+                kind,
+                channel,
+                payload,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// Deliveries with a message id that is not UTF-8 are refused, exactly those, with
+        /// the fingerprint of their whole body; arbitrary frames between them never panic the
+        /// judge, and it keeps no body.
+        #[test]
+        fn the_judge_refuses_exactly_the_deliveries_lapin_cannot_parse(
+            ids in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 1..40), 1..12),
+            bodies in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..2000), 12),
+            chunk in 1usize..700,
+            noise in proptest::collection::vec(any_frame(), 0..40),
+        ) {
+            let mut judge = Judge::default();
+            let mut expected = Vec::new();
+            for (n, id) in ids.iter().enumerate() {
+                let tag = n as u64 + 1;
+                if std::str::from_utf8(id).is_err() {
+                    expected.push((tag, Fingerprint::of(&bodies[n])));
+                }
+                for frame in delivery(tag, id, &bodies[n], chunk) {
+                    judge.frame(&frame);
+                }
+            }
+            prop_assert_eq!(judge.seen() as usize, ids.len());
+            let refused: Vec<_> = judge.refused.iter().map(|r| (r.tag, r.fingerprint)).collect();
+            prop_assert_eq!(refused, expected);
+            for frame in &noise {
+                judge.frame(frame);
+            }
+            prop_assert!(judge.refused.len() <= judge.seen() as usize);
+        }
     }
 }

@@ -2,6 +2,10 @@
 //! frame by frame and reject a delivery, for the messages lapin cannot parse (see
 //! [`crate::quarantine`]). Frames are read as bytes and judged by the same parser lapin uses, so
 //! a delivery lapin would fail on is seen here as such, and can still be rejected.
+//!
+//! The reader trusts nothing the broker sends: every read and write has a deadline
+//! ([`IO_DEADLINE`]), and a frame larger than the negotiated `frame_max` is refused from its
+//! header, before anything is allocated for it.
 
 use crate::tls::Stream;
 use lapin::uri::{AMQPScheme, AMQPUri};
@@ -15,6 +19,17 @@ pub(crate) const METHOD: u8 = 1;
 pub(crate) const HEADER: u8 = 2;
 pub(crate) const BODY: u8 = 3;
 const FRAME_END: u8 = 0xCE;
+
+/// The longest any one read or write may take: a broker that takes the connection and then
+/// stalls fails the reader instead of hanging it.
+pub(crate) const IO_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The largest frame the reader accepts (header and end marker included) before `tune`, and
+/// the most it negotiates after: RabbitMQ's default `frame_max`.
+pub(crate) const MAX_FRAME: u32 = 128 * 1024;
+
+/// The 7-byte header and the end marker around a frame's payload.
+const FRAME_OVERHEAD: u32 = 8;
 
 /// One frame, as read.
 #[derive(Debug)]
@@ -62,10 +77,31 @@ pub(crate) fn long(out: &mut Vec<u8>, s: &[u8]) {
 /// A connection with channel 1 open.
 pub(crate) struct RawConnection {
     stream: Box<dyn Stream>,
+    /// The largest frame accepted: [`MAX_FRAME`] until `tune`, then what was negotiated.
+    frame_max: u32,
 }
 
 fn protocol(message: impl Into<String>) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, message.into())
+}
+
+/// `io` within [`IO_DEADLINE`].
+async fn in_time<T>(what: &str, io: impl Future<Output = io::Result<T>>) -> io::Result<T> {
+    tokio::time::timeout(IO_DEADLINE, io).await.map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the broker did not let the reader {what} within {IO_DEADLINE:?}"),
+        )
+    })?
+}
+
+/// The `frame_max` to answer `tune` with: the broker's, at most [`MAX_FRAME`] (0 is "no
+/// limit").
+pub(crate) fn negotiated_frame_max(offered: u32) -> u32 {
+    match offered {
+        0 => MAX_FRAME,
+        offered => offered.min(MAX_FRAME),
+    }
 }
 
 impl RawConnection {
@@ -82,31 +118,46 @@ impl RawConnection {
             };
             Ok::<_, io::Error>(stream)
         };
-        let stream = tokio::time::timeout(Duration::from_secs(10), connect)
-            .await
-            .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connecting timed out"))??;
-        let mut this = Self { stream };
-        this.stream.write_all(b"AMQP\x00\x00\x09\x01").await?;
-        this.expect(10, 10).await?; // connection.start
+        let stream = in_time("connect", connect).await?;
         let user = &uri.authority.userinfo;
+        Self::handshake(stream, &uri.vhost, &user.username, &user.password).await
+    }
+
+    /// Opens the AMQP connection on `stream` (as `username`, on `vhost`) and channel 1.
+    pub(crate) async fn handshake(
+        stream: Box<dyn Stream>,
+        vhost: &str,
+        username: &str,
+        password: &str,
+    ) -> io::Result<Self> {
+        let mut this = Self {
+            stream,
+            frame_max: MAX_FRAME,
+        };
+        in_time("write", this.stream.write_all(b"AMQP\x00\x00\x09\x01")).await?;
+        this.expect(10, 10).await?; // connection.start
         let mut start_ok = Vec::new();
         long(&mut start_ok, b""); // client properties: an empty table
         short(&mut start_ok, b"PLAIN");
         long(
             &mut start_ok,
-            format!("\0{}\0{}", user.username, user.password).as_bytes(),
+            format!("\0{username}\0{password}").as_bytes(),
         );
         short(&mut start_ok, b"en_US");
         this.method(0, 10, 11, &start_ok).await?;
         let tune = this.expect(10, 30).await?;
-        let mut tune_ok = tune
-            .get(..6)
-            .ok_or_else(|| protocol("short tune"))?
-            .to_vec();
+        let (channel_max, offered) = match tune.get(..6) {
+            Some(&[c0, c1, f0, f1, f2, f3]) => ([c0, c1], u32::from_be_bytes([f0, f1, f2, f3])),
+            _ => return Err(protocol("short tune")),
+        };
+        let frame_max = negotiated_frame_max(offered);
+        let mut tune_ok = channel_max.to_vec();
+        tune_ok.extend_from_slice(&frame_max.to_be_bytes());
         tune_ok.extend_from_slice(&0u16.to_be_bytes()); // no heartbeats
         this.method(0, 10, 31, &tune_ok).await?;
+        this.frame_max = frame_max;
         let mut open = Vec::new();
-        short(&mut open, uri.vhost.as_bytes());
+        short(&mut open, vhost.as_bytes());
         short(&mut open, b"");
         open.push(0);
         this.method(0, 10, 40, &open).await?;
@@ -122,8 +173,11 @@ impl RawConnection {
             channel,
             payload: payload.to_vec(),
         };
-        self.stream.write_all(&frame.bytes()).await?;
-        self.stream.flush().await
+        in_time("write", async {
+            self.stream.write_all(&frame.bytes()).await?;
+            self.stream.flush().await
+        })
+        .await
     }
 
     /// Sends method `class.method` with `args` on `channel`.
@@ -140,21 +194,38 @@ impl RawConnection {
         self.frame(METHOD, channel, &payload).await
     }
 
-    /// Reads the next frame.
+    /// Reads the next frame, whatever it is, within [`IO_DEADLINE`]; a frame announced larger
+    /// than `frame_max` is refused before its payload is read.
+    async fn next_frame(&mut self) -> io::Result<Frame> {
+        let frame_max = self.frame_max;
+        let stream = &mut self.stream;
+        in_time("read a frame", async move {
+            let mut head = [0u8; 7];
+            stream.read_exact(&mut head).await?;
+            let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]);
+            if size > frame_max.saturating_sub(FRAME_OVERHEAD) {
+                return Err(protocol(format!(
+                    "a frame of {size} bytes announced, over the negotiated frame_max of {frame_max}"
+                )));
+            }
+            // At most frame_max bytes: the size was checked.
+            let mut payload = vec![0u8; size as usize + 1];
+            stream.read_exact(&mut payload).await?;
+            if payload.pop() != Some(FRAME_END) {
+                return Err(protocol("a frame without its end marker"));
+            }
+            Ok(Frame {
+                kind: head[0],
+                channel: u16::from_be_bytes([head[1], head[2]]),
+                payload,
+            })
+        })
+        .await
+    }
+
+    /// Reads the next frame; the broker closing the connection or the channel is an error.
     pub(crate) async fn read(&mut self) -> io::Result<Frame> {
-        let mut head = [0u8; 7];
-        self.stream.read_exact(&mut head).await?;
-        let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
-        let mut payload = vec![0u8; size + 1];
-        self.stream.read_exact(&mut payload).await?;
-        if payload.pop() != Some(FRAME_END) {
-            return Err(protocol("a frame without its end marker"));
-        }
-        let frame = Frame {
-            kind: head[0],
-            channel: u16::from_be_bytes([head[1], head[2]]),
-            payload,
-        };
+        let frame = self.next_frame().await?;
         match frame.method() {
             Some((10, 50)) => Err(protocol("the broker closed the connection")),
             Some((20, 40)) => Err(protocol("the broker closed the channel")),
@@ -162,14 +233,18 @@ impl RawConnection {
         }
     }
 
-    /// Reads frames until the method `class.method`; its arguments.
+    /// Reads frames until the method `class.method`, for at most [`IO_DEADLINE`]; its
+    /// arguments.
     pub(crate) async fn expect(&mut self, class: u16, method: u16) -> io::Result<Vec<u8>> {
-        loop {
-            let frame = self.read().await?;
-            if frame.method() == Some((class, method)) {
-                return Ok(frame.payload[4..].to_vec());
+        in_time("read its answer", async {
+            loop {
+                let frame = self.read().await?;
+                if frame.method() == Some((class, method)) {
+                    return Ok(frame.payload[4..].to_vec());
+                }
             }
-        }
+        })
+        .await
     }
 
     /// Closes the connection and waits for the broker to confirm: everything sent before has
@@ -179,15 +254,123 @@ impl RawConnection {
         short(&mut close, b"quarantine done");
         close.extend_from_slice(&[0, 0, 0, 0]);
         self.method(0, 10, 50, &close).await?;
-        loop {
-            let mut head = [0u8; 7];
-            self.stream.read_exact(&mut head).await?;
-            let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
-            let mut payload = vec![0u8; size + 1];
-            self.stream.read_exact(&mut payload).await?;
-            if head[0] == METHOD && payload.get(..4) == Some(&[0, 10, 0, 51]) {
-                return Ok(());
+        in_time("close", async {
+            loop {
+                if self.next_frame().await?.method() == Some((10, 51)) {
+                    return Ok(());
+                }
             }
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use tokio::io::{AsyncWriteExt, DuplexStream, duplex};
+
+    /// A connection past its handshake, over an in-memory pipe; the other end is the broker.
+    fn connected(frame_max: u32) -> (RawConnection, DuplexStream) {
+        let (ours, broker) = duplex(1 << 16);
+        let raw = RawConnection {
+            stream: Box::new(ours),
+            frame_max,
+        };
+        (raw, broker)
+    }
+
+    fn frame(kind: u8, payload: &[u8]) -> Vec<u8> {
+        Frame {
+            kind,
+            channel: 1,
+            payload: payload.to_vec(),
+        }
+        .bytes()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_broker_that_accepts_and_then_stalls_fails_the_handshake_in_time() {
+        let (ours, _broker) = duplex(1024);
+        let started = tokio::time::Instant::now();
+        let error = RawConnection::handshake(Box::new(ours), "/", "guest", "guest")
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut, "{error}");
+        assert!(
+            started.elapsed() <= IO_DEADLINE * 2,
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_frame_cut_short_fails_the_read_in_time() {
+        let (mut raw, mut broker) = connected(MAX_FRAME);
+        // A header announcing 100 bytes, then silence.
+        broker
+            .write_all(&[METHOD, 0, 1, 0, 0, 0, 100, 1, 2])
+            .await
+            .unwrap();
+        let error = raw.read().await.err().unwrap();
+        assert_eq!(error.kind(), io::ErrorKind::TimedOut, "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_frame_larger_than_frame_max_is_refused_from_its_header() {
+        let (mut raw, mut broker) = connected(MAX_FRAME);
+        // 4 GiB announced: refused before anything is allocated or read for it.
+        broker
+            .write_all(&[BODY, 0, 1, 0xff, 0xff, 0xff, 0xff])
+            .await
+            .unwrap();
+        let error = raw.read().await.err().unwrap();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+        assert!(error.to_string().contains("frame_max"), "{error}");
+        // The largest frame frame_max allows is read.
+        let (mut raw, mut broker) = connected(4096);
+        let payload = vec![7u8; 4096 - 8];
+        broker.write_all(&frame(BODY, &payload)).await.unwrap();
+        assert_eq!(raw.read().await.unwrap().payload, payload);
+        broker
+            .write_all(&frame(BODY, &[7u8; 4096 - 7]))
+            .await
+            .unwrap();
+        assert!(raw.read().await.is_err());
+    }
+
+    #[test]
+    fn the_frame_max_answered_is_the_brokers_at_most_the_readers() {
+        assert_eq!(negotiated_frame_max(0), MAX_FRAME);
+        assert_eq!(negotiated_frame_max(4096), 4096);
+        assert_eq!(negotiated_frame_max(u32::MAX), MAX_FRAME);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Whatever bytes the broker sends, the reader returns frames no larger than
+        /// frame_max, or an error; it never panics and never waits past its deadline.
+        #[test]
+        fn arbitrary_bytes_are_read_as_bounded_frames_or_refused(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..8192),
+            frame_max in 8u32..4096,
+        ) {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .start_paused(true)
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let (mut raw, mut broker) = connected(frame_max);
+                broker.write_all(&bytes).await.unwrap();
+                drop(broker);
+                while let Ok(frame) = raw.read().await {
+                    assert!(frame.payload.len() + 8 <= frame_max as usize);
+                }
+            });
         }
     }
 }

@@ -74,12 +74,12 @@ impl Got {
 
 /// Closes a helper's connection, giving the broker a few seconds to confirm: a close that is
 /// never confirmed must not hang the test (the broker drops the connection on its side).
-async fn close(connection: Connection) {
+pub async fn close(connection: Connection) {
     let closing = connection.close(200, ShortString::from("done"));
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), closing).await;
 }
 
-async fn connect() -> Connection {
+pub async fn connect() -> Connection {
     connect_to(&amqp_url()).await
 }
 

@@ -78,12 +78,20 @@ impl DeadLetterRecord {
     /// `message-id:<its id>`, or `sha256:<its body's fingerprint>` when it has no short id.
     pub fn new(letter: &DeadLetter, envelope: &Envelope, queue: &str) -> Self {
         let fingerprint = Fingerprint::of(&envelope.body);
+        Self::of_fingerprint(letter, envelope.message_id.clone(), fingerprint, queue)
+    }
+
+    /// As [`DeadLetterRecord::new`], for a message whose body is known only by its
+    /// `fingerprint` (read as it passed, never held whole).
+    pub fn of_fingerprint(
+        letter: &DeadLetter,
+        message_id: Option<String>,
+        fingerprint: Fingerprint,
+        queue: &str,
+    ) -> Self {
         let (key, keyed) = match &letter.key {
             Some(key) => (key.clone(), true),
-            None => (
-                stand_in_key(envelope.message_id.as_deref(), &fingerprint),
-                false,
-            ),
+            None => (stand_in_key(message_id.as_deref(), &fingerprint), false),
         };
         Self {
             consumer: letter.consumer.clone(),
@@ -93,7 +101,7 @@ impl DeadLetterRecord {
             reason: letter.reason.clone(),
             detail: letter.detail.clone(),
             attempts: letter.attempts,
-            message_id: envelope.message_id.clone(),
+            message_id,
             fingerprint,
         }
     }

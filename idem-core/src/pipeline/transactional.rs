@@ -147,7 +147,7 @@ async fn run<H: Handler>(
             {
                 #[cfg(feature = "fault-injection")]
                 crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
-                dispatch.after_commit(H::CONSUMER, key, kept);
+                dispatch.after_commit(H::CONSUMER, key, kept).await;
             }
             Outcome::Processed {
                 key: key.clone(),

@@ -18,7 +18,7 @@ pub type RemoveFn =
 /// Runs published from memory and not yet confirmed, per store; a commit beyond them has its
 /// rows read back by a dispatch pass instead (so a broker that stopped confirming holds no
 /// more than this many runs in memory).
-pub(super) const RUNS_IN_FLIGHT: usize = 4_096;
+pub(super) const RUNS_IN_FLIGHT: usize = 1_024;
 
 /// Message ids removed per statement (and runs gathered for one).
 const IDS_PER_REMOVE: usize = 500;

@@ -60,6 +60,11 @@ const ROWS_PER_PASS: u64 = 1_000;
 /// Dispatch passes of one store running at once.
 const PASSES_IN_FLIGHT: usize = 4;
 
+/// Committed runs of one store waiting for a dispatch pass. When the broker stops confirming
+/// (a resource alarm, a partition), a full queue makes the next commit wait before it is
+/// acked: consumption slows down instead of memory growing.
+pub(crate) const DISPATCH_QUEUE: usize = 1_024;
+
 /// A committed run waiting for its dispatch: `(consumer, key)` and when it committed.
 type Pending = (String, String, Instant);
 
@@ -68,7 +73,7 @@ type Pending = (String, String, Instant);
 /// rows of messages published from memory.
 #[derive(Debug)]
 pub(crate) struct DispatchQueue {
-    sender: OnceLock<mpsc::UnboundedSender<Pending>>,
+    sender: OnceLock<mpsc::Sender<Pending>>,
     remover: OnceLock<mpsc::UnboundedSender<Vec<String>>>,
     /// Runs published from memory and not yet confirmed.
     in_memory: Arc<Semaphore>,
@@ -104,8 +109,10 @@ impl Dispatch<'_> {
     /// Publishes, in the background, the messages `consumer` staged while processing `key`,
     /// once their transaction committed: `kept` (all of them, in the order staged) from
     /// memory, else their rows read back from the outbox; the rows a failure leaves are the
-    /// relay's. Returns at once.
-    pub fn after_commit(&self, consumer: &str, key: &str, kept: Option<Vec<Outgoing>>) {
+    /// relay's. Returns at once, unless as many runs as the store's dispatch allows are
+    /// already waiting for the broker: then it waits for room, and the caller (the commit
+    /// path, before its ack) with it.
+    pub async fn after_commit(&self, consumer: &str, key: &str, kept: Option<Vec<Outgoing>>) {
         let committed = Instant::now();
         let queue = &self.relay.queue;
         if let Some(messages) = kept.filter(|kept| !kept.is_empty())
@@ -131,16 +138,14 @@ impl Dispatch<'_> {
             return;
         }
         let sender = self.relay.queue.sender.get_or_init(|| {
-            let (sender, receiver) = mpsc::unbounded_channel();
+            let (sender, receiver) = mpsc::channel(DISPATCH_QUEUE);
             tokio::spawn(drain(self.relay.clone(), self.outbound.clone(), receiver));
             sender
         });
         queue.in_flight.start(1);
         // The task ends only once every sender is gone: a send cannot fail while this one is.
-        if sender
-            .send((consumer.to_owned(), key.to_owned(), committed))
-            .is_err()
-        {
+        let pending = (consumer.to_owned(), key.to_owned(), committed);
+        if sender.send(pending).await.is_err() {
             queue.in_flight.end(1);
         }
     }
@@ -152,11 +157,7 @@ impl Dispatch<'_> {
 /// have sent theirs, taking every run queued meanwhile: a pass reads while the last awaits
 /// its confirms. Up to [`PASSES_IN_FLIGHT`] passes run at once. A run's rows all go in one
 /// pass, in the order staged.
-async fn drain(
-    relay: Relay,
-    outbound: Arc<dyn Outbound>,
-    mut queue: mpsc::UnboundedReceiver<Pending>,
-) {
+async fn drain(relay: Relay, outbound: Arc<dyn Outbound>, mut queue: mpsc::Receiver<Pending>) {
     let store = relay.kind.label();
     let in_flight = relay.queue.in_flight.clone();
     let passes = Arc::new(Semaphore::new(PASSES_IN_FLIGHT));
@@ -353,11 +354,11 @@ mod tests {
             relay: &relay,
             outbound: &outbound,
         };
-        dispatch.after_commit("c", "k0", None);
+        dispatch.after_commit("c", "k0", None).await;
         assert_eq!(passes_seen(&seen, 1).await, [vec!["k0".to_owned()]]);
         // The first pass holds: the commits meanwhile wait for it, and then go in one pass.
         for n in 1..=5 {
-            dispatch.after_commit("c", &format!("k{n}"), None);
+            dispatch.after_commit("c", &format!("k{n}"), None).await;
         }
         tokio::task::yield_now().await;
         assert_eq!(seen.lock().expect("not poisoned").len(), 1);
@@ -378,10 +379,10 @@ mod tests {
             relay: &relay,
             outbound: &outbound,
         };
-        dispatch.after_commit("c", "k0", None);
+        dispatch.after_commit("c", "k0", None).await;
         passes_seen(&seen, 1).await;
         // The first pass has sent its messages and holds: the next commit does not wait.
-        dispatch.after_commit("c", "k1", None);
+        dispatch.after_commit("c", "k1", None).await;
         let passes = passes_seen(&seen, 2).await;
         assert_eq!(passes[1], ["k1".to_owned()]);
         gate.add_permits(2);
@@ -406,7 +407,7 @@ mod tests {
             outbound: &outbound,
         };
         let kept = ["k1", "k2"].map(|id| Outgoing::new("", "q", "x").with_message_id(id));
-        dispatch.after_commit("c", "k", Some(kept.to_vec()));
+        dispatch.after_commit("c", "k", Some(kept.to_vec())).await;
         let deadline = Instant::now() + std::time::Duration::from_secs(10);
         while removed.lock().expect("not poisoned").len() < 2 {
             assert!(Instant::now() < deadline, "the kept rows were not removed");

@@ -95,7 +95,7 @@ impl<H: Handler> Batch<'_, H> {
             // It may or may not have committed; the retries find out (duplicates if it did).
             return run.abort_store(e);
         }
-        run.dispatch();
+        run.dispatch().await;
         Pass::Done
     }
 }
@@ -279,7 +279,7 @@ impl<'a, H: Handler> Run<'a, '_, H> {
     /// After the commit: publishes the messages the pass staged (those of a member rolled back
     /// to its savepoint went with it), grouped under [`Run::run_key`]: from memory when the
     /// pass kept them ([`Run::kept`]), else read back.
-    fn dispatch(&mut self) {
+    async fn dispatch(&mut self) {
         if self.staged == 0 {
             return;
         }
@@ -290,7 +290,9 @@ impl<'a, H: Handler> Run<'a, '_, H> {
         #[cfg(feature = "fault-injection")]
         crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
         let kept = self.kept.take();
-        dispatch.after_commit(H::CONSUMER, self.run_key(), kept);
+        dispatch
+            .after_commit(H::CONSUMER, self.run_key(), kept)
+            .await;
     }
 
     /// The pass failed in its store: a permanent failure of several members splits them (one
