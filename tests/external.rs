@@ -269,6 +269,45 @@ macro_rules! external_suite {
                 assert_eq!((charges::calls(&id), charges::charges(&id)), (2, 1));
             }
 
+            /// Three runs crashed before this copy (their counts stand in the store) and a
+            /// fourth consumer holds the lease: the copy is retried without running, and takes
+            /// back only its own count, so the crashed runs still count toward the poison limit.
+            #[tokio::test]
+            async fn a_copy_that_finds_the_lease_held_leaves_earlier_crashes_counted() {
+                use idem::store::{ClaimRequest, InboxStore, Lease};
+                let (stores, pool) = stores().await;
+                let inbox = <$inbox>::new(pool.clone());
+                let id = unique("pay");
+                let body = payment(&id, 700);
+                let fingerprint = idem::store::Fingerprint::of(body.to_string().as_bytes());
+                let request = ClaimRequest {
+                    consumer: "ext.pay",
+                    key: &id,
+                    fingerprint: &fingerprint,
+                    attempt: 2,
+                    retention: Duration::from_secs(3600),
+                };
+                for _ in 0..3 {
+                    inbox.count_delivery(&request).await.unwrap();
+                }
+                let leased = inbox.lease(&request, "another-consumer", Duration::from_secs(60)).await;
+                assert!(matches!(leased, Ok(Lease::Acquired { .. })), "{leased:?}");
+                let registration = idem::registry::handlers()
+                    .into_iter()
+                    .find(|r| r.consumer() == "ext.pay" && r.store() == <$inbox as idem::store::InboxStore>::KIND)
+                    .unwrap();
+                let mut copy = envelope(&body);
+                copy.redelivered = true;
+                copy.attempt = 2;
+                // The runtime's default poison limit.
+                let stores = stores.with_poison_limit(Some(idem::DEFAULT_POISON_LIMIT));
+                let outcome = registration.invoke(&stores, &copy).await.unwrap();
+                assert!(matches!(outcome, Outcome::Retry(_)), "{outcome:?}");
+                assert_eq!(charges::calls(&id), 0, "the copy ran although the lease was held");
+                let report = inbox.show("ext.pay", &id).await.unwrap();
+                assert_eq!(report.deliveries, Some(3), "the crashed runs' counts: {report:?}");
+            }
+
             #[tokio::test]
             async fn a_permanent_failure_is_recorded_and_never_run_again() {
                 let (stores, pool) = stores().await;

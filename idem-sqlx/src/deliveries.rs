@@ -36,6 +36,22 @@ impl<DB: Dialect> SqlInbox<DB> {
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
+    /// Takes one back from the count of `consumer`'s `key` (a delivery whose handler did not
+    /// start), in one short transaction.
+    pub(crate) async fn uncount_delivery_of(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> Result<(), StoreError> {
+        let fail = |e| store_error("uncount delivery", e);
+        let params = [Param::Text(consumer), Param::Text(key)];
+        let mut conn = self.begin_tx().await?;
+        DB::execute(&mut *conn, &self.sql.deliveries.uncount, &params)
+            .await
+            .map_err(fail)?;
+        conn.commit().await.map_err(fail)
+    }
+
     /// Removes the counts of `keys` for `consumer` (their deliveries settled), in one short
     /// transaction.
     pub(crate) async fn settle_deliveries_of(

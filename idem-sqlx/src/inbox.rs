@@ -301,6 +301,11 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         self.settle_deliveries_of(consumer, &keys).await
     }
 
+    async fn uncount_delivery(&self, consumer: &str, key: &str) -> Result<(), StoreError> {
+        let key = keys::stored::<DB>(key);
+        self.uncount_delivery_of(consumer, &key).await
+    }
+
     async fn record_dead_letter(&self, record: &DeadLetterRecord) -> Result<(), StoreError> {
         self.record(record).await
     }

@@ -199,6 +199,7 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
     read: Some(
         "SELECT CAST(deliveries AS SIGNED) FROM `{table}_deliveries` WHERE consumer = ? AND `key` = ?",
     ),
+    uncount: "UPDATE `{table}_deliveries` SET deliveries = deliveries - 1 WHERE consumer = ? AND `key` = ? AND deliveries > 0",
 };
 
 /// Dead-letter records and the operator's statements; see [`AdminStatements`]. Times are

@@ -257,6 +257,8 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
         expires_at = excluded.expires_at
     RETURNING deliveries"#,
     read: None,
+    uncount: r#"UPDATE "{table}_deliveries" SET deliveries = deliveries - 1
+    WHERE consumer = $1 AND key = $2 AND deliveries > 0"#,
 };
 
 /// Dead-letter records and the operator's statements; see [`AdminStatements`].

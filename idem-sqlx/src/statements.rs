@@ -184,6 +184,8 @@ pub struct DeliveryStatements<S = &'static str> {
     /// Reads the count in its first column (consumer, key), for a dialect whose `count`
     /// returns nothing.
     pub read: Option<S>,
+    /// Takes one back from the count, never below 0 (consumer, key).
+    pub uncount: S,
 }
 
 /// Dead-letter records (`{table}_dead_letters`, one per consumer and key) and the operator's
@@ -302,6 +304,7 @@ impl Statements {
             deliveries: DeliveryStatements {
                 count: fill(self.deliveries.count),
                 read: self.deliveries.read.map(fill),
+                uncount: fill(self.deliveries.uncount),
             },
             admin: AdminStatements {
                 record: fill(self.admin.record),

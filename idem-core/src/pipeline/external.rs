@@ -35,11 +35,25 @@ pub(crate) async fn process<H: Handler>(
         Ok(unsettled) => unsettled,
         Err(failed) => return failed,
     };
-    let outcome = run::<H>(store, envelope, payload, &keyed, lease, limits).await;
-    if keyed.unsettled.is_some() {
-        settle_counts::<H>(store, &[keyed.key.as_str()]).await;
+    let (outcome, ran) = run::<H>(store, envelope, payload, &keyed, lease, limits).await;
+    match (keyed.unsettled.is_some(), ran) {
+        (false, _) => {}
+        (true, Ran::Settled) => settle_counts::<H>(store, &[keyed.key.as_str()]).await,
+        // Another consumer holds the lease: this delivery's run did not start, so only its own
+        // count is taken back; the runs before it that never settled still count.
+        (true, Ran::HeldElsewhere) => {
+            if let Err(e) = store.uncount_delivery(H::CONSUMER, &keyed.key).await {
+                tracing::warn!(consumer = H::CONSUMER, key = %keyed.key, error = %e, "could not take back the poison limit's count of a delivery that did not run");
+            }
+        }
     }
     outcome
+}
+
+/// Whether a delivery settled its key, or found its lease held by another consumer.
+enum Ran {
+    Settled,
+    HeldElsewhere,
 }
 
 /// [`process`] once the delivery is read and its handler's run counted: lease, run, settle.
@@ -50,25 +64,29 @@ async fn run<H: Handler>(
     keyed: &Keyed,
     lease: Duration,
     limits: Limits<'_>,
-) -> Outcome {
+) -> (Outcome, Ran) {
     let request = keyed.request(H::CONSUMER, envelope, limits.retention);
     let (key, fingerprint) = (&keyed.key, &keyed.fingerprint);
     if limits.inject_failure {
-        return super::steps::injected_failure(key);
+        return (super::steps::injected_failure(key), Ran::Settled);
     }
     let owner = crate::store::owner_token();
     let claiming = Instant::now();
     let leased = store.lease(&request, &owner, lease).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
+    let held = matches!(leased, Ok(Lease::Held { .. }));
     if let Err(outcome) = may_run::<H>(leased, envelope, key, fingerprint) {
-        return outcome;
+        return match (held, &outcome) {
+            (true, Outcome::Retry(_)) => (outcome, Ran::HeldElsewhere),
+            _ => (outcome, Ran::Settled),
+        };
     }
     if let Some(refused) = poison_verdict::<H>(keyed, limits.poison) {
         if let Err(e) = store.release(&request, &owner).await {
             // The lease then runs out on its own.
             tracing::warn!(consumer = H::CONSUMER, %key, error = %e, "releasing the lease failed");
         }
-        return refused;
+        return (refused, Ran::Settled);
     }
 
     let ctx = Context::new(envelope, H::CONSUMER, key).with_state(limits.state);
@@ -93,10 +111,10 @@ async fn run<H: Handler>(
                 // The lease then runs out on its own; the retry waits for it.
                 tracing::warn!(consumer = H::CONSUMER, %key, error = %e, "releasing the lease failed");
             }
-            return retry;
+            return (retry, Ran::Settled);
         }
     };
-    match settle::<H>(store, &request, &owner, end, &output).await {
+    let outcome = match settle::<H>(store, &request, &owner, end, &output).await {
         Ok(true) => outcome,
         Ok(false) => Outcome::Retry(Transient {
             message: "the lease expired while the handler ran and another consumer took the key \
@@ -107,7 +125,8 @@ async fn run<H: Handler>(
         // The row stays in progress; once the lease runs out a retry calls again with the
         // same key.
         Err(e) => store_failure(e, key),
-    }
+    };
+    (outcome, Ran::Settled)
 }
 
 /// How many times a settlement that failed transiently is tried, the first included.

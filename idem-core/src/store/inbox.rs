@@ -336,6 +336,19 @@ pub trait InboxStore: Send + Sync + 'static {
         async { Ok(()) }
     }
 
+    /// Takes back the count [`InboxStore::count_delivery`] added for a delivery whose handler
+    /// did not start after all (another consumer holds the key's lease), leaving the counts of
+    /// earlier runs that never settled. In a transaction of its own. The default keeps no
+    /// counts.
+    fn uncount_delivery(
+        &self,
+        consumer: &str,
+        key: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (consumer, key);
+        async { Ok(()) }
+    }
+
     /// Records why a message is dead-lettered, keyed by `(record.consumer, record.key)`, in a
     /// transaction of its own that is committed before this returns; a second record of the
     /// same key replaces the first. The runtime calls this before the message is moved to the
