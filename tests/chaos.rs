@@ -29,11 +29,12 @@ mod common;
 
 use common::broker::{self, amqp_url};
 use common::cluster::Cluster;
+use common::watched::Watched;
 use idem::RetryPolicy;
 use idem::rabbitmq::QueueType;
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn setting(name: &str, default: usize) -> usize {
@@ -44,16 +45,8 @@ fn setting(name: &str, default: usize) -> usize {
 }
 
 /// The consumer processes; whatever happens to the test, none outlives it.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
+/// The consumer processes; each is killed when dropped.
+struct Children(Vec<Watched>);
 
 /// A tiny xorshift generator: chaos that is different every run but needs no dependency.
 struct Rng(u64);
@@ -150,17 +143,9 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     let logs = std::env::var("IDEM_CHAOS_LOGS")
         .ok()
         .map(|dir| std::path::Path::new(&dir).join(format!("{queue}.log")));
-    let log = || {
-        logs.as_ref().map_or_else(Stdio::null, |path| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .map_or_else(|_| Stdio::null(), Stdio::from)
-        })
-    };
-    let spawn = || -> Child {
-        Command::new(&binary)
+    let spawn = || -> Watched {
+        let mut command = Command::new(&binary);
+        command
             .arg("consume")
             .env("AMQP_URL", urls)
             .env("ORDERS_QUEUE_TYPE", queue_type_name)
@@ -182,11 +167,8 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
                     "error"
                 },
             )
-            .envs(env.iter().copied())
-            .stdout(log())
-            .stderr(log())
-            .spawn()
-            .expect("start orders consume")
+            .envs(env.iter().copied());
+        Watched::spawn_logging("orders consume", &mut command, logs.as_deref())
     };
     let mut children = Children((0..processes).map(|_| spawn()).collect());
     let (mut kills, mut faults) = (0, 0);
@@ -213,10 +195,14 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     let (mut cut, mut closed) = (false, false);
     loop {
         // Keep every slot running: count the faults (self-aborts), restart the dead.
+        // A process that exited with a code (not a signal) did not crash on a fault: it
+        // refused to start or failed for good, and its replacements would too.
         for child in &mut children.0 {
-            if let Ok(Some(status)) = child.try_wait() {
-                if status.signal() == Some(6) {
-                    faults += 1;
+            if let Some(status) = child.exited() {
+                match status.signal() {
+                    Some(6) => faults += 1,
+                    Some(_) => {}
+                    None => child.assert_running(),
                 }
                 *child = spawn();
             }
@@ -262,8 +248,8 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         }
         tokio::time::sleep(Duration::from_millis(200 + rng.below(600))).await;
         let victim = rng.below(children.0.len() as u64) as usize;
-        children.0[victim].kill().unwrap(); // SIGKILL
-        children.0[victim].wait().unwrap();
+        children.0[victim].child.kill().unwrap(); // SIGKILL
+        children.0[victim].child.wait().unwrap();
         kills += 1;
         children.0[victim] = spawn();
     }
@@ -273,7 +259,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
             .status();
     }
     for child in &mut children.0 {
-        let _ = child.wait();
+        let _ = child.child.wait();
     }
 
     let per_order: Vec<(String, i64)> =

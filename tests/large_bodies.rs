@@ -9,8 +9,9 @@
 mod common;
 
 use common::broker::{self, amqp_url};
-use common::{KillOnDrop, orders_example, unique, wait_until};
-use std::process::{Command, Stdio};
+use common::watched::{self, Watched};
+use common::{orders_example, unique};
+use std::process::Command;
 use std::time::Duration;
 
 const ORDERS: usize = 100;
@@ -54,28 +55,31 @@ async fn a_consumer_of_large_bodies_stays_within_the_stated_memory_bound() {
         broker::publish(&publisher, &queue, Some(&id), &body).await;
     }
     drop(publisher);
-    let consumer = KillOnDrop(
+    let mut consumer = Watched::spawn(
+        "orders consume",
         Command::new(orders_example())
             .arg("consume")
             .env("AMQP_URL", amqp_url())
             .env("DATABASE_URL", &schema.url)
             .env("ORDERS_QUEUE", &queue)
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+            .env("RUST_LOG", "error"),
     );
     let pool = &schema.pool;
-    wait_until("every order applied", Duration::from_secs(300), || async {
-        let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
-            .fetch_one(pool)
-            .await
-            .unwrap_or(0);
-        applied == ORDERS as i64
-    })
+    let deadline = Duration::from_secs(300);
+    watched::wait_until(
+        "every order applied",
+        deadline,
+        &mut [&mut consumer],
+        || async {
+            let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+                .fetch_one(pool)
+                .await
+                .unwrap_or(0);
+            applied == ORDERS as i64
+        },
+    )
     .await;
-    let peak = peak_rss(consumer.0.id());
+    let peak = peak_rss(consumer.id());
     drop(consumer);
     let bound = stated_bound(BODY as u64);
     eprintln!(

@@ -10,8 +10,9 @@
 mod common;
 
 use common::broker::{self, amqp_url};
-use common::{KillOnDrop, orders_example, unique, wait_until};
-use std::process::{Command, Stdio};
+use common::watched::{self, Watched};
+use common::{orders_example, unique};
+use std::process::Command;
 use std::time::Duration;
 
 const DEADLINE: Duration = Duration::from_secs(90);
@@ -134,18 +135,19 @@ async fn probe(db: Db, batch: Option<&str>, odd: fn(&str) -> Vec<(String, i64)>,
         .env("AMQP_URL", amqp_url())
         .env("DATABASE_URL", db.url())
         .env("ORDERS_QUEUE", &queue)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .env("RUST_LOG", "error");
     if let Some(batch) = batch {
         command.env("ORDERS_BATCH", batch);
     }
-    let consumer = KillOnDrop(command.spawn().unwrap());
+    let mut consumer = Watched::spawn("orders consume", &mut command);
     let dlq = idem::rabbitmq::dlq(&queue);
     let queue_ref = &queue;
-    wait_until("the queue drained", DEADLINE, || async {
-        broker::count(queue_ref).await == 0 && broker::unacked(queue_ref) == 0
-    })
+    watched::wait_until(
+        "the queue drained",
+        DEADLINE,
+        &mut [&mut consumer],
+        || async { broker::count(queue_ref).await == 0 && broker::unacked(queue_ref) == 0 },
+    )
     .await;
     drop(consumer);
     let (orders, cents) = db.books(&queue, &customer).await;

@@ -17,6 +17,7 @@ mod common;
 
 use common::broker::{self, amqp_url};
 use common::running::DEADLINE;
+use common::watched::{self, Watched};
 use common::{KillOnDrop, orders_example, unique, wait_until};
 use idem::Envelope;
 use idem::transport::Partition;
@@ -175,8 +176,9 @@ async fn orders_booked_one_at_a_time_are_duplicates_to_the_batch_handler() {
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
 }
 
-fn consume(queue: &str) -> KillOnDrop {
-    KillOnDrop(
+fn consume(queue: &str) -> Watched {
+    Watched::spawn(
+        "orders consume",
         Command::new(orders_example())
             .arg("consume")
             // A broker that refuses first: the example fails over to the next address.
@@ -188,11 +190,7 @@ fn consume(queue: &str) -> KillOnDrop {
             .env("ORDERS_QUEUE", queue)
             .env("ORDERS_QUEUE_TYPE", "quorum")
             .env("ORDERS_STATUS_PARTITIONS", "3")
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+            .env("RUST_LOG", "error"),
     )
 }
 
@@ -223,10 +221,15 @@ async fn orders_consume_applies_status_updates_in_order_across_a_kill() {
     let queue = unique("idem-example-status");
     let exchange = format!("{queue}.status");
     let pool = common::postgres(2).await;
-    let mut consumers = [consume(&queue), consume(&queue)];
-    wait_until("the status partitions are declared", DEADLINE, || async {
-        broker::exists(&Partition::queue_name(&exchange, 2)).await
-    })
+    let [mut first, mut second] = [consume(&queue), consume(&queue)];
+    let declared = || async { broker::exists(&Partition::queue_name(&exchange, 2)).await };
+    let watching = &mut [&mut first, &mut second];
+    watched::wait_until(
+        "the status partitions are declared",
+        DEADLINE,
+        watching,
+        declared,
+    )
     .await;
     assert!(
         !broker::exists(&Partition::queue_name(&exchange, 3)).await,
@@ -256,24 +259,27 @@ async fn orders_consume_applies_status_updates_in_order_across_a_kill() {
         }
         publisher.wait_for_confirms().await.unwrap();
         if version == 2 {
-            wait_until("some updates applied", DEADLINE, || async {
-                applied().await > 0
-            })
-            .await;
-            let child = &mut consumers[0].0;
-            child.kill().unwrap();
+            let watching = &mut [&mut first, &mut second];
+            let some = || async { applied().await > 0 };
+            watched::wait_until("some updates applied", DEADLINE, watching, some).await;
+            first.child.kill().unwrap();
             assert_eq!(
-                child.wait().unwrap().signal(),
+                first.child.wait().unwrap().signal(),
                 Some(9),
                 "killed with SIGKILL"
             );
-            consumers[0] = consume(&queue);
+            first = consume(&queue);
         }
     }
     let total = (ORDERS * STATUSES.len()) as i64;
-    wait_until("every update applied", Duration::from_secs(120), || async {
-        applied().await >= total
-    })
+    let all = || async { applied().await >= total };
+    let watching = &mut [&mut first, &mut second];
+    watched::wait_until(
+        "every update applied",
+        Duration::from_secs(120),
+        watching,
+        all,
+    )
     .await;
 
     let log: Vec<(String, i64)> = sqlx::query_as(
@@ -301,6 +307,6 @@ async fn orders_consume_applies_status_updates_in_order_across_a_kill() {
                 .unwrap();
         assert_eq!(current, ("delivered".to_owned(), 5));
     }
-    drop(consumers);
+    drop((first, second));
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
 }

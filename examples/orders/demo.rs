@@ -242,6 +242,7 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     let (runtime, sink, transport_name) = match Broker::open(settings).await? {
         Broker::Rabbit(rabbit) => {
             let (transport, publisher) = *rabbit;
+            clear_queues(settings, &exchange, &billed).await?;
             transport.declare(&specs).await?;
             (
                 builder.transport(transport).build()?,
@@ -271,6 +272,8 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     // Every order delivered, every status update, and one `OrderBilled` per order.
     let total = (workload.deliveries.len() + workload.statuses.len() + workload.orders) as u64;
     wait_for(&stats, total, deadline).await?;
+    // The counts may include what an earlier run left in the outbox; the books are this run's.
+    wait_for_books(db, &workload, deadline).await?;
     // Once the original is in, a producer reuses its id for other content: a conflict, dead-lettered.
     sink.send_all(&settings.queue, std::slice::from_ref(&workload.reused_id))
         .await?;
@@ -301,20 +304,7 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     let stored_cents: i64 = stored.values().sum();
     let exact =
         wrong == 0 && stored_orders == workload.orders as i64 && stored_cents == expected_cents;
-    let statuses = db.statuses(&workload.order_prefix).await?;
-    let all_versions: Vec<i64> = (1..=STATUSES.len() as i64).collect();
-    let last = (
-        STATUSES[STATUSES.len() - 1].to_owned(),
-        all_versions.len() as i64,
-    );
-    let statuses_wrong = workload
-        .status_orders
-        .iter()
-        .filter(|order| {
-            statuses.current.get(*order) != Some(&last)
-                || statuses.applied.get(*order) != Some(&all_versions)
-        })
-        .count();
+    let statuses_wrong = statuses_off(&workload, &db.statuses(&workload.order_prefix).await?);
 
     println!(
         "transport            {transport_name}, queue {}",
@@ -383,6 +373,88 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
         statuses_wrong == 0,
         "the status updates were not applied once each in order"
     );
+    Ok(())
+}
+
+/// The orders of `workload` whose status updates are not all applied once, in order.
+fn statuses_off(workload: &Workload, statuses: &crate::db::Statuses) -> usize {
+    let all_versions: Vec<i64> = (1..=STATUSES.len() as i64).collect();
+    let last = (
+        STATUSES[STATUSES.len() - 1].to_owned(),
+        all_versions.len() as i64,
+    );
+    workload
+        .status_orders
+        .iter()
+        .filter(|order| {
+            statuses.current.get(*order) != Some(&last)
+                || statuses.applied.get(*order) != Some(&all_versions)
+        })
+        .count()
+}
+
+/// Waits until this run's own orders, status updates and shipments are all stored.
+async fn wait_for_books(db: &Db, workload: &Workload, deadline: Instant) -> anyhow::Result<()> {
+    let (customers, orders) = (&workload.customer_prefix, &workload.order_prefix);
+    loop {
+        let (_, stored) = db.books(customers, orders).await?;
+        let statuses_off = statuses_off(workload, &db.statuses(orders).await?);
+        let shipped = db.shipping(customers, orders).await?.shipments;
+        let expected = workload.orders as i64;
+        if stored == expected && statuses_off == 0 && shipped == expected {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "timed out: {stored} of {expected} orders stored, {shipped} shipped, the statuses of {statuses_off} orders incomplete"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Deletes the demo's queues (orders, billed, every status partition, with their retry and
+/// dead-letter queues) and the status exchange, so that nothing an earlier run left (an
+/// interrupted run's deliveries, another partition count) counts in this one; says how many
+/// messages it removed.
+async fn clear_queues(settings: &Settings, exchange: &str, billed: &str) -> anyhow::Result<()> {
+    use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+    use lapin::types::ShortString;
+    let connection =
+        lapin::Connection::connect(&settings.amqp_url, lapin::ConnectionProperties::default())
+            .await?;
+    let channel = connection.create_channel().await?;
+    let mut queues = vec![settings.queue.clone(), billed.to_owned()];
+    queues.extend(
+        (0..idem::MAX_PARTITIONS).map(|i| idem::transport::Partition::queue_name(exchange, i)),
+    );
+    let mut names = Vec::new();
+    for queue in &queues {
+        names.push(idem::rabbitmq::dlq(queue));
+        for delay in RetryPolicy::default().delays() {
+            names.push(idem::rabbitmq::retry_queue(queue, delay));
+        }
+        names.push(queue.clone());
+    }
+    let mut removed = 0;
+    for name in &names {
+        let deleting = channel.queue_delete(
+            ShortString::from(name.as_str()),
+            QueueDeleteOptions::default(),
+        );
+        removed += deleting.await?;
+    }
+    let deleting = channel.exchange_delete(
+        ShortString::from(exchange),
+        ExchangeDeleteOptions::default(),
+    );
+    deleting.await?;
+    let _ = connection.close(200, ShortString::from("cleared")).await;
+    if removed > 0 {
+        println!(
+            "cleared the demo's queues first: {removed} messages an earlier run left in `{}`, `{billed}` and `{exchange}.p*` (and their retry and dead-letter queues)",
+            settings.queue
+        );
+    }
     Ok(())
 }
 

@@ -82,13 +82,17 @@ struct Settings {
     /// The type of the example's queues.
     #[arg(long, value_enum, env = "ORDERS_QUEUE_TYPE", default_value_t = QueueKind::Classic, global = true)]
     queue_type: QueueKind,
-    /// Partition queues of the status updates (`<queue>.status.p0` …), each consumed in order.
+    /// Partition queues of the status updates (`<queue>.status.p0` …), each consumed in order
+    /// [default: 4 when RabbitMQ's consistent-hash plugin is enabled, else 1, which needs no
+    /// plugin].
     #[arg(
-        long,
+        long = "status-partitions",
         env = "ORDERS_STATUS_PARTITIONS",
-        default_value_t = 4,
         global = true
     )]
+    partitions_wanted: Option<usize>,
+    /// The partitions in use, once the broker was asked ([`status_partitions`]).
+    #[arg(skip)]
     status_partitions: usize,
     /// Orders (and status updates) processed at once, one transaction each (orders: ignored
     /// in batch mode).
@@ -144,20 +148,19 @@ enum TransportKind {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+            // lapin logs every connection the broker closes as an error; idem says what
+            // it means, and the probe for the consistent-hash plugin closes one on purpose.
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,lapin=off".into()),
         )
         .init();
-    let cli = Cli::parse();
-    let settings = &cli.settings;
+    let mut cli = Cli::parse();
     anyhow::ensure!(
-        settings.concurrency > 0,
+        cli.settings.concurrency > 0,
         "ORDERS_CONCURRENCY must be at least 1"
     );
-    anyhow::ensure!(
-        (1..=idem::MAX_PARTITIONS).contains(&settings.status_partitions),
-        "ORDERS_STATUS_PARTITIONS must be 1 to {}",
-        idem::MAX_PARTITIONS
-    );
+    cli.settings.status_partitions = status_partitions(&cli.settings).await?;
+    let settings = &cli.settings;
     let db = Db::connect(&settings.database_url, settings.concurrency).await?;
     match cli.command {
         Some(Command::Consume { metrics_addr }) => consume(settings, &db, metrics_addr).await,
@@ -193,6 +196,46 @@ async fn consume(
     tracing::info!(queue = settings.queue, "consuming orders");
     runtime.run_until(shutdown_signal()).await?;
     Ok(())
+}
+
+/// Status partitions when the broker has the consistent-hash exchange type.
+const DEFAULT_PARTITIONS: usize = 4;
+
+/// How many partitions the status updates run on: `ORDERS_STATUS_PARTITIONS`, else 4 when
+/// RabbitMQ has the consistent-hash plugin, else 1 (one ordered queue behind a fanout
+/// exchange, which needs no plugin), said in one line. More than one without the plugin is an
+/// error naming both fixes.
+async fn status_partitions(settings: &Settings) -> anyhow::Result<usize> {
+    let wanted = settings.partitions_wanted;
+    if let Some(n) = wanted {
+        anyhow::ensure!(
+            (1..=idem::MAX_PARTITIONS).contains(&n),
+            "ORDERS_STATUS_PARTITIONS must be 1 to {}",
+            idem::MAX_PARTITIONS
+        );
+    }
+    if settings.transport == TransportKind::Memory || wanted == Some(1) {
+        return Ok(wanted.unwrap_or(DEFAULT_PARTITIONS));
+    }
+    match idem::rabbitmq::consistent_hash_available(&settings.rabbit()).await {
+        // Unreachable: the broker's own checks say what is wrong (or the demo runs in memory).
+        Err(_) | Ok(true) => Ok(wanted.unwrap_or(DEFAULT_PARTITIONS)),
+        Ok(false) => match wanted {
+            Some(n) => anyhow::bail!(
+                "ORDERS_STATUS_PARTITIONS={n} needs RabbitMQ's consistent-hash exchange: enable \
+                 the plugin (`rabbitmq-plugins enable rabbitmq_consistent_hash_exchange`) or set \
+                 ORDERS_STATUS_PARTITIONS=1"
+            ),
+            None => {
+                eprintln!(
+                    "RabbitMQ's consistent-hash plugin is not enabled: status updates run in order \
+                     on one partition (`rabbitmq-plugins enable rabbitmq_consistent_hash_exchange` \
+                     spreads them over {DEFAULT_PARTITIONS})"
+                );
+                Ok(1)
+            }
+        },
+    }
 }
 
 /// The batch size the batch handler gets unless `ORDERS_BATCH` says.

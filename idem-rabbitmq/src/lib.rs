@@ -47,5 +47,5 @@ pub use config::{
 };
 pub use envelope::ATTEMPT_HEADER;
 pub use publisher::{PublishError, Publisher};
-pub use topology::{CONSISTENT_HASH, dlq, retry_queue};
+pub use topology::{CONSISTENT_HASH, consistent_hash_available, dlq, retry_queue};
 pub use transport::RabbitTransport;

@@ -17,8 +17,54 @@ pub const CONSISTENT_HASH: &str = "x-consistent-hash";
 /// `channel_operation_timeout` is 15 s).
 pub(crate) const ANSWER_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// What declaring an ordered handler's exchange failed on, and the fixes.
+pub(crate) const NO_PLUGIN: &str = "declaring the ordered handler's x-consistent-hash exchange (enable the plugin: rabbitmq-plugins enable rabbitmq_consistent_hash_exchange; or run one partition, .ordered(consumer, 1), which needs no plugin; an exchange of that name and another type must be deleted)";
+
 /// A partition queue's binding key: its weight on the hash ring (all equal).
 const PARTITION_WEIGHT: &str = "1";
+
+/// Whether the broker of `config` has the consistent-hash exchange type (the plugin
+/// `rabbitmq_consistent_hash_exchange`, shipped with RabbitMQ and off by default), which an
+/// ordered handler of more than one partition needs; one partition needs no plugin. Declares
+/// and deletes a probe exchange on a short connection of its own.
+pub async fn consistent_hash_available(config: &RabbitConfig) -> Result<bool, TransportError> {
+    const PROBE: &str = "idem.consistent-hash.probe";
+    let failed = |e: lapin::Error| TransportError::Topology {
+        queue: PROBE.to_owned(),
+        action: "probing for the consistent-hash exchange type",
+        source: e.into(),
+    };
+    let connections = Connections::default();
+    let connection = connections.open(config, "probe").await.map_err(failed)?;
+    let channel = channel(&connection, PROBE).await?;
+    let options = ExchangeDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    let kind = lapin::ExchangeKind::Custom(CONSISTENT_HASH.to_owned());
+    let declared = channel
+        .exchange_declare(
+            ShortString::from(PROBE),
+            kind,
+            options,
+            FieldTable::default(),
+        )
+        .await;
+    let available = match declared {
+        Ok(()) => {
+            let deleting = channel.exchange_delete(ShortString::from(PROBE), Default::default());
+            deleting.await.map_err(failed)?;
+            true
+        }
+        // RabbitMQ answers a type no plugin provides with 503 COMMAND_INVALID ("unknown
+        // exchange type", or "invalid exchange type" once the plugin was disabled), closing
+        // the connection.
+        Err(e) if e.to_string().contains("exchange type") => false,
+        Err(e) => return Err(failed(e)),
+    };
+    connections.close_all().await;
+    Ok(available)
+}
 
 /// The dead-letter queue of `queue`.
 pub fn dlq(queue: &str) -> String {
@@ -199,14 +245,47 @@ async fn declare(
     Ok(())
 }
 
-/// Declares an ordered handler's consistent-hash exchange and binds partition queue `queue`
-/// to it with weight 1, so that the partitions share the routing keys evenly.
+/// What a partition's exchange is declared as: with several partitions, the consistent-hash
+/// exchange (a plugin); with one, a fanout exchange that needs none (one queue holds every key
+/// in order), unless an exchange of that name exists already, whose type is kept.
+async fn partition_exchange(
+    connection: &Connection,
+    partition: &Partition,
+) -> Result<Option<lapin::ExchangeKind>, TransportError> {
+    if partition.count > 1 {
+        return Ok(Some(lapin::ExchangeKind::Custom(
+            CONSISTENT_HASH.to_owned(),
+        )));
+    }
+    let exchange = partition.exchange.as_str();
+    let channel = channel(connection, exchange).await?;
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    let exists = channel
+        .exchange_declare(
+            ShortString::from(exchange),
+            lapin::ExchangeKind::Fanout,
+            passive,
+            FieldTable::default(),
+        )
+        .await
+        .is_ok();
+    // A missing exchange closes the channel (404); an existing one leaves it open.
+    let _ = channel.close(200, ShortString::from("looked")).await;
+    Ok((!exists).then_some(lapin::ExchangeKind::Fanout))
+}
+
+/// Declares an ordered handler's exchange ([`partition_exchange`]) and binds partition queue
+/// `queue` to it with weight 1, so that the partitions share the routing keys evenly.
 async fn bind_partition(
     connection: &Connection,
     queue: &str,
     partition: &Partition,
 ) -> Result<(), TransportError> {
     let exchange = partition.exchange.as_str();
+    let kind = partition_exchange(connection, partition).await?;
     let channel = channel(connection, exchange).await?;
     let failed = |action: &'static str, e: lapin::Error| TransportError::Topology {
         queue: exchange.to_owned(),
@@ -217,20 +296,17 @@ async fn bind_partition(
         durable: true,
         ..Default::default()
     };
-    channel
-        .exchange_declare(
-            ShortString::from(exchange),
-            lapin::ExchangeKind::Custom(CONSISTENT_HASH.to_owned()),
-            durable,
-            FieldTable::default(),
-        )
-        .await
-        .map_err(|e| {
-            failed(
-                "declaring the ordered handler's x-consistent-hash exchange (enable the plugin: rabbitmq-plugins enable rabbitmq_consistent_hash_exchange; an exchange of that name and another type must be deleted)",
-                e,
+    if let Some(kind) = kind {
+        channel
+            .exchange_declare(
+                ShortString::from(exchange),
+                kind,
+                durable,
+                FieldTable::default(),
             )
-        })?;
+            .await
+            .map_err(|e| failed(NO_PLUGIN, e))?;
+    }
     channel
         .queue_bind(
             ShortString::from(queue),

@@ -23,6 +23,32 @@ pub fn rabbitmqctl() -> std::process::Command {
     command
 }
 
+/// The command that manages the broker's plugins: `RABBITMQ_PLUGINS` (split on spaces);
+/// else `rabbitmq-plugins` when it is on the `PATH`; else, when `docker` is, the broker of
+/// this repository's `compose.yaml`.
+pub fn rabbitmq_plugins() -> std::process::Command {
+    let configured = std::env::var("RABBITMQ_PLUGINS").unwrap_or_default();
+    let words: Vec<&str> = match configured.split_whitespace().collect::<Vec<_>>() {
+        words if !words.is_empty() => words,
+        _ if !on_path("rabbitmq-plugins") && on_path("docker") => {
+            vec![
+                "docker",
+                "compose",
+                "exec",
+                "-T",
+                "rabbitmq",
+                "rabbitmq-plugins",
+            ]
+        }
+        _ => vec!["rabbitmq-plugins"],
+    };
+    let mut command = std::process::Command::new(words[0]);
+    command
+        .args(&words[1..])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    command
+}
+
 /// Whether `program` is on the `PATH`.
 pub fn on_path(program: &str) -> bool {
     std::env::var_os("PATH")
@@ -216,9 +242,11 @@ pub mod broker;
 pub mod charges;
 pub mod cluster;
 pub mod faulty_orders;
+pub mod preflight;
 pub mod proxy;
 pub mod raw_amqp;
 pub mod refusing;
 pub mod running;
 pub mod tls_node;
+pub mod watched;
 pub mod whereabouts;

@@ -1,0 +1,93 @@
+//! What the test suite needs from the machine, checked in seconds before anything waits on
+//! it: PostgreSQL, MariaDB and RabbitMQ answering, `rabbitmqctl` usable, and RabbitMQ's
+//! consistent-hash plugin enabled. Each missing piece is reported with the command that fixes
+//! it.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+/// How long each check may take.
+const CHECK: Duration = Duration::from_secs(10);
+
+/// What is missing, each with its fix; empty when the machine has everything.
+pub async fn missing() -> Vec<String> {
+    let (postgres_url, mysql_url) = (super::postgres_url(), super::mysql_url());
+    let (postgres, mariadb, rabbitmq) = tokio::join!(
+        database::<sqlx::Postgres>(
+            "PostgreSQL",
+            &postgres_url,
+            "start it (`docker compose up -d` starts one, or `pg_ctlcluster <version> main start`), or point DATABASE_URL at one",
+        ),
+        database::<sqlx::MySql>(
+            "MariaDB",
+            &mysql_url,
+            "start it (`docker compose up -d` starts one, or `mariadbd`), or point MYSQL_URL at one",
+        ),
+        broker(),
+    );
+    let mut missing: Vec<String> = [postgres, mariadb].into_iter().flatten().collect();
+    missing.extend(rabbitmq);
+    missing
+}
+
+/// Panics with every missing piece and its fix.
+pub async fn require() {
+    let missing = missing().await;
+    assert!(
+        missing.is_empty(),
+        "this machine cannot run the test suite yet:\n- {}",
+        missing.join("\n- ")
+    );
+}
+
+async fn database<DB: sqlx::Database>(name: &str, url: &str, fix: &str) -> Option<String> {
+    let connecting = sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(1)
+        .acquire_timeout(CHECK)
+        .connect(url);
+    match tokio::time::timeout(CHECK, connecting).await {
+        Ok(Ok(pool)) => {
+            pool.close().await;
+            None
+        }
+        Ok(Err(e)) => Some(format!("{name} is not reachable at {url} ({e}): {fix}")),
+        Err(_) => Some(format!(
+            "{name} did not answer at {url} within {CHECK:?}: {fix}"
+        )),
+    }
+}
+
+async fn broker() -> Vec<String> {
+    let url = super::broker::amqp_url();
+    let config = idem::rabbitmq::RabbitConfig::new(&url);
+    let plugin = tokio::time::timeout(CHECK, idem::rabbitmq::consistent_hash_available(&config));
+    let mut missing = Vec::new();
+    match plugin.await {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => missing.push(
+            "RabbitMQ's consistent-hash plugin is not enabled (ordered handlers of several partitions need it): run `rabbitmq-plugins enable rabbitmq_consistent_hash_exchange`".to_owned(),
+        ),
+        Ok(Err(e)) => {
+            return vec![format!(
+                "RabbitMQ is not reachable at {url} ({e}): start it (`rabbitmq-server -detached`, or `docker compose up -d`), or point AMQP_URL at one"
+            )];
+        }
+        Err(_) => {
+            return vec![format!(
+                "RabbitMQ did not answer at {url} within {CHECK:?}: start it, or point AMQP_URL at one"
+            )];
+        }
+    }
+    let status = tokio::task::spawn_blocking(|| super::rabbitmqctl().arg("status").output()).await;
+    match status {
+        Ok(Ok(out)) if out.status.success() => {}
+        Ok(Ok(out)) => missing.push(format!(
+            "`rabbitmqctl status` failed ({}): run the tests as a user that may control the broker (root, or the rabbitmq group), or set RABBITMQCTL to a command that can",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        _ => missing.push(
+            "`rabbitmqctl` cannot be run: put it on the PATH, or set RABBITMQCTL (for example `docker compose exec -T rabbitmq rabbitmqctl`)".to_owned(),
+        ),
+    }
+    missing
+}
