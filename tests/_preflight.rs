@@ -2,6 +2,8 @@
 //! in seconds, each missing one named with the command that fixes it, so that `cargo test`
 //! on an unprepared machine fails at once instead of after the tests that wait on them.
 
+#![allow(clippy::unwrap_used)] // the shared helpers unwrap: a panic is a failure with its message
+
 mod common;
 
 #[tokio::test]
