@@ -103,3 +103,41 @@ pub mod __private {
     pub use idem_sqlx::stores;
     pub use inventory;
 }
+
+/// The book's chapters (`docs/src`), compiled as doctests so that every Rust block in them
+/// builds and runs as the README's do.
+#[cfg(doctest)]
+mod book {
+    #[doc = include_str!("../docs/src/example.md")]
+    struct Example;
+    #[doc = include_str!("../docs/src/guarantee.md")]
+    struct Guarantee;
+    #[doc = include_str!("../docs/src/handlers.md")]
+    struct Handlers;
+    #[doc = include_str!("../docs/src/runtime.md")]
+    struct Runtime;
+    #[doc = include_str!("../docs/src/stores.md")]
+    struct Stores;
+    #[doc = include_str!("../docs/src/batches.md")]
+    struct Batches;
+    #[doc = include_str!("../docs/src/outbox.md")]
+    struct Outbox;
+    #[doc = include_str!("../docs/src/ordering.md")]
+    struct Ordering;
+    #[doc = include_str!("../docs/src/external.md")]
+    struct External;
+    #[doc = include_str!("../docs/src/http.md")]
+    struct Http;
+    #[doc = include_str!("../docs/src/operations.md")]
+    struct Operations;
+    #[doc = include_str!("../docs/src/observability.md")]
+    struct Observability;
+    #[doc = include_str!("../docs/src/testing.md")]
+    struct Testing;
+    #[doc = include_str!("../docs/src/rabbitmq.md")]
+    struct Rabbitmq;
+    #[doc = include_str!("../docs/src/troubleshooting.md")]
+    struct Troubleshooting;
+    #[doc = include_str!("../docs/src/contributing.md")]
+    struct Contributing;
+}

@@ -1,5 +1,5 @@
-//! The shape of the code, as the README describes it: no two modules of a crate refer to each
-//! other, idem-core names no database, and the files of the README's delivery path exist.
+//! The shape of the code, as the book describes it: no two modules of a crate refer to each
+//! other, idem-core names no database, and the files of the book's delivery path exist.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -230,13 +230,13 @@ fn idem_core_names_no_database() {
 }
 
 #[test]
-fn the_readme_delivery_path_is_six_files_that_exist() {
+fn the_books_delivery_path_is_six_files_that_exist() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
-    let section = readme
+    let chapter = std::fs::read_to_string(root.join("docs/src/guarantee.md")).unwrap();
+    let section = chapter
         .split("One delivery, from the broker to its ack, passes through six files:")
         .nth(1)
-        .expect("the README's delivery path");
+        .expect("the book's delivery path");
     let rows: Vec<&str> = section
         .lines()
         .skip_while(|l| !l.starts_with('|'))
