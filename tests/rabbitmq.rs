@@ -871,7 +871,7 @@ async fn existing_topology_with_other_arguments_stops_the_start() {
 
 /// A dead letter whose record can never be written (the store refuses it with an error that
 /// retrying will not fix: here a trigger on the records' table) is moved all the same, once,
-/// counted as dead-lettered: it does not go round for ever.
+/// counted as dead-lettered, with its reason in its headers: it does not go round for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_letter_whose_record_can_never_be_written_is_moved_all_the_same() {
     let f = fixture("unrecordable", fast_retries(), QueueType::Classic, None).await;
@@ -901,6 +901,14 @@ async fn a_dead_letter_whose_record_can_never_be_written_is_moved_all_the_same()
     let dead = broker::drain(&dlq).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].message_id(), Some(f.key(0)));
+    // No record holds its reason: its headers do.
+    let headers = dead[0].properties.headers().clone().unwrap_or_default();
+    let header = |name: &str| match headers.inner().get(name) {
+        Some(lapin::types::AMQPValue::LongString(text)) => text.to_string(),
+        other => panic!("{name}: {other:?}"),
+    };
+    assert_eq!(header(idem::rabbitmq::REASON_HEADER), "decode");
+    assert!(header(idem::rabbitmq::REASON_DETAIL_HEADER).contains("JSON"));
     assert!(
         broker::drain(&f.queue).await.is_empty(),
         "nothing left behind"

@@ -161,7 +161,7 @@ async fn main() -> anyhow::Result<()> {
     );
     cli.settings.status_partitions = status_partitions(&cli.settings).await?;
     let settings = &cli.settings;
-    let db = Db::connect(&settings.database_url, settings.concurrency).await?;
+    let db = connect_patiently(settings).await?;
     match cli.command {
         Some(Command::Consume { metrics_addr }) => consume(settings, &db, metrics_addr).await,
         Some(Command::Demo(options)) => demo::run(settings, &db, &options).await,
@@ -196,6 +196,46 @@ async fn consume(
     tracing::info!(queue = settings.queue, "consuming orders");
     runtime.run_until(shutdown_signal()).await?;
     Ok(())
+}
+
+/// Connects to the database and sets up its tables, waiting with backoff, up to idem's start
+/// deadline (30 s), while the server cannot be reached or is restarting: as the runtime
+/// waits for its inbox. Any other failure (a wrong URL, credentials, a schema error) ends the
+/// start at once.
+async fn connect_patiently(settings: &Settings) -> anyhow::Result<Db> {
+    let deadline = tokio::time::Instant::now() + idem::DEFAULT_START_DEADLINE;
+    let mut backoff = std::time::Duration::from_millis(100);
+    loop {
+        match Db::connect(&settings.database_url, settings.concurrency).await {
+            Ok(db) => return Ok(db),
+            Err(e) if unreachable(&e) && tokio::time::Instant::now() + backoff < deadline => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "the database cannot be reached yet; waiting");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Whether `error` says the database cannot be reached or is restarting (it may answer soon).
+fn unreachable(error: &anyhow::Error) -> bool {
+    error
+        .chain()
+        .any(|cause| match cause.downcast_ref::<sqlx::Error>() {
+            // A server that closes the connection mid-handshake (it is going down, or a proxy in
+            // front of it is) answers with garbage: a protocol error, as transient as the rest.
+            Some(
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_),
+            ) => true,
+            Some(sqlx::Error::Database(db)) => db
+                .code()
+                .is_some_and(|code| code.starts_with("57") || code.starts_with("08")),
+            _ => false,
+        })
 }
 
 /// Status partitions when the broker has the consistent-hash exchange type.

@@ -288,7 +288,7 @@ impl Consumer {
     /// store, then the broker moves it to the DLQ, once.
     async fn refuse_too_large(&self, delivery: Delivery, detail: String) {
         let Delivery { envelope, settle } = delivery;
-        let reason = DeadLetter::new(
+        let mut reason = DeadLetter::new(
             "too-large",
             detail,
             self.spec.consumer.clone(),
@@ -300,9 +300,11 @@ impl Consumer {
         match self.spec.dead_letters.record(record).await {
             Ok(()) => {}
             Err(e) if e.class() == idem_core::ErrorClass::Permanent => {
-                // Retrying will not write it: moved all the same (its reason logged), counted.
+                // Retrying will not write it: moved all the same (its reason in its headers
+                // and logged), counted.
                 tracing::error!(error = %e, detail = %reason.detail, "the dead letter's record cannot be written; moving it without one");
                 idem_core::telemetry::dead_letter_unrecorded(&self.spec.consumer);
+                reason = reason.unrecorded();
             }
             Err(e) => {
                 // Not moved without its reason: back to the queue, after a pause.

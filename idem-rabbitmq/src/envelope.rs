@@ -7,6 +7,13 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 /// The header idem sets on a retried copy: which attempt it is.
 pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
 
+/// The header of a dead letter moved without its record (the store refused it for good): the
+/// reason code (`decode`, `conflict`, …).
+pub const REASON_HEADER: &str = "x-idem-dead-letter-reason";
+
+/// Beside [`REASON_HEADER`]: the reason's detail, at most 1 KiB.
+pub const REASON_DETAIL_HEADER: &str = "x-idem-dead-letter-detail";
+
 /// Builds the envelope of a delivery. The attempt is the retry copy's (from
 /// [`ATTEMPT_HEADER`], 1 for an original): a redelivery of the same copy (its consumer died or
 /// lost its connection, or gave it back) is the same attempt, so it does not use up the retry

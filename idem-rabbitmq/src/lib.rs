@@ -45,7 +45,7 @@ pub use config::{
     Binding, DEFAULT_MAX_BODY, DEFAULT_MAX_HEADERS, DEFAULT_PUBLISH_TIMEOUT, ExchangeKind,
     QueueType, RabbitConfig,
 };
-pub use envelope::ATTEMPT_HEADER;
+pub use envelope::{ATTEMPT_HEADER, REASON_DETAIL_HEADER, REASON_HEADER};
 pub use publisher::{PublishError, Publisher};
 pub use topology::{CONSISTENT_HASH, consistent_hash_available, dlq, retry_queue};
 pub use transport::RabbitTransport;

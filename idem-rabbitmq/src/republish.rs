@@ -1,14 +1,14 @@
 //! The confirmed publishes of a settlement, on a channel in confirm mode: a retry copy to the
-//! delay queue.
+//! delay queue, and a dead letter whose record could not be written, with its reason.
 
 use crate::answer::on_channel;
-use crate::envelope::{ATTEMPT_HEADER, with_headers};
+use crate::envelope::{ATTEMPT_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, with_headers};
 use crate::settle::RabbitSettle;
-use crate::topology::retry_queue;
-use idem_core::{Envelope, TransportError};
+use crate::topology::{dlq, retry_queue};
+use idem_core::{DeadLetter, Envelope, TransportError};
 use lapin::Confirmation;
 use lapin::options::BasicPublishOptions;
-use lapin::types::{AMQPValue, ShortString};
+use lapin::types::{AMQPValue, LongString, ShortString};
 use lapin::{BasicProperties, Channel};
 use std::time::Duration;
 
@@ -28,7 +28,33 @@ impl RabbitSettle {
         let target = retry_queue(&self.queue, delay);
         publish_confirmed(&self.channel, &target, &envelope.body, properties).await
     }
+
+    /// Publishes `envelope` to the dead-letter queue with `reason`'s code and detail in its
+    /// headers (the detail cut to [`MAX_DETAIL`] bytes), keeping the delivery's properties,
+    /// and waits for the broker's confirm.
+    pub(crate) async fn publish_dead_letter(
+        &self,
+        envelope: &Envelope,
+        reason: &DeadLetter,
+    ) -> Result<(), TransportError> {
+        let text = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()));
+        let mut cut = reason.detail.len().min(MAX_DETAIL);
+        while !reason.detail.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let properties = with_headers(
+            &self.properties,
+            &[
+                (REASON_HEADER, text(&reason.reason)),
+                (REASON_DETAIL_HEADER, text(&reason.detail[..cut])),
+            ],
+        );
+        publish_confirmed(&self.channel, &dlq(&self.queue), &envelope.body, properties).await
+    }
 }
+
+/// The most bytes of a reason's detail carried in a header.
+const MAX_DETAIL: usize = 1024;
 
 /// Publishes through the default exchange on `channel` (in confirm mode, mandatory) and waits
 /// for the broker's ack; a message no queue takes (its queue was deleted) is an error.

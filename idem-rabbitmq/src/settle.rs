@@ -82,10 +82,23 @@ impl Settle for RabbitSettle {
         envelope: &'a Envelope,
         reason: &'a DeadLetter,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
-        let _ = (envelope, reason);
         #[cfg(feature = "fault-injection")]
         idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
-        Box::pin(std::future::ready(self.settle(Op::Reject)))
+        if !reason.unrecorded {
+            return Box::pin(std::future::ready(self.settle(Op::Reject)));
+        }
+        // No record holds its reason: a copy carrying it in its headers goes to the
+        // dead-letter queue, confirmed, and the delivery is acked. If that copy cannot be
+        // published, the delivery is rejected as any other (moved without the headers).
+        Box::pin(async move {
+            match self.publish_dead_letter(envelope, reason).await {
+                Ok(()) => self.settle(Op::Ack),
+                Err(e) => {
+                    tracing::warn!(queue = %self.queue, error = %e, "could not publish the dead letter with its reason; rejecting it without");
+                    self.settle(Op::Reject)
+                }
+            }
+        })
     }
 
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {

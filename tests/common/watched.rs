@@ -57,10 +57,17 @@ impl Watched {
         self.child.try_wait().ok().flatten()
     }
 
-    /// The last `lines` lines it wrote to stderr.
+    /// The last `lines` lines it wrote to stderr, a backtrace's frames left out.
     pub fn stderr_tail(&self, lines: usize) -> String {
         let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-        let all: Vec<&str> = text.lines().collect();
+        let frame = |line: &&str| {
+            let line = line.trim_start();
+            line.starts_with("at ")
+                || line
+                    .split_once(": ")
+                    .is_some_and(|(n, _)| n.parse::<u32>().is_ok())
+        };
+        let all: Vec<&str> = text.lines().filter(|l| !frame(l)).collect();
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 

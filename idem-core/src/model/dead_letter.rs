@@ -18,9 +18,18 @@ pub struct DeadLetter {
     pub key: Option<String>,
     /// Delivery attempts made.
     pub attempts: u32,
+    /// Its record could not be written (the store refused it for good): a transport that can
+    /// carries the reason and detail in the message's headers instead.
+    pub unrecorded: bool,
 }
 
 impl DeadLetter {
+    /// The same dead letter, marked as moved without its record ([`DeadLetter::unrecorded`]).
+    pub fn unrecorded(mut self) -> Self {
+        self.unrecorded = true;
+        self
+    }
+
     /// A dead letter of `consumer` with reason code `reason` and `detail`, after `attempts`
     /// deliveries, for the message with dedup key `key` (if one was read).
     pub fn new(
@@ -36,6 +45,7 @@ impl DeadLetter {
             consumer: consumer.into(),
             key,
             attempts,
+            unrecorded: false,
         }
     }
 }
@@ -126,6 +136,7 @@ mod tests {
             consumer: "c".into(),
             key: key.map(str::to_owned),
             attempts: 2,
+            unrecorded: false,
         }
     }
 

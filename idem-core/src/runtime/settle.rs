@@ -42,6 +42,7 @@ pub(crate) fn decide(
             consumer: consumer.to_owned(),
             key: outcome.key().map(str::to_owned),
             attempts: envelope.attempt,
+            unrecorded: false,
         })
     };
     match outcome {
@@ -108,15 +109,15 @@ pub(crate) async fn settle(
                 .handler
                 .record_dead_letter(&shared.stores, &record)
                 .await;
-            let recorded = match recorded {
+            let (recorded, reason) = match recorded {
                 Err(e) if e.class() == ErrorClass::Permanent => {
-                    // Retrying will not write it: moved all the same (its reason logged here),
-                    // and counted.
+                    // Retrying will not write it: moved all the same, its reason in its
+                    // headers and logged here, and counted.
                     tracing::error!(error = %e, key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "the dead letter's record cannot be written; moving it without one");
                     telemetry::dead_letter_unrecorded(consumer);
-                    Ok(())
+                    (Ok(()), reason.unrecorded())
                 }
-                recorded => recorded,
+                recorded => (recorded, reason),
             };
             if let Err(e) = recorded {
                 // Not moved without its reason: deliver it again later and decide again.
