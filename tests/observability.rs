@@ -304,6 +304,17 @@ async fn metrics_spans_and_log_lines() {
         scrape.contains("idem_sweeper_lag_seconds{store=\"sqlite\"}"),
         "{scrape}"
     );
+    // The inbox's size after the sweep: the rows it holds, none of them expired.
+    let after_sweep = prometheus.render();
+    assert!(
+        sample(&after_sweep, "idem_inbox_rows{store=\"sqlite\"}").is_some(),
+        "{after_sweep}"
+    );
+    assert_eq!(
+        sample(&after_sweep, "idem_inbox_expired_rows{store=\"sqlite\"}"),
+        Some(0.0)
+    );
+    assert!(after_sweep.contains("idem_inbox_oldest_row_age_seconds{store=\"sqlite\"}"));
 
     let lines = logs.lines();
     let find = |needle: &str| {

@@ -154,10 +154,17 @@ macro_rules! sweep_suite {
                 assert!(first.locked);
                 assert_eq!((first.deleted, first.batches), (2, 1));
                 assert!(first.lag > Duration::ZERO, "{first:?}");
+                // What the operator's gauges show: the expired row left, the rows held (the
+                // live ones at least; estimated on PostgreSQL and MySQL), the oldest's age.
+                assert_eq!(first.expired, 1, "{first:?}");
+                assert!(
+                    first.rows >= 1 && first.oldest > Duration::ZERO,
+                    "{first:?}"
+                );
                 let rest = inbox.sweep(2, 100).await.unwrap();
                 assert_eq!(
-                    (rest.deleted, rest.batches, rest.lag),
-                    (1, 1, Duration::ZERO),
+                    (rest.deleted, rest.batches, rest.lag, rest.expired),
+                    (1, 1, Duration::ZERO, 0),
                     "{rest:?}"
                 );
                 for key in &expired {

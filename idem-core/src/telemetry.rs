@@ -12,6 +12,9 @@
 //! | `idem_commit_duration_seconds` | histogram | `consumer`: the commit of a transaction that processed a message or a batch |
 //! | `idem_inbox_rows_swept_total` | counter | `store` |
 //! | `idem_sweeper_lag_seconds` | gauge | `store`: age of the oldest expired row left after a sweep |
+//! | `idem_inbox_rows` | gauge | `store`: the inbox's rows after a sweep (PostgreSQL and MySQL: estimated from the table's statistics) |
+//! | `idem_inbox_oldest_row_age_seconds` | gauge | `store`: age of the row that expires first, after a sweep |
+//! | `idem_inbox_expired_rows` | gauge | `store`: expired rows a sweep left (up to 1,000,000): the sweeper falling behind |
 //! | `idem_handler_panics_total` | counter | `consumer` |
 //! | `idem_settle_failures_total` | counter | `consumer`: settlements the transport could not send |
 //! | `idem_mailbox_depth` | gauge | `consumer`: deliveries waiting in the handler's mailbox |
@@ -132,6 +135,12 @@ pub const COMMIT_DURATION: &str = "idem_commit_duration_seconds";
 pub const ROWS_SWEPT: &str = "idem_inbox_rows_swept_total";
 /// How far the sweeper is behind.
 pub const SWEEPER_LAG: &str = "idem_sweeper_lag_seconds";
+/// The inbox's rows (estimated), after the last sweep.
+pub const INBOX_ROWS: &str = "idem_inbox_rows";
+/// The age of the inbox row that expires first, after the last sweep.
+pub const INBOX_OLDEST: &str = "idem_inbox_oldest_row_age_seconds";
+/// Expired inbox rows not yet deleted, after the last sweep.
+pub const INBOX_EXPIRED: &str = "idem_inbox_expired_rows";
 /// Handler panics.
 pub const PANICS: &str = "idem_handler_panics_total";
 /// Settlements the transport could not send.
@@ -188,6 +197,16 @@ pub fn describe() {
         SWEEPER_LAG,
         Unit::Seconds,
         "Age of the oldest expired inbox row left after a sweep"
+    );
+    describe_gauge!(INBOX_ROWS, "Inbox rows after the last sweep (estimated)");
+    describe_gauge!(
+        INBOX_OLDEST,
+        Unit::Seconds,
+        "Age of the inbox row that expires first, after the last sweep"
+    );
+    describe_gauge!(
+        INBOX_EXPIRED,
+        "Expired inbox rows the last sweep left (counted up to 1,000,000)"
     );
     describe_counter!(PANICS, "Handler panics (the message is retried)");
     describe_counter!(
@@ -328,9 +347,12 @@ pub fn reconnect(queue: &str) {
     metrics::counter!(RECONNECTS, "queue" => queue.to_owned()).increment(1);
 }
 
-pub(crate) fn swept(store: &'static str, rows: u64, lag: Duration) {
-    metrics::counter!(ROWS_SWEPT, "store" => store).increment(rows);
-    metrics::gauge!(SWEEPER_LAG, "store" => store).set(lag.as_secs_f64());
+pub(crate) fn swept(store: &'static str, report: &crate::store::SweepReport) {
+    metrics::counter!(ROWS_SWEPT, "store" => store).increment(report.deleted);
+    metrics::gauge!(SWEEPER_LAG, "store" => store).set(report.lag.as_secs_f64());
+    metrics::gauge!(INBOX_ROWS, "store" => store).set(report.rows as f64);
+    metrics::gauge!(INBOX_OLDEST, "store" => store).set(report.oldest.as_secs_f64());
+    metrics::gauge!(INBOX_EXPIRED, "store" => store).set(report.expired as f64);
 }
 
 #[cfg(test)]

@@ -189,6 +189,13 @@ const SWEEP: SweepStatements = SweepStatements {
     lag: r#"SELECT CAST(COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(expires_at), UTC_TIMESTAMP(6)) DIV 1000, 0) AS SIGNED)
     FROM `{table}` WHERE expires_at < UTC_TIMESTAMP(6)"#,
     delete_deliveries: "DELETE FROM `{table}_deliveries` WHERE expires_at < UTC_TIMESTAMP(6) ORDER BY expires_at LIMIT ?",
+    // InnoDB's own estimate.
+    rows: "SELECT CAST(COALESCE(MAX(TABLE_ROWS), 0) AS SIGNED) FROM information_schema.TABLES
+    WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = '{table}'",
+    oldest: "SELECT CAST(COALESCE((SELECT TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000
+        FROM `{table}` ORDER BY expires_at LIMIT 1), 0) AS SIGNED)",
+    expired: "SELECT CAST(COUNT(*) AS SIGNED) FROM (SELECT 1 FROM `{table}`
+        WHERE expires_at < UTC_TIMESTAMP(6) LIMIT 1000000) s",
 };
 
 /// The poison limit's statements; see [`DeliveryStatements`].

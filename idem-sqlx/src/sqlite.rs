@@ -168,6 +168,11 @@ const SWEEP: SweepStatements = SweepStatements {
     delete_deliveries: r#"DELETE FROM "{table}_deliveries" WHERE (consumer, key) IN (
         SELECT consumer, key FROM "{table}_deliveries" WHERE expires_at < {now}
         ORDER BY expires_at LIMIT ?1)"#,
+    rows: r#"SELECT count(*) FROM "{table}""#,
+    oldest: r#"SELECT COALESCE((SELECT {now} - created_at FROM "{table}" ORDER BY expires_at
+        LIMIT 1), 0)"#,
+    expired: r#"SELECT count(*) FROM (SELECT 1 FROM "{table}" WHERE expires_at < {now}
+        LIMIT 1000000)"#,
 };
 
 /// The poison limit's statements; see [`DeliveryStatements`].

@@ -171,6 +171,13 @@ pub struct SweepStatements<S = &'static str> {
     pub lag: S,
     /// Deletes one batch of expired delivery counts (the batch size).
     pub delete_deliveries: S,
+    /// One integer: the inbox's rows, estimated from the table's statistics where the
+    /// database keeps them.
+    pub rows: S,
+    /// One integer: the age in milliseconds of the row that expires first (0 when empty).
+    pub oldest: S,
+    /// One integer: expired rows not yet deleted, counted up to 1,000,000.
+    pub expired: S,
 }
 
 /// The poison limit: per (consumer, key), how many runs of its handler on redeliveries started
@@ -300,6 +307,9 @@ impl Statements {
                 delete: fill(self.sweep.delete),
                 lag: fill(self.sweep.lag),
                 delete_deliveries: fill(self.sweep.delete_deliveries),
+                rows: fill(self.sweep.rows),
+                oldest: fill(self.sweep.oldest),
+                expired: fill(self.sweep.expired),
             },
             deliveries: DeliveryStatements {
                 count: fill(self.deliveries.count),

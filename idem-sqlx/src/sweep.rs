@@ -62,6 +62,13 @@ impl<DB: Dialect> SqlInbox<DB> {
             }
             let lag_ms = DB::fetch_int(conn, &sql.lag, &[]).await.map_err(fail)?;
             report.lag = Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0));
+            // What the inbox holds after the sweep, for the operator's gauges.
+            let rows = DB::fetch_int(conn, &sql.rows, &[]).await.map_err(fail)?;
+            report.rows = u64::try_from(rows).unwrap_or(0);
+            let oldest_ms = DB::fetch_int(conn, &sql.oldest, &[]).await.map_err(fail)?;
+            report.oldest = Duration::from_millis(u64::try_from(oldest_ms).unwrap_or(0));
+            let expired = DB::fetch_int(conn, &sql.expired, &[]).await.map_err(fail)?;
+            report.expired = u64::try_from(expired).unwrap_or(0);
             Ok::<_, StoreError>(())
         }
         .await;

@@ -37,7 +37,7 @@ pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: Sto
         };
         match report {
             Ok(report) if report.locked => {
-                telemetry::swept(store, report.deleted, report.lag);
+                telemetry::swept(store, &report);
                 tracing::debug!(
                     store,
                     deleted = report.deleted,

@@ -106,6 +106,13 @@ pub struct SweepReport {
     /// How far behind the sweeper is after this sweep: the age of the oldest expired row left
     /// (zero when none is).
     pub lag: Duration,
+    /// The inbox's rows after this sweep, estimated where the database keeps statistics.
+    pub rows: u64,
+    /// The age of the row that expires first after this sweep (zero when the inbox is empty).
+    pub oldest: Duration,
+    /// Expired rows this sweep left (its statement budget ran out, or they expired since),
+    /// counted up to 1,000,000.
+    pub expired: u64,
 }
 
 /// An inbox: claims and completes dedup markers inside a transaction the caller also hands to
