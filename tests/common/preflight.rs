@@ -1,6 +1,6 @@
 //! What the test suite needs from the machine, checked in seconds before anything waits on
-//! it: PostgreSQL, MariaDB and RabbitMQ answering, `rabbitmqctl` usable, and RabbitMQ's
-//! consistent-hash plugin enabled. Each missing piece is reported with the command that fixes
+//! it: PostgreSQL, MariaDB and RabbitMQ answering, `rabbitmqctl` usable, no resource alarm in
+//! effect, and RabbitMQ's consistent-hash plugin enabled. Each missing piece is reported with the command that fixes
 //! it.
 #![allow(dead_code)]
 
@@ -80,7 +80,23 @@ async fn broker() -> Vec<String> {
     }
     let status = tokio::task::spawn_blocking(|| super::rabbitmqctl().arg("status").output()).await;
     match status {
-        Ok(Ok(out)) if out.status.success() => {}
+        // A resource alarm blocks every publisher: the tests would wait on it, one by one.
+        Ok(Ok(out)) if out.status.success() => {
+            let alarms = tokio::task::spawn_blocking(|| {
+                super::rabbitmqctl()
+                    .args(["eval", "rabbit_alarm:get_alarms()."])
+                    .output()
+            })
+            .await;
+            if let Ok(Ok(alarms)) = alarms {
+                let listed = String::from_utf8_lossy(&alarms.stdout).trim().to_owned();
+                if alarms.status.success() && listed != "[]" {
+                    missing.push(format!(
+                        "RabbitMQ has a resource alarm in effect ({listed}), which blocks every publisher: free memory or disk, or restore the watermark (`rabbitmqctl set_vm_memory_high_watermark 0.4`)"
+                    ));
+                }
+            }
+        }
         Ok(Ok(out)) => missing.push(format!(
             "`rabbitmqctl status` failed ({}): run the tests as a user that may control the broker (root, or the rabbitmq group), or set RABBITMQCTL to a command that can",
             String::from_utf8_lossy(&out.stderr).trim()
