@@ -8,39 +8,26 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 /// `docker compose exec -T rabbitmq rabbitmqctl`); else `rabbitmqctl` when it is on the `PATH`;
 /// else, when `docker` is, the broker of this repository's `compose.yaml`.
 pub fn rabbitmqctl() -> std::process::Command {
-    let configured = std::env::var("RABBITMQCTL").unwrap_or_default();
-    let words: Vec<&str> = match configured.split_whitespace().collect::<Vec<_>>() {
-        words if !words.is_empty() => words,
-        _ if !on_path("rabbitmqctl") && on_path("docker") => {
-            vec!["docker", "compose", "exec", "-T", "rabbitmq", "rabbitmqctl"]
-        }
-        _ => vec!["rabbitmqctl"],
-    };
-    let mut command = std::process::Command::new(words[0]);
-    command
-        .args(&words[1..])
-        .current_dir(env!("CARGO_MANIFEST_DIR"));
-    command
+    broker_tool("RABBITMQCTL", "rabbitmqctl")
 }
 
-/// The command that manages the broker's plugins: `RABBITMQ_PLUGINS` (split on spaces);
-/// else `rabbitmq-plugins` when it is on the `PATH`; else, when `docker` is, the broker of
-/// this repository's `compose.yaml`.
+/// The command that manages the broker's plugins, found as [`rabbitmqctl`] is:
+/// `RABBITMQ_PLUGINS`, else `rabbitmq-plugins`, else the broker of `compose.yaml`.
 pub fn rabbitmq_plugins() -> std::process::Command {
-    let configured = std::env::var("RABBITMQ_PLUGINS").unwrap_or_default();
+    broker_tool("RABBITMQ_PLUGINS", "rabbitmq-plugins")
+}
+
+/// One of RabbitMQ's command-line tools: the command in `variable` (split on spaces); else
+/// `program` when it is on the `PATH`; else, when `docker` is, `program` in the broker of
+/// this repository's `compose.yaml`.
+fn broker_tool(variable: &str, program: &str) -> std::process::Command {
+    let configured = std::env::var(variable).unwrap_or_default();
     let words: Vec<&str> = match configured.split_whitespace().collect::<Vec<_>>() {
         words if !words.is_empty() => words,
-        _ if !on_path("rabbitmq-plugins") && on_path("docker") => {
-            vec![
-                "docker",
-                "compose",
-                "exec",
-                "-T",
-                "rabbitmq",
-                "rabbitmq-plugins",
-            ]
+        _ if !on_path(program) && on_path("docker") => {
+            vec!["docker", "compose", "exec", "-T", "rabbitmq", program]
         }
-        _ => vec!["rabbitmq-plugins"],
+        _ => vec![program],
     };
     let mut command = std::process::Command::new(words[0]);
     command
