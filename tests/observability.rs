@@ -315,6 +315,13 @@ async fn metrics_spans_and_log_lines() {
         Some(0.0)
     );
     assert!(after_sweep.contains("idem_inbox_oldest_row_age_seconds{store=\"sqlite\"}"));
+    // The last sweep's duty cycle: time deleting, time paused.
+    for gauge in [
+        "idem_inbox_sweep_busy_seconds{store=\"sqlite\"}",
+        "idem_inbox_sweep_paused_seconds{store=\"sqlite\"}",
+    ] {
+        assert!(sample(&after_sweep, gauge).is_some(), "{after_sweep}");
+    }
 
     let lines = logs.lines();
     let find = |needle: &str| {

@@ -133,6 +133,42 @@ macro_rules! sweep_suite {
             }
 
             #[tokio::test]
+            async fn a_paced_sweep_pauses_in_proportion_to_its_work() {
+                let table = concat!("idem_sweep_paced_", stringify!($module));
+                let (inbox, _pool) = inbox(table).await;
+                while inbox.sweep(10_000, 1_000).await.unwrap().deleted > 0 {}
+                for round in 0..2 {
+                    let prefix = unique(&format!("paced-{round}"));
+                    rows_of_every_status(&inbox, &prefix, SHORT).await;
+                    wait_until(
+                        "the short rows to expire",
+                        Duration::from_secs(10),
+                        || async { inbox.sweep(1, 0).await.unwrap().lag >= SHORT },
+                    )
+                    .await;
+                    if round == 0 {
+                        // After each batch of one row, a pause four
+                        // times as long as the batch. The last batch of each kind (the one
+                        // that finds fewer rows than a batch) is not followed by a pause.
+                        let report = inbox.sweep_paced(1, 100, 4).await.unwrap();
+                        assert_eq!(report.deleted, 3, "{report:?}");
+                        assert!(report.paused > Duration::ZERO, "{report:?}");
+                        let unpaused = report.longest_batch * 2;
+                        assert!(
+                            report.paused >= report.busy.saturating_sub(unpaused) * 4
+                                && report.paused <= report.busy * 4,
+                            "{report:?}"
+                        );
+                    } else {
+                        // Called directly (`idem inbox sweep`, a scheduled job): no pause.
+                        let report = inbox.sweep(1, 100).await.unwrap();
+                        assert_eq!((report.deleted, report.paused), (3, Duration::ZERO));
+                        assert!(report.busy > Duration::ZERO, "{report:?}");
+                    }
+                }
+            }
+
+            #[tokio::test]
             async fn expired_rows_go_in_bounded_batches_and_live_rows_stay() {
                 let table = concat!("idem_sweep_", stringify!($module));
                 let (inbox, pool) = inbox(table).await;

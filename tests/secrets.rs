@@ -39,6 +39,7 @@ fn demo(amqp_url: &str, database_url: &str, queue: &str) -> (Output, String) {
         .env("AMQP_URL", amqp_url)
         .env("DATABASE_URL", database_url)
         .env("ORDERS_QUEUE", queue)
+        .env("ORDERS_START_DEADLINE_SECS", "3")
         .env("RUST_LOG", "debug")
         .output()
         .unwrap();
@@ -76,7 +77,8 @@ async fn the_orders_example_never_prints_a_password() {
     let database_url = with_credentials(&postgres, user_part, &database_password);
     let queue = common::unique("idem-test-secrets");
 
-    // The three runs at once: the unreachable database takes the pool's 30 s to give up.
+    // The four runs at once; the unreachable database is given 3 s to come up (the example
+    // waits 30 by default).
     let wrong_amqp_url = amqp_url.replace(&amqp_password, "wrong-amqp-pw");
     let unreachable = with_credentials("postgres://127.0.0.1:1/test", "app", &database_password);
     let unsupported = with_credentials("oracle://127.0.0.1/test", "app", &database_password);

@@ -113,6 +113,10 @@ struct Settings {
     /// Where messages come from: RabbitMQ, or the in-memory transport (demo only).
     #[arg(long, value_enum, env = "ORDERS_TRANSPORT", default_value_t = TransportKind::Auto, global = true)]
     transport: TransportKind,
+    /// How long to wait at start-up for a database or a broker that cannot be reached yet
+    /// (the runtime's `start_deadline`), in seconds.
+    #[arg(long, env = "ORDERS_START_DEADLINE_SECS", default_value_t = idem::DEFAULT_START_DEADLINE.as_secs(), global = true)]
+    start_deadline_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -198,15 +202,28 @@ async fn consume(
     Ok(())
 }
 
-/// Connects to the database and sets up its tables, waiting with backoff, up to idem's start
-/// deadline (30 s), while the server cannot be reached or is restarting: as the runtime
-/// waits for its inbox. Any other failure (a wrong URL, credentials, a schema error) ends the
-/// start at once.
+/// Connects to the database and sets up its tables, waiting with backoff, up to the start
+/// deadline (`--start-deadline-secs`, 30 s), while the server cannot be reached or is
+/// restarting: as the runtime waits for its inbox. Any other failure (a wrong URL,
+/// credentials, a schema error) ends the start at once.
 async fn connect_patiently(settings: &Settings) -> anyhow::Result<Db> {
-    let deadline = tokio::time::Instant::now() + idem::DEFAULT_START_DEADLINE;
+    let patience = std::time::Duration::from_secs(settings.start_deadline_secs);
+    let deadline = tokio::time::Instant::now() + patience;
     let mut backoff = std::time::Duration::from_millis(100);
     loop {
-        match Db::connect(&settings.database_url, settings.concurrency).await {
+        // One attempt waits for the pool's first connection up to the deadline, no longer.
+        let attempt = tokio::time::timeout_at(
+            deadline,
+            Db::connect(&settings.database_url, settings.concurrency),
+        );
+        let Ok(connected) = attempt.await else {
+            anyhow::bail!(
+                "cannot reach the database at DATABASE_URL ({}) within {} s (--start-deadline-secs)",
+                idem::telemetry::redact_url(&settings.database_url),
+                patience.as_secs()
+            );
+        };
+        match connected {
             Ok(db) => return Ok(db),
             Err(e) if unreachable(&e) && tokio::time::Instant::now() + backoff < deadline => {
                 tracing::warn!(error = %e, retry_in = ?backoff, "the database cannot be reached yet; waiting");
@@ -305,7 +322,8 @@ fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
         .handler_queue(status::CONSUMER, status::exchange(&settings.queue))
         .ordered(status::CONSUMER, settings.status_partitions)
         .handler_concurrency(status::CONSUMER, settings.concurrency)
-        .poison_limit(settings.poison_limit);
+        .poison_limit(settings.poison_limit)
+        .start_deadline(std::time::Duration::from_secs(settings.start_deadline_secs));
     // Batch mode (orders only; status updates run one transaction each, in order) keeps its
     // defaults: one batch in flight, prefetch three times the batch.
     let batch = match (settings.batch, settings.batch_handler) {

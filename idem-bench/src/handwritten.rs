@@ -17,7 +17,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-const CONSUMER: &str = "handwritten";
+pub(crate) const CONSUMER: &str = "handwritten";
 
 async fn channel(
     url: &str,

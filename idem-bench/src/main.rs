@@ -6,27 +6,23 @@
 //! to its last settlement; afterwards the effects are checked (every distinct order once,
 //! balances exact, queue empty). The table gives medians and ratios.
 
+mod curve;
 mod full_row;
 mod handwritten;
 mod http;
 mod outbox;
+mod parent;
+mod prefill;
 mod report;
 mod with_idem;
 mod workload;
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use handwritten::{Inbox, Writes};
-use idem::RetryPolicy;
-use idem::rabbitmq::{RabbitConfig, RabbitTransport};
-use idem::transport::Transport;
-use idem::transport::{Partition, QueueSpec};
-use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::{FieldTable, ShortString};
-use report::{Sample, Table};
-use std::process::Stdio;
+use idem::rabbitmq::RabbitConfig;
+use prefill::InboxTable;
 use std::time::Duration;
-use workload::Workload;
 
 #[derive(Parser, Debug)]
 #[command(about = "idem against handwritten lapin + sqlx consumers: msgs/s and peak RSS")]
@@ -81,6 +77,33 @@ struct Bench {
         default_value = "hand,hand-batch,idem,idem-batch"
     )]
     variants: Vec<Variant>,
+    /// Rows in every measured consumer's inbox before its runs. Several sizes (ascending, comma
+    /// separated) measure at each in turn, filling up between them, and print the curve:
+    /// `--prefill 0,1000000,5000000,10000000`.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    prefill: Vec<u64>,
+    /// The dedup keys of the orders and of the prefilled rows (default: `sequential` without
+    /// `--prefill`, `uuid4` with it).
+    #[arg(long, value_enum)]
+    keys: Option<workload::Keys>,
+    /// After the largest size, measure again with a day's worth of rows expired (a seventh of
+    /// the inbox, topped up before each run) and each consumer's sweeper deleting them while it
+    /// runs; then idem's sweeper alone, deleting a day's worth.
+    #[arg(long)]
+    sweep: bool,
+    /// The sweepers' pause after each batch, in multiples of its time (idem's runtime: its
+    /// `sweep_pause`; the handwritten consumers' cleanup the same).
+    #[arg(long, default_value_t = idem::DEFAULT_SWEEP_PAUSE)]
+    sweep_pause: u32,
+    /// PostgreSQL's autovacuum during the benchmark: `on` (as a user's server has it), `off`,
+    /// or `server` (as the server is configured). `on` and `off` use `ALTER SYSTEM` and restore
+    /// the setting at the end.
+    #[arg(long, value_enum, default_value = "server")]
+    autovacuum: AutovacuumSetting,
+    /// With several `--prefill` sizes: draw the curve (msgs/s against inbox rows, one line per
+    /// consumer) into this PNG.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
     /// The broker.
     #[arg(
         long,
@@ -108,6 +131,9 @@ enum Command {
         queue: String,
         #[arg(long)]
         expect: usize,
+        /// Delete expired inbox rows while consuming (idem: its runtime's sweeper).
+        #[arg(long)]
+        sweeping: bool,
     },
     /// The Idempotency-Key layer against the same axum route with no idempotency and with a
     /// handwritten key table: req/s and latency at N concurrent connections.
@@ -115,6 +141,14 @@ enum Command {
     /// The outbox: dispatch latency at a steady rate, and a relay draining a backlog against a
     /// raw publish-with-confirms loop.
     Outbox(outbox::OutboxBench),
+}
+
+/// `--autovacuum`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum AutovacuumSetting {
+    On,
+    Off,
+    Server,
 }
 
 /// The consumers compared.
@@ -202,6 +236,16 @@ impl Variant {
         )
     }
 
+    /// Where the consumer keeps its dedup markers.
+    fn inbox(self) -> InboxTable {
+        match self {
+            Self::Hand | Self::HandBatch | Self::HandSet => InboxTable::Bare,
+            Self::HandSetRetained | Self::HandLean => InboxTable::Lean,
+            Self::HandSetFull | Self::HandLeanFull => InboxTable::Full,
+            _ => InboxTable::Idem,
+        }
+    }
+
     fn uses_idem(self) -> bool {
         !matches!(
             self,
@@ -230,28 +274,50 @@ fn main() -> anyhow::Result<()> {
     }
     let runtime = builder.enable_all().build()?;
     match cli.command {
-        None => runtime.block_on(bench(cli.bench)),
+        None => runtime.block_on(parent::bench(cli.bench)),
         Some(Command::Consume {
             variant,
             queue,
             expect,
-        }) => runtime.block_on(consume(&cli.bench, variant, &queue, expect)),
+            sweeping,
+        }) => runtime.block_on(consume(&cli.bench, variant, &queue, expect, sweeping)),
         Some(Command::Http(http)) => runtime.block_on(http::run(http)),
         Some(Command::Outbox(outbox)) => runtime.block_on(outbox::run(outbox)),
     }
 }
 
+/// A pool of `connections` to `url`, statements unlogged (a prefill's inserts take seconds).
 async fn pool(url: &str, connections: u32) -> anyhow::Result<sqlx::PgPool> {
+    use sqlx::ConnectOptions as _;
+    let options: sqlx::postgres::PgConnectOptions = url
+        .parse()
+        .with_context(|| format!("not a PostgreSQL URL: {url}"))?;
     sqlx::postgres::PgPoolOptions::new()
         .max_connections(connections)
-        .connect(url)
+        .connect_with(options.disable_statement_logging())
         .await
         .with_context(|| format!("cannot connect to {url}"))
 }
 
 /// The child process: one consumer, then a `RESULT` line with its time and peak RSS.
-async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> anyhow::Result<()> {
+async fn consume(
+    b: &Bench,
+    variant: Variant,
+    queue: &str,
+    expect: usize,
+    sweeping: bool,
+) -> anyhow::Result<()> {
     let pool = pool(&b.database_url, b.workers as u32 + 2).await?;
+    // idem's runtime sweeps with its default settings in every run (with nothing expired, a
+    // sweep finds nothing); a handwritten consumer sweeps when asked, as its cleanup job would,
+    // on a connection of its own.
+    if sweeping && !variant.uses_idem() {
+        tokio::spawn(prefill::sweep_forever(
+            self::pool(&b.database_url, 1).await?,
+            variant.inbox(),
+            b.sweep_pause,
+        ));
+    }
     let linger = Duration::from_millis(5);
     let elapsed = match variant {
         Variant::Hand => {
@@ -322,6 +388,7 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
                 batch_handler: matches!(variant, Variant::IdemSet | Variant::IdemSetOutbox),
                 outbox: variant.stages_events(),
                 keep_connections: variant != Variant::IdemPooled,
+                sweep_pause: b.sweep_pause,
             };
             let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
             let elapsed = with_idem::run(rabbit, pool, queue, expect, mode).await?;
@@ -338,215 +405,4 @@ async fn consume(b: &Bench, variant: Variant, queue: &str, expect: usize) -> any
         report::cpu_ms().unwrap_or(0)
     );
     Ok(())
-}
-
-/// The order of the consumers (indexes into `--variants`) in run `run` (from 1): as listed, or
-/// with `alternate` in even runs the first and then the others in reverse.
-fn run_order(variants: usize, run: usize, alternate: bool) -> Vec<usize> {
-    if alternate && run.is_multiple_of(2) && variants > 0 {
-        std::iter::once(0).chain((1..variants).rev()).collect()
-    } else {
-        (0..variants).collect()
-    }
-}
-
-/// The parent: for each run, each consumer in turn on a fresh queue and empty tables.
-async fn bench(b: Bench) -> anyhow::Result<()> {
-    let workload = Workload::new(b.messages, b.dup_rate);
-    eprintln!(
-        "workload: {} messages, {} distinct orders ({} duplicates), {} runs of {:?}",
-        b.messages,
-        workload.unique,
-        b.messages - workload.unique,
-        b.runs,
-        b.variants
-    );
-    let pool = pool(&b.database_url, 2).await?;
-    with_idem::inbox(pool.clone())?.migrate().await?;
-    let mut table = Table::new(b.variants.iter().map(|v| v.name()).collect());
-    for run in 1..=b.runs {
-        for column in run_order(b.variants.len(), run, b.alternate) {
-            let variant = b.variants[column];
-            workload::reset(&pool, with_idem::TABLE).await?;
-            let queue = variant.queue();
-            fresh_queue(&b.amqp_url, &queue, variant).await?;
-            workload
-                .publish(
-                    &RabbitConfig::new(&b.amqp_url),
-                    &queue,
-                    variant.partitions().is_some(),
-                )
-                .await?;
-            let sample = child(variant, &queue, b.messages).await?;
-            workload::verify(&pool, &workload)
-                .await
-                .with_context(|| format!("{} left wrong effects", variant.name()))?;
-            let mut left = 0;
-            for queue in queues(&queue, variant) {
-                left += workload::left_in_queue(&b.amqp_url, &queue).await?;
-            }
-            if left > 0 {
-                bail!("{} left {left} messages in the queue", variant.name());
-            }
-            if variant.stages_events() {
-                let billed = workload::left_in_queue(&b.amqp_url, with_idem::BILLED).await?;
-                if billed as usize != workload.unique {
-                    bail!(
-                        "{} published {billed} events for {} orders",
-                        variant.name(),
-                        workload.unique
-                    );
-                }
-            }
-            eprintln!(
-                "run {run}: {:<26} {:>9.0} msgs/s  CPU {:>6.2} s  peak RSS {:>6.1} MiB  (effects exact)",
-                variant.name(),
-                sample.rate(b.messages),
-                sample.cpu.as_secs_f64(),
-                sample.rss_kib as f64 / 1024.0
-            );
-            table.add(column, sample);
-        }
-    }
-    println!("{}", table.render(b.messages));
-    Ok(())
-}
-
-/// The queues a variant consumes: `queue`, or an ordered variant's partition queues.
-fn queues(queue: &str, variant: Variant) -> Vec<String> {
-    match variant.partitions() {
-        Some(count) => (0..count)
-            .map(|index| Partition::queue_name(queue, index))
-            .collect(),
-        None => vec![queue.to_owned()],
-    }
-}
-
-/// Deletes `queue` (and idem's queues around it; for an ordered variant its partitions and
-/// exchange) and declares it anew, empty.
-async fn fresh_queue(url: &str, queue: &str, variant: Variant) -> anyhow::Result<()> {
-    let delays = RetryPolicy::default().delays();
-    let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
-        .await
-        .with_context(|| format!("cannot reach RabbitMQ at {url}"))?;
-    let channel = connection.create_channel().await?;
-    for queue in queues(queue, variant) {
-        let mut names = vec![queue.clone(), idem::rabbitmq::dlq(&queue)];
-        names.extend(
-            delays
-                .iter()
-                .map(|d| idem::rabbitmq::retry_queue(&queue, *d)),
-        );
-        for name in names {
-            channel
-                .queue_delete(
-                    ShortString::from(name.as_str()),
-                    QueueDeleteOptions::default(),
-                )
-                .await?;
-        }
-    }
-    if let Some(count) = variant.partitions() {
-        channel
-            .exchange_delete(ShortString::from(queue), ExchangeDeleteOptions::default())
-            .await?;
-        RabbitTransport::new(RabbitConfig::new(url))
-            .declare(&QueueSpec::partitions(queue, with_idem::CONSUMER, count))
-            .await?;
-    } else if variant.uses_idem() {
-        let mut spec = QueueSpec::new(queue, with_idem::CONSUMER);
-        spec.retry_delays = delays;
-        // Where the outbox variants' events go, emptied: nothing consumes it.
-        let billed = QueueSpec::new(with_idem::BILLED, "bench.billed");
-        RabbitTransport::new(RabbitConfig::new(url))
-            .declare(&[spec, billed])
-            .await?;
-        channel
-            .queue_purge(
-                ShortString::from(with_idem::BILLED),
-                lapin::options::QueuePurgeOptions::default(),
-            )
-            .await?;
-    } else {
-        let durable = QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        };
-        channel
-            .queue_declare(ShortString::from(queue), durable, FieldTable::default())
-            .await?;
-    }
-    let _ = connection.close(200, ShortString::from("declared")).await;
-    Ok(())
-}
-
-/// Runs one consumer in a child process and reads its result.
-async fn child(variant: Variant, queue: &str, expect: usize) -> anyhow::Result<Sample> {
-    let exe = std::env::current_exe()?;
-    let mut args: Vec<String> = std::env::args().skip(1).collect();
-    // The benchmark's own options first, then the subcommand.
-    args.extend([
-        "consume".to_owned(),
-        "--variant".to_owned(),
-        variant
-            .to_possible_value()
-            .map(|v| v.get_name().to_owned())
-            .unwrap_or_default(),
-        "--queue".to_owned(),
-        queue.to_owned(),
-        "--expect".to_owned(),
-        expect.to_string(),
-    ]);
-    let output = tokio::process::Command::new(exe)
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()?
-        .wait_with_output()
-        .await?;
-    if !output.status.success() {
-        bail!("{} failed: {}", variant.name(), output.status);
-    }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("RESULT "))
-        .context("the consumer printed no result")?;
-    Sample::parse(line)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::run_order;
-
-    #[test]
-    fn without_alternation_every_run_keeps_the_listed_order() {
-        for run in 1..=4 {
-            assert_eq!(run_order(3, run, false), vec![0, 1, 2]);
-        }
-    }
-
-    #[test]
-    fn alternated_runs_let_each_consumer_follow_each_other_equally_often() {
-        assert_eq!(run_order(3, 1, true), vec![0, 1, 2]);
-        assert_eq!(run_order(3, 2, true), vec![0, 2, 1]);
-        assert_eq!(run_order(3, 3, true), vec![0, 1, 2]);
-        assert_eq!(run_order(0, 2, true), Vec::<usize>::new());
-        for variants in [2, 3] {
-            // Six runs back to back: every ordered pair (predecessor, consumer) of two
-            // different consumers occurs, each about as often as the others.
-            let sequence: Vec<usize> = (1..=6)
-                .flat_map(|run| run_order(variants, run, true))
-                .collect();
-            let mut pairs = std::collections::HashMap::new();
-            for pair in sequence.windows(2) {
-                *pairs.entry((pair[0], pair[1])).or_insert(0) += 1;
-            }
-            assert!(pairs.keys().all(|(a, b)| a != b), "{pairs:?}");
-            assert_eq!(pairs.len(), variants * (variants - 1), "{pairs:?}");
-            let counts: Vec<i32> = pairs.values().copied().collect();
-            let spread = counts.iter().max().unwrap() - counts.iter().min().unwrap();
-            assert!(spread <= 1, "{variants} consumers: {pairs:?}");
-        }
-    }
 }

@@ -87,7 +87,8 @@ pub fn batch_fill(scrape: &str) -> String {
     )
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
+/// The median of `values` (NaN when there are none).
+pub fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     match values.len() {
         0 => f64::NAN,
@@ -123,6 +124,15 @@ impl Table {
     /// Adds a sample of consumer `column`.
     pub fn add(&mut self, column: usize, sample: Sample) {
         self.samples[column].push(sample);
+    }
+
+    /// Consumer `column`'s median msgs/s and median peak RSS (MiB).
+    pub fn medians(&self, column: usize, messages: usize) -> (f64, f64) {
+        let samples = &self.samples[column];
+        (
+            median(samples.iter().map(|x| x.rate(messages)).collect()),
+            median(samples.iter().map(|x| x.rss_kib as f64 / 1024.0).collect()),
+        )
     }
 
     /// Consumer `column`'s msgs/s in each run divided by the first consumer's in the same run:

@@ -108,6 +108,8 @@ pub struct Mode {
     /// Each worker keeps its connection (the default); `false`: every transaction acquires
     /// one from the pool.
     pub keep_connections: bool,
+    /// The sweeper's pause after each batch ([`idem::RuntimeBuilder::sweep_pause`]).
+    pub sweep_pause: u32,
 }
 
 /// Consumes until `expect` deliveries are settled. Returns the time from the first handler call
@@ -135,7 +137,8 @@ pub async fn run(
         }])
         .handler_queue(CONSUMER, queue)
         .concurrency(mode.concurrency)
-        .batch(mode.batch);
+        .batch(mode.batch)
+        .sweep_pause(mode.sweep_pause);
     if mode.batch == 0 {
         builder = builder.prefetch(mode.prefetch);
     }

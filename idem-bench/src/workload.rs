@@ -1,6 +1,7 @@
 //! The workload every consumer gets: orders with a share of exact duplicates, the tables they
 //! write, and the check that their effects are exact.
 
+use crate::prefill::InboxTable;
 use anyhow::{Context as _, bail, ensure};
 use idem::rabbitmq::{Publisher, RabbitConfig};
 use lapin::types::ShortString;
@@ -26,6 +27,10 @@ pub struct Order {
 pub struct Workload {
     /// Every message to publish.
     pub messages: Vec<Order>,
+    /// The distinct keys, in the order they first appear.
+    pub keys: Vec<String>,
+    /// Their kind.
+    pub kind: Keys,
     /// Distinct orders among them.
     pub unique: usize,
     /// The balance each customer must end with.
@@ -52,13 +57,70 @@ impl Rng {
     }
 }
 
+/// The kind of dedup key the orders carry (and the prefilled inbox rows, `--prefill`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Keys {
+    /// `order-00000000`, `order-00000001`, …: every claim lands at the end of the index.
+    Sequential,
+    /// Random UUIDs (version 4), as most producers set them: every claim lands at a random
+    /// place in the inbox's unique index.
+    Uuid4,
+    /// Time-ordered UUIDs (version 7): new keys land near the end of the index.
+    Uuid7,
+}
+
+impl Keys {
+    /// The key of the `n`th distinct order.
+    fn key(self, n: usize, rng: &mut Rng, unix_ms: u64) -> String {
+        match self {
+            Self::Sequential => format!("order-{n:08}"),
+            Self::Uuid4 => uuid_text(
+                (u128::from(rng.next()) << 64 | u128::from(rng.next())) & !(0xF << 76) | 4 << 76,
+            ),
+            Self::Uuid7 => {
+                // 48 bits of milliseconds, then the order's number (the keys of one run stay
+                // distinct and ascending), then random bits.
+                let n = n as u128;
+                let random = u128::from(rng.next()) & ((1 << 42) - 1);
+                uuid_text(
+                    u128::from(unix_ms & ((1 << 48) - 1)) << 80
+                        | 7 << 76
+                        | (n >> 20 & 0xFFF) << 64
+                        | (n & 0xF_FFFF) << 42
+                        | random,
+                )
+            }
+        }
+    }
+}
+
+/// A UUID's canonical text (the variant bits of version 4 set here).
+fn uuid_text(value: u128) -> String {
+    let value = value & !(0b11 << 62) | 0b10 << 62;
+    let hex = format!("{value:032x}");
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
 impl Workload {
-    /// `messages` messages of which about `dup_rate` are exact copies of an earlier one.
-    pub fn new(messages: usize, dup_rate: f64) -> Self {
+    /// `messages` messages of which about `dup_rate` are exact copies of an earlier one, their
+    /// keys of the kind `keys`.
+    pub fn new(messages: usize, dup_rate: f64, kind: Keys) -> Self {
+        let unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
         let mut out: Vec<Order> = Vec::with_capacity(messages);
         let mut balances: HashMap<String, i64> = HashMap::new();
         let mut unique = 0;
+        let mut keys = Vec::with_capacity(messages);
         for _ in 0..messages {
             if unique > 0 && rng.unit() < dup_rate {
                 let copy = out[rng.below(out.len())].clone();
@@ -66,16 +128,19 @@ impl Workload {
                 continue;
             }
             let order = Order {
-                order_id: format!("order-{unique:08}"),
+                order_id: kind.key(unique, &mut rng, unix_ms),
                 customer: format!("customer-{:04}", rng.below(CUSTOMERS)),
                 amount_cents: 1 + rng.below(10_000) as i64,
             };
             *balances.entry(order.customer.clone()).or_default() += order.amount_cents;
+            keys.push(order.order_id.clone());
             unique += 1;
             out.push(order);
         }
         Self {
             messages: out,
+            keys,
+            kind,
             unique,
             balances,
         }
@@ -180,16 +245,33 @@ pub async fn apply_set(
     Ok(())
 }
 
-/// Creates the tables and empties them, with every balance at 0.
-pub async fn reset(pool: &PgPool, idem_table: &str) -> anyhow::Result<()> {
+/// Creates the tables and empties them, with every balance at 0. With `prefilled`, the inbox
+/// tables keep their prefilled rows and lose only that workload's.
+pub async fn reset(
+    pool: &PgPool,
+    idem_table: &str,
+    prefilled: Option<&Workload>,
+) -> anyhow::Result<()> {
     for statement in SCHEMA {
         sqlx::query(statement).execute(pool).await?;
     }
     // The outbox beside idem's inbox (`bench_idem_inbox` → `bench_idem_outbox`) too.
     let outbox = idem_table.replace("_inbox", "_outbox");
-    let truncate = format!(
-        "TRUNCATE bench_orders, bench_balances, bench_inbox, bench_lean_inbox, bench_full_inbox, \"{idem_table}\", \"{outbox}\""
-    );
+    let inboxes = match prefilled {
+        Some(workload) => {
+            for table in [
+                InboxTable::Bare,
+                InboxTable::Lean,
+                InboxTable::Full,
+                InboxTable::Idem,
+            ] {
+                table.forget(pool, &workload.keys).await?;
+            }
+            format!("\"{idem_table}_deliveries\"")
+        }
+        None => format!("bench_inbox, bench_lean_inbox, bench_full_inbox, \"{idem_table}\""),
+    };
+    let truncate = format!("TRUNCATE bench_orders, bench_balances, {inboxes}, \"{outbox}\"");
     sqlx::raw_sql(sqlx::AssertSqlSafe(truncate))
         .execute(pool)
         .await?;
@@ -254,4 +336,36 @@ pub async fn left_in_queue(url: &str, queue: &str) -> anyhow::Result<u32> {
         .context("the queue is gone")?;
     let _ = connection.close(200, ShortString::from("counted")).await;
     Ok(declared.message_count())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_keys_carry_their_version_and_variant_and_v7_keys_ascend() {
+        let mut rng = Rng(1);
+        for n in 0..1_000 {
+            for (kind, version) in [(Keys::Uuid4, '4'), (Keys::Uuid7, '7')] {
+                let key = kind.key(n, &mut rng, 1_700_000_000_000);
+                assert_eq!(key.len(), 36, "{key}");
+                assert_eq!(key.chars().nth(14), Some(version), "{key}");
+                assert!("89ab".contains(key.chars().nth(19).unwrap()), "{key}");
+            }
+        }
+        let keys: Vec<String> = (0..5_000)
+            .map(|n| Keys::Uuid7.key(n, &mut rng, 1_700_000_000_000))
+            .collect();
+        assert!(keys.windows(2).all(|pair| pair[0] < pair[1]));
+        assert!(keys[0].starts_with("018bcfe5-6800-7"), "{}", keys[0]);
+    }
+
+    #[test]
+    fn a_workload_lists_its_distinct_keys() {
+        let workload = Workload::new(1_000, 0.1, Keys::Uuid4);
+        assert_eq!(workload.keys.len(), workload.unique);
+        let distinct: std::collections::HashSet<_> = workload.keys.iter().collect();
+        assert_eq!(distinct.len(), workload.unique);
+        assert!(workload.unique < 1_000);
+    }
 }

@@ -69,8 +69,9 @@ pub use model::{
 pub use pipeline::{DispatchError, ErasedHandler, HeldConnection, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};
 pub use runtime::{
-    DEFAULT_POISON_LIMIT, DEFAULT_START_DEADLINE, Health, MAX_PARTITIONS, Readiness, RetryPolicy,
-    RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stats,
+    DEFAULT_POISON_LIMIT, DEFAULT_START_DEADLINE, DEFAULT_SWEEP_PAUSE, Health, MAX_PARTITIONS,
+    Readiness, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
+    Stats,
 };
 pub use state::{State, StateType};
 pub use store::{

@@ -15,6 +15,8 @@
 //! | `idem_inbox_rows` | gauge | `store`: the inbox's rows after a sweep (PostgreSQL and MySQL: estimated from the table's statistics) |
 //! | `idem_inbox_oldest_row_age_seconds` | gauge | `store`: age of the row that expires first, after a sweep |
 //! | `idem_inbox_expired_rows` | gauge | `store`: expired rows a sweep left (up to 1,000,000): the sweeper falling behind |
+//! | `idem_inbox_sweep_busy_seconds` | gauge | `store`: time the last sweep spent in its delete statements |
+//! | `idem_inbox_sweep_paused_seconds` | gauge | `store`: time the last sweep paused between them, leaving the database to the consumers |
 //! | `idem_handler_panics_total` | counter | `consumer` |
 //! | `idem_settle_failures_total` | counter | `consumer`: settlements the transport could not send |
 //! | `idem_mailbox_depth` | gauge | `consumer`: deliveries waiting in the handler's mailbox |
@@ -141,6 +143,10 @@ pub const INBOX_ROWS: &str = "idem_inbox_rows";
 pub const INBOX_OLDEST: &str = "idem_inbox_oldest_row_age_seconds";
 /// Expired inbox rows not yet deleted, after the last sweep.
 pub const INBOX_EXPIRED: &str = "idem_inbox_expired_rows";
+/// Time the last sweep spent deleting.
+pub const SWEEP_BUSY: &str = "idem_inbox_sweep_busy_seconds";
+/// Time the last sweep paused between its delete statements.
+pub const SWEEP_PAUSED: &str = "idem_inbox_sweep_paused_seconds";
 /// Handler panics.
 pub const PANICS: &str = "idem_handler_panics_total";
 /// Settlements the transport could not send.
@@ -207,6 +213,16 @@ pub fn describe() {
     describe_gauge!(
         INBOX_EXPIRED,
         "Expired inbox rows the last sweep left (counted up to 1,000,000)"
+    );
+    describe_gauge!(
+        SWEEP_BUSY,
+        Unit::Seconds,
+        "Time the last inbox sweep spent in its delete statements"
+    );
+    describe_gauge!(
+        SWEEP_PAUSED,
+        Unit::Seconds,
+        "Time the last inbox sweep paused between its delete statements"
     );
     describe_counter!(PANICS, "Handler panics (the message is retried)");
     describe_counter!(
@@ -353,6 +369,8 @@ pub(crate) fn swept(store: &'static str, report: &crate::store::SweepReport) {
     metrics::gauge!(INBOX_ROWS, "store" => store).set(report.rows as f64);
     metrics::gauge!(INBOX_OLDEST, "store" => store).set(report.oldest.as_secs_f64());
     metrics::gauge!(INBOX_EXPIRED, "store" => store).set(report.expired as f64);
+    metrics::gauge!(SWEEP_BUSY, "store" => store).set(report.busy.as_secs_f64());
+    metrics::gauge!(SWEEP_PAUSED, "store" => store).set(report.paused.as_secs_f64());
 }
 
 #[cfg(test)]

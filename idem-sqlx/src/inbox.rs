@@ -311,7 +311,16 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
     }
 
     async fn sweep(&self, batch: u32, max_batches: u32) -> Result<SweepReport, StoreError> {
-        self.sweep_expired(batch, max_batches).await
+        self.sweep_expired(batch, max_batches, 0).await
+    }
+
+    async fn sweep_paced(
+        &self,
+        batch: u32,
+        max_batches: u32,
+        pause: u32,
+    ) -> Result<SweepReport, StoreError> {
+        self.sweep_expired(batch, max_batches, pause).await
     }
 
     fn outbox_table(&self) -> Option<&str> {

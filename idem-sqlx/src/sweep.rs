@@ -13,11 +13,13 @@ use std::time::{Duration, Instant};
 
 impl<DB: Dialect> SqlInbox<DB> {
     /// Deletes expired rows in batches of at most `batch`, until none is left or `max_batches`
-    /// ran, holding the sweeper lock; a sweeper that finds the lock taken does nothing.
+    /// ran, holding the sweeper lock; a sweeper that finds the lock taken does nothing. After
+    /// each full batch it pauses `pause` times as long as the batch took.
     pub(crate) async fn sweep_expired(
         &self,
         batch: u32,
         max_batches: u32,
+        pause: u32,
     ) -> Result<SweepReport, StoreError> {
         let fail = |e| store_error("sweep", e);
         let sql = &self.sql.sweep;
@@ -42,10 +44,13 @@ impl<DB: Dialect> SqlInbox<DB> {
                     .map_err(fail)?;
                 report.batches += 1;
                 report.deleted += deleted;
-                report.longest_batch = report.longest_batch.max(started.elapsed());
+                let took = started.elapsed();
+                report.busy += took;
+                report.longest_batch = report.longest_batch.max(took);
                 if deleted < u64::from(batch) {
                     break;
                 }
+                pace(&mut report, took, pause).await;
             }
             // The poison limit's delivery counts, in batches of their own.
             for _ in 0..max_batches {
@@ -55,10 +60,13 @@ impl<DB: Dialect> SqlInbox<DB> {
                     .await
                     .map_err(fail)?;
                 report.counts_deleted += deleted;
-                report.longest_batch = report.longest_batch.max(started.elapsed());
+                let took = started.elapsed();
+                report.busy += took;
+                report.longest_batch = report.longest_batch.max(took);
                 if deleted < u64::from(batch) {
                     break;
                 }
+                pace(&mut report, took, pause).await;
             }
             let lag_ms = DB::fetch_int(conn, &sql.lag, &[]).await.map_err(fail)?;
             report.lag = Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0));
@@ -81,4 +89,15 @@ impl<DB: Dialect> SqlInbox<DB> {
         }
         swept.map(|()| report)
     }
+}
+
+/// Pauses `pause` times as long as the statement that `took` (the sweeper's duty cycle), and
+/// counts the pause in `report`.
+async fn pace(report: &mut SweepReport, took: Duration, pause: u32) {
+    if pause == 0 {
+        return;
+    }
+    let wait = took.saturating_mul(pause);
+    tokio::time::sleep(wait).await;
+    report.paused += wait;
 }

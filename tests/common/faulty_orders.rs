@@ -1,26 +1,57 @@
 //! The orders example built with fault injection (`IDEM_FAULT`), for tests that crash it.
+//!
+//! It is built in the tests' own target directory, so that only idem's crates are compiled
+//! again with the feature (a directory of its own would compile every dependency a second
+//! time). Cargo links the last build of an example to `examples/orders`; the build with the
+//! feature keeps its own hashed file, which is what the tests run, and `examples/orders` is
+//! linked back to the build it was before, the one the other tests run.
 
-use std::path::PathBuf;
+#![allow(dead_code)] // each test binary uses part of the helpers
+
+use std::os::unix::fs::MetadataExt as _;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
-/// Builds the orders example with fault injection into its own target directory (so the
-/// regular build of the example stays without it) and returns the binary.
+/// Builds the orders example with fault injection (once per test binary) and returns the
+/// binary.
 pub fn build() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(build_once).clone()
+}
+
+/// The hashed file of `examples/` that `linked` is a link of.
+fn hashed_twin(linked: &Path) -> Option<PathBuf> {
+    let inode = std::fs::metadata(linked).ok()?.ino();
+    let prefix = format!("{}-", linked.file_name()?.to_str()?);
+    std::fs::read_dir(linked.parent()?)
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with(&prefix) && !name.ends_with(".d"))
+                && std::fs::metadata(path).is_ok_and(|m| m.ino() == inode)
+        })
+}
+
+fn build_once() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let target = root.join("target").join("chaos");
+    let linked = super::orders_example();
+    let before = hashed_twin(&linked);
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
     let mut build = Command::new(cargo);
-    build
-        .current_dir(&root)
-        .args([
-            "build",
-            "--example",
-            "orders",
-            "--features",
-            "fault-injection",
-            "--target-dir",
-        ])
-        .arg(&target);
+    // The workspace's features, as `cargo test --workspace` unifies them: only idem's crates
+    // are compiled again.
+    build.current_dir(&root).args([
+        "build",
+        "--workspace",
+        "--example",
+        "orders",
+        "--features",
+        "idem/fault-injection",
+    ]);
     if !cfg!(debug_assertions) {
         build.arg("--release");
     }
@@ -29,12 +60,12 @@ pub fn build() -> PathBuf {
         status.success(),
         "building the orders example with fault-injection failed"
     );
-    target
-        .join(if cfg!(debug_assertions) {
-            "debug"
-        } else {
-            "release"
-        })
-        .join("examples")
-        .join("orders")
+    let faulty = hashed_twin(&linked).expect("the build with fault-injection in examples/");
+    if let Some(before) = before.filter(|before| *before != faulty) {
+        let relink = linked.with_extension("relink");
+        let _ = std::fs::remove_file(&relink);
+        std::fs::hard_link(&before, &relink).expect("link examples/orders back");
+        std::fs::rename(&relink, &linked).expect("link examples/orders back");
+    }
+    faulty
 }

@@ -6,7 +6,7 @@ use super::relay::RelaySettings;
 use super::retry::RetryPolicy;
 use super::run::Runtime;
 use super::stats::Stats;
-use super::sweeper::SweepSettings;
+use super::sweeper::{DEFAULT_SWEEP_PAUSE, SweepSettings};
 use crate::registry;
 use crate::store::{InboxStore, Stores};
 use crate::transport::Transport;
@@ -218,11 +218,24 @@ impl RuntimeBuilder {
     /// per statement (default 1000) so that no lock is held long. One sweeper works at a time
     /// per inbox across all processes; the others skip their turn.
     pub fn sweep(mut self, interval: Duration, batch: u32) -> Self {
+        let pause = self.sweep.map_or(DEFAULT_SWEEP_PAUSE, |sweep| sweep.pause);
         self.sweep = Some(SweepSettings {
             interval,
             batch,
+            pause,
             ..SweepSettings::default()
         });
+        self
+    }
+
+    /// After each delete statement the sweeper pauses `pause` times as long as the statement
+    /// took (default [`DEFAULT_SWEEP_PAUSE`](crate::DEFAULT_SWEEP_PAUSE), 9: it deletes at
+    /// most a tenth of the time, so that a backlog of expired rows leaves the database to the
+    /// consumers); 0 deletes as fast as the database can. Without a sweeper it does nothing.
+    pub fn sweep_pause(mut self, pause: u32) -> Self {
+        if let Some(sweep) = self.sweep.as_mut() {
+            sweep.pause = pause;
+        }
         self
     }
 
@@ -372,5 +385,39 @@ pub(crate) fn given_state(stores: &Stores) -> String {
     match names.is_empty() {
         true => "none".to_owned(),
         false => names.join(", "),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::runtime::builder::RuntimeBuilder;
+    use crate::runtime::sweeper::{DEFAULT_SWEEP_PAUSE, SweepSettings};
+    use std::time::Duration;
+
+    #[test]
+    fn the_runtime_sweeps_paced_by_default_and_keeps_the_pause_it_is_given() {
+        assert_eq!(SweepSettings::default().pause, DEFAULT_SWEEP_PAUSE);
+        assert_eq!(DEFAULT_SWEEP_PAUSE, 9);
+        let builder = RuntimeBuilder::default().sweep(Duration::from_secs(5), 100);
+        assert_eq!(builder.sweep.map(|s| s.pause), Some(DEFAULT_SWEEP_PAUSE));
+        let builder = RuntimeBuilder::default()
+            .sweep_pause(0)
+            .sweep(Duration::from_secs(5), 100);
+        assert_eq!(
+            builder.sweep,
+            Some(SweepSettings {
+                interval: Duration::from_secs(5),
+                batch: 100,
+                pause: 0,
+                ..SweepSettings::default()
+            })
+        );
+        assert_eq!(
+            RuntimeBuilder::default()
+                .without_sweeper()
+                .sweep_pause(2)
+                .sweep,
+            None
+        );
     }
 }

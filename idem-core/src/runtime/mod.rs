@@ -30,3 +30,4 @@ pub use retry::{RetryPolicy, RetryPolicyError};
 pub use run::Runtime;
 pub use startup::DEFAULT_START_DEADLINE;
 pub use stats::{Snapshot, Stats};
+pub use sweeper::DEFAULT_SWEEP_PAUSE;

@@ -113,6 +113,10 @@ pub struct SweepReport {
     /// Expired rows this sweep left (its statement budget ran out, or they expired since),
     /// counted up to 1,000,000.
     pub expired: u64,
+    /// Time spent in the delete statements.
+    pub busy: Duration,
+    /// Time spent pausing between them ([`InboxStore::sweep_paced`]).
+    pub paused: Duration,
 }
 
 /// An inbox: claims and completes dedup markers inside a transaction the caller also hands to
@@ -378,6 +382,20 @@ pub trait InboxStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<SweepReport, StoreError>> + Send {
         let _ = (batch, max_batches);
         async { Ok(SweepReport::default()) }
+    }
+
+    /// As [`sweep`](Self::sweep), pausing after each batch `pause` times as long as the batch
+    /// took, so that deleting takes at most `1 / (pause + 1)` of the sweep's time and a
+    /// backlog of expired rows never takes the database from the consumers (the runtime's
+    /// sweeper pauses 9 times by default). The default ignores `pause`.
+    fn sweep_paced(
+        &self,
+        batch: u32,
+        max_batches: u32,
+        pause: u32,
+    ) -> impl Future<Output = Result<SweepReport, StoreError>> + Send {
+        let _ = pause;
+        self.sweep(batch, max_batches)
     }
 
     /// The table the store's handlers stage outgoing messages in ([`crate::Context::outgoing`]);

@@ -29,9 +29,9 @@ pub struct Stores {
     injected: Arc<std::sync::atomic::AtomicU32>,
 }
 
-/// One store's [`InboxStore::sweep`], type-erased: `(batch, max_batches)`.
+/// One store's [`InboxStore::sweep_paced`], type-erased: `(batch, max_batches, pause)`.
 pub type SweepFn =
-    Arc<dyn Fn(u32, u32) -> BoxFuture<'static, Result<SweepReport, StoreError>> + Send + Sync>;
+    Arc<dyn Fn(u32, u32, u32) -> BoxFuture<'static, Result<SweepReport, StoreError>> + Send + Sync>;
 
 /// A store's sweeper, as the runtime runs it.
 #[derive(Clone)]
@@ -58,9 +58,9 @@ impl Stores {
     pub fn insert<S: InboxStore>(&mut self, store: S) {
         let store = Arc::new(store);
         let sweeping = store.clone();
-        let sweep: SweepFn = Arc::new(move |batch, max_batches| {
+        let sweep: SweepFn = Arc::new(move |batch, max_batches, pause| {
             let store = sweeping.clone();
-            Box::pin(async move { store.sweep(batch, max_batches).await })
+            Box::pin(async move { store.sweep_paced(batch, max_batches, pause).await })
         });
         self.sweepers.insert(
             TypeId::of::<S>(),
