@@ -48,12 +48,14 @@ pub mod store {
     };
 }
 
-/// The transport contract, and the in-memory transport.
+/// The transport contract, what a transport settles and routes through, and the in-memory
+/// transport.
 pub mod transport {
     pub use idem_core::BoxFuture;
     pub use idem_core::{
         DeadLetter, DeadLetterLog, Delivery, Demand, Gathering, MemoryTransport, Outbound,
         OutboundError, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError, Wants,
+        Watermark, lane_of,
     };
 }
 

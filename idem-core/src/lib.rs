@@ -80,5 +80,5 @@ pub use store::{
 };
 pub use transport::{
     DeadLetterLog, Delivery, Demand, Gathering, MemoryTransport, Outbound, OutboundError,
-    Partition, QueueSpec, Settle, StopSignal, Transport, TransportError, Wants,
+    Partition, QueueSpec, Settle, StopSignal, Transport, TransportError, Wants, Watermark, lane_of,
 };

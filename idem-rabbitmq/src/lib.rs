@@ -38,7 +38,6 @@ mod settle;
 mod tls;
 mod topology;
 mod transport;
-mod watermark;
 mod wire;
 
 pub use config::{

@@ -16,7 +16,7 @@
 //! is always safe.
 
 use crate::answer::on_channel;
-use crate::watermark::Watermark;
+use idem_core::transport::Watermark;
 use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::{BasicProperties, Channel};

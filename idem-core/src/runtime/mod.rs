@@ -24,7 +24,6 @@ pub(crate) use builder::given_state;
 pub use builder::{DEFAULT_POISON_LIMIT, RuntimeBuilder};
 pub use error::RuntimeError;
 pub use health::{Health, Readiness};
-pub(crate) use lanes::lane_of;
 pub use plan::MAX_PARTITIONS;
 pub use retry::{RetryPolicy, RetryPolicyError};
 pub use run::Runtime;

@@ -65,7 +65,7 @@ impl MemoryTransport {
         let queue = match partitions {
             Some(count) => Partition::queue_name(
                 queue,
-                crate::runtime::lane_of(envelope.routing_key.as_deref(), count),
+                super::lanes::lane_of(envelope.routing_key.as_deref(), count),
             ),
             None => queue.to_owned(),
         };

@@ -1,15 +1,21 @@
 //! Transports: the contract between the runtime and a message broker ([`Transport`],
-//! [`Settle`]), and an in-memory transport for tests and demos ([`MemoryTransport`]). The
-//! RabbitMQ transport is in idem-rabbitmq.
+//! [`Settle`]), what a transport that acknowledges cumulatively settles through
+//! ([`Watermark`]), how an ordered partition's messages are spread over its lanes ([`lane_of`]),
+//! and an in-memory transport for tests and demos ([`MemoryTransport`]). The RabbitMQ
+//! transport is in idem-rabbitmq.
 
 pub mod contract;
 pub mod demand;
+pub mod lanes;
 pub mod memory;
 pub mod outbound;
+pub mod watermark;
 
 pub use contract::{
     DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
 };
 pub use demand::{Demand, Gathering, Wants};
+pub use lanes::lane_of;
 pub use memory::MemoryTransport;
 pub use outbound::{Outbound, OutboundError};
+pub use watermark::Watermark;

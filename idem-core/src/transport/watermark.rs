@@ -1,11 +1,29 @@
-//! The contiguous-settled prefix of a channel's delivery tags: the highest tag an ack with
-//! `multiple = true` may name, so that it never covers a delivery still in its transaction.
+//! The contiguous-settled prefix of a stream of deliveries numbered in the order they arrived
+//! (RabbitMQ's delivery tags on a channel, a log's offsets, a stream's sequence numbers): the
+//! highest number a cumulative acknowledgement may name, so that it never covers a delivery
+//! still in its transaction. Any transport whose broker acknowledges "everything up to n"
+//! settles through one.
 
 use std::collections::BTreeMap;
 
-/// The contiguous-settled prefix of a channel's delivery tags.
+/// The contiguous-settled prefix of deliveries numbered from 1 in arrival order.
+///
+/// A transport records each delivery as it settles ([`settle`](Self::settle)), then asks how far
+/// a cumulative acknowledgement may reach ([`advance`](Self::advance)). A delivery still in its
+/// transaction holds the watermark back; [`overflow`](Self::overflow) bounds how many committed
+/// deliveries may wait behind it before they are acknowledged one by one.
+///
+/// ```
+/// use idem_core::transport::Watermark;
+///
+/// let mut watermark = Watermark::default();
+/// watermark.settle(2, true); // committed while 1 is still running
+/// assert_eq!(watermark.advance(), None);
+/// watermark.settle(1, true);
+/// assert_eq!(watermark.advance(), Some(2)); // one acknowledgement covers 1 and 2
+/// ```
 #[derive(Debug)]
-pub(crate) struct Watermark {
+pub struct Watermark {
     /// The lowest tag not yet settled.
     next: u64,
     /// Settled tags above `next`, with whether each still needs an ack.
@@ -14,6 +32,7 @@ pub(crate) struct Watermark {
     waiting: usize,
 }
 
+/// Starts before number 1, with nothing settled.
 impl Default for Watermark {
     fn default() -> Self {
         Self {
@@ -26,8 +45,8 @@ impl Default for Watermark {
 
 impl Watermark {
     /// Records that `tag` is settled: committed and waiting for its ack (`needs_ack`), or
-    /// already rejected or requeued on its own.
-    pub(crate) fn settle(&mut self, tag: u64, needs_ack: bool) {
+    /// already rejected or requeued on its own. A tag below the watermark is ignored.
+    pub fn settle(&mut self, tag: u64, needs_ack: bool) {
         if tag >= self.next && self.settled.insert(tag, needs_ack).is_none() && needs_ack {
             self.waiting += 1;
         }
@@ -36,7 +55,7 @@ impl Watermark {
     /// Moves past the contiguous settled prefix and returns the highest tag in it that needs
     /// an ack, if any: `basic.ack(that, multiple = true)` then acks exactly the prefix's
     /// unacked tags (rejected and requeued ones are no longer outstanding).
-    pub(crate) fn advance(&mut self) -> Option<u64> {
+    pub fn advance(&mut self) -> Option<u64> {
         let mut ack = None;
         while let Some(needs_ack) = self.settled.remove(&self.next) {
             if needs_ack {
@@ -50,7 +69,7 @@ impl Watermark {
 
     /// When more than `lag` settled tags above the watermark still need an ack, returns them
     /// (to be acked one by one) and records them as acked.
-    pub(crate) fn overflow(&mut self, lag: usize) -> Vec<u64> {
+    pub fn overflow(&mut self, lag: usize) -> Vec<u64> {
         if self.waiting <= lag {
             return Vec::new();
         }
