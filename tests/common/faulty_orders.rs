@@ -5,6 +5,12 @@
 //! time). Cargo links the last build of an example to `examples/orders`; the build with the
 //! feature keeps its own hashed file, which is what the tests run, and `examples/orders` is
 //! linked back to the build it was before, the one the other tests run.
+//!
+//! The build runs without the variables cargo sets for a test process (`CARGO_MANIFEST_DIR`,
+//! `CARGO_PKG_*`, …): build scripts that track one of them (ring's tracks
+//! `CARGO_MANIFEST_DIR`) would otherwise see it change between this build and the next
+//! `cargo test`, and each would compile ring, rustls, sqlx and idem's crates again for the
+//! other.
 
 #![allow(dead_code)] // each test binary uses part of the helpers
 
@@ -36,6 +42,21 @@ fn hashed_twin(linked: &Path) -> Option<PathBuf> {
         })
 }
 
+/// Whether cargo sets the variable `name` for the test binaries it runs (as opposed to the
+/// user's own cargo settings, such as `CARGO_TARGET_DIR` or `CARGO_HOME`, which the build keeps).
+fn set_for_tests(name: &str) -> bool {
+    matches!(
+        name,
+        "CARGO_MANIFEST_DIR"
+            | "CARGO_MANIFEST_PATH"
+            | "CARGO_CRATE_NAME"
+            | "CARGO_PRIMARY_PACKAGE"
+            | "CARGO_TARGET_TMPDIR"
+            | "OUT_DIR"
+    ) || name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_BIN_EXE_")
+}
+
 fn build_once() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let linked = super::orders_example();
@@ -52,6 +73,11 @@ fn build_once() -> PathBuf {
         "--features",
         "idem/fault-injection",
     ]);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(set_for_tests) {
+            build.env_remove(&name);
+        }
+    }
     if !cfg!(debug_assertions) {
         build.arg("--release");
     }
