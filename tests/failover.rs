@@ -275,6 +275,9 @@ async fn publishes_under_way_when_the_connection_is_cut_always_return() {
 /// Two tasks share one publisher: one keeps publishing unconfirmed messages while the other
 /// waits for its confirms again and again. Every wait returns. (lapin's own wait awaits only
 /// the channel's last confirm, which never answers once another task published after it.)
+/// The publishing task waits for its own confirms every 50 messages: unpaced, it outran the
+/// broker's confirms on a loaded machine, and each of the other's waits grew with its backlog
+/// (the test once took over 60 s instead of 10).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waits_for_confirms_return_while_another_task_publishes() {
     use idem::rabbitmq::Publisher;
@@ -294,6 +297,9 @@ async fn waits_for_confirms_return_while_another_task_publishes() {
                     .await
                     .unwrap();
                 sent += 1;
+                if sent % 50 == 0 {
+                    bounded(publisher.wait_for_confirms()).await.unwrap();
+                }
             }
             bounded(publisher.wait_for_confirms()).await.unwrap();
             sent
