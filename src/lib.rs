@@ -38,9 +38,15 @@ pub mod outbox {
     pub use idem_sqlx::outbox::{stage, stage_all};
 }
 
-/// The inbox store contract, for implementing a store or driving one by hand.
+/// The store contract, by role ([`InboxStore`](store::InboxStore) and the optional
+/// [`LeaseStore`](store::LeaseStore), [`DeadLetterStore`](store::DeadLetterStore),
+/// [`SweepStore`](store::SweepStore), [`OutboxStore`](store::OutboxStore)), for implementing a
+/// store or driving one by hand.
 pub mod store {
-    pub use idem_core::store::{Dispatch, Relay, RelayFn, SweepFn, Sweeper, owner_token};
+    pub use idem_core::store::{
+        DeadLetterStore, Dispatch, LeaseStore, OutboxStore, Relay, RelayFn, RuntimeStore, SweepFn,
+        SweepStore, Sweeper, owner_token,
+    };
     pub use idem_core::{
         Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterRecord, Fingerprint, InboxStore,
         KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, OutboxSelect, RelayReport, StoreError, StoreKind,
@@ -120,6 +126,10 @@ mod book {
     struct Runtime;
     #[doc = include_str!("../docs/src/stores.md")]
     struct Stores;
+    #[doc = include_str!("../docs/src/adding-a-store.md")]
+    struct AddingAStore;
+    #[doc = include_str!("../docs/src/adding-a-transport.md")]
+    struct AddingATransport;
     #[doc = include_str!("../docs/src/batches.md")]
     struct Batches;
     #[doc = include_str!("../docs/src/outbox.md")]

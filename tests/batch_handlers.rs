@@ -243,7 +243,7 @@ macro_rules! batch_suite {
                 let (pool, _dir) = $pool;
                 let table = format!("bh_refusing_{}", std::process::id());
                 let inbox = <$inbox>::new(pool.clone()).table(&table).unwrap();
-                let outbox = idem::store::InboxStore::outbox_table(&inbox).unwrap().to_owned();
+                let outbox = idem::store::OutboxStore::outbox_table(&inbox).unwrap().to_owned();
                 let drop_all = || async {
                     for name in [table.clone(), format!("{table}_deliveries"), format!("{table}_dead_letters"), format!("{table}_versions"), format!("{outbox}_parked"), outbox.clone()] {
                         let drop = format!("DROP TABLE IF EXISTS {name}");

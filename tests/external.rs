@@ -274,7 +274,7 @@ macro_rules! external_suite {
             /// back only its own count, so the crashed runs still count toward the poison limit.
             #[tokio::test]
             async fn a_copy_that_finds_the_lease_held_leaves_earlier_crashes_counted() {
-                use idem::store::{ClaimRequest, InboxStore, Lease};
+                use idem::store::{ClaimRequest, DeadLetterStore, Lease, LeaseStore};
                 let (stores, pool) = stores().await;
                 let inbox = <$inbox>::new(pool.clone());
                 let id = unique("pay");

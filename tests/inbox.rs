@@ -497,7 +497,7 @@ use idem::store::{Stores};
             /// row, `forget` removes everything.
             #[tokio::test]
             async fn a_dead_letter_record_is_replaced_cleared_and_forgotten() {
-                use idem::store::InboxStore;
+                use idem::store::DeadLetterStore;
                 let f = fixture(2).await;
                 let inbox = <$inbox>::new(f.pool.clone());
                 let (id, customer, queue) = (unique("o"), unique("c"), unique("q"));

@@ -9,7 +9,10 @@
 
 mod common;
 
-use idem::store::{Claim, ClaimRequest, DeadLetterRecord, Fingerprint, InboxStore, StoredOutput};
+use idem::store::{
+    Claim, ClaimRequest, DeadLetterRecord, DeadLetterStore, Fingerprint, InboxStore, OutboxStore,
+    StoredOutput,
+};
 use idem::transport::DeadLetter;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -59,7 +62,7 @@ fn request<'a>(consumer: &'a str, key: &'a str, fingerprint: &'a Fingerprint) ->
 }
 
 /// Runs the contract against `inbox`, whose tables are migrated and empty.
-async fn holds_every_key<S: InboxStore>(inbox: &S, name: &str) {
+async fn holds_every_key<S: InboxStore + DeadLetterStore>(inbox: &S, name: &str) {
     let keys = odd_keys();
     let fingerprints: Vec<Fingerprint> =
         keys.iter().map(|k| Fingerprint::of(k.as_bytes())).collect();

@@ -267,3 +267,135 @@ fn the_quick_start_crate_is_the_readme_block() {
         "tests/quickstart/src/main.rs must be the README's quick start block"
     );
 }
+
+/// The items of `trait` in `source`: `(name, required)` for each method, associated type and
+/// constant, `required` when it has no default.
+fn trait_items(source: &str, name: &str) -> Vec<(String, bool)> {
+    let start = source
+        .find(&format!("pub trait {name}"))
+        .unwrap_or_else(|| panic!("trait {name}"));
+    let body = &source[start..];
+    let end = body.find("\n}\n").unwrap();
+    let mut items = Vec::new();
+    for (i, line) in body[..end].lines().enumerate() {
+        let item = line.strip_prefix("    ").unwrap_or("");
+        let Some(rest) = ["fn ", "type ", "const "]
+            .iter()
+            .find_map(|kw| item.strip_prefix(kw))
+        else {
+            continue;
+        };
+        let ident: String = rest
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        // Required: the item ends with `;` before any body opens.
+        let after: String = body[..end].lines().skip(i).collect::<Vec<_>>().join("\n");
+        let required = match item.starts_with("const ") {
+            true => !item.contains(" = "),
+            false => after.find(';').unwrap_or(usize::MAX) < after.find('{').unwrap_or(usize::MAX),
+        };
+        items.push((ident, required));
+    }
+    items
+}
+
+/// The "Adding a store" chapter against the store contract: its table has a row for each role
+/// `RuntimeStore` is made of, no role has a required item, and the chapter names every
+/// required item of `InboxStore`; so a newcomer who follows it implements what is asked.
+#[test]
+fn the_adding_a_store_chapter_matches_the_store_contract() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let chapter = std::fs::read_to_string(root.join("docs/src/adding-a-store.md")).unwrap();
+    let inbox = std::fs::read_to_string(root.join("idem-core/src/store/inbox.rs")).unwrap();
+    let roles = std::fs::read_to_string(root.join("idem-core/src/store/roles.rs")).unwrap();
+
+    let runtime_store = roles
+        .lines()
+        .find(|l| l.starts_with("pub trait RuntimeStore:"))
+        .expect("RuntimeStore");
+    let parts: Vec<&str> = runtime_store
+        .trim_start_matches("pub trait RuntimeStore:")
+        .trim_end_matches("{}")
+        .split('+')
+        .map(str::trim)
+        .collect();
+    assert_eq!(parts.len(), 5, "{parts:?}");
+    let rows: Vec<&str> = chapter.lines().filter(|l| l.starts_with("| `")).collect();
+    let tabled: Vec<&str> = rows.iter().map(|r| r.split('`').nth(1).unwrap()).collect();
+    assert_eq!(
+        tabled, parts,
+        "the chapter's table against RuntimeStore's roles"
+    );
+
+    for role in &parts[1..] {
+        let required: Vec<_> = trait_items(&roles, role)
+            .into_iter()
+            .filter(|(_, required)| *required)
+            .collect();
+        assert!(
+            required.is_empty(),
+            "{role} requires {required:?}: the chapter says it has defaults"
+        );
+    }
+    let required: Vec<String> = trait_items(&inbox, "InboxStore")
+        .into_iter()
+        .filter_map(|(name, required)| required.then_some(name))
+        .collect();
+    for name in [
+        "Tx",
+        "Held",
+        "KIND",
+        "begin",
+        "claim",
+        "commit",
+        "savepoint",
+    ] {
+        assert!(
+            required.contains(&name.to_owned()),
+            "{name} missing from {required:?}"
+        );
+    }
+    for name in &required {
+        assert!(
+            chapter.contains(&format!("`{name}`")) || chapter.contains(&format!("`type {name}")),
+            "the chapter does not name InboxStore's required `{name}`"
+        );
+    }
+}
+
+/// The "Adding a transport" chapter against the transport contract: it names every item of
+/// `Transport`, `Settle` and `Outbound`, and marks as optional exactly those with a default.
+#[test]
+fn the_adding_a_transport_chapter_matches_the_transport_contract() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let chapter = std::fs::read_to_string(root.join("docs/src/adding-a-transport.md")).unwrap();
+    let contract =
+        std::fs::read_to_string(root.join("idem-core/src/transport/contract.rs")).unwrap();
+    let outbound =
+        std::fs::read_to_string(root.join("idem-core/src/transport/outbound.rs")).unwrap();
+    let mut named = 0;
+    for (source, name) in [
+        (&contract, "Transport"),
+        (&contract, "Settle"),
+        (&outbound, "Outbound"),
+    ] {
+        assert!(
+            chapter.contains(&format!("**`{name}`**")),
+            "no section for {name}"
+        );
+        for (item, required) in trait_items(source, name) {
+            let row = chapter
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{item}` |")))
+                .unwrap_or_else(|| panic!("the chapter has no row for {name}::{item}"));
+            assert_eq!(
+                !row.contains("| optional"),
+                required,
+                "{name}::{item}: the chapter's row says the opposite of the code: {row}"
+            );
+            named += 1;
+        }
+    }
+    assert!(named >= 13, "{named} items");
+}

@@ -575,7 +575,7 @@ macro_rules! outbox_suite {
             /// once the queue exists, the parked row goes out, once.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn an_unroutable_message_is_parked_and_goes_out_once_released() {
-                use idem::store::InboxStore;
+                use idem::store::{InboxStore, OutboxStore};
                 let (pool, _dir) = $pool;
                 let queue = unique("idem-test-ob-unroutable");
                 let missing = format!("{queue}.missing");
@@ -683,7 +683,7 @@ macro_rules! outbox_suite {
                         };
                         let mut passes = 0;
                         while outbox_rows(&pool, RELAYS, &like).await > 0 {
-                            use idem::store::InboxStore;
+                            use idem::store::OutboxStore;
                             relay.relay(&select, counting.as_ref()).await.unwrap();
                             passes += 1;
                             assert!(passes < 10_000, "the relays made no progress");

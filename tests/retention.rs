@@ -7,7 +7,10 @@
 mod common;
 
 use common::{unique, wait_until};
-use idem::store::{ClaimRequest, Fingerprint, InboxStore, LeaseEnd, StoredOutput};
+use idem::store::{
+    ClaimRequest, DeadLetterStore, Fingerprint, InboxStore, LeaseEnd, LeaseStore, StoredOutput,
+    SweepStore,
+};
 use idem::{HandlerError, idempotent};
 use std::time::{Duration, Instant};
 
@@ -25,7 +28,7 @@ async fn claim_only(
 
 /// Writes one row of each status for `prefix`, kept for `retention`: `completed` (a
 /// committed claim), `failed` (a settled lease) and `in_progress` (a lease never settled).
-async fn rows_of_every_status<S: InboxStore>(
+async fn rows_of_every_status<S: InboxStore + LeaseStore>(
     store: &S,
     prefix: &str,
     retention: Duration,

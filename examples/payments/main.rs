@@ -142,7 +142,7 @@ fn principal(parts: &Parts) -> Option<String> {
 /// The route, its layer on `store`, and a sweeper expiring old keys.
 fn route<S, H, T>(store: S, handler: H) -> anyhow::Result<Router>
 where
-    S: idem::store::InboxStore + Clone,
+    S: idem::store::RuntimeStore + Clone,
     H: axum::handler::Handler<T, ()>,
     T: 'static,
 {

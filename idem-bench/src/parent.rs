@@ -154,7 +154,7 @@ async fn sweep_alone(
     next: u64,
     pause: u32,
 ) -> anyhow::Result<f64> {
-    use idem::store::InboxStore as _;
+    use idem::store::SweepStore as _;
     let table = InboxTable::Idem;
     let have = table.expired_rows(pool).await? as u64;
     table

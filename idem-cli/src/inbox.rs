@@ -4,7 +4,7 @@ use crate::args::{Cli, Inbox};
 use crate::error::CliError;
 use crate::output::{age, cut, json, table};
 use idem::sql::{Dialect, KeyReport, Removed, SqlInbox};
-use idem::store::InboxStore;
+use idem::store::SweepStore;
 use indicatif::ProgressBar;
 use serde_json::{Value, json};
 use std::time::Duration;

@@ -5,7 +5,7 @@ use crate::model::{
     Rejection, VersionError, Versioned,
 };
 use crate::state::StateType;
-use crate::store::InboxStore;
+use crate::store::{InboxStore, RuntimeStore};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::future::Future;
@@ -38,7 +38,7 @@ pub enum Mode {
 /// `inventory::submit!(idem::Registration::new(&MyHandler))`.
 pub trait Handler: Send + Sync + 'static {
     /// The inbox store whose transaction the handler writes in.
-    type Store: InboxStore;
+    type Store: RuntimeStore;
     /// The decoded message body.
     type Payload: DeserializeOwned + Send;
     /// The handler's result, stored on the inbox row and replayed to duplicates.

@@ -27,7 +27,7 @@
 //! | [`transport`] | the [`Transport`] and [`Settle`] contract, and the in-memory transport |
 //! | [`handler`], [`registry`] | the [`Handler`] trait `#[idempotent]` implements, and the registrations |
 //! | [`pipeline`] | the entry point that picks a handler's mode, and one pipeline per mode |
-//! | [`store`] | the [`InboxStore`] contract the SQL stores implement, and the set of stores |
+//! | [`store`] | the store contract by role ([`InboxStore`] and the optional ones) the SQL stores implement, and the set of stores |
 //! | [`state`] | the shared values handlers ask for by type |
 //! | [`runtime`] | the actor runtime: mailboxes, workers, settlement, the sweeper |
 //! | [`telemetry`] | the delivery span and the metrics |
@@ -75,8 +75,9 @@ pub use runtime::{
 };
 pub use state::{State, StateType};
 pub use store::{
-    Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, Lease, LeaseEnd, OutboxSelect, RelayReport,
-    StoreKind, Stores, SweepReport,
+    Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterStore, InboxStore, Lease, LeaseEnd,
+    LeaseStore, OutboxSelect, OutboxStore, RelayReport, RuntimeStore, StoreKind, Stores,
+    SweepReport, SweepStore,
 };
 pub use transport::{
     DeadLetterLog, Delivery, Demand, Gathering, MemoryTransport, Outbound, OutboundError,

@@ -266,6 +266,12 @@ mod tests {
         async fn rollback(&self, _: Self::Tx<'_>) {}
     }
 
+    // The optional roles, at their defaults: a minimal store.
+    impl<const S: usize> crate::store::LeaseStore for Never<S> {}
+    impl<const S: usize> crate::store::DeadLetterStore for Never<S> {}
+    impl<const S: usize> crate::store::SweepStore for Never<S> {}
+    impl<const S: usize> crate::store::OutboxStore for Never<S> {}
+
     /// Handler `["a", "b", "c"][NAME]` of consumer "billing", on store `S`.
     struct Billing<const NAME: usize, const S: usize>;
 

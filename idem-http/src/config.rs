@@ -3,7 +3,7 @@
 
 use crate::key::DEFAULT_MAX_KEY_LEN;
 use http::request::Parts;
-use idem_core::{DEFAULT_LEASE, InboxStore};
+use idem_core::{DEFAULT_LEASE, RuntimeStore};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -107,7 +107,7 @@ pub struct Idempotency<S> {
     pub(crate) unstored: Vec<http::HeaderName>,
 }
 
-impl<S: InboxStore> Idempotency<S> {
+impl<S: RuntimeStore> Idempotency<S> {
     /// Transactional mode ([`HttpMode::Transactional`]) for `operation`, keys in `store`.
     pub fn transactional(store: S, operation: impl Into<String>) -> Self {
         Self::new(store, operation, HttpMode::Transactional)

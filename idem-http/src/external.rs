@@ -8,7 +8,7 @@ use crate::telemetry::{self, Result as Seen};
 use crate::tx::Execution;
 use axum_core::body::Body;
 use http::{Request, Response};
-use idem_core::{InboxStore, Lease, LeaseEnd, StoredOutput};
+use idem_core::{Lease, LeaseEnd, LeaseStore, StoredOutput};
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -20,7 +20,7 @@ pub(crate) async fn run<S, I, B>(
     request: Request<Body>,
 ) -> Result<Response<Body>, Infallible>
 where
-    S: InboxStore,
+    S: LeaseStore,
     I: Inner<B>,
     B: ResponseBody,
 {

@@ -10,7 +10,7 @@ use crate::{external, transactional};
 use axum_core::body::Body;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
-use idem_core::InboxStore;
+use idem_core::RuntimeStore;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +23,7 @@ pub(crate) async fn handle<S, I, B>(
     request: Request<Body>,
 ) -> Result<Response<Body>, Infallible>
 where
-    S: InboxStore,
+    S: RuntimeStore,
     I: Inner<B>,
     B: ResponseBody,
 {

@@ -7,7 +7,7 @@ use crate::keyed::Shared;
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response};
-use idem_core::InboxStore;
+use idem_core::RuntimeStore;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
@@ -23,7 +23,7 @@ pub struct IdempotencyLayer<S> {
     shared: Arc<Shared<S>>,
 }
 
-impl<S: InboxStore> Idempotency<S> {
+impl<S: RuntimeStore> Idempotency<S> {
     /// Checks the configuration and builds the tower layer.
     pub fn layer(self) -> Result<IdempotencyLayer<S>, ConfigError> {
         self.check()?;
@@ -89,7 +89,7 @@ impl<S, I> fmt::Debug for IdempotencyService<S, I> {
 
 impl<S, I, B> Service<Request<Body>> for IdempotencyService<S, I>
 where
-    S: InboxStore,
+    S: RuntimeStore,
     I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
     I::Future: Send,
     B: http_body::Body<Data = Bytes> + Send + 'static,

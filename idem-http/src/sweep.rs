@@ -1,12 +1,12 @@
 //! Expiring keys in a service that runs no idem `Runtime` (whose sweeper would do it).
 
-use idem_core::InboxStore;
+use idem_core::SweepStore;
 use std::time::Duration;
 
 /// Deletes expired keys (and every other expired row of the inbox) every `interval`, the first
 /// time at once, forever: spawn it beside the server. Sweepers of several processes take turns
 /// through the inbox's sweeper lock.
-pub async fn sweep_every<S: InboxStore>(store: S, interval: Duration) {
+pub async fn sweep_every<S: SweepStore>(store: S, interval: Duration) {
     loop {
         match store.sweep(1_000, 1_000).await {
             Ok(report) => {

@@ -36,13 +36,44 @@ impl Store {
         Self::named(&name).ok_or_else(|| {
             syn::Error::new(
                 ident.span(),
-                format!("unknown store `{name}`; expected {}", Self::names()),
+                format!(
+                    "unknown store `{name}`; expected {}, or the path of a type implementing `idem::store::RuntimeStore` (`crate::{name}`)",
+                    Self::names()
+                ),
             )
         })
     }
 
     pub(crate) fn name(self) -> &'static str {
         self.0
+    }
+}
+
+/// What `store = ...` names: a built-in database by name (`Postgres`), or a store of the user's
+/// own by its path (`crate::Ledger`, two segments or more, so that a misspelt name is still an
+/// error).
+#[derive(Clone)]
+pub(crate) enum StoreArg {
+    /// One of [`STORES`], and the name as written.
+    Builtin(Store, Ident),
+    /// The path of a type implementing `RuntimeStore`; the compiler checks that it does.
+    Custom(syn::Path),
+}
+
+impl StoreArg {
+    fn parse(path: syn::Path) -> syn::Result<Self> {
+        match path.get_ident() {
+            Some(ident) => Store::parse(ident).map(|store| Self::Builtin(store, ident.clone())),
+            None => Ok(Self::Custom(path)),
+        }
+    }
+
+    /// The built-in database, for the signature's check of the transaction type.
+    pub(crate) fn builtin(&self) -> Option<Store> {
+        match self {
+            Self::Builtin(store, _) => Some(*store),
+            Self::Custom(_) => None,
+        }
     }
 }
 
@@ -57,7 +88,7 @@ pub(crate) enum Mode {
 
 /// The parsed arguments.
 pub(crate) struct Args {
-    pub(crate) store: (Store, Ident),
+    pub(crate) store: StoreArg,
     pub(crate) key: Option<LitStr>,
     pub(crate) queue: Option<LitStr>,
     pub(crate) consumer: Option<LitStr>,
@@ -92,7 +123,7 @@ impl Args {
 
     /// Parses `key = "...", store = Postgres, queue = "...", consumer = "..."`.
     pub(crate) fn parse(tokens: TokenStream) -> syn::Result<Self> {
-        let mut store: Option<(Store, Ident)> = None;
+        let mut store: Option<StoreArg> = None;
         let mut key = None;
         let mut queue = None;
         let mut consumer = None;
@@ -120,12 +151,12 @@ impl Args {
             match name.as_str() {
                 "store" => {
                     store_mentioned = true;
-                    let ident: Ident = meta.value()?.parse()?;
+                    let path: syn::Path = meta.value()?.parse()?;
                     if let Some(e) = duplicate(store.is_some()) {
                         push(e);
                     } else {
-                        match Store::parse(&ident) {
-                            Ok(s) => store = Some((s, ident)),
+                        match StoreArg::parse(path) {
+                            Ok(s) => store = Some(s),
                             Err(e) => push(e),
                         }
                     }
@@ -296,7 +327,7 @@ mod tests {
             consumer = "billing"
         ))
         .unwrap();
-        assert_eq!(Some(args.store.0), Store::named("Postgres"));
+        assert_eq!(args.store.builtin(), Store::named("Postgres"));
         assert_eq!(args.key.unwrap().value(), "order.id");
         assert_eq!(args.queue.unwrap().value(), "orders");
         assert_eq!(args.consumer.unwrap().value(), "billing");
@@ -319,6 +350,10 @@ mod tests {
         );
         assert!(err(quote!(key = "a.b")).contains("missing `store"));
         assert!(err(quote!(store = Oracle)).contains("unknown store `Oracle`"));
+        assert!(err(quote!(store = Oracle)).contains("`crate::Oracle`"));
+        let custom = Args::parse(quote!(store = crate::stores::Ledger)).unwrap();
+        assert!(matches!(&custom.store, StoreArg::Custom(p) if p.segments.len() == 3));
+        assert_eq!(custom.store.builtin(), None);
         assert!(err(quote!(store = Postgres, consumer = "")).contains("cannot be empty"));
         assert!(err(quote!(store = Postgres, key = 3)).contains("expected string literal"));
         assert!(err(quote!(store = Postgres, version = "u.v")).contains("needs `entity"));

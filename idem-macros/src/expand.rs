@@ -1,7 +1,7 @@
 //! The expansion of `#[idempotent]`: the user's function, unchanged, plus a hidden `Handler`
 //! implementation and its registration.
 
-use crate::args::Args;
+use crate::args::{Args, StoreArg};
 use crate::key::{self, KeySpec};
 use crate::signature::{self, Extra, HandlerSig};
 use proc_macro2::TokenStream;
@@ -33,7 +33,7 @@ fn generate(args: TokenStream, func: &ItemFn) -> syn::Result<TokenStream> {
     let hint = Args::mode_hint(&args);
     let args = Args::parse(args);
     let (store, mode) = match &args {
-        Ok(a) => (Some(a.store.0), a.mode),
+        Ok(a) => (a.store.builtin(), a.mode),
         Err(_) => (None, hint),
     };
     let sig = signature::check(&func.sig, store, mode);
@@ -115,7 +115,10 @@ fn emit(
     let krate = quote!(::idem::__private);
     let name = sig.name;
     let name_str = name.to_string();
-    let store = &args.store.1;
+    let store = match &args.store {
+        StoreArg::Builtin(_, ident) => quote!(#krate::stores::#ident),
+        StoreArg::Custom(path) => quote!(#path),
+    };
     let payload_ty = sig.payload_ty;
     let output = match sig.batch {
         true => {
@@ -271,7 +274,7 @@ fn emit(
             struct __IdemHandler;
 
             impl #krate::Handler for __IdemHandler {
-                type Store = #krate::stores::#store;
+                type Store = #store;
                 type Payload = #payload_ty;
                 type Output = #output;
                 const NAME: &'static str = #name_str;

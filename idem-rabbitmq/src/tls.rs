@@ -28,6 +28,7 @@ pub(crate) fn check(config: &crate::RabbitConfig, available: bool) -> Result<(),
     }
     Err(TransportError::Connection {
         broker: config.redacted_url(),
+        url_variable: "AMQP_URL",
         source: NO_BACKEND.into(),
     })
 }

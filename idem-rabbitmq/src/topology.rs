@@ -115,6 +115,7 @@ pub(crate) async fn declare_all(
             .await
             .map_err(|e| TransportError::Connection {
                 broker: config.redacted_url(),
+                url_variable: "AMQP_URL",
                 source: e.into(),
             })?;
     let result = async {
@@ -257,7 +258,7 @@ async fn partition_exchange(
             CONSISTENT_HASH.to_owned(),
         )));
     }
-    let exchange = partition.exchange.as_str();
+    let exchange = partition.source.as_str();
     let channel = channel(connection, exchange).await?;
     let passive = ExchangeDeclareOptions {
         passive: true,
@@ -284,7 +285,7 @@ async fn bind_partition(
     queue: &str,
     partition: &Partition,
 ) -> Result<(), TransportError> {
-    let exchange = partition.exchange.as_str();
+    let exchange = partition.source.as_str();
     let kind = partition_exchange(connection, partition).await?;
     let channel = channel(connection, exchange).await?;
     let failed = |action: &'static str, e: lapin::Error| TransportError::Topology {

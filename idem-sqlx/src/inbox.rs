@@ -1,5 +1,5 @@
-//! [`SqlInbox`]: the inbox store of every dialect, one generic implementation of
-//! [`InboxStore`] over `DB: Dialect`.
+//! [`SqlInbox`]: the store of every dialect, one generic implementation over `DB: Dialect` of
+//! [`InboxStore`] and of every optional role (leases, dead letters, sweeps, the outbox).
 
 use crate::claim;
 use crate::config::{ConfigError, InboxConfig};
@@ -8,6 +8,7 @@ use crate::error::{classify_error, store_error};
 use crate::keys;
 use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
+use idem_core::store::{DeadLetterStore, LeaseStore, OutboxStore, SweepStore};
 use idem_core::{
     Claim, ClaimRequest, DeadLetterRecord, ErrorClass, InboxStore, Lease, LeaseEnd, Outbound,
     OutboxSelect, Outgoing, RelayReport, StoreError, StoreKind, StoredOutput, SweepReport,
@@ -256,6 +257,20 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         DB::unclaim(&self.sql, &mut **tx, consumer, &keys).await
     }
 
+    async fn commit(&self, tx: Self::Tx<'_>) -> Result<(), StoreError> {
+        tx.commit().await.map_err(|e| store_error("commit", e))
+    }
+
+    /// Rolls back, logging a failure: a transaction that cannot be rolled back is not
+    /// committed either, and its connection is discarded.
+    async fn rollback(&self, tx: Self::Tx<'_>) {
+        if let Err(e) = tx.rollback().await {
+            tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
+        }
+    }
+}
+
+impl<DB: Dialect> LeaseStore for SqlInbox<DB> {
     async fn lease(
         &self,
         request: &ClaimRequest<'_>,
@@ -288,7 +303,9 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         let key = keys::stored::<DB>(request.key);
         self.abandon_key(&with_key(request, &key), owner).await
     }
+}
 
+impl<DB: Dialect> DeadLetterStore for SqlInbox<DB> {
     async fn count_delivery(&self, request: &ClaimRequest<'_>) -> Result<u32, StoreError> {
         DB::check_request(request)?;
         let key = keys::stored::<DB>(request.key);
@@ -309,7 +326,9 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
     async fn record_dead_letter(&self, record: &DeadLetterRecord) -> Result<(), StoreError> {
         self.record(record).await
     }
+}
 
+impl<DB: Dialect> SweepStore for SqlInbox<DB> {
     async fn sweep(&self, batch: u32, max_batches: u32) -> Result<SweepReport, StoreError> {
         self.sweep_expired(batch, max_batches, 0).await
     }
@@ -322,7 +341,9 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
     ) -> Result<SweepReport, StoreError> {
         self.sweep_expired(batch, max_batches, pause).await
     }
+}
 
+impl<DB: Dialect> OutboxStore for SqlInbox<DB> {
     fn outbox_table(&self) -> Option<&str> {
         Some(&self.outbox)
     }
@@ -355,18 +376,6 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         publish: &dyn Outbound,
     ) -> Result<RelayReport, StoreError> {
         self.relay_rows(select, publish).await
-    }
-
-    async fn commit(&self, tx: Self::Tx<'_>) -> Result<(), StoreError> {
-        tx.commit().await.map_err(|e| store_error("commit", e))
-    }
-
-    /// Rolls back, logging a failure: a transaction that cannot be rolled back is not
-    /// committed either, and its connection is discarded.
-    async fn rollback(&self, tx: Self::Tx<'_>) {
-        if let Err(e) = tx.rollback().await {
-            tracing::warn!(error = %e, "inbox rollback failed; the connection is discarded");
-        }
     }
 }
 

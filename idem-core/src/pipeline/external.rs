@@ -14,7 +14,7 @@ use crate::model::{
     Context, Envelope, ErrorClass, Fingerprint, Outcome, RejectReason, Rejection, StoreError,
     StoredOutput, Transient,
 };
-use crate::store::{InboxStore, Lease, LeaseEnd};
+use crate::store::{DeadLetterStore, Lease, LeaseEnd, LeaseStore};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 

@@ -24,7 +24,7 @@ use crate::handler::{Handler, Mode};
 use crate::model::KeySource;
 use crate::model::{DeadLetterRecord, Envelope, Outcome, StoreError};
 use crate::state::StateType;
-use crate::store::{InboxStore, StoreKind, Stores};
+use crate::store::{DeadLetterStore, InboxStore, StoreKind, Stores};
 use futures_util::FutureExt;
 use std::any::Any;
 use std::future::Future;

@@ -8,7 +8,7 @@ use crate::model::{
     Rejection, Stale, StoreError, StoredOutput, Transient, Versioned,
 };
 use crate::state::{self, State};
-use crate::store::{ClaimRequest, Dispatch, InboxStore, Stores};
+use crate::store::{ClaimRequest, DeadLetterStore, Dispatch, InboxStore, OutboxStore, Stores};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 

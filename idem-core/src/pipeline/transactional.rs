@@ -12,7 +12,7 @@ use super::steps::{
 use crate::handler::Handler;
 use crate::model::outgoing::reply;
 use crate::model::{Envelope, Outcome};
-use crate::store::{Claim, InboxStore};
+use crate::store::{Claim, InboxStore, OutboxStore};
 use crate::telemetry;
 use std::time::Instant;
 
@@ -260,6 +260,12 @@ mod tests {
 
         async fn rollback(&self, _: Self::Tx<'_>) {}
     }
+
+    // The optional roles, at their defaults: a minimal store.
+    impl crate::store::LeaseStore for MemStore {}
+    impl crate::store::DeadLetterStore for MemStore {}
+    impl crate::store::SweepStore for MemStore {}
+    impl crate::store::OutboxStore for MemStore {}
 
     #[derive(serde::Deserialize)]
     struct Order {

@@ -8,7 +8,7 @@ use super::run::Runtime;
 use super::stats::Stats;
 use super::sweeper::{DEFAULT_SWEEP_PAUSE, SweepSettings};
 use crate::registry;
-use crate::store::{InboxStore, Stores};
+use crate::store::{RuntimeStore, Stores};
 use crate::transport::Transport;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -85,7 +85,7 @@ impl RuntimeBuilder {
     }
 
     /// Adds an inbox store.
-    pub fn store<S: InboxStore>(mut self, store: S) -> Self {
+    pub fn store<S: RuntimeStore>(mut self, store: S) -> Self {
         self.stores.insert(store);
         self
     }

@@ -206,7 +206,7 @@ impl RuntimeBuilder {
                 format!("`{consumer}` asks for {count} partitions: give 1 to {MAX_PARTITIONS}"),
             ));
         }
-        // The handler's queue names the exchange; each partition is a queue of its own, with
+        // The handler's queue names the partitions' source (RabbitMQ: an exchange); each partition is a queue of its own, with
         // no retry queues (a failure is retried in place, so that nothing overtakes it).
         Ok((0..count)
             .map(|index| Actor {

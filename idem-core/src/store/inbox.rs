@@ -1,10 +1,8 @@
-//! The inbox store contract: claims in the caller's transaction, leases (external mode),
-//! dead-letter records and sweeps.
+//! The inbox store contract every store implements: transactions, and claims of dedup markers
+//! in them. The optional roles (leases, dead-letter records, sweeps, the outbox) are in
+//! `roles`.
 
-use super::lease::{Lease, LeaseEnd};
-use super::relay::{OutboxSelect, RelayReport};
-use crate::model::{DeadLetterRecord, ErrorClass, Fingerprint, Outgoing, StoreError, StoredOutput};
-use crate::transport::Outbound;
+use crate::model::{ErrorClass, Fingerprint, StoreError, StoredOutput};
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
@@ -115,7 +113,7 @@ pub struct SweepReport {
     pub expired: u64,
     /// Time spent in the delete statements.
     pub busy: Duration,
-    /// Time spent pausing between them ([`InboxStore::sweep_paced`]).
+    /// Time spent pausing between them ([`SweepStore::sweep_paced`](super::SweepStore::sweep_paced)).
     pub paused: Duration,
 }
 
@@ -125,6 +123,10 @@ pub struct SweepReport {
 /// A claim must be insert-first (the database's unique key on `(consumer, key)` decides between
 /// concurrent copies), must not abort the transaction on conflict, and must block behind an
 /// uncommitted claim of the same key until that transaction ends.
+///
+/// This is the one role every store implements; the others ([`LeaseStore`](super::LeaseStore),
+/// [`DeadLetterStore`](super::DeadLetterStore), [`SweepStore`](super::SweepStore),
+/// [`OutboxStore`](super::OutboxStore)) have defaults for every method.
 pub trait InboxStore: Send + Sync + 'static {
     /// The transaction type handed to handlers; `'c` is the connection it runs on when that is
     /// borrowed from a worker ([`InboxStore::begin_on`]), `'static` when it owns its own.
@@ -270,213 +272,10 @@ pub trait InboxStore: Send + Sync + 'static {
         keys: &[&str],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// External mode: claims `request`'s key with a lease for `owner` lasting `lease`, in a
-    /// transaction of its own that is committed before this returns. A new key is inserted
-    /// `in_progress`; an `in_progress` row whose lease expired (same payload) is taken over,
-    /// attempts + 1; anything else is reported as it is.
-    fn lease(
-        &self,
-        request: &ClaimRequest<'_>,
-        owner: &str,
-        lease: Duration,
-    ) -> impl Future<Output = Result<Lease, StoreError>> + Send {
-        let _ = (request, owner, lease);
-        async { Err(no_external("lease", Self::KIND)) }
-    }
-
-    /// External mode: ends `owner`'s lease on `request`'s key as `end`, storing `output`.
-    /// `false`: the lease was lost (taken over after it expired), and nothing was written.
-    fn settle(
-        &self,
-        request: &ClaimRequest<'_>,
-        owner: &str,
-        end: LeaseEnd,
-        output: &StoredOutput,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        let _ = (request, owner, end, output);
-        async { Err(no_external("settle", Self::KIND)) }
-    }
-
-    /// External mode: gives up `owner`'s lease after a transient failure, so that the retry
-    /// takes the key over at once.
-    fn release(
-        &self,
-        request: &ClaimRequest<'_>,
-        owner: &str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (request, owner);
-        async { Err(no_external("release", Self::KIND)) }
-    }
-
-    /// External mode: removes `request`'s key while `owner` still holds it in progress (the
-    /// request was refused before it ran: the key is free for a corrected one). `false`: the
-    /// lease was taken over and the key is another's; nothing was removed.
-    fn abandon(
-        &self,
-        request: &ClaimRequest<'_>,
-        owner: &str,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        let _ = (request, owner);
-        async { Err(no_external("abandon", Self::KIND)) }
-    }
-
-    /// Counts one more run of the handler on a redelivery of `request`'s message (the broker
-    /// flagged it redelivered), just before that run, in a transaction of its own committed
-    /// before this returns, so that the count survives a crash in the handler; returns the
-    /// count. The runtime removes it when the delivery settles
-    /// ([`InboxStore::settle_deliveries`]), so it counts runs that started and never settled.
-    /// The count expires with `request.retention`. The default counts nothing (`0`): such a
-    /// store has no poison limit.
-    fn count_delivery(
-        &self,
-        request: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<u32, StoreError>> + Send {
-        let _ = request;
-        async { Ok(0) }
-    }
-
-    /// Removes the counts of [`InboxStore::count_delivery`] for `consumer`'s `keys`: their
-    /// deliveries settled (processed, duplicate, retried or dead-lettered). In a transaction of
-    /// its own. The default keeps no counts.
-    fn settle_deliveries(
-        &self,
-        consumer: &str,
-        keys: &[&str],
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (consumer, keys);
-        async { Ok(()) }
-    }
-
-    /// Takes back the count [`InboxStore::count_delivery`] added for a delivery whose handler
-    /// did not start after all (another consumer holds the key's lease), leaving the counts of
-    /// earlier runs that never settled. In a transaction of its own. The default keeps no
-    /// counts.
-    fn uncount_delivery(
-        &self,
-        consumer: &str,
-        key: &str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (consumer, key);
-        async { Ok(()) }
-    }
-
-    /// Records why a message is dead-lettered, keyed by `(record.consumer, record.key)`, in a
-    /// transaction of its own that is committed before this returns; a second record of the
-    /// same key replaces the first. The runtime calls this before the message is moved to the
-    /// dead-letter queue. The default keeps nothing.
-    fn record_dead_letter(
-        &self,
-        record: &DeadLetterRecord,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = record;
-        async { Ok(()) }
-    }
-
-    /// Deletes expired rows (of every consumer and status) in batches of at most `batch`,
-    /// oldest first, until none is left or `max_batches` ran, holding the inbox's sweeper lock
-    /// so that one sweeper works at a time across processes. The default sweeps nothing.
-    fn sweep(
-        &self,
-        batch: u32,
-        max_batches: u32,
-    ) -> impl Future<Output = Result<SweepReport, StoreError>> + Send {
-        let _ = (batch, max_batches);
-        async { Ok(SweepReport::default()) }
-    }
-
-    /// As [`sweep`](Self::sweep), pausing after each batch `pause` times as long as the batch
-    /// took, so that deleting takes at most `1 / (pause + 1)` of the sweep's time and a
-    /// backlog of expired rows never takes the database from the consumers (the runtime's
-    /// sweeper pauses 9 times by default). The default ignores `pause`.
-    fn sweep_paced(
-        &self,
-        batch: u32,
-        max_batches: u32,
-        pause: u32,
-    ) -> impl Future<Output = Result<SweepReport, StoreError>> + Send {
-        let _ = pause;
-        self.sweep(batch, max_batches)
-    }
-
-    /// The table the store's handlers stage outgoing messages in ([`crate::Context::outgoing`]);
-    /// `None` (the default): the store keeps no outbox.
-    fn outbox_table(&self) -> Option<&str> {
-        None
-    }
-
-    /// Stages `messages` in the outbox, in the transaction `tx`, as staged by `consumer` and
-    /// grouped under `run` for their dispatch (the runtime stages replies this way). The
-    /// default refuses: the store keeps no outbox.
-    fn stage_rows<'a>(
-        &'a self,
-        tx: &'a mut Self::Tx<'_>,
-        consumer: &'a str,
-        run: &'a str,
-        messages: &'a [Outgoing],
-    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
-        let _ = (tx, consumer, run, messages);
-        async {
-            Err(StoreError::new(
-                "stage",
-                ErrorClass::Permanent,
-                format!("the {} store keeps no outbox", Self::KIND),
-            ))
-        }
-    }
-
-    /// Publishes the committed outbox rows `select` names through `publish`, in the order they
-    /// were staged, and removes those the broker confirmed, in a transaction of its own that
-    /// keeps other passes (of this or other processes) off the rows it holds. A confirmed row is
-    /// removed; a message the broker cannot route (or carry) is moved out of the relay's way
-    /// (parked, for an operator); another failure keeps every row from there on: they go out
-    /// again (with their ids) in a later pass. The default has no rows.
-    fn relay<'a>(
-        &'a self,
-        select: &'a OutboxSelect,
-        publish: &'a dyn Outbound,
-    ) -> impl Future<Output = Result<RelayReport, StoreError>> + Send + 'a {
-        let _ = (select, publish);
-        async { Ok(RelayReport::default()) }
-    }
-
-    /// Removes the outbox rows of these message ids (published and confirmed by a dispatch
-    /// that had them in memory); returns how many it removed. The default has no rows.
-    fn outbox_remove<'a>(
-        &'a self,
-        message_ids: &'a [String],
-    ) -> impl Future<Output = Result<u64, StoreError>> + Send + 'a {
-        let _ = message_ids;
-        async { Ok(0) }
-    }
-
-    /// An identity of the transaction `tx` that stays the same while a handler runs in it,
-    /// which the store's staging recognises ([`crate::Context::keep_staged`]); `None` (the
-    /// default): the dispatch reads what was staged back from the outbox.
-    fn transaction_identity(&self, tx: &Self::Tx<'_>) -> Option<usize> {
-        let _ = tx;
-        None
-    }
-
-    /// Resolves when rows staged outside any handler may have been committed (PostgreSQL: a
-    /// `NOTIFY` sent by their transaction), so that a relay takes them at once
-    /// ([`OutboxSelect::Unowned`]) instead of at its next poll. The default never resolves.
-    fn outbox_wakeup(&self) -> impl Future<Output = ()> + Send + '_ {
-        std::future::pending()
-    }
-
     /// Commits the transaction.
     fn commit(&self, tx: Self::Tx<'_>) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Rolls the transaction back. Failures are logged, not returned: a transaction that
     /// cannot be rolled back is not committed either.
     fn rollback(&self, tx: Self::Tx<'_>) -> impl Future<Output = ()> + Send;
-}
-
-/// The lease operations of external mode, which a store without them refuses.
-fn no_external(operation: &'static str, kind: StoreKind) -> StoreError {
-    StoreError::new(
-        operation,
-        ErrorClass::Permanent,
-        format!("the {kind} store does not support mode = \"external\""),
-    )
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
-/// One store's [`InboxStore::outbox_remove`](super::InboxStore::outbox_remove), type-erased.
+/// One store's [`OutboxStore::outbox_remove`](super::OutboxStore::outbox_remove), type-erased.
 pub type RemoveFn =
     Arc<dyn Fn(Vec<String>) -> BoxFuture<'static, Result<u64, StoreError>> + Send + Sync>;
 

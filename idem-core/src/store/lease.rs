@@ -4,7 +4,7 @@ use crate::model::{Fingerprint, StoredOutput};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// What an external-mode claim ([`crate::InboxStore::lease`]) found for its key.
+/// What an external-mode claim ([`crate::store::LeaseStore::lease`]) found for its key.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Lease {
     /// The caller holds the lease: the row is new (`attempts` = 1) or an expired lease was
@@ -36,7 +36,7 @@ pub enum Lease {
     },
 }
 
-/// How an external-mode handler ended, as [`crate::InboxStore::settle`] records it.
+/// How an external-mode handler ended, as [`crate::store::LeaseStore::settle`] records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseEnd {
     /// The handler succeeded: `completed`, its result replayed to later copies.

@@ -18,14 +18,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
-/// One store's [`InboxStore::relay`](super::InboxStore::relay), type-erased.
+/// One store's [`OutboxStore::relay`](super::OutboxStore::relay), type-erased.
 pub type RelayFn = Arc<
     dyn Fn(OutboxSelect, Arc<dyn Outbound>) -> BoxFuture<'static, Result<RelayReport, StoreError>>
         + Send
         + Sync,
 >;
 
-/// One store's [`InboxStore::outbox_wakeup`](super::InboxStore::outbox_wakeup), type-erased.
+/// One store's [`OutboxStore::outbox_wakeup`](super::OutboxStore::outbox_wakeup), type-erased.
 pub type WakeupFn = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// A store's outbox relay, as the runtime runs it: after a commit that staged messages, on

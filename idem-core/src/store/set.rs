@@ -4,6 +4,7 @@
 use super::inbox::{InboxStore, StoreKind, SweepReport};
 use super::kept::RemoveFn;
 use super::outbox::{Dispatch, Relay, RelayFn, WakeupFn};
+use super::roles::RuntimeStore;
 use crate::future::BoxFuture;
 use crate::model::StoreError;
 use crate::state::State;
@@ -29,7 +30,7 @@ pub struct Stores {
     injected: Arc<std::sync::atomic::AtomicU32>,
 }
 
-/// One store's [`InboxStore::sweep_paced`], type-erased: `(batch, max_batches, pause)`.
+/// One store's [`SweepStore::sweep_paced`], type-erased: `(batch, max_batches, pause)`.
 pub type SweepFn =
     Arc<dyn Fn(u32, u32, u32) -> BoxFuture<'static, Result<SweepReport, StoreError>> + Send + Sync>;
 
@@ -49,13 +50,13 @@ impl Stores {
     }
 
     /// Adds `store`, replacing any store of the same type.
-    pub fn with<S: InboxStore>(mut self, store: S) -> Self {
+    pub fn with<S: RuntimeStore>(mut self, store: S) -> Self {
         self.insert(store);
         self
     }
 
     /// Adds `store`, replacing any store of the same type.
-    pub fn insert<S: InboxStore>(&mut self, store: S) {
+    pub fn insert<S: RuntimeStore>(&mut self, store: S) {
         let store = Arc::new(store);
         let sweeping = store.clone();
         let sweep: SweepFn = Arc::new(move |batch, max_batches, pause| {
@@ -160,7 +161,7 @@ impl Stores {
     /// Counts, in the handler's store, the runs of a handler on redeliveries that started and
     /// never settled, and refuses a message whose key is new at its delivery after `limit` of
     /// them as `poison` (default: no limit here; the runtime sets 5). See
-    /// [`InboxStore::count_delivery`].
+    /// [`DeadLetterStore::count_delivery`].
     pub fn with_poison_limit(mut self, limit: Option<u32>) -> Self {
         self.poison_limit = limit.map(|l| l.max(1));
         self

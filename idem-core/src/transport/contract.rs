@@ -1,8 +1,12 @@
 //! The contract between the runtime and a message transport (RabbitMQ, the in-memory one).
 //!
-//! A transport turns broker deliveries into [`Delivery`] values in a handler's mailbox (that
-//! is where a delivery enters); the runtime decides each one's settlement (`runtime/settle.rs`)
-//! and sends it exactly once through its [`Settle`]: ack, retry later, dead-letter or release.
+//! It speaks of deliveries, their settlement, ordered lanes and outbound publishing, not of a
+//! broker's topology: a transport turns broker deliveries into [`Delivery`] values in a
+//! handler's mailbox (that is where a delivery enters); the runtime decides each one's
+//! settlement (`runtime/settle.rs`) and sends it exactly once through its [`Settle`]: ack,
+//! retry after a delay, dead-letter or release. How a broker does each (delay queues or a
+//! negative ack with a delay, a dead-letter exchange or a dead-letter stream) is the
+//! transport's own.
 
 use super::demand::Demand;
 use super::outbound::Outbound;
@@ -34,14 +38,16 @@ pub trait Settle: Send + Sync {
     /// The message is done with (processed or a duplicate): remove it from the queue.
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>>;
 
-    /// Deliver the message again after `delay`, as attempt `envelope.attempt + 1`.
+    /// Deliver the message again after `delay`, as attempt `envelope.attempt + 1` (RabbitMQ:
+    /// through a delay queue; a broker with delayed redelivery: a negative ack with `delay`).
     fn retry<'a>(
         self: Box<Self>,
         envelope: &'a Envelope,
         delay: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>>;
 
-    /// Move the message to the dead-letter queue, once, keeping its id, body and properties.
+    /// Move the message to its dead letters (a queue, a stream), once, keeping its id, body and
+    /// properties.
     fn dead_letter<'a>(
         self: Box<Self>,
         envelope: &'a Envelope,
@@ -60,14 +66,15 @@ pub struct QueueSpec {
     pub queue: String,
     /// The consumer identity, for consumer tags and logs.
     pub consumer: String,
-    /// The distinct delays the retry policy uses, shortest first.
+    /// The distinct delays the retry policy uses, shortest first, for a transport that prepares
+    /// them ahead (RabbitMQ declares one delay queue each); others may ignore them.
     pub retry_delays: Vec<Duration>,
     /// Where the transport records the dead letters it refuses on its own (see
     /// [`DeadLetterLog`]); the runtime sets it to the handler's store.
     pub dead_letters: DeadLetterLog,
     /// Set when the queue is one partition of an ordered handler: the transport routes the
-    /// exchange's messages by routing key to the partitions and lets one consumer at a time
-    /// (across processes) consume each.
+    /// messages published to the partition's source by partition key to the partitions, and
+    /// lets one consumer at a time (across processes) consume each.
     pub partition: Option<Partition>,
     /// When the handler's workers want deliveries (batch mode: while a batch gathers); the
     /// runtime sets it. A transport reads the broker only while they are wanted.
@@ -78,27 +85,28 @@ pub struct QueueSpec {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Partition {
-    /// The exchange producers publish to, with the partition key as routing key.
-    pub exchange: String,
+    /// Where producers publish the handler's messages, each with its partition key (RabbitMQ:
+    /// an exchange, the key as routing key).
+    pub source: String,
     /// This partition, from 0.
     pub index: usize,
-    /// How many partitions the exchange has.
+    /// How many partitions the source has.
     pub count: usize,
 }
 
 impl Partition {
-    /// Partition `index` of `count` behind `exchange`.
-    pub fn new(exchange: impl Into<String>, index: usize, count: usize) -> Self {
+    /// Partition `index` of `count` behind `source`.
+    pub fn new(source: impl Into<String>, index: usize, count: usize) -> Self {
         Self {
-            exchange: exchange.into(),
+            source: source.into(),
             index,
             count,
         }
     }
 
-    /// The queue of partition `index` behind `exchange`: `<exchange>.p<index>`.
-    pub fn queue_name(exchange: &str, index: usize) -> String {
-        format!("{exchange}.p{index}")
+    /// The queue of partition `index` behind `source`: `<source>.p<index>`.
+    pub fn queue_name(source: &str, index: usize) -> String {
+        format!("{source}.p{index}")
     }
 }
 
@@ -113,14 +121,14 @@ impl QueueSpec {
         }
     }
 
-    /// The specs of an ordered handler's `count` partition queues behind `exchange`
-    /// (`<exchange>.p0` …, no retry queues), for a producer that declares them before it
+    /// The specs of an ordered handler's `count` partition queues behind `source`
+    /// (`<source>.p0` …, no retry queues), for a producer that declares them before it
     /// publishes.
-    pub fn partitions(exchange: &str, consumer: &str, count: usize) -> Vec<Self> {
+    pub fn partitions(source: &str, consumer: &str, count: usize) -> Vec<Self> {
         (0..count)
             .map(|index| Self {
-                partition: Some(Partition::new(exchange, index, count)),
-                ..Self::new(Partition::queue_name(exchange, index), consumer)
+                partition: Some(Partition::new(source, index, count)),
+                ..Self::new(Partition::queue_name(source, index), consumer)
             })
             .collect()
     }
@@ -171,8 +179,10 @@ pub type StopSignal = watch::Receiver<bool>;
 
 /// A message transport.
 pub trait Transport: Send + Sync + 'static {
-    /// Declares what `queues` need (queues, dead-letter and retry queues). Existing topology
-    /// with other arguments is an error saying which argument differs.
+    /// Declares what `queues` need on the broker (RabbitMQ: queues, dead-letter and retry
+    /// queues; a log-based broker: streams and durable consumers), again after each reconnect
+    /// as well. Existing topology with other arguments is an error saying which argument
+    /// differs.
     fn declare<'a>(&'a self, queues: &'a [QueueSpec]) -> BoxFuture<'a, Result<(), TransportError>>;
 
     /// Consumes `queue` into `mailbox` with at most `prefetch` unsettled deliveries, until `stop`
@@ -225,10 +235,14 @@ pub enum TransportError {
         source: BoxError,
     },
     /// The broker could not be reached or the connection failed.
-    #[error("cannot reach the broker at {broker}: {source}; start it or set its URL (AMQP_URL)")]
+    #[error(
+        "cannot reach the broker at {broker}: {source}; start it or set its URL ({url_variable})"
+    )]
     Connection {
         /// The broker's URL, without its password.
         broker: String,
+        /// The environment variable that sets the URL (`AMQP_URL`).
+        url_variable: &'static str,
         /// Why.
         #[source]
         source: BoxError,

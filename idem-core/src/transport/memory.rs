@@ -22,7 +22,7 @@ pub struct MemoryTransport {
 #[derive(Default)]
 struct Inner {
     queues: Mutex<HashMap<String, Queue>>,
-    /// Ordered handlers' exchanges and their partition counts.
+    /// Ordered handlers' sources and their partition counts.
     partitioned: Mutex<HashMap<String, usize>>,
     changed: Notify,
 }
@@ -180,7 +180,7 @@ impl Transport for MemoryTransport {
                     .partitioned
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .insert(partition.exchange.clone(), partition.count);
+                    .insert(partition.source.clone(), partition.count);
             }
         }
         Box::pin(async { Ok(()) })

@@ -14,7 +14,7 @@ use crate::handler::Handler;
 use crate::model::outgoing::reply;
 use crate::model::{ErrorClass, Outcome, Outgoing, StoreError, StoredOutput};
 use crate::pipeline::steps::{advance, call, encode_result, failure, poison_verdict};
-use crate::store::{Claim, ClaimRequest, InboxStore};
+use crate::store::{Claim, ClaimRequest, InboxStore, OutboxStore};
 use crate::telemetry;
 use std::time::Instant;
 

@@ -11,7 +11,7 @@ use super::run::{Batch, Pass, Run, SetEnd};
 use crate::handler::Handler;
 use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, StoreError};
 use crate::pipeline::steps::{advance, encode_result, handler_failure, poison_verdict};
-use crate::store::{Claim, InboxStore};
+use crate::store::{Claim, InboxStore, OutboxStore};
 use crate::telemetry;
 use std::time::Instant;
 
