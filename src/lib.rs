@@ -43,9 +43,10 @@ pub mod outbox {
 /// [`SweepStore`](store::SweepStore), [`OutboxStore`](store::OutboxStore)), for implementing a
 /// store or driving one by hand.
 pub mod store {
+    pub use idem_core::outbox::{Dispatch, Relay, RelayFn};
     pub use idem_core::store::{
-        DeadLetterStore, Dispatch, LeaseStore, OutboxStore, Relay, RelayFn, RuntimeStore, SweepFn,
-        SweepStore, Sweeper, owner_token,
+        DeadLetterStore, LeaseStore, OutboxStore, RuntimeStore, SweepFn, SweepStore, Sweeper,
+        owner_token,
     };
     pub use idem_core::{
         Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterRecord, Fingerprint, InboxStore,
@@ -59,9 +60,9 @@ pub mod store {
 pub mod transport {
     pub use idem_core::BoxFuture;
     pub use idem_core::{
-        DeadLetter, DeadLetterLog, Delivery, Demand, Gathering, MemoryTransport, Outbound,
-        OutboundError, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError, Wants,
-        Watermark, lane_of,
+        DeadLetter, DeadLetterLog, DeadLetterReader, Delivery, Demand, Gathering, HeldLetter,
+        MemoryTransport, Outbound, OutboundError, Partition, QueueSpec, Settle, StopSignal,
+        Transport, TransportError, Wants, Watermark, lane_of,
     };
 }
 

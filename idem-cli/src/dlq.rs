@@ -1,5 +1,6 @@
-//! `idem dlq …`: the dead letters of a queue, read with `basic.get` and joined to the records
-//! the runtime wrote before it dead-lettered them (same body fingerprint and message id); and
+//! `idem dlq …`: the dead letters of a queue, read through the transport's
+//! [`DeadLetterReader`](idem::transport::DeadLetterReader) and joined to the records the
+//! runtime wrote before it dead-lettered them (same body fingerprint and message id); and
 //! replaying them (`crate::replay`).
 //!
 //! Reading leaves the queue as it was: every message read is held unacknowledged on the
@@ -9,13 +10,12 @@
 //! again cannot process it twice (the first copy's inbox row makes the second a duplicate).
 
 use crate::args::{Cli, Dlq};
-use crate::broker::{Broker, Letter};
+use crate::broker::{Broker, Named};
 use crate::error::CliError;
 use crate::output::{age, cut, json, table};
 use crate::replay;
 use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
-use lapin::BasicProperties;
-use lapin::types::{AMQPValue, ShortString};
+use idem::transport::HeldLetter;
 use serde_json::{Value, json};
 
 /// Runs one `dlq` command.
@@ -36,16 +36,14 @@ pub async fn run<DB: Dialect>(
         }
         Dlq::Show { queue, id } => {
             let broker = Broker::open(cli, &queue.queue).await?;
+            let name = broker.reader.name().to_owned();
             let read = broker.read(u64::MAX).await;
             broker.close().await;
             let (letters, _) = read?;
             let records = inbox.dead_letters(&queue.queue).await?;
-            let found: Vec<&Letter> = letters.iter().filter(|l| l.is(id)).collect();
+            let found: Vec<&HeldLetter> = letters.iter().filter(|l| l.is(id)).collect();
             if found.is_empty() {
-                return Err(CliError::NotFound(format!(
-                    "no dead letter {id} in {}",
-                    idem::rabbitmq::dlq(&queue.queue)
-                )));
+                return Err(CliError::NotFound(format!("no dead letter {id} in {name}")));
             }
             for letter in found {
                 show(cli, letter, letter.record(&records));
@@ -71,7 +69,7 @@ pub async fn run<DB: Dialect>(
     }
 }
 
-fn list(cli: &Cli, letters: &[Letter], records: &[DeadLetterRow], total: u32) {
+fn list(cli: &Cli, letters: &[HeldLetter], records: &[DeadLetterRow], total: u64) {
     if cli.json {
         let items: Vec<Value> = letters
             .iter()
@@ -86,8 +84,7 @@ fn list(cli: &Cli, letters: &[Letter], records: &[DeadLetterRow], total: u32) {
             let record = l.record(records);
             let field = |f: fn(&DeadLetterRow) -> String| record.map_or("-".to_owned(), f);
             vec![
-                l.message_id()
-                    .map_or_else(|| l.short_fingerprint(), str::to_owned),
+                l.id(),
                 field(|r| r.reason.clone()),
                 field(|r| r.consumer.clone()),
                 field(|r| r.key.clone()),
@@ -120,24 +117,23 @@ fn list(cli: &Cli, letters: &[Letter], records: &[DeadLetterRow], total: u32) {
     );
 }
 
-fn show(cli: &Cli, letter: &Letter, record: Option<&DeadLetterRow>) {
+fn show(cli: &Cli, letter: &HeldLetter, record: Option<&DeadLetterRow>) {
     if cli.json {
         json(&letter_json(letter, record, true));
         return;
     }
-    let p = &letter.properties;
-    println!("message id     {}", letter.message_id().unwrap_or("(none)"));
-    if let Some(id) = p.correlation_id() {
+    println!(
+        "message id     {}",
+        letter.message_id.as_deref().unwrap_or("(none)")
+    );
+    if let Some(id) = &letter.correlation_id {
         println!("correlation id {id}");
     }
-    if let Some(t) = p.content_type() {
+    if let Some(t) = &letter.content_type {
         println!("content type   {t}");
     }
     println!("fingerprint    sha256:{}", letter.fingerprint());
-    println!(
-        "from queue     {}",
-        letter.source().as_deref().unwrap_or("?")
-    );
+    println!("from queue     {}", letter.source.as_deref().unwrap_or("?"));
     match record {
         Some(r) => {
             println!("reason         {}", r.reason);
@@ -157,31 +153,11 @@ fn show(cli: &Cli, letter: &Letter, record: Option<&DeadLetterRow>) {
         }
         None => println!("reason         (no record)"),
     }
-    for (name, value) in headers(p) {
+    for (name, value) in &letter.headers {
         println!("header         {name} = {value}");
     }
     println!("body           {} bytes", letter.body.len());
     println!("{}", String::from_utf8_lossy(&letter.body));
-}
-
-/// The user's headers, as text.
-fn headers(properties: &BasicProperties) -> Vec<(String, String)> {
-    let Some(table) = properties.headers() else {
-        return Vec::new();
-    };
-    table
-        .inner()
-        .iter()
-        .filter(|(name, _)| name.as_str() != "x-death")
-        .map(|(name, value)| {
-            let text = match value {
-                AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-                AMQPValue::ShortString(s) => s.as_str().to_owned(),
-                other => format!("{other:?}"),
-            };
-            (name.as_str().to_owned(), text)
-        })
-        .collect()
 }
 
 /// A dead-letter record as JSON.
@@ -191,18 +167,19 @@ pub fn record_json(r: &DeadLetterRow) -> Value {
            "message_id": r.message_id, "dead_lettered_at_ms": r.dead_lettered_at_ms})
 }
 
-fn letter_json(letter: &Letter, record: Option<&DeadLetterRow>, body: bool) -> Value {
+fn letter_json(letter: &HeldLetter, record: Option<&DeadLetterRow>, body: bool) -> Value {
     let mut value = json!({
-        "message_id": letter.message_id(),
-        "correlation_id": letter.properties.correlation_id().as_ref().map(ShortString::as_str),
+        "message_id": letter.message_id,
+        "correlation_id": letter.correlation_id,
         "fingerprint": letter.fingerprint().to_string(),
-        "from_queue": letter.source(),
+        "from_queue": letter.source,
         "record": record.map(record_json),
     });
     if body {
-        value["headers"] = headers(&letter.properties)
-            .into_iter()
-            .map(|(k, v)| (k, Value::String(v)))
+        value["headers"] = letter
+            .headers
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
             .collect::<serde_json::Map<_, _>>()
             .into();
         value["body"] = match std::str::from_utf8(&letter.body) {

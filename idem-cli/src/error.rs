@@ -30,10 +30,3 @@ pub enum CliError {
     #[error("{0}")]
     Partial(String),
 }
-
-impl CliError {
-    /// A broker error, from lapin's.
-    pub fn broker(what: &str) -> impl FnOnce(lapin::Error) -> Self + '_ {
-        move |e| Self::Broker(format!("{what}: {e}"))
-    }
-}

@@ -5,28 +5,13 @@
 //! duplicate.
 
 use crate::args::Cli;
-use crate::broker::{Broker, Letter};
+use crate::broker::{Broker, Named};
 use crate::error::CliError;
 use crate::output::json;
 use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
+use idem::transport::{HeldLetter, OutboundError};
 use indicatif::{ProgressBar, ProgressStyle};
-use lapin::options::{BasicAckOptions, BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation};
 use serde_json::json;
-
-/// Headers the broker adds when it dead-letters a message, and idem's attempt count: a replayed
-/// message starts afresh without them.
-const DROPPED_HEADERS: &[&str] = &[
-    "x-death",
-    "x-first-death-exchange",
-    "x-first-death-queue",
-    "x-first-death-reason",
-    "x-last-death-exchange",
-    "x-last-death-queue",
-    "x-last-death-reason",
-    idem::rabbitmq::ATTEMPT_HEADER,
-];
 
 /// What `idem dlq replay` was asked to do.
 pub(crate) struct Replay<'a> {
@@ -53,17 +38,8 @@ pub(crate) async fn replay<DB: Dialect>(
     plan: &Replay<'_>,
 ) -> Result<(), CliError> {
     let broker = Broker::open(cli, plan.queue).await?;
-    let publisher = match confirming_channel(&broker).await {
-        Ok(publisher) => publisher,
-        Err(e) => {
-            broker.close().await;
-            return Err(e);
-        }
-    };
-    let replayed = replay_letters(&broker, &publisher, inbox, plan).await;
+    let replayed = replay_letters(&broker, inbox, plan).await;
     // Closed whatever happened: the letters still held go back to the DLQ.
-    let closing = publisher.close(200, ShortString::from("done"));
-    let _ = tokio::time::timeout(broker.timeout, closing).await;
     broker.close().await;
     let (done, found) = replayed?;
     let missing: Vec<&str> = plan
@@ -89,28 +65,16 @@ pub(crate) async fn replay<DB: Dialect>(
     Ok(())
 }
 
-/// A channel of `broker`'s connection in confirm mode, for the replayed copies.
-async fn confirming_channel(broker: &Broker) -> Result<Channel, CliError> {
-    let opening = broker.connection.create_channel();
-    let publisher = broker
-        .answer("opening the publishing channel", opening)
-        .await?;
-    let confirms = publisher.confirm_select(ConfirmSelectOptions::default());
-    broker.answer("confirm mode", confirms).await?;
-    Ok(publisher)
-}
-
 /// Reads the dead letters in the queue now (those arriving meanwhile are not read) and
 /// replays those `plan` names; what was done, and which of `plan.ids` were found.
 async fn replay_letters<DB: Dialect>(
     broker: &Broker,
-    publisher: &Channel,
     inbox: &SqlInbox<DB>,
     plan: &Replay<'_>,
 ) -> Result<(Replayed, Vec<bool>), CliError> {
     let records = inbox.dead_letters(plan.queue).await?;
     let in_queue = broker.count().await?;
-    let progress = ProgressBar::new(u64::from(in_queue)).with_style(
+    let progress = ProgressBar::new(in_queue).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} read, {msg} ({eta} left)")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
@@ -132,7 +96,7 @@ async fn replay_letters<DB: Dialect>(
             if !wanted {
                 continue;
             }
-            match replay_one(broker, publisher, inbox, plan, &letter, &records).await {
+            match replay_one(broker, inbox, plan, &letter, &records).await {
                 Ok(cleared) => {
                     done.replayed += 1;
                     match cleared {
@@ -148,12 +112,7 @@ async fn replay_letters<DB: Dialect>(
                         done.replayed
                     )));
                 }
-                Err(e) => {
-                    let id = letter
-                        .message_id()
-                        .map_or_else(|| letter.short_fingerprint(), str::to_owned);
-                    done.failed.push(format!("{id}: {e}"));
-                }
+                Err(e) => done.failed.push(format!("{}: {e}", letter.id())),
             }
             progress.set_message(format!("{} replayed", done.replayed));
         }
@@ -168,16 +127,15 @@ async fn replay_letters<DB: Dialect>(
 /// replay keeps dead letters). `Some(cleared)` when it had a record, `None` when not.
 async fn replay_one<DB: Dialect>(
     broker: &Broker,
-    publisher: &Channel,
     inbox: &SqlInbox<DB>,
     plan: &Replay<'_>,
-    letter: &Letter,
+    letter: &HeldLetter,
     records: &[DeadLetterRow],
 ) -> Result<Option<bool>, CliError> {
-    let target = match (plan.to, letter.source()) {
-        (Some(to), _) => to.to_owned(),
-        (None, Some(source)) => source,
-        (None, None) => plan.queue.to_owned(),
+    let target = match (plan.to, &letter.source) {
+        (Some(to), _) => to,
+        (None, Some(source)) => source.as_str(),
+        (None, None) => plan.queue,
     };
     let record = letter.record(records);
     let cleared = match record {
@@ -187,50 +145,21 @@ async fn replay_one<DB: Dialect>(
         }
         None => None,
     };
-    let publish = publisher.basic_publish(
-        ShortString::from(""),
-        ShortString::from(target.as_str()),
-        BasicPublishOptions {
-            mandatory: true,
-            immediate: false,
-        },
-        &letter.body,
-        without_death(&letter.properties),
-    );
-    let confirm = broker.answer("publishing", publish).await?;
-    let confirm = broker.answer("publishing", confirm).await?;
-    match confirm {
-        Confirmation::Ack(None) => {}
-        Confirmation::Ack(Some(_)) => {
-            return Err(CliError::Broker(format!("no queue {target} takes it")));
+    let published = broker.answer("publishing", async {
+        match broker.reader.replay(letter, target).await {
+            Err(OutboundError::Unroutable { .. }) => Err(format!("no queue {target} takes it")),
+            Err(OutboundError::Refused) => {
+                Err(format!("the broker refused the publish to {target}"))
+            }
+            other => other.map_err(|e| e.to_string()),
         }
-        Confirmation::Nack(_) | Confirmation::NotRequested => {
-            return Err(CliError::Broker(format!(
-                "the broker refused the publish to {target}"
-            )));
-        }
-    }
+    });
+    published.await?;
     if !plan.keep {
-        let ack = broker
-            .channel
-            .basic_ack(letter.tag, BasicAckOptions { multiple: false });
-        broker.answer("removing the dead letter", ack).await?;
+        let removed = broker.reader.remove(letter);
+        broker.answer("removing the dead letter", removed).await?;
     }
     Ok(cleared)
-}
-
-/// `properties` without the broker's dead-lettering headers and idem's attempt count.
-fn without_death(properties: &BasicProperties) -> BasicProperties {
-    let Some(headers) = properties.headers() else {
-        return properties.clone();
-    };
-    let mut kept = FieldTable::default();
-    for (name, value) in headers.inner() {
-        if !DROPPED_HEADERS.contains(&name.as_str()) {
-            kept.insert(name.clone(), value.clone());
-        }
-    }
-    properties.clone().with_headers(kept)
 }
 
 fn summarize(cli: &Cli, plan: &Replay<'_>, done: &Replayed, missing: &[&str]) {

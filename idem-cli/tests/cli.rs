@@ -638,7 +638,9 @@ async fn the_dlq_of_a_tls_broker_is_read_with_its_ca() {
     let out = idem(false);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("cannot reach amqps://guest:***@localhost"),
+        !out.status.success()
+            && err.contains("cannot reach the broker at amqps://guest:***@localhost")
+            && err.contains("UnknownIssuer"),
         "{err}"
     );
     let _ = connection.close(200, ShortString::from("done")).await;

@@ -27,6 +27,7 @@
 //! | [`transport`] | the [`Transport`] and [`Settle`] contract, and the in-memory transport |
 //! | [`handler`], [`registry`] | the [`Handler`] trait `#[idempotent]` implements, and the registrations |
 //! | [`pipeline`] | the entry point that picks a handler's mode, and one pipeline per mode |
+//! | [`outbox`] | the outbox as the runtime drives it: relay passes, the dispatch after a commit, the relay task |
 //! | [`store`] | the store contract by role ([`InboxStore`] and the optional ones) the SQL stores implement, and the set of stores |
 //! | [`state`] | the shared values handlers ask for by type |
 //! | [`runtime`] | the actor runtime: mailboxes, workers, settlement, the sweeper |
@@ -45,6 +46,7 @@ pub mod fault;
 pub mod future;
 pub mod handler;
 pub mod model;
+pub mod outbox;
 pub mod pipeline;
 pub mod registry;
 pub mod runtime;
@@ -66,6 +68,7 @@ pub use model::{
     Rejection, Stale, StoreError, StoredOutput, Transient, VersionError, VersionValue, Versioned,
     batch_message_id, check_outgoing, field_key, outbox_message_id, version_value, versioned,
 };
+pub use outbox::{OutboxSelect, RelayReport};
 pub use pipeline::{DispatchError, ErasedHandler, HeldConnection, Stages, process, process_batch};
 pub use registry::{Registration, RegistryError};
 pub use runtime::{
@@ -76,10 +79,10 @@ pub use runtime::{
 pub use state::{State, StateType};
 pub use store::{
     Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterStore, InboxStore, Lease, LeaseEnd,
-    LeaseStore, OutboxSelect, OutboxStore, RelayReport, RuntimeStore, StoreKind, Stores,
-    SweepReport, SweepStore,
+    LeaseStore, OutboxStore, RuntimeStore, StoreKind, Stores, SweepReport, SweepStore,
 };
 pub use transport::{
-    DeadLetterLog, Delivery, Demand, Gathering, MemoryTransport, Outbound, OutboundError,
-    Partition, QueueSpec, Settle, StopSignal, Transport, TransportError, Wants, Watermark, lane_of,
+    DeadLetterLog, DeadLetterReader, Delivery, Demand, Gathering, HeldLetter, MemoryTransport,
+    Outbound, OutboundError, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
+    Wants, Watermark, lane_of,
 };

@@ -285,7 +285,7 @@ pub(crate) fn dispatched(store: &'static str, since_commit: Duration) {
 }
 
 /// Counts what one outbox pass (`by`: `dispatch` or `relay`) of `store` did.
-pub(crate) fn relayed(store: &'static str, by: &'static str, report: &crate::store::RelayReport) {
+pub(crate) fn relayed(store: &'static str, by: &'static str, report: &crate::outbox::RelayReport) {
     if report.published > 0 {
         metrics::counter!(OUTBOX_PUBLISHED, "store" => store, "by" => by)
             .increment(report.published);

@@ -29,6 +29,7 @@ mod answer;
 mod config;
 mod connections;
 mod consume;
+mod dead_letters;
 mod envelope;
 mod outbound;
 mod publisher;

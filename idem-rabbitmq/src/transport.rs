@@ -3,9 +3,13 @@
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::consume::Consumer;
+use crate::dead_letters::RabbitDeadLetters;
 use crate::outbound::RabbitOutbound;
 use crate::topology;
-use idem_core::{BoxFuture, Delivery, Outbound, QueueSpec, StopSignal, Transport, TransportError};
+use idem_core::{
+    BoxFuture, DeadLetterReader, Delivery, Outbound, QueueSpec, StopSignal, Transport,
+    TransportError,
+};
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -73,5 +77,16 @@ impl Transport for RabbitTransport {
 
     fn message_ttl(&self, _queue: &str) -> Option<std::time::Duration> {
         self.config.message_ttl
+    }
+
+    /// `<queue>.dlq`, read with `basic.get` on a connection of its own.
+    fn dead_letters<'a>(
+        &'a self,
+        queue: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn DeadLetterReader>, TransportError>> {
+        Box::pin(async move {
+            let reader = RabbitDeadLetters::open(&self.config, queue).await?;
+            Ok(Box::new(reader) as Box<dyn DeadLetterReader>)
+        })
     }
 }

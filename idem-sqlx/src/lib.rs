@@ -54,12 +54,9 @@ mod lease;
 pub mod migrate;
 #[cfg(feature = "mysql")]
 pub mod mysql;
-mod notify;
 pub mod outbox;
-pub mod parked;
 #[cfg(feature = "postgres")]
 pub mod postgres;
-mod relay;
 mod session;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;

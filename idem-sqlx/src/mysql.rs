@@ -111,7 +111,7 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         10,
         &[
             "ALTER TABLE `{outbox}` MODIFY message_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
-            crate::parked::MYSQL_TABLE,
+            crate::outbox::parked::MYSQL_TABLE,
         ],
     ),
     // Version 11: the relay finds the rows parked long enough to try again by their time.
@@ -274,7 +274,7 @@ impl Dialect for MySql {
         admin: ADMIN,
         versions: crate::versions::MYSQL,
         outbox: crate::outbox::MYSQL,
-        parked: crate::parked::MYSQL,
+        parked: crate::outbox::parked::MYSQL,
         batch: None,
         rows: Some(ROWS),
     };

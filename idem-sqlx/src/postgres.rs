@@ -99,7 +99,7 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     (9, &[]),
     // Version 10: the outbox rows the broker refused are parked out of the relay's way
     // (`parked.rs`).
-    (10, &[crate::parked::POSTGRES_TABLE]),
+    (10, &[crate::outbox::parked::POSTGRES_TABLE]),
     // Version 11: the relay finds the rows parked long enough to try again by their time.
     (
         11,
@@ -107,14 +107,18 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     ),
 ];
 
-/// Wakes `wake` at each notification on [`crate::notify::CHANNEL`] naming `outbox`, on a
+/// Wakes `wake` at each notification on [`crate::outbox::notify::CHANNEL`] naming `outbox`, on a
 /// connection of its own; a lost connection is opened again (and wakes once: a notification
 /// may have been missed meanwhile).
-async fn listen(pool: sqlx::PgPool, outbox: String, wake: std::sync::Arc<crate::notify::Wake>) {
+async fn listen(
+    pool: sqlx::PgPool,
+    outbox: String,
+    wake: std::sync::Arc<crate::outbox::notify::Wake>,
+) {
     loop {
         let listening = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
-            listener.listen(crate::notify::CHANNEL).await?;
+            listener.listen(crate::outbox::notify::CHANNEL).await?;
             wake.notify.notify_one();
             loop {
                 let notification = listener.recv().await?;
@@ -335,7 +339,7 @@ impl Dialect for Postgres {
     fn listen(
         pool: sqlx::Pool<Self>,
         outbox: String,
-        wake: std::sync::Arc<crate::notify::Wake>,
+        wake: std::sync::Arc<crate::outbox::notify::Wake>,
     ) -> bool {
         tokio::spawn(listen(pool, outbox, wake));
         true
@@ -356,7 +360,7 @@ impl Dialect for Postgres {
         admin: ADMIN,
         versions: crate::versions::POSTGRES,
         outbox: crate::outbox::POSTGRES,
-        parked: crate::parked::POSTGRES,
+        parked: crate::outbox::parked::POSTGRES,
         rows: None,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,

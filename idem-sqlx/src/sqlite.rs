@@ -102,7 +102,7 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     (9, &[]),
     // Version 10: the outbox rows the broker refused are parked out of the relay's way
     // (`parked.rs`).
-    (10, &[crate::parked::SQLITE_TABLE]),
+    (10, &[crate::outbox::parked::SQLITE_TABLE]),
     // Version 11: the relay finds the rows parked long enough to try again by their time.
     (
         11,
@@ -275,7 +275,7 @@ impl Dialect for Sqlite {
         admin: ADMIN,
         versions: crate::versions::SQLITE,
         outbox: crate::outbox::SQLITE,
-        parked: crate::parked::SQLITE,
+        parked: crate::outbox::parked::SQLITE,
         batch: None,
         rows: Some(ROWS),
     };

@@ -45,7 +45,7 @@ pub struct Statements<S = &'static str> {
     /// The outbox (`{outbox}`).
     pub outbox: OutboxStatements<S>,
     /// The outbox rows the broker refused, out of the relay's way (`{outbox}_parked`).
-    pub parked: crate::parked::ParkedStatements<S>,
+    pub parked: crate::outbox::parked::ParkedStatements<S>,
 }
 
 /// The outbox (`{outbox}`, named after the inbox: `idem_outbox` beside `idem_inbox`): staging
@@ -353,7 +353,7 @@ impl Statements {
                 in_order: self.outbox.in_order,
                 now: self.outbox.now,
             },
-            parked: crate::parked::ParkedStatements {
+            parked: crate::outbox::parked::ParkedStatements {
                 park: fill(self.parked.park),
                 list: fill(self.parked.list),
                 unpark: fill(self.parked.unpark),

@@ -7,8 +7,9 @@ use crate::model::{
     Context, Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, Outgoing, RejectReason,
     Rejection, Stale, StoreError, StoredOutput, Transient, Versioned,
 };
+use crate::outbox::Dispatch;
 use crate::state::{self, State};
-use crate::store::{ClaimRequest, DeadLetterStore, Dispatch, InboxStore, OutboxStore, Stores};
+use crate::store::{ClaimRequest, DeadLetterStore, InboxStore, OutboxStore, Stores};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 

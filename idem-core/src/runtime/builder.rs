@@ -2,11 +2,11 @@
 
 use super::error::RuntimeError;
 use super::health::Health;
-use super::relay::RelaySettings;
 use super::retry::RetryPolicy;
 use super::run::Runtime;
 use super::stats::Stats;
 use super::sweeper::{DEFAULT_SWEEP_PAUSE, SweepSettings};
+use crate::outbox::relay::RelaySettings;
 use crate::registry;
 use crate::store::{RuntimeStore, Stores};
 use crate::transport::Transport;

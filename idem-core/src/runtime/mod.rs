@@ -10,7 +10,6 @@ mod error;
 mod health;
 mod lanes;
 mod plan;
-mod relay;
 pub mod retry;
 mod run;
 pub(crate) mod settle;

@@ -5,11 +5,11 @@
 use super::actor::{Actor, Shared};
 use super::error::RuntimeError;
 use super::health::Health;
-use super::relay::{self, RelaySettings};
 use super::retry::RetryPolicy;
 use super::stats::Stats;
 use super::sweeper::{self, SweepSettings};
 use super::{batch_worker, lanes, worker};
+use crate::outbox::relay::{self, RelaySettings};
 use crate::pipeline::ErasedHandler;
 use crate::store::Stores;
 use crate::transport::{DeadLetterLog, Demand, QueueSpec, Transport};

@@ -6,8 +6,8 @@
 
 use super::inbox::{ClaimRequest, InboxStore, StoreKind, SweepReport};
 use super::lease::{Lease, LeaseEnd};
-use super::relay::{OutboxSelect, RelayReport};
 use crate::model::{DeadLetterRecord, ErrorClass, Outgoing, StoreError, StoredOutput};
+use crate::outbox::{OutboxSelect, RelayReport};
 use crate::transport::Outbound;
 use std::future::Future;
 use std::time::Duration;

@@ -2,11 +2,10 @@
 //! state its handlers ask for.
 
 use super::inbox::{InboxStore, StoreKind, SweepReport};
-use super::kept::RemoveFn;
-use super::outbox::{Dispatch, Relay, RelayFn, WakeupFn};
 use super::roles::RuntimeStore;
 use crate::future::BoxFuture;
 use crate::model::StoreError;
+use crate::outbox::{Dispatch, Relay, RelayFn, RemoveFn, WakeupFn};
 use crate::state::State;
 use crate::transport::Outbound;
 use std::any::{Any, TypeId};

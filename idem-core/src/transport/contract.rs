@@ -8,10 +8,12 @@
 //! negative ack with a delay, a dead-letter exchange or a dead-letter stream) is the
 //! transport's own.
 
+use super::dead_letters::DeadLetterReader;
 use super::demand::Demand;
+use super::error::TransportError;
 use super::outbound::Outbound;
 use crate::future::BoxFuture;
-use crate::model::{BoxError, DeadLetter, DeadLetterRecord, Envelope, StoreError};
+use crate::model::{DeadLetter, DeadLetterRecord, Envelope, StoreError};
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -187,6 +189,9 @@ pub trait Transport: Send + Sync + 'static {
 
     /// Consumes `queue` into `mailbox` with at most `prefetch` unsettled deliveries, until `stop`
     /// is raised. Connection losses are retried with backoff inside; only `stop` ends it.
+    /// `prefetch` is the runtime's own bound on a consumer's unsettled deliveries (its mailbox
+    /// holds that many), whatever the broker's flow control is called (RabbitMQ's QoS,
+    /// JetStream's `max_ack_pending`).
     fn consume(
         &self,
         queue: QueueSpec,
@@ -217,37 +222,17 @@ pub trait Transport: Send + Sync + 'static {
         let _ = queue;
         None
     }
-}
 
-/// A transport failure.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum TransportError {
-    /// Topology exists with other arguments, or could not be declared.
-    #[error("topology of `{queue}`, {action}: {source}")]
-    Topology {
-        /// The queue or exchange concerned.
-        queue: String,
-        /// What was being done, and what to change if it was refused.
-        action: &'static str,
-        /// What the broker said.
-        #[source]
-        source: BoxError,
-    },
-    /// The broker could not be reached or the connection failed.
-    #[error(
-        "cannot reach the broker at {broker}: {source}; start it or set its URL ({url_variable})"
-    )]
-    Connection {
-        /// The broker's URL, without its password.
-        broker: String,
-        /// The environment variable that sets the URL (`AMQP_URL`).
-        url_variable: &'static str,
-        /// Why.
-        #[source]
-        source: BoxError,
-    },
-    /// A settlement could not be sent (the channel is gone); the broker redelivers.
-    #[error("settle: {0}")]
-    Settle(#[source] BoxError),
+    /// A reader of `queue`'s dead letters for operators (`idem dlq`), on a connection of its
+    /// own (default: [`TransportError::Unsupported`], a transport whose dead letters an
+    /// operator cannot read through it).
+    fn dead_letters<'a>(
+        &'a self,
+        queue: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn DeadLetterReader>, TransportError>> {
+        let _ = queue;
+        Box::pin(std::future::ready(Err(TransportError::Unsupported(
+            "reading dead letters",
+        ))))
+    }
 }

@@ -2,9 +2,8 @@
 //! nothing installed: unsettled deliveries come back, duplicates and concurrent copies can be
 //! injected, retries wait their delay, dead letters are kept for inspection.
 
-use super::contract::{
-    Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
-};
+use super::contract::{Delivery, Partition, QueueSpec, Settle, StopSignal, Transport};
+use super::error::TransportError;
 use super::outbound::{Outbound, OutboundError};
 use crate::future::BoxFuture;
 use crate::model::{DeadLetter, Envelope, Outgoing};

@@ -1,20 +1,22 @@
 //! Transports: the contract between the runtime and a message broker ([`Transport`],
-//! [`Settle`]), what a transport that acknowledges cumulatively settles through
+//! [`Settle`]), an operator's reader of dead letters ([`DeadLetterReader`]), what a transport that acknowledges cumulatively settles through
 //! ([`Watermark`]), how an ordered partition's messages are spread over its lanes ([`lane_of`]),
 //! and an in-memory transport for tests and demos ([`MemoryTransport`]). The RabbitMQ
 //! transport is in idem-rabbitmq.
 
 pub mod contract;
+pub mod dead_letters;
 pub mod demand;
+pub mod error;
 pub mod lanes;
 pub mod memory;
 pub mod outbound;
 pub mod watermark;
 
-pub use contract::{
-    DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
-};
+pub use contract::{DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport};
+pub use dead_letters::{DeadLetterReader, HeldLetter};
 pub use demand::{Demand, Gathering, Wants};
+pub use error::TransportError;
 pub use lanes::lane_of;
 pub use memory::MemoryTransport;
 pub use outbound::{Outbound, OutboundError};

@@ -1,8 +1,9 @@
 //! The runtime's outbox relay: one task per store that keeps an outbox, publishing the rows
 //! that no dispatch took (the process that staged them crashed, or the broker was away).
 
+use super::dispatch::{Relay, Watched};
+use super::select::{OutboxSelect, RelayReport};
 use crate::model::{ErrorClass, StoreError};
-use crate::store::{OutboxSelect, Relay, RelayReport, Watched};
 use crate::telemetry;
 use crate::transport::{Outbound, StopSignal};
 use std::sync::Arc;
@@ -155,7 +156,8 @@ mod tests {
     use super::*;
     use crate::future::BoxFuture;
     use crate::model::Outgoing;
-    use crate::store::{RelayFn, StoreKind};
+    use crate::outbox::RelayFn;
+    use crate::store::StoreKind;
     use crate::transport::OutboundError;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Instant;

@@ -38,7 +38,9 @@ impl<DB: Dialect> SqlInbox<DB> {
         let fail = |e| store_error("relay", e);
         if let OutboxSelect::Older { limit, .. } = select {
             // Rows parked long enough go back behind the rows staged since.
-            let released = self.release_due(crate::parked::PARK_RETRY, *limit).await?;
+            let released = self
+                .release_due(crate::outbox::parked::PARK_RETRY, *limit)
+                .await?;
             if released > 0 {
                 tracing::info!(
                     released,
@@ -127,7 +129,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             }
         }
         for (seq, failure) in &parked {
-            crate::parked::park::<DB>(&self.sql.parked, &mut *tx, *seq, failure)
+            crate::outbox::parked::park::<DB>(&self.sql.parked, &mut *tx, *seq, failure)
                 .await
                 .map_err(fail)?;
             done.push(*seq);

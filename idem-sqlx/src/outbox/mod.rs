@@ -1,7 +1,13 @@
-//! The transactional outbox (`{outbox}`: `idem_outbox` beside `idem_inbox`): messages staged in
-//! the caller's transaction ([`stage`], [`stage_all`], [`SqlInbox::stage`]), published once it
-//! committed and removed once the broker confirmed them (by a relay pass, `relay.rs`, which the
-//! runtime's dispatch and relay run). Each dialect's statements and table are here.
+//! The transactional outbox (`{outbox}`: `idem_outbox` beside `idem_inbox`), in one place:
+//! messages staged in the caller's transaction ([`stage`], [`stage_all`], [`SqlInbox::stage`]),
+//! published once it committed and removed once the broker confirmed them (by a relay pass,
+//! `relay`, which the runtime's dispatch and relay run), rows the broker refused moved out of
+//! the way (`parked`), and the notifications that wake a relay (`notify`). Each dialect's
+//! statements and table are here.
+
+pub(crate) mod notify;
+pub mod parked;
+mod relay;
 
 use crate::config::TableName;
 use crate::dialect::Dialect;

@@ -3,7 +3,7 @@
 //! once the broker confirmed them their rows are removed, many runs' in one statement.
 
 use super::in_flight::InFlight;
-use super::relay::RelayReport;
+use super::select::RelayReport;
 use crate::future::BoxFuture;
 use crate::model::{Outgoing, StoreError};
 use crate::transport::{Outbound, OutboundError};
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
-/// One store's [`OutboxStore::outbox_remove`](super::OutboxStore::outbox_remove), type-erased.
+/// One store's [`OutboxStore::outbox_remove`](crate::store::OutboxStore::outbox_remove), type-erased.
 pub type RemoveFn =
     Arc<dyn Fn(Vec<String>) -> BoxFuture<'static, Result<u64, StoreError>> + Send + Sync>;
 

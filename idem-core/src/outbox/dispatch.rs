@@ -6,11 +6,11 @@
 //! publishes and one delete for many commits.
 
 use super::in_flight::InFlight;
-use super::inbox::StoreKind;
 use super::kept::{self, RemoveFn};
-use super::relay::{OutboxSelect, RelayReport};
+use super::select::{OutboxSelect, RelayReport};
 use crate::future::BoxFuture;
 use crate::model::{Outgoing, StoreError};
+use crate::store::inbox::StoreKind;
 use crate::transport::{Outbound, OutboundError};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -18,14 +18,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
-/// One store's [`OutboxStore::relay`](super::OutboxStore::relay), type-erased.
+/// One store's [`OutboxStore::relay`](crate::store::OutboxStore::relay), type-erased.
 pub type RelayFn = Arc<
     dyn Fn(OutboxSelect, Arc<dyn Outbound>) -> BoxFuture<'static, Result<RelayReport, StoreError>>
         + Send
         + Sync,
 >;
 
-/// One store's [`OutboxStore::outbox_wakeup`](super::OutboxStore::outbox_wakeup), type-erased.
+/// One store's [`OutboxStore::outbox_wakeup`](crate::store::OutboxStore::outbox_wakeup), type-erased.
 pub type WakeupFn = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// A store's outbox relay, as the runtime runs it: after a commit that staged messages, on
@@ -96,8 +96,8 @@ impl Default for DispatchQueue {
 /// store's relay and the transport's publisher.
 #[derive(Clone, Copy, Debug)]
 pub struct Dispatch<'a> {
-    pub(super) relay: &'a Relay,
-    pub(super) outbound: &'a Arc<dyn Outbound>,
+    pub(crate) relay: &'a Relay,
+    pub(crate) outbound: &'a Arc<dyn Outbound>,
 }
 
 impl Dispatch<'_> {
