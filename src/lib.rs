@@ -88,6 +88,13 @@ pub mod rabbitmq {
     pub use idem_rabbitmq::*;
 }
 
+/// The NATS JetStream transport (feature `nats`).
+#[cfg(feature = "nats")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+pub mod nats {
+    pub use idem_nats::*;
+}
+
 /// The `Idempotency-Key` layer for axum and tower, on the same inbox stores (feature `http`).
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
@@ -131,6 +138,8 @@ mod book {
     struct AddingAStore;
     #[doc = include_str!("../docs/src/adding-a-transport.md")]
     struct AddingATransport;
+    #[doc = include_str!("../docs/src/nats.md")]
+    struct Nats;
     #[doc = include_str!("../docs/src/batches.md")]
     struct Batches;
     #[doc = include_str!("../docs/src/outbox.md")]

@@ -6,10 +6,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-const CRATES: [&str; 6] = [
+const CRATES: [&str; 7] = [
     "idem-core",
     "idem-sqlx",
     "idem-rabbitmq",
+    "idem-nats",
     "idem-macros",
     "idem-http",
     "idem-cli",

@@ -6,10 +6,12 @@
 use crate::handlers::OrderPlaced;
 use crate::status::{self, StatusUpdate};
 use crate::{Broker, Db, Settings};
+use idem::nats::NatsTransport;
 use idem::rabbitmq::Publisher;
 use idem::transport::{MemoryTransport, QueueSpec, Transport};
 use idem::{Envelope, RetryPolicy, Snapshot};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Demo settings.
@@ -176,8 +178,40 @@ impl Workload {
 
 /// Where the demo publishes.
 enum Sink {
+    /// Each copy of a message gets its own JetStream id (`<message id>#<n>`): JetStream would
+    /// drop a second publish of one id itself, and the demo's copies are for the inbox.
+    Nats(NatsTransport, Mutex<HashMap<String, u32>>),
     Rabbit(Publisher),
     Memory(MemoryTransport),
+}
+
+/// Publishes `messages` to NATS, each to the subject of `exchange` and its routing key (or of
+/// `queue`), each copy with its own JetStream id, counted in `copies`.
+async fn publish_to_nats(
+    transport: &NatsTransport,
+    copies: &Mutex<HashMap<String, u32>>,
+    exchange: &str,
+    messages: &[Envelope],
+) -> anyhow::Result<()> {
+    for message in messages {
+        let subject = match exchange {
+            "" => message.routing_key.clone().unwrap_or_default(),
+            exchange => {
+                transport.subject(exchange, message.routing_key.as_deref().unwrap_or_default())
+            }
+        };
+        let msg_id = message.message_id.as_ref().map(|id| {
+            let mut seen = copies.lock().unwrap_or_else(|e| e.into_inner());
+            let n = seen.entry(id.clone()).or_default();
+            *n += 1;
+            format!("{id}#{n}")
+        });
+        let duplicate = transport
+            .publish(&subject, message, msg_id.as_deref())
+            .await?;
+        anyhow::ensure!(!duplicate, "JetStream dropped a copy the demo counts on");
+    }
+    Ok(())
 }
 
 impl Sink {
@@ -186,6 +220,13 @@ impl Sink {
             Self::Memory(transport) => messages
                 .iter()
                 .for_each(|m| transport.publish(queue, m.clone())),
+            Self::Nats(transport, copies) => {
+                let routed: Vec<Envelope> = messages
+                    .iter()
+                    .map(|m| m.clone().with_routing_key(queue))
+                    .collect();
+                publish_to_nats(transport, copies, "", &routed).await?;
+            }
             Self::Rabbit(publisher) => {
                 for chunk in messages.chunks(500) {
                     for message in chunk {
@@ -204,6 +245,9 @@ impl Sink {
             Self::Memory(transport) => messages
                 .iter()
                 .for_each(|m| transport.publish(exchange, m.clone())),
+            Self::Nats(transport, copies) => {
+                publish_to_nats(transport, copies, exchange, messages).await?;
+            }
             Self::Rabbit(publisher) => {
                 for chunk in messages.chunks(500) {
                     for message in chunk {
@@ -240,6 +284,15 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     billed_spec.retry_delays = RetryPolicy::default().delays();
     specs.push(billed_spec);
     let (runtime, sink, transport_name) = match Broker::open(settings).await? {
+        Broker::Nats(transport) => {
+            clear_streams(&transport, settings, &exchange, &billed).await?;
+            transport.declare(&specs).await?;
+            (
+                builder.transport(transport.clone()).build()?,
+                Sink::Nats(transport, Mutex::default()),
+                "NATS JetStream",
+            )
+        }
         Broker::Rabbit(rabbit) => {
             let (transport, publisher) = *rabbit;
             clear_queues(settings, &exchange, &billed).await?;
@@ -452,6 +505,31 @@ async fn clear_queues(settings: &Settings, exchange: &str, billed: &str) -> anyh
     if removed > 0 {
         println!(
             "cleared the demo's queues first: {removed} messages an earlier run left in `{}`, `{billed}` and `{exchange}.p*` (and their retry and dead-letter queues)",
+            settings.queue
+        );
+    }
+    Ok(())
+}
+
+/// As [`clear_queues`], on NATS: deletes the streams of the demo's queues and status
+/// partitions (with their retry and dead-letter streams).
+async fn clear_streams(
+    transport: &NatsTransport,
+    settings: &Settings,
+    exchange: &str,
+    billed: &str,
+) -> anyhow::Result<()> {
+    let mut queues = vec![settings.queue.clone(), billed.to_owned()];
+    queues.extend(
+        (0..idem::MAX_PARTITIONS).map(|i| idem::transport::Partition::queue_name(exchange, i)),
+    );
+    let mut removed = 0;
+    for queue in &queues {
+        removed += transport.delete_queue(queue).await?;
+    }
+    if removed > 0 {
+        println!(
+            "cleared the demo's streams first: {removed} messages an earlier run left in `{}`, `{billed}` and `{exchange}.p*` (and their retry and dead-letter streams)",
             settings.queue
         );
     }

@@ -6,7 +6,8 @@
 //!
 //! - `cargo run --example orders` (or `-- demo`): publishes a few thousand orders with ~20%
 //!   duplicates (some concurrent), malformed messages and a reused id, consumes them, and checks
-//!   that every balance adds up. Uses RabbitMQ when it is reachable, the in-memory transport
+//!   that every balance adds up. Uses NATS JetStream when `NATS_URL` is set (or the broker URL
+//!   is a `nats://` one), else RabbitMQ when it is reachable, the in-memory transport
 //!   otherwise; the embedded SQLite file unless `DATABASE_URL` names PostgreSQL or MySQL/MariaDB.
 //! - `cargo run --example orders -- consume`: the long-running consumer.
 //!
@@ -25,6 +26,7 @@ mod status;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use db::Db;
+use idem::nats::{NatsConfig, NatsTransport};
 use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
 use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
 use idem::transport::MemoryTransport;
@@ -66,6 +68,10 @@ struct Settings {
         global = true
     )]
     amqp_url: String,
+    /// A NATS server with JetStream: when set, the example runs on NATS instead of RabbitMQ
+    /// (as it does when the broker URL above is a `nats://` one).
+    #[arg(long, env = "NATS_URL", global = true)]
+    nats_url: Option<String>,
     /// Where the inbox and the orders live: a `sqlite:` URL or file path (embedded, the
     /// default), a `postgres://` or a `mysql://` (MySQL or MariaDB) URL.
     #[arg(
@@ -110,7 +116,8 @@ struct Settings {
     /// connection) before a message is dead-lettered as `poison`.
     #[arg(long, env = "ORDERS_POISON_LIMIT", default_value_t = idem::DEFAULT_POISON_LIMIT, global = true)]
     poison_limit: u32,
-    /// Where messages come from: RabbitMQ, or the in-memory transport (demo only).
+    /// Where messages come from: NATS JetStream, RabbitMQ, or the in-memory transport (demo
+    /// only). `auto`: NATS when `NATS_URL` is set, else RabbitMQ if reachable, else in memory.
     #[arg(long, value_enum, env = "ORDERS_TRANSPORT", default_value_t = TransportKind::Auto, global = true)]
     transport: TransportKind,
     /// How long to wait at start-up for a database or a broker that cannot be reached yet
@@ -136,6 +143,23 @@ impl Settings {
         };
         RabbitConfig::new(&self.amqp_url).queue_type(queue_type)
     }
+
+    /// The NATS server to run on, when the settings choose NATS: `NATS_URL`, or a `nats://`
+    /// broker URL.
+    fn nats(&self) -> Option<NatsConfig> {
+        let url = match (&self.nats_url, self.amqp_url.starts_with("nats://")) {
+            (Some(url), _) => url.clone(),
+            (None, true) => self.amqp_url.clone(),
+            (None, false) if self.transport == TransportKind::Nats => {
+                "nats://127.0.0.1:4222".to_owned()
+            }
+            (None, false) => return None,
+        };
+        match self.transport {
+            TransportKind::Auto | TransportKind::Nats => Some(NatsConfig::new(url)),
+            TransportKind::Rabbitmq | TransportKind::Memory => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -144,6 +168,8 @@ enum TransportKind {
     Auto,
     /// RabbitMQ.
     Rabbitmq,
+    /// NATS JetStream (`NATS_URL`, default nats://127.0.0.1:4222).
+    Nats,
     /// In memory, nothing installed (demo only).
     Memory,
 }
@@ -180,7 +206,7 @@ async fn consume(
 ) -> anyhow::Result<()> {
     anyhow::ensure!(
         settings.transport != TransportKind::Memory,
-        "`consume` needs RabbitMQ; the in-memory transport is for `demo`"
+        "`consume` needs a broker; the in-memory transport is for `demo`"
     );
     let metrics = match metrics_addr {
         Some(_) => Some(
@@ -190,8 +216,12 @@ async fn consume(
         ),
         None => None,
     };
-    let transport = RabbitTransport::new(settings.rabbit());
-    let runtime = runtime(settings, db).transport(transport).build()?;
+    let builder = runtime(settings, db);
+    let runtime = match settings.nats() {
+        Some(nats) => builder.transport(NatsTransport::new(nats)),
+        None => builder.transport(RabbitTransport::new(settings.rabbit())),
+    }
+    .build()?;
     if let (Some(addr), Some(metrics)) = (metrics_addr, metrics) {
         http::serve(addr, metrics, runtime.health())
             .await
@@ -271,7 +301,9 @@ async fn status_partitions(settings: &Settings) -> anyhow::Result<usize> {
             idem::MAX_PARTITIONS
         );
     }
-    if settings.transport == TransportKind::Memory || wanted == Some(1) {
+    // The in-memory transport and NATS route partitions themselves: no plugin to ask for.
+    if settings.transport == TransportKind::Memory || settings.nats().is_some() || wanted == Some(1)
+    {
         return Ok(wanted.unwrap_or(DEFAULT_PARTITIONS));
     }
     match idem::rabbitmq::consistent_hash_available(&settings.rabbit()).await {
@@ -343,8 +375,9 @@ fn runtime(settings: &Settings, db: &Db) -> RuntimeBuilder {
     }
 }
 
-/// RabbitMQ or the in-memory transport, as configured and reachable.
+/// NATS, RabbitMQ or the in-memory transport, as configured and reachable.
 enum Broker {
+    Nats(NatsTransport),
     Rabbit(Box<(RabbitTransport, Publisher)>),
     Memory(MemoryTransport),
 }
@@ -353,6 +386,20 @@ impl Broker {
     async fn open(settings: &Settings) -> anyhow::Result<Self> {
         if settings.transport == TransportKind::Memory {
             return Ok(Self::Memory(MemoryTransport::new()));
+        }
+        if let Some(config) = settings.nats() {
+            let redacted = config.redacted_url();
+            let transport = NatsTransport::new(config);
+            // Connects (declaring nothing yet): a server that is not there fails here.
+            idem::transport::Transport::declare(&transport, &[])
+                .await
+                .with_context(|| {
+                    format!(
+                        "NATS is not reachable at {redacted} (NATS_URL); start it with JetStream \
+                         (`nats-server -js`, or `docker compose up -d nats`), or unset NATS_URL"
+                    )
+                })?;
+            return Ok(Self::Nats(transport));
         }
         let config = settings.rabbit();
         match Publisher::connect(&config).await {

@@ -1,0 +1,158 @@
+//! One handler queue's consumer: where a JetStream delivery enters idem. It declares the
+//! queue's streams and durable consumer (again after any failure), pulls at most `prefetch`
+//! messages at a time, turns each into a [`Delivery`] in the handler's mailbox, and runs the
+//! queue's retry forwarder beside it. A lost connection or consumer ends a session; the next
+//! one starts after a backoff, until the runtime stops it.
+
+use crate::connection::Shared;
+use crate::names::durable;
+use crate::settle::{NatsSettle, Progress};
+use crate::{envelope, retry, topology};
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::message::Acker;
+use futures_util::StreamExt;
+use idem_core::model::BoxError;
+use idem_core::{Delivery, QueueSpec, StopSignal};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// How a session ended without an error.
+enum Ended {
+    Stopped,
+    MailboxClosed,
+}
+
+pub(crate) struct Consumer {
+    pub(crate) shared: Shared,
+    pub(crate) spec: QueueSpec,
+    pub(crate) prefetch: u16,
+    pub(crate) mailbox: mpsc::Sender<Delivery>,
+    pub(crate) stop: StopSignal,
+}
+
+impl Consumer {
+    /// Consumes until `stop` is raised, starting a new session after any failure. Deliveries
+    /// unsettled when a session fails are redelivered by JetStream once their ack wait ends.
+    pub(crate) async fn run(mut self) {
+        let config = self.shared.config.clone();
+        let mut backoff = config.reconnect_min;
+        while !*self.stop.borrow() {
+            let ended = self.session().await;
+            self.shared.set_consuming(&self.spec.queue, false);
+            idem_core::telemetry::broker_connected(&self.spec.queue, false);
+            match ended {
+                Ok(Ended::Stopped | Ended::MailboxClosed) => return,
+                Err(e) => {
+                    idem_core::telemetry::reconnect(&self.spec.queue);
+                    tracing::warn!(queue = self.spec.queue, error = %e, retry_in = ?backoff, "NATS consumer lost; consuming again");
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        _ = self.stop.changed() => return,
+                    }
+                    backoff = (backoff * 2).min(config.reconnect_max);
+                }
+            }
+        }
+    }
+
+    async fn session(&mut self) -> Result<Ended, BoxError> {
+        let js = self.shared.jetstream().await?;
+        let (names, _) = topology::declare(&js, &self.spec, self.shared.config.ack_wait).await?;
+        let stream = js.get_stream(&names.stream).await?;
+        let consumer: PullConsumer = stream.get_consumer(&durable(&self.spec.consumer)).await?;
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(usize::from(self.prefetch).max(1))
+            .heartbeat(Duration::from_secs(5))
+            .messages()
+            .await?;
+        let mut forwarder = AbortOnDrop(tokio::spawn(retry::forward(js.clone(), names.clone())));
+        self.shared.set_consuming(&self.spec.queue, true);
+        idem_core::telemetry::broker_connected(&self.spec.queue, true);
+        loop {
+            let message = tokio::select! {
+                next = messages.next() => next,
+                () = stopped(&mut self.stop) => return Ok(Ended::Stopped),
+                ended = &mut forwarder.0 => {
+                    let why = match ended {
+                        Ok(Err(e)) => e.to_string(),
+                        Ok(Ok(())) => "it ended".to_owned(),
+                        Err(e) => e.to_string(),
+                    };
+                    return Err(format!("the retry forwarder stopped: {why}").into());
+                }
+            };
+            let message = match message {
+                Some(Ok(message)) => message,
+                Some(Err(e)) => {
+                    give_back(&mut messages).await;
+                    return Err(e.into());
+                }
+                None => return Err("the consumer's message stream ended".into()),
+            };
+            let (delivered, sequence) = match message.info() {
+                Ok(info) => (info.delivered, info.stream_sequence),
+                Err(e) => return Err(format!("a delivery without its JetStream info: {e}").into()),
+            };
+            let progress = Progress::start(
+                Acker::new(js.clone(), message.reply.clone()),
+                self.shared.config.ack_wait / 3,
+            );
+            let (message, acker) = message.split();
+            let envelope = envelope::envelope(
+                message.subject.as_str(),
+                message.headers.as_ref(),
+                message.payload.to_vec(),
+                delivered,
+            );
+            let settle = NatsSettle {
+                acker,
+                js: js.clone(),
+                names: names.clone(),
+                body: message.payload,
+                sequence,
+                _progress: progress,
+            };
+            let permit = tokio::select! {
+                permit = self.mailbox.reserve() => permit,
+                () = stopped(&mut self.stop) => {
+                    // Not handed to the runtime: given back for redelivery now.
+                    let _ = settle.acker.ack_with(AckKind::Nak(None)).await;
+                    return Ok(Ended::Stopped);
+                }
+            };
+            let Ok(permit) = permit else {
+                let _ = settle.acker.ack_with(AckKind::Nak(None)).await;
+                return Ok(Ended::MailboxClosed);
+            };
+            permit.send(Delivery {
+                envelope,
+                settle: Box::new(settle),
+            });
+        }
+    }
+}
+
+/// Gives back the messages the failed stream already pulled, so that JetStream redelivers
+/// them as soon as the connection is back instead of after their ack wait.
+async fn give_back(messages: &mut async_nats::jetstream::consumer::pull::Stream) {
+    use futures_util::FutureExt;
+    while let Some(Some(Ok(message))) = messages.next().now_or_never() {
+        let _ = message.ack_with(AckKind::Nak(None)).await;
+    }
+}
+
+/// Resolves once `stop` is raised.
+async fn stopped(stop: &mut StopSignal) {
+    let _ = stop.wait_for(|stopped| *stopped).await;
+}
+
+/// Aborts the task when dropped: the retry forwarder lives as long as its session.
+struct AbortOnDrop(tokio::task::JoinHandle<Result<(), BoxError>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}

@@ -1,0 +1,95 @@
+//! [`NatsOutbound`]: the outbox's publisher on JetStream. A message goes to the subject its
+//! routing key names, or to its partition of an ordered handler's source
+//! ([`crate::NatsTransport::subject`]),
+//! with `Nats-Msg-Id` = its message id, which for outbox messages is deterministic: a message
+//! published again within the stream's duplicate window is dropped by JetStream itself, a
+//! second line of defence before the consumer's inbox. A subject no stream holds is
+//! [`OutboundError::Unroutable`].
+
+use crate::connection::Shared;
+use crate::envelope;
+use async_nats::jetstream::context::PublishErrorKind;
+use idem_core::{BoxFuture, Outbound, OutboundError, Outgoing};
+
+/// The outbox's publisher on a [`crate::NatsTransport`]'s connection.
+pub(crate) struct NatsOutbound {
+    shared: Shared,
+}
+
+impl NatsOutbound {
+    pub(crate) fn new(shared: Shared) -> Self {
+        Self { shared }
+    }
+
+    /// The subject of `message` ([`crate::NatsTransport::subject`]).
+    fn subject(&self, message: &Outgoing) -> String {
+        self.shared.subject(&message.exchange, &message.routing_key)
+    }
+}
+
+fn failed(message: &Outgoing, e: async_nats::jetstream::context::PublishError) -> OutboundError {
+    match e.kind() {
+        PublishErrorKind::StreamNotFound => OutboundError::Unroutable {
+            exchange: message.exchange.clone(),
+            routing_key: message.routing_key.clone(),
+        },
+        _ => OutboundError::Broker(e.into()),
+    }
+}
+
+impl Outbound for NatsOutbound {
+    fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>> {
+        Box::pin(async move {
+            let js = self
+                .shared
+                .jetstream()
+                .await
+                .map_err(|e| OutboundError::Broker(e.into()))?;
+            let envelope = &message.envelope;
+            let headers = envelope::headers(envelope, envelope.message_id.as_deref());
+            let body = bytes::Bytes::copy_from_slice(&envelope.body);
+            let ack = js
+                .publish_with_headers(self.subject(message), headers, body)
+                .await
+                .map_err(|e| failed(message, e))?;
+            ack.await.map(drop).map_err(|e| failed(message, e))
+        })
+    }
+
+    /// Sends every message before it waits for their confirms, in order.
+    fn publish_all<'a>(
+        &'a self,
+        messages: &'a [Outgoing],
+    ) -> BoxFuture<'a, Vec<Result<(), OutboundError>>> {
+        Box::pin(async move {
+            let js = match self.shared.jetstream().await {
+                Ok(js) => js,
+                Err(e) => {
+                    let why = e.to_string();
+                    return messages
+                        .iter()
+                        .map(|_| Err(OutboundError::Broker(why.clone().into())))
+                        .collect();
+                }
+            };
+            let mut pending = Vec::with_capacity(messages.len());
+            for message in messages {
+                let envelope = &message.envelope;
+                let headers = envelope::headers(envelope, envelope.message_id.as_deref());
+                let body = bytes::Bytes::copy_from_slice(&envelope.body);
+                pending.push(
+                    js.publish_with_headers(self.subject(message), headers, body)
+                        .await,
+                );
+            }
+            let mut results = Vec::with_capacity(messages.len());
+            for (message, sent) in messages.iter().zip(pending) {
+                results.push(match sent {
+                    Ok(ack) => ack.await.map(drop).map_err(|e| failed(message, e)),
+                    Err(e) => Err(failed(message, e)),
+                });
+            }
+            results
+        })
+    }
+}

@@ -1,0 +1,170 @@
+//! [`NatsSettle`]: how one JetStream delivery is settled. An ack is a double ack (the server
+//! confirms it); a retry publishes a copy to the queue's retry stream with the next attempt
+//! and its due time, confirmed, then acks the original; a dead letter is published to the
+//! dead-letter stream, confirmed, then acked; a release is a negative ack, for redelivery now.
+//! A crash between a copy's publish and the ack leaves both; the copy's `Nats-Msg-Id` makes
+//! JetStream drop a second copy, and the inbox makes a second run a duplicate.
+//!
+//! Until it is settled, a delivery tells JetStream it is in progress every third of the ack
+//! wait ([`Progress`]), so a long handler is not redelivered while it runs; and an ack the
+//! connection lost is sent again for a while, since JetStream takes it as long as it has not
+//! redelivered the message.
+
+use crate::envelope::{self, DUE_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER};
+use crate::names::Names;
+use async_nats::header::HeaderValue;
+use async_nats::jetstream::{AckKind, Context, message::Acker};
+use bytes::Bytes;
+use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// How long an ack is sent again when the connection fails under it.
+const ACK_PATIENCE: Duration = Duration::from_secs(10);
+
+/// One delivery's settlement.
+pub(crate) struct NatsSettle {
+    pub(crate) acker: Acker,
+    pub(crate) js: Context,
+    pub(crate) names: Names,
+    pub(crate) body: Bytes,
+    /// The delivery's sequence in its stream: its name when it has no message id.
+    pub(crate) sequence: u64,
+    /// Tells JetStream the delivery is in progress until this is dropped.
+    pub(crate) _progress: Progress,
+}
+
+/// The in-progress signals of one delivery, sent every `every` until dropped.
+pub(crate) struct Progress(tokio::task::JoinHandle<()>);
+
+impl Progress {
+    /// Starts telling JetStream, through `acker`, that a delivery is in progress.
+    pub(crate) fn start(acker: Acker, every: Duration) -> Self {
+        Self(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if let Err(e) = acker.ack_with(AckKind::Progress).await {
+                    tracing::debug!(error = %e, "an in-progress signal was not sent");
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Acks through `acker` with JetStream's confirm, again for a while when it fails.
+async fn double_ack(acker: &Acker) -> Result<(), TransportError> {
+    let deadline = tokio::time::Instant::now() + ACK_PATIENCE;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match acker.double_ack().await {
+            Ok(()) => return Ok(()),
+            Err(e) if tokio::time::Instant::now() + pause > deadline => {
+                return Err(settle_error(e));
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "an ack was not confirmed; sending it again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+fn settle_error(e: impl Into<idem_core::model::BoxError>) -> TransportError {
+    TransportError::Settle(e.into())
+}
+
+/// Milliseconds since the Unix epoch.
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl NatsSettle {
+    /// The id copies of this delivery are named after: its message id, else its sequence.
+    fn base_id(&self, envelope: &Envelope) -> String {
+        envelope
+            .message_id
+            .clone()
+            .unwrap_or_else(|| format!("{}#{}", self.names.stream, self.sequence))
+    }
+
+    /// Publishes `headers` and the body to `subject` and waits for JetStream's confirm; then
+    /// acks this delivery. A failed publish gives the delivery back for redelivery now.
+    async fn move_to(
+        self,
+        subject: &str,
+        headers: async_nats::HeaderMap,
+    ) -> Result<(), TransportError> {
+        let published = async {
+            self.js
+                .publish_with_headers(subject.to_owned(), headers, self.body.clone())
+                .await?
+                .await
+        };
+        if let Err(e) = published.await {
+            let _ = self.acker.ack_with(AckKind::Nak(None)).await;
+            return Err(settle_error(format!("publishing to `{subject}`: {e}")));
+        }
+        double_ack(&self.acker).await
+    }
+}
+
+impl Settle for NatsSettle {
+    fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move { double_ack(&self.acker).await })
+    }
+
+    fn retry<'a>(
+        self: Box<Self>,
+        envelope: &'a Envelope,
+        delay: Duration,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let mut copy = envelope.clone();
+            copy.attempt = envelope.attempt.saturating_add(1);
+            let msg_id = format!("{}.a{}", self.base_id(envelope), copy.attempt);
+            let mut headers = envelope::headers(&copy, Some(&msg_id));
+            let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+            let due = now_ms().saturating_add(delay_ms);
+            headers.insert(DUE_HEADER, HeaderValue::from(due));
+            let subject = self.names.retry_subject.clone();
+            self.move_to(&subject, headers).await
+        })
+    }
+
+    fn dead_letter<'a>(
+        self: Box<Self>,
+        envelope: &'a Envelope,
+        reason: &'a DeadLetter,
+    ) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let msg_id = format!("{}.dlq", self.base_id(envelope));
+            let mut headers = envelope::headers(envelope, Some(&msg_id));
+            headers.insert(REASON_HEADER, HeaderValue::from_lossy(&reason.reason));
+            let detail: String = reason.detail.chars().take(1024).collect();
+            headers.insert(REASON_DETAIL_HEADER, HeaderValue::from_lossy(&detail));
+            headers.insert(
+                SOURCE_QUEUE_HEADER,
+                HeaderValue::from_lossy(&self.names.subject),
+            );
+            let subject = self.names.dlq_subject.clone();
+            self.move_to(&subject, headers).await
+        })
+    }
+
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
+        Box::pin(async move {
+            self.acker
+                .ack_with(AckKind::Nak(None))
+                .await
+                .map_err(settle_error)
+        })
+    }
+}

@@ -1,0 +1,163 @@
+//! Declaring what a handler queue needs on JetStream: its three streams (messages, retry
+//! copies, dead letters) and the durable pull consumers of the handler and of the retry
+//! forwarder. A partition of an ordered handler is a queue of its own (`<source>.p<i>`) whose
+//! consumer has one message in flight at a time. Existing streams and consumers are kept when they agree, and refused, naming the
+//! setting, when they do not.
+
+use crate::names::{Names, durable};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+use async_nats::jetstream::stream::{Config, RetentionPolicy, Stream};
+use async_nats::jetstream::{self, Context};
+use idem_core::{QueueSpec, TransportError};
+use std::time::Duration;
+
+/// The durable consumer of a queue's retry stream, shared by every process.
+pub(crate) const RETRY_CONSUMER: &str = "idem-retry";
+
+fn topology(
+    queue: &str,
+    action: &'static str,
+    source: impl Into<idem_core::model::BoxError>,
+) -> TransportError {
+    TransportError::Topology {
+        queue: queue.to_owned(),
+        action,
+        source: source.into(),
+    }
+}
+
+/// Declares the streams of `spec`'s queue and its handler's durable consumer.
+pub(crate) async fn declare(
+    js: &Context,
+    spec: &QueueSpec,
+    ack_wait: Duration,
+) -> Result<(Names, pull::Config), TransportError> {
+    let names =
+        Names::of(&spec.queue).map_err(|why| topology(&spec.queue, "naming its subject", why))?;
+    let main = stream(
+        js,
+        &names.stream,
+        &names.subject,
+        RetentionPolicy::WorkQueue,
+    )
+    .await?;
+    stream(
+        js,
+        &names.retry_stream,
+        &names.retry_subject,
+        RetentionPolicy::WorkQueue,
+    )
+    .await?;
+    stream(
+        js,
+        &names.dlq_stream,
+        &names.dlq_subject,
+        RetentionPolicy::Limits,
+    )
+    .await?;
+    let mut config = consumer_config(&durable(&spec.consumer), &names.subject, ack_wait);
+    if spec.partition.is_some() {
+        // One partition of an ordered handler: one message in flight at a time, across every
+        // process, so that its messages are handled one after another in publish order.
+        config.max_ack_pending = 1;
+    }
+    consumer(&main, &names.stream, &config).await?;
+    let retry = js
+        .get_stream(&names.retry_stream)
+        .await
+        .map_err(|e| topology(&names.retry_stream, "reading the retry stream", e))?;
+    let retry_config = consumer_config(RETRY_CONSUMER, &names.retry_subject, ack_wait);
+    consumer(&retry, &names.retry_stream, &retry_config).await?;
+    Ok((names, config))
+}
+
+/// The durable pull consumer `name` of `subject`: explicit acks, redelivered without limit
+/// (idem's poison limit decides), from the first message.
+pub(crate) fn consumer_config(name: &str, subject: &str, ack_wait: Duration) -> pull::Config {
+    pull::Config {
+        durable_name: Some(name.to_owned()),
+        filter_subject: subject.to_owned(),
+        ack_policy: AckPolicy::Explicit,
+        deliver_policy: DeliverPolicy::All,
+        ack_wait,
+        max_deliver: -1,
+        max_ack_pending: 10_000,
+        ..pull::Config::default()
+    }
+}
+
+/// The stream `name` holding `subject`, created if absent; an existing one must hold the
+/// subject with the same retention.
+async fn stream(
+    js: &Context,
+    name: &str,
+    subject: &str,
+    retention: RetentionPolicy,
+) -> Result<Stream, TransportError> {
+    let config = Config {
+        name: name.to_owned(),
+        subjects: vec![subject.to_owned()],
+        retention,
+        storage: jetstream::stream::StorageType::File,
+        ..Config::default()
+    };
+    let stream = js
+        .get_or_create_stream(config)
+        .await
+        .map_err(|e| topology(name, "declaring the stream", e))?;
+    let existing = &stream.cached_info().config;
+    if existing.retention != retention {
+        return Err(topology(
+            name,
+            "checking the existing stream",
+            format!(
+                "it has retention {:?}, idem needs {retention:?}; delete the stream or use another queue name",
+                existing.retention
+            ),
+        ));
+    }
+    if !existing.subjects.iter().any(|s| s == subject) {
+        return Err(topology(
+            name,
+            "checking the existing stream",
+            format!(
+                "it holds subjects {:?}, not `{subject}`; delete the stream or use another queue name",
+                existing.subjects
+            ),
+        ));
+    }
+    Ok(stream)
+}
+
+/// The durable consumer of `config` on `stream`, created if absent; an existing one must filter
+/// the same subject with explicit acks.
+async fn consumer(
+    stream: &Stream,
+    name: &str,
+    config: &pull::Config,
+) -> Result<(), TransportError> {
+    let durable = config.durable_name.clone().unwrap_or_default();
+    let consumer = stream
+        .get_or_create_consumer::<pull::Config>(&durable, config.clone())
+        .await
+        .map_err(|e| topology(name, "declaring the durable consumer", e))?;
+    let existing = &consumer.cached_info().config;
+    if existing.filter_subject != config.filter_subject
+        || existing.ack_policy != AckPolicy::Explicit
+        || existing.max_ack_pending != config.max_ack_pending
+    {
+        return Err(topology(
+            name,
+            "checking the existing consumer",
+            format!(
+                "consumer `{durable}` filters `{}` with ack policy {:?} and at most {} unacknowledged; idem needs `{}` with explicit acks and {}; delete the consumer",
+                existing.filter_subject,
+                existing.ack_policy,
+                existing.max_ack_pending,
+                config.filter_subject,
+                config.max_ack_pending
+            ),
+        ));
+    }
+    Ok(())
+}

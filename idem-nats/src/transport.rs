@@ -1,0 +1,163 @@
+//! [`NatsTransport`]: the [`Transport`] the runtime uses with NATS JetStream.
+
+use crate::config::NatsConfig;
+use crate::connection::Shared;
+use crate::consume::Consumer;
+use crate::outbound::NatsOutbound;
+use crate::topology;
+use idem_core::{
+    BoxFuture, Delivery, Envelope, Outbound, OutboundError, QueueSpec, StopSignal, Transport,
+    TransportError,
+};
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// NATS JetStream through async-nats: one connection per process, which the client reconnects;
+/// per handler queue a work-queue stream, a durable pull consumer and a retry forwarder.
+#[derive(Debug, Clone)]
+pub struct NatsTransport {
+    shared: Shared,
+}
+
+impl NatsTransport {
+    /// A transport with `config`. Nothing connects until the runtime starts.
+    pub fn new(config: NatsConfig) -> Self {
+        Self {
+            shared: Shared::new(config),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &NatsConfig {
+        &self.shared.config
+    }
+
+    /// The subject a message for `exchange` with `routing_key` goes to: the queue the routing
+    /// key names (no exchange); the partition of the routing key (an ordered handler's source
+    /// this transport declared, as `<source>.p<lane_of(key)>`); else
+    /// `<exchange>.<routing_key>`.
+    pub fn subject(&self, exchange: &str, routing_key: &str) -> String {
+        self.shared.subject(exchange, routing_key)
+    }
+
+    /// Publishes `envelope` to `subject` ([`NatsTransport::subject`] names a queue's or a
+    /// partition's) and waits for JetStream's confirm, with `Nats-Msg-Id` = `msg_id`, else the
+    /// envelope's message id; whether JetStream dropped it as a duplicate of a message with
+    /// that id it took within its duplicate window. A producer that publishes copies of one
+    /// message on purpose gives each its own `msg_id`; the envelope's message id travels
+    /// beside it.
+    pub async fn publish(
+        &self,
+        subject: &str,
+        envelope: &Envelope,
+        msg_id: Option<&str>,
+    ) -> Result<bool, OutboundError> {
+        let js = self
+            .shared
+            .jetstream()
+            .await
+            .map_err(|e| OutboundError::Broker(e.into()))?;
+        let msg_id = msg_id.or(envelope.message_id.as_deref());
+        let headers = crate::envelope::headers(envelope, msg_id);
+        let body = bytes::Bytes::copy_from_slice(&envelope.body);
+        let unroutable = || OutboundError::Unroutable {
+            exchange: String::new(),
+            routing_key: subject.to_owned(),
+        };
+        let failed = |e: async_nats::jetstream::context::PublishError| match e.kind() {
+            async_nats::jetstream::context::PublishErrorKind::StreamNotFound => unroutable(),
+            _ => OutboundError::Broker(e.into()),
+        };
+        let ack = js
+            .publish_with_headers(subject.to_owned(), headers, body)
+            .await
+            .map_err(failed)?
+            .await
+            .map_err(failed)?;
+        Ok(ack.duplicate)
+    }
+
+    /// Deletes `queue`'s streams (its messages, retry copies and dead letters, with their
+    /// consumers) and returns how many messages they held; a stream that does not exist counts
+    /// none. For demos and tests that start afresh.
+    pub async fn delete_queue(&self, queue: &str) -> Result<u64, TransportError> {
+        let names = crate::names::Names::of(queue).map_err(|why| TransportError::Topology {
+            queue: queue.to_owned(),
+            action: "naming its subject",
+            source: why.into(),
+        })?;
+        let js = self.shared.jetstream().await?;
+        let mut removed = 0;
+        for stream in [&names.stream, &names.retry_stream, &names.dlq_stream] {
+            let Ok(mut found) = js.get_stream(stream).await else {
+                continue;
+            };
+            let held = found.info().await.map_or(0, |info| info.state.messages);
+            js.delete_stream(stream)
+                .await
+                .map_err(|e| TransportError::Topology {
+                    queue: stream.clone(),
+                    action: "deleting the stream",
+                    source: e.into(),
+                })?;
+            removed += held;
+        }
+        Ok(removed)
+    }
+}
+
+impl Transport for NatsTransport {
+    fn declare<'a>(&'a self, queues: &'a [QueueSpec]) -> BoxFuture<'a, Result<(), TransportError>> {
+        Box::pin(async move {
+            let js = self.shared.jetstream().await?;
+            for spec in queues {
+                topology::declare(&js, spec, self.shared.config.ack_wait).await?;
+                if let Some(partition) = &spec.partition {
+                    self.shared.partitioned(partition);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn consume(
+        &self,
+        queue: QueueSpec,
+        prefetch: u16,
+        mailbox: mpsc::Sender<Delivery>,
+        stop: StopSignal,
+    ) -> BoxFuture<'static, ()> {
+        let consumer = Consumer {
+            shared: self.shared.clone(),
+            spec: queue,
+            prefetch,
+            mailbox,
+            stop,
+        };
+        Box::pin(consumer.run())
+    }
+
+    /// Flushes what the connection has buffered (acks among it); unsettled deliveries are
+    /// redelivered by JetStream once their ack wait ends.
+    fn close(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some(client) = self.shared.opened() {
+                let _ = client.flush().await;
+            }
+        })
+    }
+
+    /// Whether `queue` has a consuming session and the connection is up now.
+    fn connected(&self, queue: &str) -> bool {
+        let up = self
+            .shared
+            .opened()
+            .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
+        up && self.shared.is_consuming(queue)
+    }
+
+    /// Publishes through this transport's connection, each message confirmed by JetStream.
+    fn outbound(&self) -> Option<Arc<dyn Outbound>> {
+        Some(Arc::new(NatsOutbound::new(self.shared.clone())))
+    }
+}

@@ -1,0 +1,712 @@
+//! The runtime on NATS JetStream (`idem::nats`) against a real server and a real SQLite inbox:
+//! copies and redeliveries take effect once, a transient failure is retried as the next
+//! attempt after its delay, a permanent one is dead-lettered to the dead-letter stream with its
+//! reason and its record, the outbox publishes through JetStream with its message ids, and a
+//! start without a server, or with an ordered handler, fails naming the fix. NATS must listen
+//! on `NATS_URL` (default `nats://127.0.0.1:4222`) with JetStream enabled.
+
+#![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
+
+mod common;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, Context as JetStream};
+use common::running::{DEADLINE, start};
+use common::watched;
+use common::{unique, wait_until};
+use idem::nats::{NatsConfig, NatsTransport};
+use idem::prelude::*;
+use idem::sql::SqliteInbox;
+use idem::transport::{QueueSpec, Transport};
+use sqlx::SqlitePool;
+use std::time::Duration;
+
+/// The server the tests use.
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// A JetStream context on the test server, or a failure saying how to start one.
+async fn jetstream_or_fail() -> JetStream {
+    let url = nats_url();
+    let connected = tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&url)).await;
+    let client = match connected {
+        Ok(Ok(client)) => client,
+        other => panic!(
+            "NATS is not reachable at {url} ({other:?}): start it with JetStream \
+             (`docker compose up -d nats`, or `nats-server -js -sd <a directory>`), or point NATS_URL at one"
+        ),
+    };
+    jetstream::new(client)
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Order {
+    id: String,
+    cents: i64,
+    /// `once`: fails transiently on its first attempt; `always`: fails for good.
+    fail: Option<String>,
+    /// A queue to send the order on to, through the outbox.
+    forward_to: Option<String>,
+}
+
+#[idempotent(key = "order.id", store = Sqlite, consumer = "nats.orders")]
+async fn nats_orders(
+    tx: &mut Transaction<'_, sqlx::Sqlite>,
+    order: Order,
+    ctx: &Context<'_>,
+) -> Result<(), HandlerError> {
+    match order.fail.as_deref() {
+        Some("once") if ctx.attempt() == 1 => return Err(HandlerError::transient("not yet")),
+        Some("always") => return Err(HandlerError::permanent("no such customer")),
+        _ => {}
+    }
+    sqlx::query(
+        "INSERT INTO nats_applied (handler, id, cents, attempt) VALUES ('orders', ?, ?, ?)",
+    )
+    .bind(&order.id)
+    .bind(order.cents)
+    .bind(i64::from(ctx.attempt()))
+    .execute(&mut **tx)
+    .await?;
+    if let Some(queue) = &order.forward_to {
+        let shipped = Order {
+            forward_to: None,
+            fail: None,
+            ..order
+        };
+        idem::outbox::stage(tx, ctx, Outgoing::to_queue(queue.as_str(), &shipped)?).await?;
+    }
+    Ok(())
+}
+
+#[idempotent(key = "order.id", store = Sqlite, consumer = "nats.shipping")]
+async fn nats_shipping(
+    tx: &mut Transaction<'_, sqlx::Sqlite>,
+    order: Order,
+    ctx: &Context<'_>,
+) -> Result<(), HandlerError> {
+    let message_id = ctx.message_id().unwrap_or_default().to_owned();
+    sqlx::query("INSERT INTO nats_applied (handler, id, cents, attempt, message_id) VALUES ('shipping', ?, ?, ?, ?)")
+        .bind(&order.id)
+        .bind(order.cents)
+        .bind(i64::from(ctx.attempt()))
+        .bind(message_id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Update {
+    id: String,
+    order: String,
+    seq: i64,
+    fail_once: bool,
+}
+
+/// The updates that already failed once.
+static FAILED_ONCE: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Applies an order's status updates, refusing one that does not follow the last applied.
+#[idempotent(key = "update.id", store = Sqlite, consumer = "nats.status")]
+async fn nats_status(
+    tx: &mut Transaction<'_, sqlx::Sqlite>,
+    update: Update,
+) -> Result<(), HandlerError> {
+    if update.fail_once {
+        let mut failed = FAILED_ONCE.lock().unwrap();
+        if !failed.contains(&update.id) {
+            failed.push(update.id.clone());
+            return Err(HandlerError::transient("a deadlock, say"));
+        }
+    }
+    let last: Option<i64> =
+        sqlx::query_scalar("SELECT MAX(seq) FROM nats_status WHERE order_id = ?")
+            .bind(&update.order)
+            .fetch_one(&mut **tx)
+            .await?;
+    if last.unwrap_or(0) + 1 != update.seq {
+        return Err(HandlerError::permanent(format!(
+            "update {} of {} after {last:?}: out of order",
+            update.seq, update.order
+        )));
+    }
+    sqlx::query("INSERT INTO nats_status (order_id, seq) VALUES (?, ?)")
+        .bind(&update.order)
+        .bind(update.seq)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// One test's world: its queues, its SQLite inbox with the handlers' table, its transport.
+struct World {
+    js: JetStream,
+    pool: SqlitePool,
+    _dir: tempfile::TempDir,
+    orders: String,
+    shipping: String,
+    transport: NatsTransport,
+}
+
+impl World {
+    async fn new(name: &str) -> Self {
+        let js = jetstream_or_fail().await;
+        let (pool, dir) = common::sqlite(4).await;
+        SqliteInbox::new(pool.clone()).migrate().await.unwrap();
+        sqlx::query(
+            "CREATE TABLE nats_applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL, message_id TEXT)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        sqlx::query("CREATE TABLE nats_status (order_id TEXT NOT NULL, seq INTEGER NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let transport = NatsTransport::new(NatsConfig::new(nats_url()));
+        let (orders, shipping) = (unique(&format!("nats-{name}")), unique("nats-ship"));
+        // Declared before anything is published, as a producer's deployment does.
+        let specs = [
+            QueueSpec::new(orders.as_str(), "nats.orders"),
+            QueueSpec::new(shipping.as_str(), "nats.shipping"),
+        ];
+        transport.declare(&specs).await.unwrap();
+        Self {
+            js,
+            pool,
+            _dir: dir,
+            orders,
+            shipping,
+            transport,
+        }
+    }
+
+    fn runtime(&self) -> idem::RuntimeBuilder {
+        Runtime::builder()
+            .transport(self.transport.clone())
+            .store(SqliteInbox::new(self.pool.clone()))
+            .handlers(["nats.orders", "nats.shipping"])
+            .handler_queue("nats.orders", self.orders.as_str())
+            .handler_queue("nats.shipping", self.shipping.as_str())
+            .retry(
+                RetryPolicy::new(3, Duration::from_millis(300), 2, Duration::from_secs(1)).unwrap(),
+            )
+            .relay(Duration::from_millis(200), Duration::from_millis(100))
+    }
+
+    /// Publishes `order` to the orders queue as JetStream message `nats_id`; whether JetStream
+    /// took it as a duplicate of an earlier one.
+    async fn publish(&self, nats_id: &str, order: &Order) -> bool {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", nats_id);
+        let body = serde_json::to_vec(order).unwrap();
+        let ack = self
+            .js
+            .publish_with_headers(self.orders.clone(), headers, body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        ack.duplicate
+    }
+
+    /// `(handler, id, cents, attempt, message_id)` of every applied order, in order.
+    async fn applied(&self) -> Vec<(String, String, i64, i64, Option<String>)> {
+        sqlx::query_as(
+            "SELECT handler, id, cents, attempt, message_id FROM nats_applied ORDER BY handler, id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    async fn cleanup(self) {
+        for queue in [&self.orders, &self.shipping] {
+            let stream = format!("IDEM_{queue}");
+            for name in [
+                stream.clone(),
+                format!("{stream}_RETRY"),
+                format!("{stream}_DLQ"),
+            ] {
+                let _ = self.js.delete_stream(&name).await;
+            }
+        }
+    }
+}
+
+fn order(id: &str, cents: i64) -> Order {
+    Order {
+        id: id.to_owned(),
+        cents,
+        fail: None,
+        forward_to: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn copies_and_redeliveries_take_effect_once() {
+    let w = World::new("once").await;
+    let mut published = 0;
+    for n in 0..40 {
+        // Distinct JetStream ids: copies JetStream keeps, for the inbox to settle.
+        for copy in 0..(n % 3 + 1) {
+            assert!(
+                !w.publish(&format!("o-{n}.{copy}"), &order(&format!("o-{n}"), n))
+                    .await
+            );
+            published += 1;
+        }
+    }
+    // A copy with a JetStream id seen within the duplicate window is dropped by JetStream.
+    assert!(w.publish("o-0.0", &order("o-0", 0)).await);
+    let running = start(w.runtime());
+    wait_until("every copy settled", DEADLINE, || async {
+        running.now().settled() >= published
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.duplicates, seen.dead_lettered),
+        (40, published - 40, 0)
+    );
+    let applied = w.applied().await;
+    assert_eq!(applied.len(), 40, "{applied:?}");
+    assert!(applied.iter().all(|(_, _, _, attempt, _)| *attempt == 1));
+    // Acked with confirms: nothing is left in the work queue.
+    let mut stream = w.js.get_stream(format!("IDEM_{}", w.orders)).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 0);
+    w.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_transient_failure_is_retried_and_a_permanent_one_is_dead_lettered_with_its_reason() {
+    let w = World::new("fail").await;
+    let once = Order {
+        fail: Some("once".to_owned()),
+        ..order("t-1", 7)
+    };
+    let always = Order {
+        fail: Some("always".to_owned()),
+        ..order("p-1", 9)
+    };
+    w.publish("t-1", &once).await;
+    w.publish("p-1", &always).await;
+    // Bytes that are not JSON, nor UTF-8, with a NUL: dead-lettered as undecodable.
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "bad-1");
+    let bad: &[u8] = b"\xff\x00{not json";
+    w.js.publish_with_headers(w.orders.clone(), headers, bad.to_vec().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let running = start(w.runtime());
+    wait_until("all three settled", DEADLINE, || async {
+        let now = running.now();
+        now.processed == 1 && now.dead_lettered == 2
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.retried, seen.processed, seen.dead_lettered),
+        (1, 1, 2)
+    );
+    // The retry waited out the policy's first delay (300 ms) before it ran again.
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    // The retry ran as attempt 2, after its delay, from the retry stream.
+    let applied = w.applied().await;
+    assert_eq!(applied.len(), 1);
+    assert_eq!((applied[0].1.as_str(), applied[0].3), ("t-1", 2));
+
+    // The dead letter: once in the dead-letter stream, with its reason and source queue...
+    let dlq =
+        w.js.get_stream(format!("IDEM_{}_DLQ", w.orders))
+            .await
+            .unwrap();
+    let letter = dlq.get_raw_message(1).await.unwrap();
+    let header = |name: &str| letter.headers.get(name).map(|v| v.as_str().to_owned());
+    assert_eq!(
+        header("Idem-Dead-Letter-Reason").as_deref(),
+        Some("handler")
+    );
+    assert_eq!(header("Idem-Source-Queue"), Some(w.orders.clone()));
+    assert!(
+        header("Idem-Dead-Letter-Detail")
+            .unwrap()
+            .contains("no such customer")
+    );
+    let body: serde_json::Value = serde_json::from_slice(&letter.payload).unwrap();
+    assert_eq!(body["id"], "p-1");
+    let undecodable = dlq.get_raw_message(2).await.unwrap();
+    assert_eq!(&undecodable.payload[..], b"\xff\x00{not json");
+    assert_eq!(
+        undecodable
+            .headers
+            .get("Idem-Dead-Letter-Reason")
+            .map(|v| v.as_str()),
+        Some("decode")
+    );
+    assert!(dlq.get_raw_message(3).await.is_err(), "dead-lettered twice");
+    // ... and its record in the store, keyed by consumer and key.
+    let records = SqliteInbox::new(w.pool.clone())
+        .dead_letters(&w.orders)
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 2, "{records:?}");
+    assert!(
+        records
+            .iter()
+            .any(|r| (r.reason.as_str(), r.key.as_str()) == ("handler", "p-1"))
+    );
+    assert!(
+        records
+            .iter()
+            .any(|r| r.reason == "decode" && r.describes(Some("bad-1"), bad))
+    );
+    w.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_outbox_publishes_through_jetstream_with_its_message_ids() {
+    let w = World::new("outbox").await;
+    for n in 0..10 {
+        let forwarded = Order {
+            forward_to: Some(w.shipping.clone()),
+            ..order(&format!("s-{n}"), n)
+        };
+        w.publish(&format!("s-{n}"), &forwarded).await;
+    }
+    let running = start(w.runtime());
+    wait_until("both hops processed", DEADLINE, || async {
+        running.now().processed >= 20
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (20, 0));
+    let applied = w.applied().await;
+    let shipped: Vec<_> = applied.iter().filter(|a| a.0 == "shipping").collect();
+    assert_eq!(shipped.len(), 10);
+    for (_, id, _, _, message_id) in shipped {
+        // The outbox's deterministic id travelled as `Nats-Msg-Id`.
+        let expected = idem::outbox::outbox_message_id("nats.orders", id, 0);
+        assert_eq!(message_id.as_deref(), Some(expected.as_str()), "{id}");
+    }
+    w.cleanup().await;
+}
+
+/// The connection of the runtime's transport is cut under load and restored: consuming
+/// resumes, and every order still takes effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_connection_cut_under_load_loses_nothing_and_doubles_nothing() {
+    let mut w = World::new("cut").await;
+    let server = nats_url();
+    let address = server
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .trim_start_matches("nats://");
+    let proxy = common::proxy::Proxy::start(address).await;
+    w.transport = NatsTransport::new(NatsConfig::new(format!(
+        "nats://127.0.0.1:{}",
+        proxy.port()
+    )));
+    for n in 0..300 {
+        w.publish(&format!("c-{n}"), &order(&format!("c-{n}"), n))
+            .await;
+    }
+    let running = start(w.runtime());
+    wait_until("a third processed", DEADLINE, || async {
+        running.now().processed >= 100
+    })
+    .await;
+    proxy.cut();
+    wait_until("the consumer noticed", DEADLINE, || async {
+        !w.transport.connected(&w.orders)
+    })
+    .await;
+    // The client tries to reconnect while the server is away.
+    wait_until("two reconnects refused", DEADLINE, || async {
+        proxy.refused() >= 2
+    })
+    .await;
+    proxy.restore();
+    wait_until("every order processed", DEADLINE, || async {
+        running.now().processed >= 300
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (300, 0));
+    let applied = w.applied().await;
+    assert_eq!(applied.len(), 300, "an order applied twice or lost");
+    let name = format!("IDEM_{}", w.orders);
+    let js = w.js.clone();
+    wait_until("the work queue emptied", DEADLINE, || {
+        let (js, name) = (js.clone(), name.clone());
+        async move {
+            let mut stream = js.get_stream(name).await.unwrap();
+            stream.info().await.unwrap().state.messages == 0
+        }
+    })
+    .await;
+    // A subject no stream holds is unroutable: the relay parks such a row.
+    let nowhere = Outgoing::to_queue(unique("nats-nowhere"), &order("x", 1)).unwrap();
+    let sent = w.transport.outbound().unwrap().publish(&nowhere).await;
+    assert!(
+        matches!(sent, Err(idem::transport::OutboundError::Unroutable { .. })),
+        "{sent:?}"
+    );
+    w.cleanup().await;
+}
+
+/// Two queues whose names differ only where a stream name cannot follow (`.` and `_`) would
+/// share a stream: the second is refused, naming the subject the stream holds.
+#[tokio::test]
+async fn two_queues_that_would_share_a_stream_are_refused() {
+    let js = jetstream_or_fail().await;
+    let base = unique("nats-share");
+    let transport = NatsTransport::new(NatsConfig::new(nats_url()));
+    let dotted = format!("{base}.a");
+    transport
+        .declare(&[QueueSpec::new(dotted.as_str(), "nats.orders")])
+        .await
+        .unwrap();
+    let refused = transport
+        .declare(&[QueueSpec::new(format!("{base}_a"), "nats.orders")])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains(&format!("not `{base}_a`")) && refused.contains(&dotted),
+        "{refused}"
+    );
+    transport.delete_queue(&dotted).await.unwrap();
+    drop(js);
+}
+
+/// The handler's durable consumer and its stream are deleted under the running consumer (an
+/// operator's mistake): the consumer declares them again and goes on with new messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streams_deleted_under_the_consumer_are_declared_again() {
+    let w = World::new("deleted").await;
+    let running = start(w.runtime());
+    w.publish("d-1", &order("d-1", 1)).await;
+    wait_until("the first order", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    w.js.delete_stream(format!("IDEM_{}", w.orders))
+        .await
+        .unwrap();
+    // Published until the stream is back: a publish to a subject no stream holds is refused.
+    wait_until("the stream declared again", DEADLINE, || async {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", "d-2");
+        let body = serde_json::to_vec(&order("d-2", 2)).unwrap();
+        match w
+            .js
+            .publish_with_headers(w.orders.clone(), headers, body.into())
+            .await
+        {
+            Ok(ack) => ack.await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    wait_until("the second order", DEADLINE, || async {
+        running.now().processed == 2
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (2, 0));
+    assert_eq!(w.applied().await.len(), 2);
+    w.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_start_without_a_server_fails_naming_the_url_and_its_variable() {
+    let transport = NatsTransport::new(
+        NatsConfig::new("nats://user:secret@127.0.0.1:1").connect_timeout(Duration::from_secs(1)),
+    );
+    let (pool, _dir) = common::sqlite(2).await;
+    SqliteInbox::new(pool.clone()).migrate().await.unwrap();
+    let runtime = Runtime::builder()
+        .transport(transport)
+        .store(SqliteInbox::new(pool))
+        .handlers(["nats.orders"])
+        .handler_queue("nats.orders", unique("nats-down"))
+        .start_deadline(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let failed = tokio::time::timeout(
+        Duration::from_secs(30),
+        runtime.run_until(std::future::pending()),
+    )
+    .await
+    .expect("the start did not fail");
+    let error = failed.unwrap_err().to_string();
+    assert!(error.contains("nats://user:***@127.0.0.1:1"), "{error}");
+    assert!(error.contains("NATS_URL"), "{error}");
+    assert!(!error.contains("secret"), "{error}");
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// An ordered handler on two partitions, consumed by two runtimes at once: every order's
+/// updates apply in publish order, the transient failures among them retried in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ordered_updates_apply_in_publish_order_across_two_runtimes() {
+    let w = World::new("ordered").await;
+    let source = unique("nats-status");
+    let partitions = QueueSpec::partitions(&source, "nats.status", 2);
+    w.transport.declare(&partitions).await.unwrap();
+    let outbound = w.transport.outbound().unwrap();
+    let mut updates = Vec::new();
+    for seq in 1..=10 {
+        for order in 0..20 {
+            let update = Update {
+                id: format!("{source}-{order}:{seq}"),
+                order: format!("{source}-{order}"),
+                seq,
+                fail_once: (order + seq) % 7 == 0,
+            };
+            let mut message = Outgoing::json(&source, &update.order, &update).unwrap();
+            message.envelope.message_id = Some(update.id.clone());
+            updates.push(message);
+        }
+    }
+    for result in outbound.publish_all(&updates).await {
+        result.unwrap();
+    }
+    // Both partitions hold messages: the key's partition was computed.
+    for index in 0..2 {
+        let name = format!("IDEM_{source}_p{index}");
+        let mut stream = w.js.get_stream(name).await.unwrap();
+        assert!(stream.info().await.unwrap().state.messages > 0);
+    }
+    let runtime = || {
+        w.runtime()
+            .handlers(["nats.status"])
+            .handler_queue("nats.status", source.as_str())
+            .ordered("nats.status", 2)
+    };
+    let (a, b) = (start(runtime()), start(runtime()));
+    wait_until("every update settled", DEADLINE, || async {
+        let (a, b) = (a.now(), b.now());
+        a.processed + b.processed + a.dead_lettered + b.dead_lettered >= 200
+    })
+    .await;
+    let (a, b) = (a.shut_down().await, b.shut_down().await);
+    assert_eq!(
+        a.dead_lettered + b.dead_lettered,
+        0,
+        "an update out of order"
+    );
+    assert_eq!(a.processed + b.processed, 200);
+    let applied: Vec<(String, i64)> =
+        sqlx::query_as("SELECT order_id, seq FROM nats_status ORDER BY rowid")
+            .fetch_all(&w.pool)
+            .await
+            .unwrap();
+    assert_eq!(applied.len(), 200);
+    for order in 0..20 {
+        let key = format!("{source}-{order}");
+        let seqs: Vec<i64> = applied
+            .iter()
+            .filter(|(o, _)| *o == key)
+            .map(|(_, s)| *s)
+            .collect();
+        assert_eq!(seqs, (1..=10).collect::<Vec<_>>(), "{key}");
+    }
+    for index in 0..2 {
+        let stream = format!("IDEM_{source}_p{index}");
+        for name in [
+            stream.clone(),
+            format!("{stream}_RETRY"),
+            format!("{stream}_DLQ"),
+        ] {
+            let _ = w.js.delete_stream(&name).await;
+        }
+    }
+    w.cleanup().await;
+}
+
+/// The orders example on NATS (`NATS_URL` set): the same books, the same two hops, the same
+/// ordered status updates on four partitions, exact; a run killed mid-way spoils nothing for
+/// the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orders_example_runs_on_nats_with_exact_books_even_after_a_killed_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("orders.db");
+    let database = database.to_str().unwrap().to_owned();
+    let queue = unique("nats-orders-demo");
+    let demo = || {
+        let mut command = std::process::Command::new(common::orders_example());
+        command
+            .env("NATS_URL", nats_url())
+            .env("DATABASE_URL", &database)
+            .env("ORDERS_QUEUE", &queue)
+            .env_remove("ORDERS_STATUS_PARTITIONS")
+            .env_remove("ORDERS_TRANSPORT")
+            .env("RUST_LOG", "error");
+        command
+    };
+    let exact = |output: &std::process::Output| {
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success(),
+            "the demo failed:\n{stdout}{stderr}"
+        );
+        assert!(
+            stdout.contains("transport            NATS JetStream"),
+            "{stdout}"
+        );
+        let status = stdout
+            .lines()
+            .find(|l| l.starts_with("status updates"))
+            .unwrap();
+        assert!(
+            status.contains("4 partitions of") && status.ends_with("in order: exact)"),
+            "{status}"
+        );
+        for line in [
+            "balances             exact",
+            "parcels              exact",
+            "outbox unpublished         0",
+        ] {
+            assert!(stdout.contains(line), "{stdout}");
+        }
+    };
+    exact(&demo().output().unwrap());
+
+    // A run killed mid-way, with its deliveries in the streams and its outbox rows unsent.
+    let pool = idem::sql::sqlite::pool(&database).await.unwrap();
+    let stored = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders")
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
+    };
+    let before = stored().await;
+    let mut killed = watched::Watched::spawn("orders", &mut demo());
+    watched::wait_until(
+        "the run under way",
+        DEADLINE,
+        &mut [&mut killed],
+        || async { stored().await > before },
+    )
+    .await;
+    drop(killed); // SIGKILL
+    exact(&demo().output().unwrap());
+
+    let transport = NatsTransport::new(NatsConfig::new(nats_url()));
+    let exchange = format!("{queue}.status");
+    let mut queues = vec![queue.clone(), format!("{queue}.billed")];
+    queues.extend((0..4).map(|i| idem::transport::Partition::queue_name(&exchange, i)));
+    for queue in queues {
+        transport.delete_queue(&queue).await.unwrap();
+    }
+}
