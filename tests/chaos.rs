@@ -12,9 +12,11 @@
 //! once.
 //!
 //! It runs on the machine's broker with classic queues, once more with the orders booked by the
-//! batch handler (`ORDERS_BATCH_HANDLER=1`, batches of 50), and once more on the 3-node
+//! batch handler (`ORDERS_BATCH_HANDLER=1`, batches of 50), once more on the 3-node
 //! cluster of `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the
-//! consumers given every node's address.
+//! consumers given every node's address, and once more on NATS JetStream, where the consumers
+//! reach the server through a proxy that drops every connection for two seconds instead of
+//! the broker closing them.
 //!
 //! An order's or a shipment's message in a dead-letter queue fails the run at once; that and a
 //! run that does not converge say where the missing orders and shipments are; with
@@ -32,10 +34,10 @@
 
 mod common;
 
-use common::broker::{self, amqp_url};
+use common::broker::amqp_url;
+use common::bus::Bus;
 use common::cluster::Cluster;
 use common::watched::Watched;
-use idem::RetryPolicy;
 use idem::rabbitmq::QueueType;
 use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
@@ -67,13 +69,17 @@ impl Rng {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_and_crashing_consumers_never_lose_or_double_an_order() {
-    chaos(&amqp_url(), QueueType::Classic, &[]).await;
+    chaos(Bus::rabbit(&amqp_url(), QueueType::Classic).await, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_batch_handler() {
     let batch_handler = [("ORDERS_BATCH_HANDLER", "1"), ("ORDERS_BATCH", "50")];
-    chaos(&amqp_url(), QueueType::Classic, &batch_handler).await;
+    chaos(
+        Bus::rabbit(&amqp_url(), QueueType::Classic).await,
+        &batch_handler,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -81,23 +87,23 @@ async fn on_a_cluster_with_quorum_queues() {
     let Some(cluster) = Cluster::up().await else {
         return;
     };
-    chaos(&cluster.urls, QueueType::Quorum, &[]).await;
+    chaos(Bus::rabbit(&cluster.urls, QueueType::Quorum).await, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_nats_jetstream() {
+    chaos(Bus::nats().await, &[]).await;
 }
 
 /// Held by the chaos run under way: the runs take turns (see the top of the file).
 static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// The chaos run against the broker(s) at `urls`, the queues of type `queue_type`, the
-/// consumers given the settings `env` besides.
-async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
+/// The chaos run against `bus`, the consumers given the settings `env` besides.
+async fn chaos(bus: Bus, env: &[(&str, &str)]) {
     let _turn = TURN.lock().await;
     let orders = setting("IDEM_CHAOS_ORDERS", 600);
     let processes = setting("IDEM_CHAOS_PROCESSES", 3);
     let malformed = 10;
-    let queue_type_name = match queue_type {
-        QueueType::Quorum => "quorum",
-        _ => "classic",
-    };
     let binary = common::faulty_orders::build();
 
     let queue = common::unique("idem-chaos");
@@ -107,8 +113,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     let mut rng = Rng((u64::from(std::process::id()) * 0x9E37_79B9) | 1);
 
     // Topology as the consumers declare it, then the workload.
-    broker::declare_orders_queue_on(urls, &queue, queue_type).await;
-    let publisher = broker::publisher_on(urls).await;
+    bus.declare(&queue).await;
     let mut expected: HashMap<String, i64> = HashMap::new();
     let mut deliveries = 0;
     for n in 0..orders {
@@ -127,26 +132,20 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         } else {
             1
         };
-        for _ in 0..copies {
-            publisher
-                .publish_unconfirmed(&queue, &message)
-                .await
-                .unwrap();
+        for copy in 0..copies {
+            bus.publish(&queue, &message, copy).await;
             deliveries += 1;
         }
         if n % 500 == 499 {
-            publisher.wait_for_confirms().await.unwrap();
+            bus.confirm().await;
         }
     }
     for n in 0..malformed {
         let message = idem::Envelope::new("{not json").with_message_id(format!("{queue}-bad-{n}"));
-        publisher
-            .publish_unconfirmed(&queue, &message)
-            .await
-            .unwrap();
+        bus.publish(&queue, &message, 0).await;
         deliveries += 1;
     }
-    publisher.wait_for_confirms().await.unwrap();
+    bus.confirm().await;
 
     // IDEM_CHAOS_LOGS=<dir>: the consumers log at debug level, all into <dir>/<queue>.log.
     let logs = std::env::var("IDEM_CHAOS_LOGS")
@@ -154,10 +153,9 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         .map(|dir| std::path::Path::new(&dir).join(format!("{queue}.log")));
     let spawn = || -> Watched {
         let mut command = Command::new(&binary);
+        bus.point(&mut command);
         command
             .arg("consume")
-            .env("AMQP_URL", urls)
-            .env("ORDERS_QUEUE_TYPE", queue_type_name)
             .env("DATABASE_URL", &database_url)
             .env("ORDERS_QUEUE", &queue)
             .env("ORDERS_CONCURRENCY", "4")
@@ -189,7 +187,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
             .await
             .unwrap_or(0)
     };
-    let dead = || async { broker::count_on(urls, &idem::rabbitmq::dlq(&queue)).await };
+    let dead = || bus.dead(&queue);
     let shipped = |pool: sqlx::PgPool, prefix: String| async move {
         sqlx::query_as::<_, (i64, i64)>(
             "SELECT (SELECT count(*) FROM shipments WHERE order_id LIKE $1),
@@ -219,9 +217,10 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         // An order or a shipment in a dead-letter queue will not come back: say so at once,
         // not after the time limit. (The malformed messages are the only expected ones.)
         let dead_now = dead().await;
-        let billed_dead = broker::count_on(urls, &idem::rabbitmq::dlq(&billed)).await;
+        let billed_dead = bus.dead(&billed).await;
         if dead_now > malformed || billed_dead > 0 {
-            let whereabouts = common::whereabouts::report(&pool, &queue, urls == amqp_url()).await;
+            let whereabouts =
+                common::whereabouts::report(&pool, &queue, bus.on_machine_rabbitmq()).await;
             panic!(
                 "dead-lettered: {dead_now} orders' messages (only the {malformed} malformed \
                  ones belong there) and {billed_dead} shipments' messages\n{whereabouts}"
@@ -235,8 +234,8 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
             proxy.restore();
             cut = true;
         }
-        if !closed && stored_now >= 2 * orders as i64 / 3 && urls == amqp_url() {
-            closed = broker::close_connections(&queue) > 0;
+        if !closed && stored_now >= 2 * orders as i64 / 3 && bus.can_close() {
+            closed = bus.close_connections(&queue).await;
         }
         let (shipments, unpublished) = shipped(pool.clone(), queue.clone()).await;
         if stored_now >= orders as i64
@@ -248,7 +247,8 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         }
         if started.elapsed() >= Duration::from_secs(600) {
             // Which of the four did not come, so that a failure says where to look.
-            let whereabouts = common::whereabouts::report(&pool, &queue, urls == amqp_url()).await;
+            let whereabouts =
+                common::whereabouts::report(&pool, &queue, bus.on_machine_rabbitmq()).await;
             panic!(
                 "chaos run did not converge in 600 s: orders stored {stored_now} of {orders}, \
                  dead letters {dead_now} of {malformed}, shipments {shipments} of {orders}, \
@@ -289,7 +289,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         .iter()
         .filter(|(c, cents)| balances.get(*c) != Some(cents))
         .count();
-    let dead = broker::drain_on(urls, &idem::rabbitmq::dlq(&queue)).await;
+    let dead = bus.dead_letters(&queue).await;
     let dead_letters = dead.len();
     let records = idem::sql::PgInbox::new(pool.clone())
         .dead_letters(&queue)
@@ -300,7 +300,7 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         .filter(|m| {
             records
                 .iter()
-                .any(|r| r.describes(m.message_id().as_deref(), &m.body))
+                .any(|r| r.describes(m.message_id.as_deref(), &m.body))
         })
         .count();
     let shipments: Vec<(String, i64)> =
@@ -329,9 +329,10 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
         + wrong_parcels
         + unpublished.unsigned_abs() as usize;
     eprintln!(
-        "chaos ({queue_type_name} queues{}): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
+        "chaos ({}{}): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
          database cut {cut}, connections closed {closed}, \
          violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, shipments {} of {orders}, wrong parcels {wrong_parcels}, unpublished {unpublished}, dead letters {dead_letters}, recorded {reasons}), {:.1} s",
+        bus.name(),
         if env.is_empty() {
             String::new()
         } else {
@@ -345,6 +346,6 @@ async fn chaos(urls: &str, queue_type: QueueType, env: &[(&str, &str)]) {
     assert_eq!(violations, 0);
     assert_eq!(reasons, dead_letters, "a dead letter without its record");
     assert!(kills > 0, "nothing was killed; the run proves nothing");
-    broker::delete_topology_on(urls, &queue, &RetryPolicy::default().delays()).await;
-    broker::delete_topology_on(urls, &billed, &RetryPolicy::default().delays()).await;
+    bus.delete(&queue).await;
+    bus.delete(&billed).await;
 }

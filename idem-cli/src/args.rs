@@ -17,6 +17,10 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub amqp_url: String,
+    /// A NATS server with JetStream: when set (or when the broker URL above is a `nats://`
+    /// one), dead letters are read from its streams instead of RabbitMQ's queues.
+    #[arg(long, env = "NATS_URL", global = true, hide_env_values = true)]
+    pub nats_url: Option<String>,
     /// For an `amqps://` broker whose certificate a private CA signed: a PEM file of CA
     /// certificates to trust beside the system's roots.
     #[arg(long, env = "AMQP_TLS_CA", global = true, value_name = "PEM_FILE")]

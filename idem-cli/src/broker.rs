@@ -1,11 +1,12 @@
 //! The tool's side of the broker: the transport's reader of a queue's dead letters
-//! ([`idem::transport::DeadLetterReader`]), opened with the tool's settings, and
+//! ([`idem::transport::DeadLetterReader`]) on RabbitMQ or NATS, opened with the tool's settings, and
 //! [`Broker::answer`], which bounds every wait on the broker (`--broker-timeout`): a broker
 //! that accepts the connection and then says nothing, or blocks publishers under a resource
 //! alarm, fails the command with a message instead of holding it forever.
 
 use crate::args::Cli;
 use crate::error::CliError;
+use idem::nats::{NatsConfig, NatsTransport};
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::DeadLetterRow;
 use idem::store::Fingerprint;
@@ -71,7 +72,7 @@ pub(crate) struct Broker {
 /// What the tool says when the broker did not answer `what` within `timeout`.
 fn no_answer(what: &str, timeout: Duration) -> String {
     format!(
-        "{what}: no answer within {timeout:?} (--broker-timeout); the broker may be blocked by a resource alarm, or not be RabbitMQ"
+        "{what}: no answer within {timeout:?} (--broker-timeout); the broker may be blocked by a resource alarm, or not be the broker the URL says"
     )
 }
 
@@ -79,16 +80,30 @@ impl Broker {
     /// Connects to the first broker of `--amqp-url` that takes a connection and opens the
     /// reader of `queue`'s dead letters.
     pub(crate) async fn open(cli: &Cli, queue: &str) -> Result<Self, CliError> {
-        let mut config = RabbitConfig::new(cli.amqp_url.as_str()).connection_name("idem-cli");
-        if let Some(path) = &cli.amqp_tls_ca {
-            let pem = std::fs::read_to_string(path)
-                .map_err(|e| CliError::Usage(format!("AMQP_TLS_CA {}: {e}", path.display())))?;
-            config = config.tls_ca_pem(pem);
-        }
-        let transport = RabbitTransport::new(config);
+        let nats = match (&cli.nats_url, cli.amqp_url.starts_with("nats://")) {
+            (Some(url), _) => Some(url.as_str()),
+            (None, true) => Some(cli.amqp_url.as_str()),
+            (None, false) => None,
+        };
+        let transport: Box<dyn Transport> = match nats {
+            Some(url) => Box::new(NatsTransport::new(
+                NatsConfig::new(url).connection_name("idem-cli"),
+            )),
+            None => {
+                let mut config =
+                    RabbitConfig::new(cli.amqp_url.as_str()).connection_name("idem-cli");
+                if let Some(path) = &cli.amqp_tls_ca {
+                    let pem = std::fs::read_to_string(path).map_err(|e| {
+                        CliError::Usage(format!("AMQP_TLS_CA {}: {e}", path.display()))
+                    })?;
+                    config = config.tls_ca_pem(pem);
+                }
+                Box::new(RabbitTransport::new(config))
+            }
+        };
         let timeout = cli.broker_timeout;
-        let brokers: Vec<String> = cli
-            .amqp_url
+        let brokers: Vec<String> = nats
+            .unwrap_or(&cli.amqp_url)
             .split(',')
             .map(str::trim)
             .filter(|u| !u.is_empty())

@@ -15,10 +15,10 @@ pub enum CliError {
     #[error("inbox: {0}")]
     Store(#[from] idem::store::StoreError),
     /// The broker could not be reached or refused an operation.
-    #[error("RabbitMQ: {0}")]
+    #[error("broker: {0}")]
     Broker(String),
     /// The broker did not answer within `--broker-timeout`.
-    #[error("RabbitMQ: {0}")]
+    #[error("broker: {0}")]
     NoAnswer(String),
     /// A setting is wrong.
     #[error("{0}")]

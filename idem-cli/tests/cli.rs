@@ -77,6 +77,29 @@ async fn wait_until<F: Future<Output = bool>>(what: &str, mut check: impl FnMut(
     }
 }
 
+/// The tests' PostgreSQL, with the handler's tables and a migrated inbox.
+async fn database() -> sqlx::PgPool {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&postgres_url())
+        .await
+        .expect("PostgreSQL at DATABASE_URL");
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    for statement in [
+        "CREATE TABLE IF NOT EXISTS idem_cli_effects (key TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS idem_cli_gates (name TEXT NOT NULL)",
+    ] {
+        sqlx::query(statement).execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    PgInbox::new(pool.clone()).migrate().await.unwrap();
+    pool
+}
+
 /// One test's queue, tables, publisher and running runtime.
 struct Fixture {
     queue: String,
@@ -90,24 +113,7 @@ struct Fixture {
 
 impl Fixture {
     async fn new(name: &str) -> Self {
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(8)
-            .connect(&postgres_url())
-            .await
-            .expect("PostgreSQL at DATABASE_URL");
-        let mut tx = pool.begin().await.unwrap();
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        for statement in [
-            "CREATE TABLE IF NOT EXISTS idem_cli_effects (key TEXT NOT NULL)",
-            "CREATE TABLE IF NOT EXISTS idem_cli_gates (name TEXT NOT NULL)",
-        ] {
-            sqlx::query(statement).execute(&mut *tx).await.unwrap();
-        }
-        tx.commit().await.unwrap();
-        PgInbox::new(pool.clone()).migrate().await.unwrap();
+        let pool = database().await;
         let queue = unique(&format!("idem-cli-{name}"));
         let rabbit = RabbitConfig::new(amqp_url());
         let mut spec = idem::transport::QueueSpec::new(queue.clone(), CONSUMER);
@@ -948,3 +954,112 @@ trait MapEq: Future<Output = u32> + Sized {
 }
 
 impl<F: Future<Output = u32>> MapEq for F {}
+
+/// `idem dlq` on NATS JetStream (`NATS_URL`): the dead letters of a queue's dead-letter stream
+/// are listed with their records, one is shown, all are replayed once the handler accepts
+/// them (each taking effect once) and removed from the stream; a second replay finds none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_dead_letters_of_a_nats_queue_are_listed_shown_and_replayed() {
+    use idem::nats::{NatsConfig, NatsTransport};
+    let nats_url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let pool = database().await;
+    let queue = unique("idem-cli-nats");
+    let transport = NatsTransport::new(NatsConfig::new(nats_url.as_str()));
+    transport
+        .declare(&[idem::transport::QueueSpec::new(queue.clone(), CONSUMER)])
+        .await
+        .unwrap_or_else(|e| {
+            panic!("NATS with JetStream at {nats_url}: {e}; start it (`nats-server -js`)")
+        });
+    sqlx::query("INSERT INTO idem_cli_gates (name) VALUES ($1)")
+        .bind(&queue)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let runtime = Runtime::builder()
+        .transport(transport.clone())
+        .store(PgInbox::new(pool.clone()))
+        .handlers([CONSUMER])
+        .handler_queue(CONSUMER, &queue)
+        .build()
+        .unwrap();
+    let stats = runtime.stats();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    for n in 0..5 {
+        let id = format!("{queue}-{n}");
+        let body = serde_json::json!({"id": id, "gate": queue}).to_string();
+        let message = idem::Envelope::new(body)
+            .with_message_id(id.as_str())
+            .with_header("tenant", "acme");
+        transport.publish(&queue, &message, None).await.unwrap();
+    }
+    wait_until("5 dead letters", || async {
+        stats.snapshot().dead_lettered == 5
+    })
+    .await;
+    let idem = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(args)
+            .env("NATS_URL", &nats_url)
+            .env("DATABASE_URL", postgres_url())
+            .env("IDEM_QUEUE", &queue)
+            .env_remove("IDEM_INBOX_TABLE")
+            .output()
+            .expect("run idem");
+        let (out, err) = (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        );
+        assert!(
+            err.is_empty() || !err.contains("error"),
+            "idem {args:?}: {err}"
+        );
+        out
+    };
+    let listed: Value = serde_json::from_str(&idem(&["--json", "dlq", "list"])).unwrap();
+    assert_eq!(listed["total"], 5, "{listed}");
+    let first = &listed["dead_letters"][0];
+    assert_eq!(first["record"]["reason"], "handler", "{first}");
+    assert_eq!(first["from_queue"], queue.as_str());
+    assert_eq!(first["record"]["key"], first["message_id"]);
+    let shown = idem(&["dlq", "show", &format!("{queue}-0")]);
+    assert!(
+        shown.contains("the gate is closed") && shown.contains("tenant = acme"),
+        "{shown}"
+    );
+
+    sqlx::query("DELETE FROM idem_cli_gates WHERE name = $1")
+        .bind(&queue)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let replayed: Value =
+        serde_json::from_str(&idem(&["--json", "dlq", "replay", "--all"])).unwrap();
+    assert_eq!(replayed["replayed"], 5, "{replayed}");
+    assert_eq!(replayed["failures_cleared"], 5, "{replayed}");
+    wait_until("the replayed orders applied", || async {
+        stats.snapshot().processed == 5
+    })
+    .await;
+    let effects: (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT key) FROM idem_cli_effects WHERE key LIKE $1",
+    )
+    .bind(format!("{queue}-%"))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(effects, (5, 5));
+    let again: Value = serde_json::from_str(&idem(&["--json", "dlq", "list"])).unwrap();
+    assert_eq!(again["total"], 0, "{again}");
+
+    let _ = stop.send(());
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("the runtime stops")
+        .unwrap()
+        .unwrap();
+    transport.delete_queue(&queue).await.unwrap();
+}

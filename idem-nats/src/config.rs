@@ -14,10 +14,10 @@ pub struct NatsConfig {
 }
 
 /// How long JetStream waits for a delivery's settlement before it redelivers it, unless
-/// configured: 30 s. While a delivery is in progress its consumer tells JetStream so every
+/// configured: 10 s. While a delivery is in progress its consumer tells JetStream so every
 /// third of it, so a long handler is not redelivered; a delivery whose consumer died is
 /// redelivered this long after its last word.
-pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(10);
 
 impl NatsConfig {
     /// Settings for the server at `url` (`nats://host:4222`, or several separated by commas,

@@ -24,14 +24,15 @@
 //! before the inbox has to.
 //!
 //! An ordered handler's partitions are queues of their own, each with one message in flight
-//! at a time; the transport routes a key to its partition. Not yet on NATS: `idem dlq`, the
-//! runtime's batch demand, TLS tests, chaos and benchmarks (the book's NATS chapter).
+//! at a time; the transport routes a key to its partition. `idem dlq` reads `q.dlq`. Not yet
+//! on NATS: the runtime's batch demand, TLS tests and benchmarks (the book's NATS chapter).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
 mod connection;
 mod consume;
+mod dead_letters;
 mod envelope;
 mod names;
 mod outbound;

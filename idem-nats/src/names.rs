@@ -42,6 +42,15 @@ impl Names {
     }
 }
 
+/// The names of `queue`, or a topology error saying why it cannot be a subject.
+pub(crate) fn of(queue: &str) -> Result<Names, idem_core::TransportError> {
+    Names::of(queue).map_err(|why| idem_core::TransportError::Topology {
+        queue: queue.to_owned(),
+        action: "naming its subject",
+        source: why.into(),
+    })
+}
+
 /// `IDEM_` and the queue, with what a stream name cannot hold (`.`, `/`, `\`) as `_`.
 fn stream_name(queue: &str) -> String {
     let safe: String = queue

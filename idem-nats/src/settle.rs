@@ -112,6 +112,11 @@ impl NatsSettle {
             let _ = self.acker.ack_with(AckKind::Nak(None)).await;
             return Err(settle_error(format!("publishing to `{subject}`: {e}")));
         }
+        // Half-way: the copy is out, the original not yet acked.
+        #[cfg(feature = "fault-injection")]
+        if subject == self.names.dlq_subject {
+            idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
+        }
         double_ack(&self.acker).await
     }
 }

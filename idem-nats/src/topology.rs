@@ -32,8 +32,7 @@ pub(crate) async fn declare(
     spec: &QueueSpec,
     ack_wait: Duration,
 ) -> Result<(Names, pull::Config), TransportError> {
-    let names =
-        Names::of(&spec.queue).map_err(|why| topology(&spec.queue, "naming its subject", why))?;
+    let names = crate::names::of(&spec.queue)?;
     let main = stream(
         js,
         &names.stream,

@@ -3,11 +3,13 @@
 use crate::config::NatsConfig;
 use crate::connection::Shared;
 use crate::consume::Consumer;
+use crate::dead_letters::NatsDeadLetters;
+use crate::names;
 use crate::outbound::NatsOutbound;
 use crate::topology;
 use idem_core::{
-    BoxFuture, Delivery, Envelope, Outbound, OutboundError, QueueSpec, StopSignal, Transport,
-    TransportError,
+    BoxFuture, DeadLetterReader, Delivery, Envelope, Outbound, OutboundError, QueueSpec,
+    StopSignal, Transport, TransportError,
 };
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -81,11 +83,7 @@ impl NatsTransport {
     /// consumers) and returns how many messages they held; a stream that does not exist counts
     /// none. For demos and tests that start afresh.
     pub async fn delete_queue(&self, queue: &str) -> Result<u64, TransportError> {
-        let names = crate::names::Names::of(queue).map_err(|why| TransportError::Topology {
-            queue: queue.to_owned(),
-            action: "naming its subject",
-            source: why.into(),
-        })?;
+        let names = names::of(queue)?;
         let js = self.shared.jetstream().await?;
         let mut removed = 0;
         for stream in [&names.stream, &names.retry_stream, &names.dlq_stream] {
@@ -154,6 +152,18 @@ impl Transport for NatsTransport {
             .opened()
             .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
         up && self.shared.is_consuming(queue)
+    }
+
+    /// `q.dlq`'s stream, read by sequence; nothing is held while it is read.
+    fn dead_letters<'a>(
+        &'a self,
+        queue: &'a str,
+    ) -> BoxFuture<'a, Result<Box<dyn DeadLetterReader>, TransportError>> {
+        Box::pin(async move {
+            let names = names::of(queue)?;
+            let js = self.shared.jetstream().await?;
+            Ok(Box::new(NatsDeadLetters::new(js, names)) as Box<dyn DeadLetterReader>)
+        })
     }
 
     /// Publishes through this transport's connection, each message confirmed by JetStream.

@@ -226,6 +226,7 @@ where
 }
 
 pub mod broker;
+pub mod bus;
 pub mod charges;
 pub mod cluster;
 pub mod faulty_orders;

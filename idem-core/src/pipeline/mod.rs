@@ -126,7 +126,7 @@ pub trait ErasedHandler: Send + Sync + 'static {
     fn store_available(&self, stores: &Stores) -> bool;
     /// Checks that its store is present and usable.
     fn check_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>>;
-    /// Records `record` in its store from `stores` (see [`InboxStore::record_dead_letter`]).
+    /// Records `record` in its store from `stores` (see [`DeadLetterStore::record_dead_letter`]).
     fn record_dead_letter<'a>(
         &'a self,
         stores: &'a Stores,

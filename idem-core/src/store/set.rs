@@ -29,7 +29,7 @@ pub struct Stores {
     injected: Arc<std::sync::atomic::AtomicU32>,
 }
 
-/// One store's [`SweepStore::sweep_paced`], type-erased: `(batch, max_batches, pause)`.
+/// One store's [`SweepStore::sweep_paced`](super::SweepStore::sweep_paced), type-erased: `(batch, max_batches, pause)`.
 pub type SweepFn =
     Arc<dyn Fn(u32, u32, u32) -> BoxFuture<'static, Result<SweepReport, StoreError>> + Send + Sync>;
 
@@ -160,7 +160,7 @@ impl Stores {
     /// Counts, in the handler's store, the runs of a handler on redeliveries that started and
     /// never settled, and refuses a message whose key is new at its delivery after `limit` of
     /// them as `poison` (default: no limit here; the runtime sets 5). See
-    /// [`DeadLetterStore::count_delivery`].
+    /// [`DeadLetterStore::count_delivery`](super::DeadLetterStore::count_delivery).
     pub fn with_poison_limit(mut self, limit: Option<u32>) -> Self {
         self.poison_limit = limit.map(|l| l.max(1));
         self

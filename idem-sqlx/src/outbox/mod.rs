@@ -229,7 +229,7 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 
     /// Stages `messages` in this inbox's outbox in `tx`, as staged by `consumer` grouped
-    /// under `run` (the store's side of `InboxStore::stage_rows`).
+    /// under `run` (the store's side of `OutboxStore::stage_rows`).
     pub(crate) async fn stage_in(
         &self,
         tx: &mut Transaction<'_, DB>,

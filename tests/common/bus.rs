@@ -1,0 +1,240 @@
+//! The broker a chaos run drives, RabbitMQ or NATS JetStream: declaring the orders queue,
+//! publishing the workload, counting and reading dead letters, taking the consumers'
+//! connections away, and cleaning up.
+#![allow(dead_code)]
+
+use super::broker;
+use super::proxy::Proxy;
+use async_nats::jetstream::{self, Context as JetStream};
+use idem::nats::{NatsConfig, NatsTransport};
+use idem::rabbitmq::{Publisher, QueueType};
+use idem::transport::{QueueSpec, Transport};
+use idem::{Envelope, RetryPolicy};
+use std::process::Command;
+use std::time::Duration;
+
+/// The server NATS tests use: `NATS_URL`, or the development machine's.
+pub fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// A JetStream context on the test server, or a failure saying how to start one.
+pub async fn jetstream_or_fail() -> JetStream {
+    let url = nats_url();
+    let connected = tokio::time::timeout(Duration::from_secs(5), async_nats::connect(&url)).await;
+    match connected {
+        Ok(Ok(client)) => jetstream::new(client),
+        other => panic!(
+            "NATS is not reachable at {url} ({other:?}): start it with JetStream \
+             (`docker compose up -d nats`, or `nats-server -js -sd <a directory>`), or point NATS_URL at one"
+        ),
+    }
+}
+
+/// One dead letter as a chaos run checks it.
+pub struct Letter {
+    pub message_id: Option<String>,
+    pub body: Vec<u8>,
+}
+
+pub enum Bus {
+    Rabbit {
+        urls: String,
+        queue_type: QueueType,
+        publisher: Box<Publisher>,
+    },
+    Nats(Box<Nats>),
+}
+
+/// NATS: the consumers reach the server through `proxy`, which the run cuts once.
+pub struct Nats {
+    transport: NatsTransport,
+    js: JetStream,
+    proxy: Proxy,
+}
+
+impl Bus {
+    pub async fn rabbit(urls: &str, queue_type: QueueType) -> Self {
+        Self::Rabbit {
+            urls: urls.to_owned(),
+            queue_type,
+            publisher: Box::new(broker::publisher_on(urls).await),
+        }
+    }
+
+    pub async fn nats() -> Self {
+        let js = jetstream_or_fail().await;
+        let url = nats_url();
+        let address = url
+            .rsplit('@')
+            .next()
+            .unwrap_or_default()
+            .trim_start_matches("nats://");
+        Self::Nats(Box::new(Nats {
+            transport: NatsTransport::new(NatsConfig::new(url.clone())),
+            js,
+            proxy: Proxy::start(address).await,
+        }))
+    }
+
+    /// The queue type, for the report.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Rabbit {
+                queue_type: QueueType::Quorum,
+                ..
+            } => "quorum queues",
+            Self::Rabbit { .. } => "classic queues",
+            Self::Nats(_) => "NATS JetStream",
+        }
+    }
+
+    /// Whether the broker is the machine's own RabbitMQ (the whereabouts report reads it).
+    pub fn on_machine_rabbitmq(&self) -> bool {
+        matches!(self, Self::Rabbit { urls, .. } if *urls == broker::amqp_url())
+    }
+
+    /// Whether the run can take the consumers' connections away (not on a cluster of its own).
+    pub fn can_close(&self) -> bool {
+        self.on_machine_rabbitmq() || matches!(self, Self::Nats(_))
+    }
+
+    /// Declares the orders queue as its consumers do.
+    pub async fn declare(&self, queue: &str) {
+        match self {
+            Self::Rabbit {
+                urls, queue_type, ..
+            } => broker::declare_orders_queue_on(urls, queue, *queue_type).await,
+            Self::Nats(nats) => {
+                let mut spec = QueueSpec::new(queue, "orders");
+                spec.retry_delays = RetryPolicy::default().delays();
+                nats.transport.declare(&[spec]).await.unwrap();
+            }
+        }
+    }
+
+    /// Publishes copy `copy` of `message` to `queue` (confirmed by [`Bus::confirm`] on
+    /// RabbitMQ, at once on NATS, each copy with its own JetStream id).
+    pub async fn publish(&self, queue: &str, message: &Envelope, copy: u64) {
+        match self {
+            Self::Rabbit { publisher, .. } => {
+                publisher.publish_unconfirmed(queue, message).await.unwrap();
+            }
+            Self::Nats(nats) => {
+                let id = message.message_id.clone().unwrap_or_default();
+                let duplicate = nats
+                    .transport
+                    .publish(queue, message, Some(&format!("{id}#{copy}")))
+                    .await
+                    .unwrap();
+                assert!(!duplicate, "JetStream dropped a copy");
+            }
+        }
+    }
+
+    pub async fn confirm(&self) {
+        if let Self::Rabbit { publisher, .. } = self {
+            publisher.wait_for_confirms().await.unwrap();
+        }
+    }
+
+    /// The environment that points a consumer at this broker.
+    pub fn point(&self, command: &mut Command) {
+        match self {
+            Self::Rabbit {
+                urls, queue_type, ..
+            } => {
+                let queue_type = match queue_type {
+                    QueueType::Quorum => "quorum",
+                    _ => "classic",
+                };
+                command
+                    .env("AMQP_URL", urls)
+                    .env("ORDERS_QUEUE_TYPE", queue_type)
+                    .env_remove("NATS_URL");
+            }
+            Self::Nats(nats) => {
+                command.env(
+                    "NATS_URL",
+                    format!("nats://127.0.0.1:{}", nats.proxy.port()),
+                );
+            }
+        }
+    }
+
+    /// How many dead letters `queue` has.
+    pub async fn dead(&self, queue: &str) -> usize {
+        match self {
+            Self::Rabbit { urls, .. } => broker::count_on(urls, &idem::rabbitmq::dlq(queue)).await,
+            Self::Nats(nats) => match nats.js.get_stream(dlq_stream(queue)).await {
+                Ok(mut stream) => stream.info().await.map_or(0, |i| {
+                    usize::try_from(i.state.messages).unwrap_or(usize::MAX)
+                }),
+                Err(_) => 0,
+            },
+        }
+    }
+
+    /// The dead letters of `queue` (RabbitMQ: taken out of the DLQ).
+    pub async fn dead_letters(&self, queue: &str) -> Vec<Letter> {
+        match self {
+            Self::Rabbit { urls, .. } => broker::drain_on(urls, &idem::rabbitmq::dlq(queue))
+                .await
+                .into_iter()
+                .map(|got| Letter {
+                    message_id: got.message_id(),
+                    body: got.body,
+                })
+                .collect(),
+            Self::Nats(nats) => {
+                let Ok(mut stream) = nats.js.get_stream(dlq_stream(queue)).await else {
+                    return Vec::new();
+                };
+                let last = stream.info().await.map_or(0, |i| i.state.last_sequence);
+                let mut letters = Vec::new();
+                for sequence in 1..=last {
+                    if let Ok(message) = stream.get_raw_message(sequence).await {
+                        let header =
+                            |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned());
+                        letters.push(Letter {
+                            message_id: header("Idem-Message-Id").or_else(|| header("Nats-Msg-Id")),
+                            body: message.payload.to_vec(),
+                        });
+                    }
+                }
+                letters
+            }
+        }
+    }
+
+    /// Takes the consumers' connections away: RabbitMQ closes those of `queue`; the NATS
+    /// proxy drops every connection for two seconds. Whether any was closed.
+    pub async fn close_connections(&self, queue: &str) -> bool {
+        match self {
+            Self::Rabbit { .. } => broker::close_connections(queue) > 0,
+            Self::Nats(nats) => {
+                nats.proxy.cut();
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                nats.proxy.restore();
+                true
+            }
+        }
+    }
+
+    /// Deletes what `queue` left on the broker.
+    pub async fn delete(&self, queue: &str) {
+        match self {
+            Self::Rabbit { urls, .. } => {
+                broker::delete_topology_on(urls, queue, &RetryPolicy::default().delays()).await;
+            }
+            Self::Nats(nats) => {
+                nats.transport.delete_queue(queue).await.unwrap();
+            }
+        }
+    }
+}
+
+/// The dead-letter stream of `queue` on NATS.
+fn dlq_stream(queue: &str) -> String {
+    format!("IDEM_{}_DLQ", queue.replace('.', "_"))
+}
