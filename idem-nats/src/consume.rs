@@ -68,6 +68,7 @@ impl Consumer {
             .messages()
             .await?;
         let mut forwarder = AbortOnDrop(tokio::spawn(retry::forward(js.clone(), names.clone())));
+        let names = std::sync::Arc::new(names);
         self.shared.set_consuming(&self.spec.queue, true);
         idem_core::telemetry::broker_connected(&self.spec.queue, true);
         loop {

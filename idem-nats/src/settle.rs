@@ -25,7 +25,8 @@ const ACK_PATIENCE: Duration = Duration::from_secs(10);
 pub(crate) struct NatsSettle {
     pub(crate) acker: Acker,
     pub(crate) js: Context,
-    pub(crate) names: Names,
+    /// The queue's names, shared by its deliveries.
+    pub(crate) names: std::sync::Arc<Names>,
     pub(crate) body: Bytes,
     /// The delivery's sequence in its stream: its name when it has no message id.
     pub(crate) sequence: u64,
