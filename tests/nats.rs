@@ -697,3 +697,101 @@ async fn the_orders_example_runs_on_nats_with_exact_books_even_after_a_killed_ru
         transport.delete_queue(&queue).await.unwrap();
     }
 }
+
+/// Over TLS, on a NATS server of the test's own (`nats-server --tls` with a certificate that a
+/// CA made with `openssl` signed): with the CA trusted (`tls_ca_pem_file`) every order takes
+/// effect once; without it the start fails, naming the server and the certificate it refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn over_tls_orders_take_effect_once_and_an_unknown_ca_is_refused() {
+    if !common::on_path("nats-server") {
+        eprintln!("skipped: a TLS server of the test's own needs nats-server on the PATH");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    common::tls_node::certificates(dir.path());
+    let port = common::tls_node::free_port();
+    let file = |name: &str| dir.path().join(name).display().to_string();
+    let server = std::process::Command::new("nats-server")
+        .args([
+            "-a",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-js",
+            "-sd",
+            &file("js"),
+        ])
+        .args([
+            "--tls",
+            "--tlscert",
+            &file("server.pem"),
+            "--tlskey",
+            &file("server.key"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let _server = common::KillOnDrop(server);
+    wait_until("the TLS server listening", DEADLINE, || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    })
+    .await;
+    let url = format!("tls://127.0.0.1:{port}");
+
+    let refused = NatsTransport::new(NatsConfig::new(url.as_str()))
+        .declare(&[])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        refused.contains(&format!("cannot reach the broker at {url}"))
+            && refused.contains("UnknownIssuer"),
+        "{refused}"
+    );
+
+    let transport = NatsTransport::new(
+        NatsConfig::new(url.as_str()).tls_ca_pem_file(dir.path().join("ca.pem")),
+    );
+    let (pool, _db) = common::sqlite(4).await;
+    SqliteInbox::new(pool.clone()).migrate().await.unwrap();
+    sqlx::query(
+        "CREATE TABLE nats_applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL, message_id TEXT)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let queue = unique("nats-tls");
+    transport
+        .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
+        .await
+        .unwrap();
+    for n in 0..20 {
+        let body = serde_json::to_vec(&order(&format!("tls-{n}"), n)).unwrap();
+        let message = idem::Envelope::new(body).with_message_id(format!("tls-{n}"));
+        for _ in 0..2 {
+            // The same JetStream id twice: JetStream keeps one.
+            transport.publish(&queue, &message, None).await.unwrap();
+        }
+    }
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(SqliteInbox::new(pool.clone()))
+            .handlers(["nats.orders"])
+            .handler_queue("nats.orders", queue.as_str()),
+    );
+    wait_until("every order", DEADLINE, || async {
+        running.now().processed >= 20
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (20, 0));
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM nats_applied")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(applied, 20);
+}

@@ -180,7 +180,7 @@ impl Workload {
 enum Sink {
     /// Each copy of a message gets its own JetStream id (`<message id>#<n>`): JetStream would
     /// drop a second publish of one id itself, and the demo's copies are for the inbox.
-    Nats(NatsTransport, Mutex<HashMap<String, u32>>),
+    Nats(Box<NatsTransport>, Mutex<HashMap<String, u32>>),
     Rabbit(Publisher),
     Memory(MemoryTransport),
 }
@@ -289,7 +289,7 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
             transport.declare(&specs).await?;
             (
                 builder.transport(transport.clone()).build()?,
-                Sink::Nats(transport, Mutex::default()),
+                Sink::Nats(Box::new(transport), Mutex::default()),
                 "NATS JetStream",
             )
         }

@@ -11,6 +11,8 @@ pub struct NatsConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) reconnect_min: Duration,
     pub(crate) reconnect_max: Duration,
+    /// PEM files of CA certificates trusted for TLS besides the system's roots.
+    pub(crate) tls_roots: Vec<std::path::PathBuf>,
 }
 
 /// How long JetStream waits for a delivery's settlement before it redelivers it, unless
@@ -30,6 +32,7 @@ impl NatsConfig {
             connect_timeout: Duration::from_secs(5),
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
+            tls_roots: Vec::new(),
         }
     }
 
@@ -57,6 +60,13 @@ impl NatsConfig {
     pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
         self.reconnect_min = min;
         self.reconnect_max = max.max(min);
+        self
+    }
+
+    /// For a server whose certificate a private CA signed (`tls://host:4222`, or a server
+    /// that requires TLS): also trust the CA certificates in the PEM file at `path`.
+    pub fn tls_ca_pem_file(mut self, path: impl Into<std::path::PathBuf>) -> Self {
+        self.tls_roots.push(path.into());
         self
     }
 

@@ -35,21 +35,24 @@ impl Shared {
     /// The connection, opened on first use; a failed attempt is tried again next time.
     pub(crate) async fn client(&self) -> Result<async_nats::Client, TransportError> {
         let config = &self.config;
-        let client = self
-            .connection
-            .get_or_try_init(|| async {
-                async_nats::ConnectOptions::new()
-                    .name(&config.name)
-                    .connection_timeout(config.connect_timeout)
-                    .connect(config.url.as_str())
-                    .await
-                    .map_err(|e| TransportError::Connection {
-                        broker: config.redacted_url(),
-                        url_variable: URL_VARIABLE,
-                        source: e.into(),
+        let client =
+            self.connection
+                .get_or_try_init(|| async {
+                    let mut options = async_nats::ConnectOptions::new()
+                        .name(&config.name)
+                        .connection_timeout(config.connect_timeout);
+                    for root in &config.tls_roots {
+                        options = options.add_root_certificates(root.clone());
+                    }
+                    options.connect(config.url.as_str()).await.map_err(|e| {
+                        TransportError::Connection {
+                            broker: config.redacted_url(),
+                            url_variable: URL_VARIABLE,
+                            source: e.into(),
+                        }
                     })
-            })
-            .await?;
+                })
+                .await?;
         Ok(client.clone())
     }
 

@@ -25,7 +25,7 @@
 //!
 //! An ordered handler's partitions are queues of their own, each with one message in flight
 //! at a time; the transport routes a key to its partition. `idem dlq` reads `q.dlq`. Not yet
-//! on NATS: the runtime's batch demand, TLS tests and benchmarks (the book's NATS chapter).
+//! on NATS: the runtime's batch demand and benchmarks (the book's NATS chapter).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
