@@ -1,6 +1,6 @@
 //! The poison limit with real `orders consume` processes:
 //! - a message that crashes its consumer every time (fault injection before the commit), on a
-//!   classic queue, is dead-lettered as `poison` once its handler started on redeliveries more
+//!   classic queue and on NATS JetStream, is dead-lettered as `poison` once its handler started on redeliveries more
 //!   often than the limit without settling (the first delivery's run is not recorded), and the
 //!   queue moves on;
 //! - deliveries that were never handed to a handler (waiting behind a stuck one in a killed
@@ -12,6 +12,8 @@
 mod common;
 
 use common::broker::{self, amqp_url};
+use common::bus::Bus;
+use idem::rabbitmq::QueueType;
 use idem::{DEFAULT_POISON_LIMIT, RetryPolicy};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
@@ -19,21 +21,35 @@ use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
+    poison_ends_in_the_dlq(Bus::rabbit(&amqp_url(), QueueType::Classic).await).await;
+}
+
+/// The same on NATS JetStream, where a killed consumer's delivery comes back once its ack wait
+/// has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_nats_a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
+    poison_ends_in_the_dlq(Bus::nats().await).await;
+}
+
+async fn poison_ends_in_the_dlq(bus: Bus) {
     let binary = common::faulty_orders::build();
     let queue = common::unique("idem-poison");
     let dir = tempfile::tempdir().unwrap();
     let database = dir.path().join("orders.db");
-    broker::declare_orders_queue(&queue).await;
-    let publisher = broker::publisher().await;
+    bus.declare(&queue).await;
     let order = |id: &str| {
-        serde_json::json!({"order_id": id, "customer": "c", "amount_cents": 5}).to_string()
+        let body =
+            serde_json::json!({"order_id": id, "customer": "c", "amount_cents": 5}).to_string();
+        idem::Envelope::new(body).with_message_id(id)
     };
     let poison = format!("{queue}-poison");
-    broker::publish(&publisher, &queue, Some(&poison), order(&poison).as_bytes()).await;
+    bus.publish(&queue, &order(&poison), 0).await;
+    bus.confirm().await;
     let consume = |fault: &str| {
-        Command::new(&binary)
+        let mut command = Command::new(&binary);
+        bus.point(&mut command);
+        command
             .arg("consume")
-            .env("AMQP_URL", amqp_url())
             .env("DATABASE_URL", &database)
             .env("ORDERS_QUEUE", &queue)
             .env("IDEM_FAULT", fault)
@@ -43,11 +59,10 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
             .spawn()
             .unwrap()
     };
-    let dlq = idem::rabbitmq::dlq(&queue);
     let started = Instant::now();
     let mut crashes = 0;
     // Every commit aborts the process: each run dies on the message, until it is refused.
-    while broker::count(&dlq).await == 0 {
+    while bus.dead(&queue).await == 0 {
         assert!(
             started.elapsed() < Duration::from_secs(120),
             "never dead-lettered ({crashes} crashes)"
@@ -68,7 +83,7 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
                 crashes += 1;
                 break;
             }
-            if broker::count(&dlq).await > 0 || Instant::now() > deadline {
+            if bus.dead(&queue).await > 0 || Instant::now() > deadline {
                 child.kill().unwrap();
                 child.wait().unwrap();
                 break;
@@ -81,7 +96,7 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
         DEFAULT_POISON_LIMIT + 1,
         "the first delivery's crash, then one per counted redelivery up to the limit"
     );
-    assert_eq!(broker::count(&dlq).await, 1, "dead-lettered once");
+    assert_eq!(bus.dead(&queue).await, 1, "dead-lettered once");
     let pool = idem::sql::sqlite::pool(&database.to_string_lossy())
         .await
         .unwrap();
@@ -94,12 +109,13 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
         (records[0].reason.as_str(), records[0].key.as_str()),
         ("poison", poison.as_str())
     );
-    let dead = broker::drain(&idem::rabbitmq::dlq(&queue)).await;
+    let dead = bus.dead_letters(&queue).await;
     assert!(records[0].describes(Some(&poison), &dead[0].body));
 
     // The queue moves on: the next order is processed by a healthy consumer.
     let next = format!("{queue}-next");
-    broker::publish(&publisher, &queue, Some(&next), order(&next).as_bytes()).await;
+    bus.publish(&queue, &order(&next), 0).await;
+    bus.confirm().await;
     let healthy = common::KillOnDrop(consume(""));
     let stored = |id: String| {
         let pool = pool.clone();
@@ -122,7 +138,7 @@ async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
         0,
         "the poison message never committed"
     );
-    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+    bus.delete(&queue).await;
 }
 
 /// The orders example's `consume` on `queue`, its tables and inbox at `database`, one worker.
