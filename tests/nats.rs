@@ -122,6 +122,19 @@ async fn nats_status(
     Ok(())
 }
 
+/// A SQLite database of the test's own: the migrated inbox and the handlers' tables.
+async fn database() -> (SqlitePool, tempfile::TempDir) {
+    let (pool, dir) = common::sqlite(4).await;
+    SqliteInbox::new(pool.clone()).migrate().await.unwrap();
+    for table in [
+        "CREATE TABLE nats_applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL, message_id TEXT)",
+        "CREATE TABLE nats_status (order_id TEXT NOT NULL, seq INTEGER NOT NULL)",
+    ] {
+        sqlx::query(table).execute(&pool).await.unwrap();
+    }
+    (pool, dir)
+}
+
 /// One test's world: its queues, its SQLite inbox with the handlers' table, its transport.
 struct World {
     js: JetStream,
@@ -135,18 +148,7 @@ struct World {
 impl World {
     async fn new(name: &str) -> Self {
         let js = jetstream_or_fail().await;
-        let (pool, dir) = common::sqlite(4).await;
-        SqliteInbox::new(pool.clone()).migrate().await.unwrap();
-        sqlx::query(
-            "CREATE TABLE nats_applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL, message_id TEXT)",
-        )
-        .execute(&pool)
-        .await
-        .unwrap();
-        sqlx::query("CREATE TABLE nats_status (order_id TEXT NOT NULL, seq INTEGER NOT NULL)")
-            .execute(&pool)
-            .await
-            .unwrap();
+        let (pool, dir) = database().await;
         let transport = NatsTransport::new(NatsConfig::new(nats_url()));
         let (orders, shipping) = (unique(&format!("nats-{name}")), unique("nats-ship"));
         // Declared before anything is published, as a producer's deployment does.
@@ -755,14 +757,7 @@ async fn over_tls_orders_take_effect_once_and_an_unknown_ca_is_refused() {
     let transport = NatsTransport::new(
         NatsConfig::new(url.as_str()).tls_ca_pem_file(dir.path().join("ca.pem")),
     );
-    let (pool, _db) = common::sqlite(4).await;
-    SqliteInbox::new(pool.clone()).migrate().await.unwrap();
-    sqlx::query(
-        "CREATE TABLE nats_applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL, message_id TEXT)",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    let (pool, _db) = database().await;
     let queue = unique("nats-tls");
     transport
         .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
