@@ -26,7 +26,8 @@ use std::time::Duration;
 struct Order {
     id: String,
     cents: i64,
-    /// `once`: fails transiently on its first attempt; `always`: fails for good.
+    /// `once`: fails transiently on its first attempt; `always`: fails for good; `slow`: takes
+    /// 3.5 s.
     fail: Option<String>,
     /// A queue to send the order on to, through the outbox.
     forward_to: Option<String>,
@@ -41,6 +42,7 @@ async fn nats_orders(
     match order.fail.as_deref() {
         Some("once") if ctx.attempt() == 1 => return Err(HandlerError::transient("not yet")),
         Some("always") => return Err(HandlerError::permanent("no such customer")),
+        Some("slow") => tokio::time::sleep(Duration::from_millis(3500)).await,
         _ => {}
     }
     sqlx::query(
@@ -261,6 +263,87 @@ async fn copies_and_redeliveries_take_effect_once() {
     // Acked with confirms: nothing is left in the work queue.
     let mut stream = w.js.get_stream(format!("IDEM_{}", w.orders)).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 0);
+    w.cleanup().await;
+}
+
+/// A handler that runs longer than the ack wait is not redelivered while it runs: JetStream is
+/// told the delivery is in progress. With an ack wait of 1 s, a handler of 3.5 s would
+/// otherwise see its message delivered again three times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
+    let js = jetstream_or_fail().await;
+    let (pool, _db) = database().await;
+    let transport =
+        NatsTransport::new(NatsConfig::new(nats_url()).ack_wait(Duration::from_secs(1)));
+    let queue = unique("nats-slow");
+    transport
+        .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
+        .await
+        .unwrap();
+    let mut slow = order("slow-1", 1);
+    slow.fail = Some("slow".to_owned());
+    let message = idem::Envelope::new(serde_json::to_vec(&slow).unwrap()).with_message_id("slow-1");
+    transport.publish(&queue, &message, None).await.unwrap();
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(SqliteInbox::new(pool.clone()))
+            .handlers(["nats.orders"])
+            .handler_queue("nats.orders", queue.as_str()),
+    );
+    wait_until("the slow order applied", DEADLINE, || async {
+        running.now().processed >= 1
+    })
+    .await;
+    // Every delivery, redeliveries included, takes a consumer sequence number.
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(format!("IDEM_{queue}"))
+        .await
+        .unwrap()
+        .get_consumer("nats_orders")
+        .await
+        .unwrap();
+    let delivered = consumer.info().await.unwrap().delivered.consumer_sequence;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        delivered, 1,
+        "the message was delivered again while its handler ran"
+    );
+    assert_eq!((seen.processed, seen.duplicates), (1, 0));
+    transport.delete_queue(&queue).await.unwrap();
+}
+
+/// Batch mode (one transaction per batch of deliveries) on JetStream: copies within a batch
+/// and across batches take effect once, and a transient failure in a batch is retried as the
+/// next attempt while the rest of its batch commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_batch_mode_copies_take_effect_once_and_a_failure_is_retried() {
+    let w = World::new("batch").await;
+    let mut published = 0;
+    for n in 0..60 {
+        let mut o = order(&format!("b-{n}"), n);
+        if n == 8 {
+            o.fail = Some("once".to_owned());
+        }
+        for copy in 0..(n % 2 + 1) {
+            assert!(!w.publish(&format!("b-{n}.{copy}"), &o).await);
+            published += 1;
+        }
+    }
+    let running = start(w.runtime().batch(16));
+    wait_until("every order applied", DEADLINE, || async {
+        running.now().processed >= 60
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (60, 0));
+    assert!(seen.retried >= 1, "{seen:?}");
+    assert_eq!(seen.duplicates, published - 60, "{seen:?}");
+    let applied = w.applied().await;
+    assert_eq!(applied.len(), 60, "{applied:?}");
+    let retried: Vec<_> = applied.iter().filter(|a| a.1 == "b-8").collect();
+    assert_eq!(retried.len(), 1);
+    assert_eq!(retried[0].3, 2, "the failed order applied as attempt 2");
     w.cleanup().await;
 }
 

@@ -6,11 +6,11 @@
 
 use crate::connection::Shared;
 use crate::names::durable;
-use crate::settle::{NatsSettle, Progress};
+use crate::progress::Unsettled;
+use crate::settle::NatsSettle;
 use crate::{envelope, retry, topology};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::message::Acker;
 use futures_util::StreamExt;
 use idem_core::model::BoxError;
 use idem_core::{Delivery, QueueSpec, StopSignal};
@@ -29,6 +29,8 @@ pub(crate) struct Consumer {
     pub(crate) prefetch: u16,
     pub(crate) mailbox: mpsc::Sender<Delivery>,
     pub(crate) stop: StopSignal,
+    /// Its unsettled deliveries, told in progress by one ticker across sessions.
+    pub(crate) unsettled: Unsettled,
 }
 
 impl Consumer {
@@ -36,6 +38,13 @@ impl Consumer {
     /// unsettled when a session fails are redelivered by JetStream once their ack wait ends.
     pub(crate) async fn run(mut self) {
         let config = self.shared.config.clone();
+        let _ticker = AbortOnDrop(tokio::spawn({
+            let (unsettled, shared) = (self.unsettled.clone(), self.shared.clone());
+            async move {
+                unsettled.tell(shared, config.ack_wait / 3).await;
+                Ok(())
+            }
+        }));
         let mut backoff = config.reconnect_min;
         while !*self.stop.borrow() {
             let ended = self.session().await;
@@ -96,10 +105,8 @@ impl Consumer {
                 Ok(info) => (info.delivered, info.stream_sequence),
                 Err(e) => return Err(format!("a delivery without its JetStream info: {e}").into()),
             };
-            let progress = Progress::start(
-                Acker::new(js.clone(), message.reply.clone()),
-                self.shared.config.ack_wait / 3,
-            );
+            let reply = message.reply.clone();
+            let tracked = self.unsettled.track(reply.clone());
             let (message, acker) = message.split();
             let envelope = envelope::envelope(
                 message.subject.as_str(),
@@ -109,11 +116,12 @@ impl Consumer {
             );
             let settle = NatsSettle {
                 acker,
+                reply,
                 js: js.clone(),
                 names: names.clone(),
                 body: message.payload,
                 sequence,
-                _progress: progress,
+                _unsettled: tracked,
             };
             let permit = tokio::select! {
                 permit = self.mailbox.reserve() => permit,

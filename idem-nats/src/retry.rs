@@ -38,7 +38,7 @@ pub(crate) async fn forward(js: Context, names: Names) -> Result<(), BoxError> {
                 .await
         };
         match published.await {
-            Ok(_) => message.double_ack().await?,
+            Ok(_) => crate::settle::confirm_ack(&js.client(), message.reply.as_ref()).await?,
             Err(e) => {
                 tracing::warn!(queue = %names.subject, error = %e, "a due retry copy was not published; it is tried again");
                 message

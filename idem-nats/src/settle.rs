@@ -5,13 +5,14 @@
 //! A crash between a copy's publish and the ack leaves both; the copy's `Nats-Msg-Id` makes
 //! JetStream drop a second copy, and the inbox makes a second run a duplicate.
 //!
-//! Until it is settled, a delivery tells JetStream it is in progress every third of the ack
-//! wait ([`Progress`]), so a long handler is not redelivered while it runs; and an ack the
+//! Until it is settled, JetStream is told the delivery is in progress every third of the ack
+//! wait ([`crate::progress`]), so a long handler is not redelivered while it runs; and an ack the
 //! connection lost is sent again for a while, since JetStream takes it as long as it has not
 //! redelivered the message.
 
 use crate::envelope::{self, DUE_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER};
 use crate::names::Names;
+use async_nats::Subject;
 use async_nats::header::HeaderValue;
 use async_nats::jetstream::{AckKind, Context, message::Acker};
 use bytes::Bytes;
@@ -24,45 +25,43 @@ const ACK_PATIENCE: Duration = Duration::from_secs(10);
 /// One delivery's settlement.
 pub(crate) struct NatsSettle {
     pub(crate) acker: Acker,
+    /// Where the delivery's ack goes (the acker's subject), for the confirmed ack.
+    pub(crate) reply: Option<Subject>,
     pub(crate) js: Context,
     /// The queue's names, shared by its deliveries.
     pub(crate) names: std::sync::Arc<Names>,
     pub(crate) body: Bytes,
     /// The delivery's sequence in its stream: its name when it has no message id.
     pub(crate) sequence: u64,
-    /// Tells JetStream the delivery is in progress until this is dropped.
-    pub(crate) _progress: Progress,
+    /// Among the unsettled deliveries JetStream is told are in progress, until dropped.
+    pub(crate) _unsettled: crate::progress::Tracked,
 }
 
-/// The in-progress signals of one delivery, sent every `every` until dropped.
-pub(crate) struct Progress(tokio::task::JoinHandle<()>);
-
-impl Progress {
-    /// Starts telling JetStream, through `acker`, that a delivery is in progress.
-    pub(crate) fn start(acker: Acker, every: Duration) -> Self {
-        Self(tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(every).await;
-                if let Err(e) = acker.ack_with(AckKind::Progress).await {
-                    tracing::debug!(error = %e, "an in-progress signal was not sent");
-                }
-            }
-        }))
-    }
+/// Acks the delivery whose reply subject is `reply`, once, and waits for JetStream's confirm.
+/// A request on the client's shared reply subscription: async-nats's own `double_ack`
+/// subscribes and unsubscribes an inbox for every ack, three protocol messages instead of one.
+pub(crate) async fn confirm_ack(
+    client: &async_nats::Client,
+    reply: Option<&Subject>,
+) -> Result<(), async_nats::Error> {
+    let reply = reply.ok_or("a delivery without a reply subject cannot be acked")?;
+    let request = async_nats::Request::new()
+        .payload(Bytes::from_static(b"+ACK"))
+        .timeout(Some(ACK_TIMEOUT));
+    client.send_request(reply.clone(), request).await?;
+    Ok(())
 }
 
-impl Drop for Progress {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
+/// How long one confirmed ack waits for JetStream's answer.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Acks through `acker` with JetStream's confirm, again for a while when it fails.
-async fn double_ack(acker: &Acker) -> Result<(), TransportError> {
+/// Acks with JetStream's confirm ([`confirm_ack`]), again for a while when it fails.
+async fn double_ack(js: &Context, reply: Option<&Subject>) -> Result<(), TransportError> {
+    let client = js.client();
     let deadline = tokio::time::Instant::now() + ACK_PATIENCE;
     let mut pause = Duration::from_millis(50);
     loop {
-        match acker.double_ack().await {
+        match confirm_ack(&client, reply).await {
             Ok(()) => return Ok(()),
             Err(e) if tokio::time::Instant::now() + pause > deadline => {
                 return Err(settle_error(e));
@@ -118,13 +117,13 @@ impl NatsSettle {
         if subject == self.names.dlq_subject {
             idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
         }
-        double_ack(&self.acker).await
+        double_ack(&self.js, self.reply.as_ref()).await
     }
 }
 
 impl Settle for NatsSettle {
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move { double_ack(&self.acker).await })
+        Box::pin(async move { double_ack(&self.js, self.reply.as_ref()).await })
     }
 
     fn retry<'a>(

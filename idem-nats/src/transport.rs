@@ -131,6 +131,7 @@ impl Transport for NatsTransport {
             prefetch,
             mailbox,
             stop,
+            unsettled: Default::default(),
         };
         Box::pin(consumer.run())
     }
