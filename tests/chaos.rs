@@ -16,7 +16,9 @@
 //! cluster of `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the
 //! consumers given every node's address, and once more on NATS JetStream, where the consumers
 //! reach the server through a proxy that drops every connection for two seconds instead of
-//! the broker closing them.
+//! the broker closing them. On NATS the run has a server of its own (when `nats-server` is on
+//! the PATH), which it kills with SIGKILL and starts again on its store once half the orders
+//! are stored.
 //!
 //! An order's or a shipment's message in a dead-letter queue fails the run at once; that and a
 //! run that does not converge say where the missing orders and shipments are; with
@@ -92,7 +94,7 @@ async fn on_a_cluster_with_quorum_queues() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_nats_jetstream() {
-    chaos(Bus::nats().await, &[]).await;
+    chaos(Bus::nats_of_its_own().await, &[]).await;
 }
 
 /// Held by the chaos run under way: the runs take turns (see the top of the file).
@@ -199,7 +201,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         .unwrap_or((0, -1))
     };
     let billed = format!("{queue}.billed");
-    let (mut cut, mut closed) = (false, false);
+    let (mut cut, mut closed, mut restarted) = (false, false, false);
     loop {
         // Keep every slot running: count the faults (self-aborts), restart the dead.
         // A process that exited with a code (not a signal) did not crash on a fault: it
@@ -233,6 +235,10 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
             tokio::time::sleep(Duration::from_secs(2)).await;
             proxy.restore();
             cut = true;
+        }
+        if !restarted && stored_now >= orders as i64 / 2 {
+            // The broker's server dies (SIGKILL) and comes back on its store, where it can.
+            restarted = bus.restart_server().await;
         }
         if !closed && stored_now >= 2 * orders as i64 / 3 && bus.can_close() {
             closed = bus.close_connections(&queue).await;
@@ -330,7 +336,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         + unpublished.unsigned_abs() as usize;
     eprintln!(
         "chaos ({}{}): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
-         database cut {cut}, connections closed {closed}, \
+         database cut {cut}, connections closed {closed}, server restarted {restarted}, \
          violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, shipments {} of {orders}, wrong parcels {wrong_parcels}, unpublished {unpublished}, dead letters {dead_letters}, recorded {reasons}), {:.1} s",
         bus.name(),
         if env.is_empty() {

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use super::broker;
+use super::nats_node::NatsNode;
 use super::proxy::Proxy;
 use async_nats::jetstream::{self, Context as JetStream};
 use idem::nats::{NatsConfig, NatsTransport};
@@ -46,11 +47,13 @@ pub enum Bus {
     Nats(Box<Nats>),
 }
 
-/// NATS: the consumers reach the server through `proxy`, which the run cuts once.
+/// NATS: the consumers reach the server through `proxy`, which the run cuts once; on a
+/// server of the run's own (`node`), the run also restarts it.
 pub struct Nats {
     transport: NatsTransport,
     js: JetStream,
     proxy: Proxy,
+    node: Option<NatsNode>,
 }
 
 impl Bus {
@@ -62,19 +65,52 @@ impl Bus {
         }
     }
 
+    /// NATS: the test server ([`nats_url`]).
     pub async fn nats() -> Self {
-        let js = jetstream_or_fail().await;
-        let url = nats_url();
+        Self::nats_at(nats_url(), None).await
+    }
+
+    /// NATS: a server of the run's own, which [`Bus::restart_server`] kills and starts again
+    /// (the test server, never restarted, when `nats-server` is not on the PATH).
+    pub async fn nats_of_its_own() -> Self {
+        match NatsNode::start().await {
+            Some(node) => Self::nats_at(node.url(), Some(node)).await,
+            None => Self::nats().await,
+        }
+    }
+
+    async fn nats_at(url: String, node: Option<NatsNode>) -> Self {
+        let js = match &node {
+            Some(_) => jetstream::new(async_nats::connect(&url).await.unwrap()),
+            None => jetstream_or_fail().await,
+        };
         let address = url
             .rsplit('@')
             .next()
             .unwrap_or_default()
-            .trim_start_matches("nats://");
+            .trim_start_matches("nats://")
+            .to_owned();
         Self::Nats(Box::new(Nats {
-            transport: NatsTransport::new(NatsConfig::new(url.clone())),
+            transport: NatsTransport::new(NatsConfig::new(url)),
             js,
-            proxy: Proxy::start(address).await,
+            proxy: Proxy::start(&address).await,
+            node,
         }))
+    }
+
+    /// Kills the broker's server with SIGKILL and starts it again, when the run has one of its
+    /// own. Whether it did.
+    pub async fn restart_server(&self) -> bool {
+        match self {
+            Self::Nats(nats) => match &nats.node {
+                Some(node) => {
+                    node.restart().await;
+                    true
+                }
+                None => false,
+            },
+            Self::Rabbit { .. } => false,
+        }
     }
 
     /// The queue type, for the report.

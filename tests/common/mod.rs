@@ -230,6 +230,7 @@ pub mod bus;
 pub mod charges;
 pub mod cluster;
 pub mod faulty_orders;
+pub mod nats_node;
 pub mod preflight;
 pub mod proxy;
 pub mod raw_amqp;
