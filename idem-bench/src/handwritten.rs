@@ -40,14 +40,28 @@ async fn channel(
     Ok((connection, channel, consumer))
 }
 
-fn parse(delivery: &Delivery) -> anyhow::Result<(String, Order)> {
-    let key = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .context("no message id")?
-        .to_string();
-    Ok((key, serde_json::from_slice(&delivery.data)?))
+/// A delivery as the handwritten consumers read it, from either broker: its dedup key (the
+/// message id) and its body.
+pub(crate) trait Incoming {
+    /// The message id.
+    fn key(&self) -> Option<&str>;
+    /// The body.
+    fn body(&self) -> &[u8];
+}
+
+impl Incoming for Delivery {
+    fn key(&self) -> Option<&str> {
+        self.properties.message_id().as_ref().map(|id| id.as_str())
+    }
+
+    fn body(&self) -> &[u8] {
+        &self.data
+    }
+}
+
+fn parse(delivery: &impl Incoming) -> anyhow::Result<(String, Order)> {
+    let key = delivery.key().context("no message id")?.to_owned();
+    Ok((key, serde_json::from_slice(delivery.body())?))
 }
 
 /// One transaction per message, `workers` at once, each delivery acked after its commit.
@@ -104,7 +118,7 @@ const CLAIM_LEAN: &str =
 async fn claim_and_apply(
     tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
     claim: &'static str,
-    delivery: &Delivery,
+    delivery: &impl Incoming,
 ) -> anyhow::Result<()> {
     let (key, order) = parse(delivery)?;
     let claimed = sqlx::query(claim)
@@ -224,9 +238,11 @@ pub async fn batched(
     Ok(elapsed)
 }
 
-async fn process_batch(
+/// One batch's transaction: its keys claimed in `inbox`, its new orders written as `writes`
+/// says, committed.
+pub(crate) async fn process_batch(
     pool: &PgPool,
-    deliveries: &[Delivery],
+    deliveries: &[impl Incoming],
     writes: Writes,
     inbox: Inbox,
 ) -> anyhow::Result<()> {
@@ -236,7 +252,7 @@ async fn process_batch(
         .collect::<anyhow::Result<Vec<_>>>()?;
     let mut tx = pool.begin().await?;
     let fresh = if inbox == Inbox::Full {
-        let bodies: Vec<&[u8]> = deliveries.iter().map(|d| d.data.as_slice()).collect();
+        let bodies: Vec<&[u8]> = deliveries.iter().map(Incoming::body).collect();
         full_row::claim_batch(&mut tx, CONSUMER, &bodies, &parsed).await?
     } else {
         let keys: Vec<&str> = parsed.iter().map(|(key, _)| key.as_str()).collect();
@@ -311,15 +327,17 @@ pub async fn lean_per_message(
     Ok(elapsed)
 }
 
-async fn process_lean(
+/// One message's transaction on the worker's own connection: its key claimed in `inbox` and,
+/// when new, its order applied, committed.
+pub(crate) async fn process_lean(
     db: &mut PgConnection,
-    delivery: &Delivery,
+    delivery: &impl Incoming,
     inbox: Inbox,
 ) -> anyhow::Result<()> {
     let mut tx = db.begin().await?;
     if inbox == Inbox::Full {
         let (key, order) = parse(delivery)?;
-        full_row::claim_and_apply(&mut tx, CONSUMER, &key, &order, &delivery.data).await?;
+        full_row::claim_and_apply(&mut tx, CONSUMER, &key, &order, delivery.body()).await?;
     } else {
         claim_and_apply(&mut tx, CLAIM_LEAN, delivery).await?;
     }

@@ -10,6 +10,7 @@ mod curve;
 mod full_row;
 mod handwritten;
 mod http;
+mod nats;
 mod outbox;
 mod parent;
 mod prefill;
@@ -20,7 +21,8 @@ mod workload;
 use anyhow::Context as _;
 use clap::{Parser, Subcommand, ValueEnum};
 use handwritten::{Inbox, Writes};
-use idem::rabbitmq::RabbitConfig;
+use idem::nats::{NatsConfig, NatsTransport};
+use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use prefill::InboxTable;
 use std::time::Duration;
 
@@ -104,7 +106,17 @@ struct Bench {
     /// consumer) into this PNG.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
-    /// The broker.
+    /// The broker the consumers run on: RabbitMQ (lapin) or NATS JetStream (async-nats).
+    #[arg(long, value_enum, default_value = "rabbitmq")]
+    broker: Broker,
+    /// NATS with JetStream, for `--broker nats`.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// With `--broker nats`: the handwritten consumers wait for JetStream to confirm each ack,
+    /// as idem does, instead of sending plain acks.
+    #[arg(long)]
+    nats_confirmed_acks: bool,
+    /// RabbitMQ, for `--broker rabbitmq`.
     #[arg(
         long,
         env = "AMQP_URL",
@@ -141,6 +153,13 @@ enum Command {
     /// The outbox: dispatch latency at a steady rate, and a relay draining a backlog against a
     /// raw publish-with-confirms loop.
     Outbox(outbox::OutboxBench),
+}
+
+/// `--broker`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Broker {
+    Rabbitmq,
+    Nats,
 }
 
 /// `--autovacuum`.
@@ -319,6 +338,11 @@ async fn consume(
         ));
     }
     let linger = Duration::from_millis(5);
+    let nats = (b.broker == Broker::Nats).then_some(b.nats_url.as_str());
+    let nats_ack = match b.nats_confirmed_acks {
+        true => nats::Ack::Confirmed,
+        false => nats::Ack::Plain,
+    };
     let elapsed = match variant {
         Variant::Hand => {
             handwritten::per_message(&b.amqp_url, pool, queue, expect, b.workers, b.prefetch)
@@ -337,7 +361,10 @@ async fn consume(
                 writes,
                 inbox,
             };
-            handwritten::batched(&b.amqp_url, pool, queue, expect, batching).await?
+            match nats {
+                Some(url) => nats::batched(url, pool, queue, expect, batching, nats_ack).await?,
+                None => handwritten::batched(&b.amqp_url, pool, queue, expect, batching).await?,
+            }
         }
         Variant::HandLean | Variant::HandLeanFull => {
             drop(pool);
@@ -345,16 +372,29 @@ async fn consume(
                 Variant::HandLeanFull => Inbox::Full,
                 _ => Inbox::Retained,
             };
-            handwritten::lean_per_message(
-                &b.amqp_url,
-                &b.database_url,
-                queue,
-                expect,
-                b.workers,
-                b.prefetch,
-                inbox,
-            )
-            .await?
+            match nats {
+                Some(url) => {
+                    let workers = nats::Workers {
+                        count: b.workers,
+                        prefetch: b.prefetch,
+                        inbox,
+                        ack: nats_ack,
+                    };
+                    nats::lean_per_message(url, &b.database_url, queue, expect, workers).await?
+                }
+                None => {
+                    handwritten::lean_per_message(
+                        &b.amqp_url,
+                        &b.database_url,
+                        queue,
+                        expect,
+                        b.workers,
+                        b.prefetch,
+                        inbox,
+                    )
+                    .await?
+                }
+            }
         }
         Variant::Idem
         | Variant::IdemPooled
@@ -390,8 +430,16 @@ async fn consume(
                 keep_connections: variant != Variant::IdemPooled,
                 sweep_pause: b.sweep_pause,
             };
-            let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
-            let elapsed = with_idem::run(rabbit, pool, queue, expect, mode).await?;
+            let elapsed = match nats {
+                Some(url) => {
+                    let config = NatsConfig::new(url).connection_name("idem-bench");
+                    with_idem::run(NatsTransport::new(config), pool, queue, expect, mode).await?
+                }
+                None => {
+                    let rabbit = RabbitConfig::new(&b.amqp_url).connection_name("idem-bench");
+                    with_idem::run(RabbitTransport::new(rabbit), pool, queue, expect, mode).await?
+                }
+            };
             if let Some(recorder) = recorder.filter(|_| batched) {
                 eprintln!("{}", report::batch_fill(&recorder.render()));
             }

@@ -4,7 +4,7 @@
 use crate::prefill::{self, InboxTable};
 use crate::report::Sample;
 use crate::workload::{self, Workload};
-use crate::{AutovacuumSetting, Bench, Variant, curve, pool, with_idem};
+use crate::{AutovacuumSetting, Bench, Broker, Variant, curve, nats, pool, with_idem};
 use anyhow::{Context as _, bail};
 use clap::ValueEnum as _;
 use idem::RetryPolicy;
@@ -45,6 +45,9 @@ pub async fn bench(b: Bench) -> anyhow::Result<()> {
         b.runs,
         b.variants
     );
+    if b.broker == Broker::Nats {
+        nats::check_variants(&b.variants)?;
+    }
     let mut tables: Vec<InboxTable> = b.variants.iter().map(|v| v.inbox()).collect();
     tables.dedup();
     tables.sort_by_key(|t| t.name());
@@ -201,14 +204,23 @@ async fn measure(
                 expired_before = have + add;
             }
             let queue = variant.queue();
-            fresh_queue(&b.amqp_url, &queue, variant).await?;
-            workload
-                .publish(
-                    &RabbitConfig::new(&b.amqp_url),
-                    &queue,
-                    variant.partitions().is_some(),
-                )
-                .await?;
+            match b.broker {
+                Broker::Rabbitmq => {
+                    fresh_queue(&b.amqp_url, &queue, variant).await?;
+                    workload
+                        .publish(
+                            &RabbitConfig::new(&b.amqp_url),
+                            &queue,
+                            variant.partitions().is_some(),
+                        )
+                        .await?;
+                }
+                Broker::Nats => {
+                    let consumer = variant.uses_idem().then_some(with_idem::CONSUMER);
+                    nats::fresh_queue(&b.nats_url, &queue, consumer).await?;
+                    nats::publish(&b.nats_url, &queue, workload).await?;
+                }
+            }
             let wal_before = wal_lsn(pool).await?;
             let sample = child(variant, &queue, b.messages, expired.is_some()).await?;
             let wal = wal_since(pool, &wal_before).await?;
@@ -221,7 +233,12 @@ async fn measure(
                 .with_context(|| format!("{} left wrong effects", variant.name()))?;
             let mut left = 0;
             for queue in queues(&queue, variant) {
-                left += workload::left_in_queue(&b.amqp_url, &queue).await?;
+                left += match b.broker {
+                    Broker::Rabbitmq => {
+                        u64::from(workload::left_in_queue(&b.amqp_url, &queue).await?)
+                    }
+                    Broker::Nats => nats::left_in_queue(&b.nats_url, &queue).await?,
+                };
             }
             if left > 0 {
                 bail!("{} left {left} messages in the queue", variant.name());

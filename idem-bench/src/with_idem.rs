@@ -3,7 +3,6 @@
 
 use crate::workload::{Order, apply, apply_set};
 use anyhow::bail;
-use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
 use idem::{Batch, BatchError, Context, HandlerError, Outgoing, Runtime, idempotent};
 use sqlx::{PgPool, Postgres, Transaction};
@@ -115,7 +114,7 @@ pub struct Mode {
 /// Consumes until `expect` deliveries are settled. Returns the time from the first handler call
 /// to the last settlement.
 pub async fn run(
-    rabbit: RabbitConfig,
+    transport: impl idem::transport::Transport,
     pool: PgPool,
     queue: &str,
     expect: usize,
@@ -123,7 +122,7 @@ pub async fn run(
 ) -> anyhow::Result<Duration> {
     let first = FirstCall::default();
     let mut builder = Runtime::builder()
-        .transport(RabbitTransport::new(rabbit))
+        .transport(transport)
         .store(match mode.keep_connections {
             true => inbox(pool.clone())?,
             false => inbox(pool.clone())?.hold_connections(Duration::ZERO),
