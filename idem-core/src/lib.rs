@@ -78,8 +78,9 @@ pub use runtime::{
 };
 pub use state::{State, StateType};
 pub use store::{
-    Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterStore, InboxStore, Lease, LeaseEnd,
-    LeaseStore, OutboxStore, RuntimeStore, StoreKind, Stores, SweepReport, SweepStore,
+    Admission, Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterStore, InboxStore, Lease,
+    LeaseEnd, LeaseStore, OutboxStore, Refusal, RuntimeStore, StoreKind, Stores, SweepReport,
+    SweepStore,
 };
 pub use transport::{
     DeadLetterLog, DeadLetterReader, Delivery, Demand, Gathering, HeldLetter, MemoryTransport,

@@ -8,7 +8,7 @@ use crate::telemetry::{self, Result as Seen};
 use crate::tx::Execution;
 use axum_core::body::Body;
 use http::{Request, Response};
-use idem_core::{Lease, LeaseEnd, LeaseStore, StoredOutput};
+use idem_core::{Admission, LeaseEnd, LeaseStore, StoredOutput};
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -27,8 +27,9 @@ where
     let store = &keyed.shared.config.store;
     let claim = keyed.claim_request();
     let owner = format!("http-{}", idem_core::store::owner_token());
-    match store.lease(&claim, &owner, lease).await {
-        Ok(Lease::Acquired { attempts }) => {
+    let leased = store.lease(&claim, &owner, lease).await;
+    match leased.map(|lease| Admission::of_lease(lease, &keyed.fingerprint)) {
+        Ok(Admission::Run { attempts }) => {
             if attempts > 1 {
                 tracing::info!(
                     attempts,
@@ -36,25 +37,7 @@ where
                 );
             }
         }
-        Ok(Lease::Held {
-            fingerprint,
-            remaining,
-        }) => {
-            return Ok(match fingerprint == keyed.fingerprint {
-                true => keyed::in_progress(keyed, remaining),
-                false => keyed.replay(&fingerprint, None),
-            });
-        }
-        Ok(
-            Lease::Completed {
-                fingerprint,
-                output,
-            }
-            | Lease::Failed {
-                fingerprint,
-                output,
-            },
-        ) => return Ok(keyed.replay(&fingerprint, output.as_ref())),
+        Ok(Admission::Refused(refusal)) => return Ok(keyed.refused(refusal)),
         Err(e) => return Ok(keyed.unavailable(&e)),
     }
     let response = keyed::call(inner, request).await?;

@@ -12,7 +12,7 @@ use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
-use idem_core::{ClaimRequest, Fingerprint, InboxStore, StoreError, StoredOutput};
+use idem_core::{ClaimRequest, Fingerprint, InboxStore, Refusal, StoreError};
 use std::convert::Infallible;
 use std::time::Duration;
 use tower_service::Service;
@@ -79,24 +79,27 @@ impl<S: InboxStore> Keyed<'_, S> {
         unavailable(self.shared, error)
     }
 
-    /// The answer to a key that is already recorded with `stored` (fingerprint) and `output`:
-    /// the stored response, or 422 when the key was used for another request.
-    pub(crate) fn replay(
-        &self,
-        stored: &Fingerprint,
-        output: Option<&StoredOutput>,
-    ) -> Response<Body> {
-        if *stored != self.fingerprint {
-            return self.problem(
-                Seen::Mismatch,
-                Problem::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "Idempotency-Key reused",
-                    "this Idempotency-Key was used for a different request (method, path or \
-                     body); use a new key for a new request",
-                ),
-            );
-        }
+    /// The answer to a request the inbox refused to run ([`Refusal`], judged in core as for
+    /// every entry point): 409 while the same request runs elsewhere, the stored response to
+    /// the same request, 422 when the key was used for a different request.
+    pub(crate) fn refused(&self, refusal: Refusal) -> Response<Body> {
+        let output = match refusal {
+            Refusal::Busy { remaining } => {
+                return in_progress(self, remaining.unwrap_or(Duration::from_secs(1)));
+            }
+            Refusal::Conflict { .. } => {
+                return self.problem(
+                    Seen::Mismatch,
+                    Problem::new(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        "Idempotency-Key reused",
+                        "this Idempotency-Key was used for a different request (method, path or \
+                         body); use a new key for a new request",
+                    ),
+                );
+            }
+            Refusal::Duplicate { output } | Refusal::Failed { output } => output,
+        };
         let replay = output
             .and_then(|output| output.decode::<StoredResponse>().ok())
             .and_then(|stored| stored.replay());

@@ -1,6 +1,8 @@
 //! Transactional mode: the key's row is claimed in the request's transaction, the handler
 //! writes in it ([`crate::Tx`]), and the response is stored in it before it commits. Where
-//! the transaction is opened, the key claimed, the response stored and the commit made.
+//! the transaction is opened ([`run`]), the key claimed ([`attempt`]) and the transaction
+//! ended, committed with the stored response or rolled back ([`end`], the one place that does
+//! either).
 //!
 //! A response is stored once the handler used its transaction (or said [`Execution::Began`]).
 //! With a 2xx-4xx response the handler's writes commit with it; a 5xx response rolls them back
@@ -13,15 +15,26 @@ use crate::telemetry::{self, Result as Seen};
 use crate::tx::{Execution, TxSlot};
 use axum_core::body::Body;
 use http::{Request, Response, StatusCode};
-use idem_core::{Claim, ClaimRequest, InboxStore, StoredOutput};
+use idem_core::{Admission, ClaimRequest, ErrorClass, InboxStore, StoreError, StoredOutput};
 use std::convert::Infallible;
-use std::time::Duration;
+
+/// How a request's transaction ends; [`end`] carries it out.
+enum End {
+    /// Nothing of the request is kept: the claim and the handler's writes roll back.
+    Rollback,
+    /// The handler's writes commit, with the key's row completed with the stored response
+    /// when there is one (a request without a key has none).
+    Commit(Option<StoredOutput>),
+    /// A server error: the handler's writes roll back, and the key is recorded with the stored
+    /// response alone, in a transaction of its own.
+    Alone(StoredOutput),
+}
 
 /// Runs one keyed request in transactional mode.
 pub(crate) async fn run<S, I, B>(
     keyed: &Keyed<'_, S>,
     inner: I,
-    mut request: Request<Body>,
+    request: Request<Body>,
 ) -> Result<Response<Body>, Infallible>
 where
     S: InboxStore,
@@ -30,35 +43,41 @@ where
 {
     let store = &keyed.shared.config.store;
     let claim = keyed.claim_request();
-    let mut tx = match store.begin().await {
+    let tx = match store.begin().await {
         Ok(tx) => tx,
         Err(e) => return Ok(keyed.unavailable(&e)),
     };
-    match store.try_claim(&mut tx, &claim).await {
-        Ok(Some(Claim::Claimed)) => {}
-        Ok(None) => {
-            // Another process runs this key right now.
-            store.rollback(tx).await;
-            return Ok(keyed::in_progress(keyed, Duration::from_secs(1)));
-        }
-        Ok(Some(Claim::Existing {
-            fingerprint,
-            output,
-        })) => {
-            store.rollback(tx).await;
-            return Ok(keyed.replay(&fingerprint, output.as_ref()));
-        }
-        Err(e) => {
-            store.rollback(tx).await;
-            return Ok(keyed.unavailable(&e));
-        }
+    let (tx, how, response) = attempt(keyed, &claim, tx, inner, request).await?;
+    Ok(end(keyed.shared, Some(&claim), tx, how, response).await)
+}
+
+/// Claims the key in `tx`, runs the handler in it and reads its response: how the
+/// transaction ends, and the answer.
+async fn attempt<S, I, B>(
+    keyed: &Keyed<'_, S>,
+    claim: &ClaimRequest<'_>,
+    mut tx: S::Tx<'static>,
+    inner: I,
+    mut request: Request<Body>,
+) -> Result<(S::Tx<'static>, End, Response<Body>), Infallible>
+where
+    S: InboxStore,
+    I: Inner<B>,
+    B: ResponseBody,
+{
+    let store = &keyed.shared.config.store;
+    let claimed = store.try_claim(&mut tx, claim).await;
+    match claimed.map(|claim| Admission::of_claim(claim, &keyed.fingerprint)) {
+        Ok(Admission::Run { .. }) => {}
+        Ok(Admission::Refused(refusal)) => return Ok((tx, End::Rollback, keyed.refused(refusal))),
+        Err(e) => return Ok((tx, End::Rollback, keyed.unavailable(&e))),
     }
     let slot = TxSlot::new(tx);
     request.extensions_mut().insert(slot.clone());
     // A panic or a dropped request future drops the slot: the transaction rolls back.
     let response = keyed::call(inner, request).await?;
     let (tx, used) = slot.finish().await;
-    let Some(mut tx) = tx else {
+    let Some(tx) = tx else {
         unreachable!("only the layer takes the transaction out of its slot");
     };
     let (parts, body) = response.into_parts();
@@ -68,15 +87,17 @@ where
     };
     if !executed {
         // Refused before execution: nothing is recorded, and the key stays free.
-        store.rollback(tx).await;
         telemetry::request(keyed.operation(), Seen::NotStored);
-        return Ok(Response::from_parts(parts, Body::new(body)));
+        return Ok((
+            tx,
+            End::Rollback,
+            Response::from_parts(parts, Body::new(body)),
+        ));
     }
     let limit = keyed.shared.config.max_response_bytes;
     let body = match keyed::read(body, limit).await {
         Read::Whole(body) => body,
         Read::TooLarge => {
-            store.rollback(tx).await;
             tracing::error!(
                 limit,
                 "the response is larger than max_response_bytes; rolled back"
@@ -90,52 +111,33 @@ where
                 "Response too large to store",
                 detail,
             );
-            return Ok(keyed.problem(Seen::NotStored, problem));
+            return Ok((tx, End::Rollback, keyed.problem(Seen::NotStored, problem)));
         }
         Read::Failed(e) => {
-            store.rollback(tx).await;
             tracing::warn!(error = %e, "the response body failed; rolled back");
             let problem = Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "Response failed",
                 "the response could not be produced; nothing was applied",
             );
-            return Ok(keyed.problem(Seen::NotStored, problem));
+            return Ok((tx, End::Rollback, keyed.problem(Seen::NotStored, problem)));
         }
     };
     let stored = StoredResponse::capture(&parts, &body, &keyed.shared.config.unstored);
-    if stored.is_server_error() {
+    let output = match StoredOutput::encode(&stored) {
+        Ok(output) => output,
+        Err(e) => {
+            let e = StoreError::new("encode response", ErrorClass::Permanent, e.to_string());
+            return Ok((tx, End::Rollback, keyed.unavailable(&e)));
+        }
+    };
+    let how = match stored.is_server_error() {
         // A server error undoes the handler's writes; the key and the error are recorded on
         // their own, and replayed to retries.
-        store.rollback(tx).await;
-        tx = match claim_again(store, &claim).await {
-            Some(tx) => tx,
-            None => {
-                telemetry::request(keyed.operation(), Seen::NotStored);
-                return Ok(Response::from_parts(parts, Body::from(body)));
-            }
-        };
-    }
-    let recorded = async {
-        let output = StoredOutput::encode(&stored).map_err(|e| {
-            idem_core::StoreError::new(
-                "encode response",
-                idem_core::ErrorClass::Permanent,
-                e.to_string(),
-            )
-        })?;
-        store.complete(&mut tx, &claim, &output).await?;
-        store.commit(tx).await
+        true => End::Alone(output),
+        false => End::Commit(Some(output)),
     };
-    match recorded.await {
-        Ok(()) => {
-            telemetry::request(keyed.operation(), Seen::Executed);
-            Ok(Response::from_parts(parts, Body::from(body)))
-        }
-        // The commit did not happen (or its outcome is unknown: a retry then finds the row and
-        // replays it): the client must retry.
-        Err(e) => Ok(keyed.unavailable(&e)),
-    }
+    Ok((tx, how, Response::from_parts(parts, Body::from(body))))
 }
 
 /// Runs a request without a key on a route where keys are optional: the handler gets its
@@ -151,8 +153,7 @@ where
     I: Inner<B>,
     B: ResponseBody,
 {
-    let store = &shared.config.store;
-    let tx = match store.begin().await {
+    let tx = match shared.config.store.begin().await {
         Ok(tx) => tx,
         Err(e) => return Ok(keyed::unavailable(shared, &e)),
     };
@@ -163,12 +164,74 @@ where
     let Some(tx) = tx else {
         unreachable!("only the layer takes the transaction out of its slot");
     };
-    if response.status().is_server_error() {
-        store.rollback(tx).await;
-    } else if let Err(e) = store.commit(tx).await {
-        return Ok(keyed::unavailable(shared, &e));
+    let how = match response.status().is_server_error() {
+        true => End::Rollback,
+        false => End::Commit(None),
+    };
+    Ok(end(shared, None, tx, how, response.map(Body::new)).await)
+}
+
+/// Ends a request's transaction `tx` as `how` says, and answers `response`, or 503 when what
+/// was to be kept was not.
+async fn end<S: InboxStore>(
+    shared: &Shared<S>,
+    claim: Option<&ClaimRequest<'_>>,
+    tx: S::Tx<'static>,
+    how: End,
+    response: Response<Body>,
+) -> Response<Body> {
+    let store = &shared.config.store;
+    let (tx, output) = match how {
+        End::Rollback => {
+            store.rollback(tx).await;
+            return response;
+        }
+        End::Commit(output) => (tx, output),
+        End::Alone(output) => {
+            store.rollback(tx).await;
+            let again = match claim {
+                Some(claim) => claim_again(store, claim).await,
+                None => None,
+            };
+            match again {
+                Some(tx) => (tx, Some(output)),
+                None => {
+                    telemetry::request(&shared.config.operation, Seen::NotStored);
+                    return response;
+                }
+            }
+        }
+    };
+    let completed = match (claim, &output) {
+        (Some(claim), Some(output)) => record(store, tx, claim, output).await,
+        _ => store.commit(tx).await,
+    };
+    match completed {
+        Ok(()) => {
+            if output.is_some() {
+                telemetry::request(&shared.config.operation, Seen::Executed);
+            }
+            response
+        }
+        // The commit did not happen (or its outcome is unknown: a retry then finds the row and
+        // replays it): the client must retry.
+        Err(e) => keyed::unavailable(shared, &e),
     }
-    Ok(response.map(Body::new))
+}
+
+/// Completes the claimed key's row with `output` in `tx` and commits; rolls back when the row
+/// cannot be completed.
+async fn record<S: InboxStore>(
+    store: &S,
+    mut tx: S::Tx<'static>,
+    claim: &ClaimRequest<'_>,
+    output: &StoredOutput,
+) -> Result<(), StoreError> {
+    if let Err(e) = store.complete(&mut tx, claim, output).await {
+        store.rollback(tx).await;
+        return Err(e);
+    }
+    store.commit(tx).await
 }
 
 /// Claims the key again in a fresh transaction, after a server error rolled the first one back;
@@ -183,8 +246,8 @@ async fn claim_again<S: InboxStore>(store: &S, claim: &ClaimRequest<'_>) -> Opti
         }
     };
     match store.try_claim(&mut tx, claim).await {
-        Ok(Some(Claim::Claimed)) => Some(tx),
-        Ok(Some(Claim::Existing { .. }) | None) => {
+        Ok(Some(idem_core::Claim::Claimed)) => Some(tx),
+        Ok(_) => {
             store.rollback(tx).await;
             None
         }

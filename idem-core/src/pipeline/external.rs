@@ -6,15 +6,14 @@
 //! runs the handler again with the same key: the downstream service deduplicates on it.
 
 use super::steps::{
-    Keyed, Limits, count_start, encode_result, existing, poison_verdict, prepare, settle_counts,
+    Keyed, Limits, count_start, encode_result, poison_verdict, prepare, refused, settle_counts,
     store_failure,
 };
 use crate::handler::Handler;
 use crate::model::{
-    Context, Envelope, ErrorClass, Fingerprint, Outcome, RejectReason, Rejection, StoreError,
-    StoredOutput, Transient,
+    Context, Envelope, ErrorClass, Fingerprint, Outcome, StoreError, StoredOutput, Transient,
 };
-use crate::store::{DeadLetterStore, Lease, LeaseEnd, LeaseStore};
+use crate::store::{Admission, DeadLetterStore, Lease, LeaseEnd, LeaseStore};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 
@@ -160,78 +159,30 @@ async fn settle<H: Handler>(
     }
 }
 
-/// Whether the lease lets this copy run the handler; otherwise the copy's outcome: a
-/// duplicate or conflict of a completed key, the dead letter of a failed one, a retry while
-/// another consumer holds the lease, a store failure.
+/// Whether the handler may run on what the lease found ([`Admission::of_lease`] judges), or
+/// the delivery's outcome.
 fn may_run<H: Handler>(
     leased: Result<Lease, StoreError>,
     envelope: &Envelope,
     key: &str,
     fingerprint: &Fingerprint,
 ) -> Result<(), Outcome> {
-    let correlation_id = envelope.correlation_id.as_deref();
-    let (stored, outcome) = match leased {
-        Err(e) => return Err(store_failure(e, key)),
-        Ok(Lease::Acquired { attempts }) => {
+    let lease = leased.map_err(|e| store_failure(e, key))?;
+    match Admission::of_lease(lease, fingerprint) {
+        Admission::Run { attempts } => {
             if attempts > 1 {
+                let correlation_id = envelope.correlation_id.as_deref();
                 tracing::info!(consumer = H::CONSUMER, %key, correlation_id, attempts,
                     "taking the key over from an earlier attempt (its lease expired or was released); calling again with the same key");
             }
-            return Ok(());
+            Ok(())
         }
-        Ok(Lease::Completed {
-            fingerprint: stored,
-            output,
-        }) => {
-            let key = key.to_owned();
-            return Err(existing(
-                H::CONSUMER,
-                envelope,
-                key,
-                fingerprint,
-                &stored,
-                output,
-            ));
-        }
-        Ok(Lease::Failed {
-            fingerprint: stored,
-            output,
-        }) => {
-            let reason = output
-                .and_then(|o| o.decode::<String>().ok())
-                .unwrap_or_else(|| "no reason stored".to_owned());
-            let rejection = Rejection::new(
-                RejectReason::PreviouslyFailed,
-                format!("an earlier copy of this key failed permanently: {reason}"),
-                Some(key.to_owned()),
-            );
-            (stored, Outcome::Rejected(rejection))
-        }
-        Ok(Lease::Held {
-            fingerprint: stored,
-            remaining,
-        }) => {
-            tracing::debug!(consumer = H::CONSUMER, %key, correlation_id, ?remaining,
-                "another consumer holds the lease; retrying later");
-            let retry = Outcome::Retry(Transient {
-                message: format!(
-                    "another consumer is processing this key (its lease runs {} ms more)",
-                    remaining.as_millis()
-                ),
-                key: Some(key.to_owned()),
-            });
-            (stored, retry)
-        }
-    };
-    if stored != *fingerprint {
-        return Err(existing(
+        Admission::Refused(refusal) => Err(refused(
             H::CONSUMER,
             envelope,
             key.to_owned(),
             fingerprint,
-            &stored,
-            None,
-        ));
+            refusal,
+        )),
     }
-    Err(outcome)
 }

@@ -9,7 +9,7 @@ use crate::model::{
 };
 use crate::outbox::Dispatch;
 use crate::state::{self, State};
-use crate::store::{ClaimRequest, DeadLetterStore, InboxStore, OutboxStore, Stores};
+use crate::store::{ClaimRequest, DeadLetterStore, InboxStore, OutboxStore, Refusal, Stores};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 
@@ -164,8 +164,8 @@ pub(crate) struct Called<T> {
     pub(crate) kept: Option<Vec<Outgoing>>,
 }
 
-/// The outcome of a message whose key was committed before: a duplicate when the payload is
-/// the same, a conflict when it is not.
+/// The outcome of a delivery with `fingerprint` whose key is recorded with `stored` and
+/// `output`: a duplicate, or a conflict ([`Refusal::of_existing`] judges).
 pub(crate) fn existing(
     consumer: &str,
     envelope: &Envelope,
@@ -174,16 +174,58 @@ pub(crate) fn existing(
     stored: &Fingerprint,
     output: Option<StoredOutput>,
 ) -> Outcome {
+    let refusal = Refusal::of_existing(*stored, output, fingerprint);
+    refused(consumer, envelope, key, fingerprint, refusal)
+}
+
+/// The outcome of a delivery with `fingerprint` that the inbox refused to run: a duplicate
+/// (acked, its output replayed), a conflict, a key that failed before (dead-lettered), or a key
+/// another consumer is running (retried later).
+pub(crate) fn refused(
+    consumer: &str,
+    envelope: &Envelope,
+    key: String,
+    fingerprint: &Fingerprint,
+    refusal: Refusal,
+) -> Outcome {
     let correlation_id = envelope.correlation_id.as_deref();
-    if stored == fingerprint {
-        tracing::debug!(consumer, %key, correlation_id, "duplicate skipped");
-        Outcome::Duplicate {
-            key,
-            output: output.unwrap_or_else(StoredOutput::null),
+    match refusal {
+        Refusal::Duplicate { output } => {
+            tracing::debug!(consumer, %key, correlation_id, "duplicate skipped");
+            Outcome::Duplicate {
+                key,
+                output: output.unwrap_or_else(StoredOutput::null),
+            }
         }
-    } else {
-        tracing::warn!(consumer, %key, correlation_id, %stored, received = %fingerprint, "same key, different payload");
-        Outcome::Conflict { key }
+        Refusal::Conflict { stored } => {
+            tracing::warn!(consumer, %key, correlation_id, %stored, received = %fingerprint, "same key, different payload");
+            Outcome::Conflict { key }
+        }
+        Refusal::Failed { output } => {
+            let reason = output
+                .and_then(|o| o.decode::<String>().ok())
+                .unwrap_or_else(|| "no reason stored".to_owned());
+            Outcome::Rejected(Rejection::new(
+                RejectReason::PreviouslyFailed,
+                format!("an earlier copy of this key failed permanently: {reason}"),
+                Some(key),
+            ))
+        }
+        Refusal::Busy { remaining } => {
+            tracing::debug!(consumer, %key, correlation_id, ?remaining,
+                "another consumer holds the key; retrying later");
+            let message = match remaining {
+                Some(remaining) => format!(
+                    "another consumer is processing this key (its lease runs {} ms more)",
+                    remaining.as_millis()
+                ),
+                None => "another consumer is processing this key".to_owned(),
+            };
+            Outcome::Retry(Transient {
+                message,
+                key: Some(key),
+            })
+        }
     }
 }
 

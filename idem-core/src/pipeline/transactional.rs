@@ -6,13 +6,13 @@
 //! (`runtime/settle.rs`).
 
 use super::steps::{
-    Keyed, Limits, advance, call, count_start, encode_result, existing, poison_verdict, prepare,
+    Keyed, Limits, advance, call, count_start, encode_result, poison_verdict, prepare, refused,
     reply_again, settle_counts, store_failure,
 };
 use crate::handler::Handler;
 use crate::model::outgoing::reply;
 use crate::model::{Envelope, Outcome};
-use crate::store::{Claim, InboxStore, OutboxStore};
+use crate::store::{Admission, InboxStore, OutboxStore};
 use crate::telemetry;
 use std::time::Instant;
 
@@ -67,22 +67,12 @@ async fn run<H: Handler>(
     let claiming = Instant::now();
     let claim = store.claim(&mut tx, &request).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
-    match claim {
-        Ok(Claim::Claimed) => {}
-        Ok(Claim::Existing {
-            fingerprint: stored,
-            output,
-        }) => {
+    match claim.map(|claim| Admission::of_claim(Some(claim), &keyed.fingerprint)) {
+        Ok(Admission::Run { .. }) => {}
+        Ok(Admission::Refused(refusal)) => {
             store.rollback(tx).await;
             let fingerprint = &keyed.fingerprint;
-            let found = existing(
-                H::CONSUMER,
-                envelope,
-                key.clone(),
-                fingerprint,
-                &stored,
-                output,
-            );
+            let found = refused(H::CONSUMER, envelope, key.clone(), fingerprint, refusal);
             return reply_again(H::CONSUMER, envelope, found, limits.dispatch).await;
         }
         Err(e) => {
@@ -169,7 +159,7 @@ mod tests {
     use crate::model::{
         HandlerError, KeyError, KeySource, RejectReason, StoreError, StoredOutput, field_key,
     };
-    use crate::store::{ClaimRequest, StoreKind};
+    use crate::store::{Claim, ClaimRequest, StoreKind};
     use std::collections::HashMap;
     use std::sync::Mutex;
 

@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The channel PostgreSQL notifications of staged rows go to; the payload names the outbox.
+#[cfg(feature = "postgres")]
 pub const CHANNEL: &str = "idem_outbox";
 
 /// The wake-ups of an inbox's relay: set by the database's notifications, where it sends them.
