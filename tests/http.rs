@@ -1216,3 +1216,74 @@ async fn the_payments_example_takes_one_payment_per_key() {
         (payment["payment_id"].as_str().unwrap(), 1250)
     );
 }
+
+/// The layer is a tower service over any request body, as tower-http's are: here a handler
+/// service called with `Request<String>` bodies, without a router or a server. The first
+/// request writes in its transaction and is stored; its retry is replayed without a run; the
+/// same key with another body is 422.
+#[tokio::test]
+async fn the_layer_takes_requests_of_any_body_type_without_a_router() {
+    use idem_http::{Idempotency, Tx};
+    use tower_service::Service as _;
+    let (pool, _db) = common::sqlite(2).await;
+    idem::sql::SqliteInbox::new(pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE any_body (text TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move |mut tx: Tx<sqlx::Sqlite>, body: String| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            sqlx::query("INSERT INTO any_body (text) VALUES ($1)")
+                .bind(&body)
+                .execute(&mut **tx)
+                .await
+                .unwrap();
+            (StatusCode::CREATED, format!("stored {body}"))
+        }
+    };
+    let layer = Idempotency::transactional(idem::sql::SqliteInbox::new(pool.clone()), "any-body")
+        .identity(bearer)
+        .layer()
+        .unwrap();
+    let inner = axum::handler::HandlerWithoutStateExt::into_service(handler);
+    let mut service = tower_layer::Layer::layer(&layer, inner);
+    let mut send = async |body: &str| {
+        let request = axum::http::Request::post("/any")
+            .header("authorization", "Bearer alice")
+            .header("idempotency-key", "\"k-1\"")
+            .body(body.to_owned())
+            .unwrap();
+        std::future::poll_fn(|cx| {
+            tower_service::Service::<axum::http::Request<String>>::poll_ready(&mut service, cx)
+        })
+        .await
+        .unwrap();
+        let response = service.call(request).await.unwrap();
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        let status = response.status().as_u16();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (
+            status,
+            replayed,
+            String::from_utf8_lossy(&body).into_owned(),
+        )
+    };
+    assert_eq!(send("one").await, (201, false, "stored one".to_owned()));
+    assert_eq!(send("one").await, (201, true, "stored one".to_owned()));
+    assert_eq!(send("two").await.0, 422);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM any_body")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 1);
+}

@@ -87,13 +87,18 @@ impl<S, I> fmt::Debug for IdempotencyService<S, I> {
     }
 }
 
-impl<S, I, B> Service<Request<Body>> for IdempotencyService<S, I>
+/// The service takes requests of any body type (hyper's, axum's, a test's `String`), as
+/// tower-http's layers do; its handler gets the body, once read for the fingerprint, as axum's
+/// [`Body`].
+impl<S, I, B, ReqB> Service<Request<ReqB>> for IdempotencyService<S, I>
 where
     S: RuntimeStore,
     I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
     I::Future: Send,
     B: http_body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<axum_core::BoxError>,
+    ReqB: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<axum_core::BoxError>,
 {
     type Response = Response<Body>;
     type Error = Infallible;
@@ -103,10 +108,14 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<Body>) -> Self::Future {
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         // The clone is the one made ready by `poll_ready`; the original waits for the next.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        Box::pin(flow::handle(self.shared.clone(), inner, request))
+        Box::pin(flow::handle(
+            self.shared.clone(),
+            inner,
+            request.map(Body::new),
+        ))
     }
 }
