@@ -1,9 +1,9 @@
-//! The runtime on NATS JetStream (`idem::nats`) against a real server and a real SQLite inbox:
-//! copies and redeliveries take effect once, a transient failure is retried as the next
-//! attempt after its delay, a permanent one is dead-lettered to the dead-letter stream with its
-//! reason and its record, the outbox publishes through JetStream with its message ids, and a
-//! start without a server, or with an ordered handler, fails naming the fix. NATS must listen
-//! on `NATS_URL` (default `nats://127.0.0.1:4222`) with JetStream enabled.
+//! What is JetStream's own in the runtime on NATS (`idem::nats`), against a real server and a
+//! real SQLite inbox: JetStream's duplicate window, in-progress signals, dead letters with
+//! their reason in headers, the outbox's ids as `Nats-Msg-Id`, a connection cut, streams
+//! deleted under the consumer, TLS, a start without a server and the orders demo. The
+//! guarantees both brokers share are tested once for both in `tests/guarantees.rs`. NATS must
+//! listen on `NATS_URL` (default `nats://127.0.0.1:4222`) with JetStream enabled.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -81,56 +81,12 @@ async fn nats_shipping(
     Ok(())
 }
 
-#[derive(serde::Serialize, serde::Deserialize)]
-struct Update {
-    id: String,
-    order: String,
-    seq: i64,
-    fail_once: bool,
-}
-
-/// The updates that already failed once.
-static FAILED_ONCE: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-
-/// Applies an order's status updates, refusing one that does not follow the last applied.
-#[idempotent(key = "update.id", store = Sqlite, consumer = "nats.status")]
-async fn nats_status(
-    tx: &mut Transaction<'_, sqlx::Sqlite>,
-    update: Update,
-) -> Result<(), HandlerError> {
-    if update.fail_once {
-        let mut failed = FAILED_ONCE.lock().unwrap();
-        if !failed.contains(&update.id) {
-            failed.push(update.id.clone());
-            return Err(HandlerError::transient("a deadlock, say"));
-        }
-    }
-    let last: Option<i64> =
-        sqlx::query_scalar("SELECT MAX(seq) FROM nats_status WHERE order_id = ?")
-            .bind(&update.order)
-            .fetch_one(&mut **tx)
-            .await?;
-    if last.unwrap_or(0) + 1 != update.seq {
-        return Err(HandlerError::permanent(format!(
-            "update {} of {} after {last:?}: out of order",
-            update.seq, update.order
-        )));
-    }
-    sqlx::query("INSERT INTO nats_status (order_id, seq) VALUES (?, ?)")
-        .bind(&update.order)
-        .bind(update.seq)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
-}
-
 /// A SQLite database of the test's own: the migrated inbox and the handlers' tables.
 async fn database() -> (SqlitePool, tempfile::TempDir) {
     let (pool, dir) = common::sqlite(4).await;
     SqliteInbox::new(pool.clone()).migrate().await.unwrap();
     for table in [
         "CREATE TABLE nats_applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL, message_id TEXT)",
-        "CREATE TABLE nats_status (order_id TEXT NOT NULL, seq INTEGER NOT NULL)",
     ] {
         sqlx::query(table).execute(&pool).await.unwrap();
     }
@@ -311,40 +267,6 @@ async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
     );
     assert_eq!((seen.processed, seen.duplicates), (1, 0));
     transport.delete_queue(&queue).await.unwrap();
-}
-
-/// Batch mode (one transaction per batch of deliveries) on JetStream: copies within a batch
-/// and across batches take effect once, and a transient failure in a batch is retried as the
-/// next attempt while the rest of its batch commits.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn in_batch_mode_copies_take_effect_once_and_a_failure_is_retried() {
-    let w = World::new("batch").await;
-    let mut published = 0;
-    for n in 0..60 {
-        let mut o = order(&format!("b-{n}"), n);
-        if n == 8 {
-            o.fail = Some("once".to_owned());
-        }
-        for copy in 0..(n % 2 + 1) {
-            assert!(!w.publish(&format!("b-{n}.{copy}"), &o).await);
-            published += 1;
-        }
-    }
-    let running = start(w.runtime().batch(16));
-    wait_until("every order applied", DEADLINE, || async {
-        running.now().processed >= 60
-    })
-    .await;
-    let seen = running.shut_down().await;
-    assert_eq!((seen.processed, seen.dead_lettered), (60, 0));
-    assert!(seen.retried >= 1, "{seen:?}");
-    assert_eq!(seen.duplicates, published - 60, "{seen:?}");
-    let applied = w.applied().await;
-    assert_eq!(applied.len(), 60, "{applied:?}");
-    let retried: Vec<_> = applied.iter().filter(|a| a.1 == "b-8").collect();
-    assert_eq!(retried.len(), 1);
-    assert_eq!(retried[0].3, 2, "the failed order applied as attempt 2");
-    w.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -624,85 +546,6 @@ async fn a_start_without_a_server_fails_naming_the_url_and_its_variable() {
     assert!(error.contains("NATS_URL"), "{error}");
     assert!(!error.contains("secret"), "{error}");
     assert!(started.elapsed() < Duration::from_secs(20));
-}
-
-/// An ordered handler on two partitions, consumed by two runtimes at once: every order's
-/// updates apply in publish order, the transient failures among them retried in place.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn ordered_updates_apply_in_publish_order_across_two_runtimes() {
-    let w = World::new("ordered").await;
-    let source = unique("nats-status");
-    let partitions = QueueSpec::partitions(&source, "nats.status", 2);
-    w.transport.declare(&partitions).await.unwrap();
-    let outbound = w.transport.outbound().unwrap();
-    let mut updates = Vec::new();
-    for seq in 1..=10 {
-        for order in 0..20 {
-            let update = Update {
-                id: format!("{source}-{order}:{seq}"),
-                order: format!("{source}-{order}"),
-                seq,
-                fail_once: (order + seq) % 7 == 0,
-            };
-            let mut message = Outgoing::json(&source, &update.order, &update).unwrap();
-            message.envelope.message_id = Some(update.id.clone());
-            updates.push(message);
-        }
-    }
-    for result in outbound.publish_all(&updates).await {
-        result.unwrap();
-    }
-    // Both partitions hold messages: the key's partition was computed.
-    for index in 0..2 {
-        let name = format!("IDEM_{source}_p{index}");
-        let mut stream = w.js.get_stream(name).await.unwrap();
-        assert!(stream.info().await.unwrap().state.messages > 0);
-    }
-    let runtime = || {
-        w.runtime()
-            .handlers(["nats.status"])
-            .handler_queue("nats.status", source.as_str())
-            .ordered("nats.status", 2)
-    };
-    let (a, b) = (start(runtime()), start(runtime()));
-    wait_until("every update settled", DEADLINE, || async {
-        let (a, b) = (a.now(), b.now());
-        a.processed + b.processed + a.dead_lettered + b.dead_lettered >= 200
-    })
-    .await;
-    let (a, b) = (a.shut_down().await, b.shut_down().await);
-    assert_eq!(
-        a.dead_lettered + b.dead_lettered,
-        0,
-        "an update out of order"
-    );
-    assert_eq!(a.processed + b.processed, 200);
-    let applied: Vec<(String, i64)> =
-        sqlx::query_as("SELECT order_id, seq FROM nats_status ORDER BY rowid")
-            .fetch_all(&w.pool)
-            .await
-            .unwrap();
-    assert_eq!(applied.len(), 200);
-    for order in 0..20 {
-        let key = format!("{source}-{order}");
-        let seqs: Vec<i64> = applied
-            .iter()
-            .filter(|(o, _)| *o == key)
-            .map(|(_, s)| *s)
-            .collect();
-        assert_eq!(seqs, (1..=10).collect::<Vec<_>>(), "{key}");
-    }
-    for index in 0..2 {
-        let stream = format!("IDEM_{source}_p{index}");
-        for name in [
-            stream.clone(),
-            format!("{stream}_RETRY"),
-            format!("{stream}_DLQ"),
-        ] {
-            let _ = w.js.delete_stream(&name).await;
-        }
-    }
-    w.cleanup().await;
 }
 
 /// The orders example on NATS (`NATS_URL` set): the same books, the same two hops, the same

@@ -7,8 +7,9 @@ use super::broker;
 use super::nats_node::NatsNode;
 use super::proxy::Proxy;
 use async_nats::jetstream::{self, Context as JetStream};
+use idem::RuntimeBuilder;
 use idem::nats::{NatsConfig, NatsTransport};
-use idem::rabbitmq::{Publisher, QueueType};
+use idem::rabbitmq::{Publisher, QueueType, RabbitConfig, RabbitTransport};
 use idem::transport::{QueueSpec, Transport};
 use idem::{Envelope, RetryPolicy};
 use std::process::Command;
@@ -32,10 +33,13 @@ pub async fn jetstream_or_fail() -> JetStream {
     }
 }
 
-/// One dead letter as a chaos run checks it.
+/// One dead letter as a run checks it.
 pub struct Letter {
     pub message_id: Option<String>,
     pub body: Vec<u8>,
+    /// The reason code, where the transport puts it on the message (always on NATS; on
+    /// RabbitMQ only when the store could not record it).
+    pub reason: Option<String>,
 }
 
 pub enum Bus {
@@ -135,6 +139,44 @@ impl Bus {
         self.on_machine_rabbitmq() || matches!(self, Self::Nats(_))
     }
 
+    /// `builder` with a transport to this broker.
+    pub fn transport(&self, builder: RuntimeBuilder) -> RuntimeBuilder {
+        match self {
+            Self::Rabbit {
+                urls, queue_type, ..
+            } => builder.transport(RabbitTransport::new(
+                RabbitConfig::new(urls.as_str()).queue_type(*queue_type),
+            )),
+            Self::Nats(nats) => builder.transport(nats.transport.clone()),
+        }
+    }
+
+    /// A publisher of [`idem::Outgoing`] messages to this broker, as the outbox's relay
+    /// publishes them (an ordered handler's source routes a key to its partition).
+    pub fn outbound(&self) -> std::sync::Arc<dyn idem::transport::Outbound> {
+        match self {
+            Self::Rabbit {
+                urls, queue_type, ..
+            } => RabbitTransport::new(RabbitConfig::new(urls.as_str()).queue_type(*queue_type))
+                .outbound()
+                .unwrap(),
+            Self::Nats(nats) => nats.transport.outbound().unwrap(),
+        }
+    }
+
+    /// Declares `specs` as a runtime with these queues does.
+    pub async fn declare_specs(&self, specs: &[QueueSpec]) {
+        match self {
+            Self::Rabbit {
+                urls, queue_type, ..
+            } => {
+                let config = RabbitConfig::new(urls.as_str()).queue_type(*queue_type);
+                RabbitTransport::new(config).declare(specs).await.unwrap();
+            }
+            Self::Nats(nats) => nats.transport.declare(specs).await.unwrap(),
+        }
+    }
+
     /// Declares the orders queue as its consumers do.
     pub async fn declare(&self, queue: &str) {
         match self {
@@ -219,6 +261,7 @@ impl Bus {
                 .into_iter()
                 .map(|got| Letter {
                     message_id: got.message_id(),
+                    reason: got.header(idem::rabbitmq::REASON_HEADER),
                     body: got.body,
                 })
                 .collect(),
@@ -234,6 +277,7 @@ impl Bus {
                             |name: &str| message.headers.get(name).map(|v| v.as_str().to_owned());
                         letters.push(Letter {
                             message_id: header("Idem-Message-Id").or_else(|| header("Nats-Msg-Id")),
+                            reason: header(idem::nats::REASON_HEADER),
                             body: message.payload.to_vec(),
                         });
                     }
@@ -259,9 +303,23 @@ impl Bus {
 
     /// Deletes what `queue` left on the broker.
     pub async fn delete(&self, queue: &str) {
+        self.delete_with(queue, &RetryPolicy::default().delays())
+            .await;
+    }
+
+    /// Deletes an ordered handler's source (on RabbitMQ its exchange; on NATS its partitions
+    /// are queues, deleted as such).
+    pub async fn delete_source(&self, source: &str) {
+        if let Self::Rabbit { urls, .. } = self {
+            broker::delete_on(urls, &[], &[source.to_owned()]).await;
+        }
+    }
+
+    /// Deletes what `queue` left on the broker, its retry queues those of `delays`.
+    pub async fn delete_with(&self, queue: &str, delays: &[Duration]) {
         match self {
             Self::Rabbit { urls, .. } => {
-                broker::delete_topology_on(urls, queue, &RetryPolicy::default().delays()).await;
+                broker::delete_topology_on(urls, queue, delays).await;
             }
             Self::Nats(nats) => {
                 nats.transport.delete_queue(queue).await.unwrap();
