@@ -3,7 +3,8 @@
 //! later, replay it, refuse it as failed before, or refuse it as a conflict), for every entry
 //! point: the runtime's pipelines and the HTTP layer. A new answer of a store is handled here.
 
-use super::{Claim, Lease};
+use super::inbox::Claim;
+use super::lease::Lease;
 use crate::model::{Fingerprint, StoredOutput};
 use std::time::Duration;
 
