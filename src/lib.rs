@@ -45,8 +45,8 @@ pub mod outbox {
 pub mod store {
     pub use idem_core::outbox::{Dispatch, Relay, RelayFn};
     pub use idem_core::store::{
-        DeadLetterStore, LeaseStore, OutboxStore, RuntimeStore, SweepFn, SweepStore, Sweeper,
-        owner_token,
+        Admission, DeadLetterStore, LeaseStore, OutboxStore, Refusal, RuntimeStore,
+        SETTLE_ATTEMPTS, SweepFn, SweepStore, Sweeper, owner_token, settle_lease,
     };
     pub use idem_core::{
         Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterRecord, Fingerprint, InboxStore,

@@ -1287,3 +1287,178 @@ async fn the_layer_takes_requests_of_any_body_type_without_a_router() {
         .unwrap();
     assert_eq!(stored, 1);
 }
+
+/// SQLite's inbox whose first lease settlement fails as a deadlock victim's would (a transient
+/// error), on the real database underneath.
+#[derive(Clone)]
+struct FirstSettleFails {
+    inner: idem::sql::SqliteInbox,
+    failed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+mod first_settle_fails {
+    use super::FirstSettleFails;
+    use idem::ErrorClass;
+    use idem::sql::SqliteInbox;
+    use idem::store::{
+        Claim, ClaimRequest, DeadLetterStore, InboxStore, Lease, LeaseEnd, LeaseStore, OutboxStore,
+        StoreError, StoreKind, StoredOutput, SweepStore,
+    };
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    impl InboxStore for FirstSettleFails {
+        type Tx<'c> = <SqliteInbox as InboxStore>::Tx<'c>;
+        type Held = <SqliteInbox as InboxStore>::Held;
+        const KIND: StoreKind = SqliteInbox::KIND;
+
+        async fn check(&self) -> Result<(), StoreError> {
+            self.inner.check().await
+        }
+        async fn begin(&self) -> Result<Self::Tx<'static>, StoreError> {
+            self.inner.begin().await
+        }
+        async fn begin_on<'c>(
+            &'c self,
+            held: &'c mut Option<Self::Held>,
+        ) -> Result<Self::Tx<'c>, StoreError> {
+            self.inner.begin_on(held).await
+        }
+        async fn claim(
+            &self,
+            tx: &mut Self::Tx<'_>,
+            request: &ClaimRequest<'_>,
+        ) -> Result<Claim, StoreError> {
+            self.inner.claim(tx, request).await
+        }
+        async fn complete(
+            &self,
+            tx: &mut Self::Tx<'_>,
+            request: &ClaimRequest<'_>,
+            output: &StoredOutput,
+        ) -> Result<(), StoreError> {
+            self.inner.complete(tx, request, output).await
+        }
+        async fn savepoint(&self, tx: &mut Self::Tx<'_>, first: bool) -> Result<(), StoreError> {
+            self.inner.savepoint(tx, first).await
+        }
+        async fn rollback_to_savepoint(&self, tx: &mut Self::Tx<'_>) -> Result<(), StoreError> {
+            self.inner.rollback_to_savepoint(tx).await
+        }
+        async fn unclaim(
+            &self,
+            tx: &mut Self::Tx<'_>,
+            consumer: &str,
+            keys: &[&str],
+        ) -> Result<(), StoreError> {
+            self.inner.unclaim(tx, consumer, keys).await
+        }
+        async fn commit(&self, tx: Self::Tx<'_>) -> Result<(), StoreError> {
+            self.inner.commit(tx).await
+        }
+        async fn rollback(&self, tx: Self::Tx<'_>) {
+            self.inner.rollback(tx).await
+        }
+    }
+
+    impl LeaseStore for FirstSettleFails {
+        async fn lease(
+            &self,
+            request: &ClaimRequest<'_>,
+            owner: &str,
+            lease: Duration,
+        ) -> Result<Lease, StoreError> {
+            self.inner.lease(request, owner, lease).await
+        }
+        async fn settle(
+            &self,
+            request: &ClaimRequest<'_>,
+            owner: &str,
+            end: LeaseEnd,
+            output: &StoredOutput,
+        ) -> Result<bool, StoreError> {
+            if !self.failed.swap(true, Ordering::SeqCst) {
+                return Err(StoreError::new(
+                    "settle",
+                    ErrorClass::Transient,
+                    "deadlock detected (injected by the test)",
+                ));
+            }
+            self.inner.settle(request, owner, end, output).await
+        }
+        async fn release(&self, request: &ClaimRequest<'_>, owner: &str) -> Result<(), StoreError> {
+            self.inner.release(request, owner).await
+        }
+        async fn abandon(
+            &self,
+            request: &ClaimRequest<'_>,
+            owner: &str,
+        ) -> Result<bool, StoreError> {
+            self.inner.abandon(request, owner).await
+        }
+    }
+
+    impl DeadLetterStore for FirstSettleFails {}
+    impl SweepStore for FirstSettleFails {}
+    impl OutboxStore for FirstSettleFails {}
+}
+
+/// In external mode the handler's effects are done when its lease is settled: a settlement
+/// that fails transiently is tried again at once, so the response is recorded and a retry gets
+/// it replayed, instead of waiting out the lease (409) and then running the handler again.
+#[tokio::test]
+async fn an_external_settlement_that_fails_transiently_is_tried_again_in_place() {
+    use idem_http::Idempotency;
+    use tower_service::Service as _;
+    let (pool, _db) = common::sqlite(2).await;
+    let inbox = idem::sql::SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    let store = FirstSettleFails {
+        inner: inbox,
+        failed: Arc::default(),
+    };
+    let failed = store.failed.clone();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move |body: String| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::CREATED, format!("charged {body}"))
+        }
+    };
+    let layer = Idempotency::external(store, "settle-again")
+        .identity(bearer)
+        .lease(Duration::from_secs(30))
+        .layer()
+        .unwrap();
+    let mut service = tower_layer::Layer::layer(
+        &layer,
+        axum::handler::HandlerWithoutStateExt::into_service(handler),
+    );
+    let mut send = async || {
+        let request = axum::http::Request::post("/charge")
+            .header("authorization", "Bearer alice")
+            .header("idempotency-key", "\"c-1\"")
+            .body(axum::body::Body::from("10"))
+            .unwrap();
+        std::future::poll_fn(|cx| {
+            tower_service::Service::<axum::http::Request<axum::body::Body>>::poll_ready(
+                &mut service,
+                cx,
+            )
+        })
+        .await
+        .unwrap();
+        let response = service.call(request).await.unwrap();
+        let replayed = response.headers().contains_key("idempotent-replayed");
+        (response.status().as_u16(), replayed)
+    };
+    assert_eq!(send().await, (201, false));
+    assert!(failed.load(Ordering::SeqCst), "the first settlement failed");
+    assert_eq!(
+        send().await,
+        (201, true),
+        "the retry gets the recorded response"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

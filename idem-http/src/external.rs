@@ -89,7 +89,7 @@ where
         false => LeaseEnd::Completed,
     };
     let settled = match StoredOutput::encode(&stored) {
-        Ok(output) => store.settle(&claim, &owner, end, &output).await,
+        Ok(output) => idem_core::store::settle_lease(store, &claim, &owner, end, &output).await,
         Err(e) => Err(idem_core::StoreError::new(
             "encode response",
             idem_core::ErrorClass::Permanent,

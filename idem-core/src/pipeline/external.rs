@@ -10,10 +10,8 @@ use super::steps::{
     store_failure,
 };
 use crate::handler::Handler;
-use crate::model::{
-    Context, Envelope, ErrorClass, Fingerprint, Outcome, StoreError, StoredOutput, Transient,
-};
-use crate::store::{Admission, DeadLetterStore, Lease, LeaseEnd, LeaseStore};
+use crate::model::{Context, Envelope, Fingerprint, Outcome, StoreError, StoredOutput, Transient};
+use crate::store::{Admission, DeadLetterStore, Lease, LeaseEnd, LeaseStore, settle_lease};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 
@@ -113,7 +111,7 @@ async fn run<H: Handler>(
             return (retry, Ran::Settled);
         }
     };
-    let outcome = match settle::<H>(store, &request, &owner, end, &output).await {
+    let outcome = match settle_lease(store, &request, &owner, end, &output).await {
         Ok(true) => outcome,
         Ok(false) => Outcome::Retry(Transient {
             message: "the lease expired while the handler ran and another consumer took the key \
@@ -126,37 +124,6 @@ async fn run<H: Handler>(
         Err(e) => store_failure(e, key),
     };
     (outcome, Ran::Settled)
-}
-
-/// How many times a settlement that failed transiently is tried, the first included.
-const SETTLE_ATTEMPTS: u32 = 5;
-
-/// Settles the lease after the handler ran. The downstream call is done, so a transient
-/// failure here (a deadlock victim, a lock wait timeout) is retried in place, with a short
-/// backoff, rather than left to the lease's expiry, after which another copy would call the
-/// downstream again. Retrying is safe: a failed settlement rolled back, and one that did commit
-/// leaves nothing in progress for the retry to match (`Ok(false)`).
-async fn settle<H: Handler>(
-    store: &H::Store,
-    request: &crate::store::ClaimRequest<'_>,
-    owner: &str,
-    end: LeaseEnd,
-    output: &StoredOutput,
-) -> Result<bool, StoreError> {
-    let mut pause = Duration::from_millis(10);
-    let mut attempt = 1;
-    loop {
-        match store.settle(request, owner, end, output).await {
-            Err(e) if e.class() == ErrorClass::Transient && attempt < SETTLE_ATTEMPTS => {
-                tracing::debug!(consumer = H::CONSUMER, key = request.key, error = %e, attempt,
-                    "settling the lease failed; trying again");
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-                attempt += 1;
-            }
-            settled => return settled,
-        }
-    }
 }
 
 /// Whether the handler may run on what the lease found ([`Admission::of_lease`] judges), or

@@ -9,9 +9,11 @@ pub mod inbox;
 pub mod lease;
 pub mod roles;
 pub mod set;
+pub mod settlement;
 
 pub use admission::{Admission, Refusal};
 pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
 pub use lease::{Lease, LeaseEnd, owner_token};
 pub use roles::{DeadLetterStore, LeaseStore, OutboxStore, RuntimeStore, SweepStore};
 pub use set::{Stores, SweepFn, Sweeper};
+pub use settlement::{SETTLE_ATTEMPTS, settle_lease};
