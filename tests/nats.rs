@@ -178,6 +178,15 @@ impl World {
     }
 }
 
+/// A runtime of the orders handler alone, on `queue`, through `transport`, on `pool`.
+fn orders_alone(transport: &NatsTransport, pool: &SqlitePool, queue: &str) -> idem::RuntimeBuilder {
+    Runtime::builder()
+        .transport(transport.clone())
+        .store(SqliteInbox::new(pool.clone()))
+        .handlers(["nats.orders"])
+        .handler_queue("nats.orders", queue)
+}
+
 fn order(id: &str, cents: i64) -> Order {
     Order {
         id: id.to_owned(),
@@ -187,36 +196,29 @@ fn order(id: &str, cents: i64) -> Order {
     }
 }
 
+/// JetStream's duplicate window: a copy published again with a JetStream id it took is
+/// dropped before it reaches the inbox; and acks are confirmed, so nothing is left in the
+/// work queue. (Copies JetStream keeps are settled by the inbox: `tests/guarantees.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn copies_and_redeliveries_take_effect_once() {
-    let w = World::new("once").await;
-    let mut published = 0;
-    for n in 0..40 {
-        // Distinct JetStream ids: copies JetStream keeps, for the inbox to settle.
-        for copy in 0..(n % 3 + 1) {
-            assert!(
-                !w.publish(&format!("o-{n}.{copy}"), &order(&format!("o-{n}"), n))
-                    .await
-            );
-            published += 1;
-        }
+async fn jetstream_drops_a_copy_with_an_id_it_took_and_the_queue_ends_empty() {
+    let w = World::new("window").await;
+    for n in 0..10 {
+        assert!(
+            !w.publish(&format!("o-{n}"), &order(&format!("o-{n}"), n))
+                .await
+        );
     }
-    // A copy with a JetStream id seen within the duplicate window is dropped by JetStream.
-    assert!(w.publish("o-0.0", &order("o-0", 0)).await);
+    assert!(w.publish("o-0", &order("o-0", 0)).await, "kept twice");
     let running = start(w.runtime());
-    wait_until("every copy settled", DEADLINE, || async {
-        running.now().settled() >= published
+    wait_until("every order settled", DEADLINE, || async {
+        running.now().settled() >= 10
     })
     .await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.processed, seen.duplicates, seen.dead_lettered),
-        (40, published - 40, 0)
+        (10, 0, 0)
     );
-    let applied = w.applied().await;
-    assert_eq!(applied.len(), 40, "{applied:?}");
-    assert!(applied.iter().all(|(_, _, _, attempt, _)| *attempt == 1));
-    // Acked with confirms: nothing is left in the work queue.
     let mut stream = w.js.get_stream(format!("IDEM_{}", w.orders)).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 0);
     w.cleanup().await;
@@ -240,13 +242,7 @@ async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
     slow.fail = Some("slow".to_owned());
     let message = idem::Envelope::new(serde_json::to_vec(&slow).unwrap()).with_message_id("slow-1");
     transport.publish(&queue, &message, None).await.unwrap();
-    let running = start(
-        Runtime::builder()
-            .transport(transport.clone())
-            .store(SqliteInbox::new(pool.clone()))
-            .handlers(["nats.orders"])
-            .handler_queue("nats.orders", queue.as_str()),
-    );
+    let running = start(orders_alone(&transport, &pool, &queue));
     wait_until("the slow order applied", DEADLINE, || async {
         running.now().processed >= 1
     })
@@ -270,17 +266,12 @@ async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_transient_failure_is_retried_and_a_permanent_one_is_dead_lettered_with_its_reason() {
+async fn a_dead_letter_carries_its_reason_detail_and_source_queue_in_headers() {
     let w = World::new("fail").await;
-    let once = Order {
-        fail: Some("once".to_owned()),
-        ..order("t-1", 7)
-    };
     let always = Order {
         fail: Some("always".to_owned()),
         ..order("p-1", 9)
     };
-    w.publish("t-1", &once).await;
     w.publish("p-1", &always).await;
     // Bytes that are not JSON, nor UTF-8, with a NUL: dead-lettered as undecodable.
     let mut headers = HeaderMap::new();
@@ -291,26 +282,13 @@ async fn a_transient_failure_is_retried_and_a_permanent_one_is_dead_lettered_wit
         .unwrap()
         .await
         .unwrap();
-    let started = std::time::Instant::now();
     let running = start(w.runtime());
-    wait_until("all three settled", DEADLINE, || async {
-        let now = running.now();
-        now.processed == 1 && now.dead_lettered == 2
+    wait_until("both dead-lettered", DEADLINE, || async {
+        running.now().dead_lettered == 2
     })
     .await;
-    let seen = running.shut_down().await;
-    assert_eq!(
-        (seen.retried, seen.processed, seen.dead_lettered),
-        (1, 1, 2)
-    );
-    // The retry waited out the policy's first delay (300 ms) before it ran again.
-    assert!(started.elapsed() >= Duration::from_millis(300));
-    // The retry ran as attempt 2, after its delay, from the retry stream.
-    let applied = w.applied().await;
-    assert_eq!(applied.len(), 1);
-    assert_eq!((applied[0].1.as_str(), applied[0].3), ("t-1", 2));
-
-    // The dead letter: once in the dead-letter stream, with its reason and source queue...
+    running.shut_down().await;
+    // Each once in the dead-letter stream, with its reason, detail and source queue.
     let dlq =
         w.js.get_stream(format!("IDEM_{}_DLQ", w.orders))
             .await
@@ -344,22 +322,6 @@ async fn a_transient_failure_is_retried_and_a_permanent_one_is_dead_lettered_wit
         Some("decode")
     );
     assert!(dlq.get_raw_message(3).await.is_err(), "dead-lettered twice");
-    // ... and its record in the store, keyed by consumer and key.
-    let records = SqliteInbox::new(w.pool.clone())
-        .dead_letters(&w.orders)
-        .await
-        .unwrap();
-    assert_eq!(records.len(), 2, "{records:?}");
-    assert!(
-        records
-            .iter()
-            .any(|r| (r.reason.as_str(), r.key.as_str()) == ("handler", "p-1"))
-    );
-    assert!(
-        records
-            .iter()
-            .any(|r| r.reason == "decode" && r.describes(Some("bad-1"), bad))
-    );
     w.cleanup().await;
 }
 
@@ -697,13 +659,7 @@ async fn over_tls_orders_take_effect_once_and_an_unknown_ca_is_refused() {
             transport.publish(&queue, &message, None).await.unwrap();
         }
     }
-    let running = start(
-        Runtime::builder()
-            .transport(transport.clone())
-            .store(SqliteInbox::new(pool.clone()))
-            .handlers(["nats.orders"])
-            .handler_queue("nats.orders", queue.as_str()),
-    );
+    let running = start(orders_alone(&transport, &pool, &queue));
     wait_until("every order", DEADLINE, || async {
         running.now().processed >= 20
     })
