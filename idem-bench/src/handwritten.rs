@@ -210,16 +210,7 @@ pub async fn batched(
     let mut first = None;
     let mut settled = 0;
     while settled < expect {
-        let mut deliveries = Vec::with_capacity(batch);
-        deliveries.push(consumer.next().await.context("the consumer ended")??);
-        first.get_or_insert_with(Instant::now);
-        let deadline = tokio::time::Instant::now() + linger;
-        while deliveries.len() < batch {
-            match tokio::time::timeout_at(deadline, consumer.next()).await {
-                Ok(Some(delivery)) => deliveries.push(delivery?),
-                Ok(None) | Err(_) => break,
-            }
-        }
+        let deliveries = gather(&mut consumer, batch, linger, &mut first).await?;
         while let Err(e) = process_batch(&pool, &deliveries, writes, inbox).await {
             tracing::warn!(error = %e, "retrying the batch");
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -236,6 +227,30 @@ pub async fn batched(
     let elapsed = first.map(|t| t.elapsed()).unwrap_or_default();
     let _ = connection.close(200, ShortString::from("done")).await;
     Ok(elapsed)
+}
+
+/// Up to `size` deliveries of `stream`: the first as it comes (the start of the measured
+/// interval when `first` is still empty), then what arrives within `linger` after it.
+pub(crate) async fn gather<T, E>(
+    stream: &mut (impl futures_util::Stream<Item = Result<T, E>> + Unpin),
+    size: usize,
+    linger: Duration,
+    first: &mut Option<Instant>,
+) -> anyhow::Result<Vec<T>>
+where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let mut batch = Vec::with_capacity(size);
+    batch.push(stream.next().await.context("the consumer ended")??);
+    first.get_or_insert_with(Instant::now);
+    let deadline = tokio::time::Instant::now() + linger;
+    while batch.len() < size {
+        match tokio::time::timeout_at(deadline, stream.next()).await {
+            Ok(Some(delivery)) => batch.push(delivery?),
+            Ok(None) | Err(_) => break,
+        }
+    }
+    Ok(batch)
 }
 
 /// One batch's transaction: its keys claimed in `inbox`, its new orders written as `writes`

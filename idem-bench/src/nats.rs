@@ -259,16 +259,7 @@ pub async fn batched(
     let mut first = None;
     let mut settled = 0;
     while settled < expect {
-        let mut batch = Vec::with_capacity(size);
-        batch.push(stream.next().await.context("the stream ended")??);
-        first.get_or_insert_with(Instant::now);
-        let deadline = tokio::time::Instant::now() + linger;
-        while batch.len() < size {
-            match tokio::time::timeout_at(deadline, stream.next()).await {
-                Ok(Some(message)) => batch.push(message?),
-                Ok(None) | Err(_) => break,
-            }
-        }
+        let batch = handwritten::gather(&mut stream, size, linger, &mut first).await?;
         while let Err(e) = handwritten::process_batch(&pool, &batch, writes, inbox).await {
             tracing::warn!(error = %e, "retrying the batch");
             tokio::time::sleep(Duration::from_millis(50)).await;
