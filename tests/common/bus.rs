@@ -102,6 +102,11 @@ impl Bus {
         }))
     }
 
+    /// Whether the run has a server of its own, which [`Bus::restart_server`] restarts.
+    pub fn can_restart(&self) -> bool {
+        matches!(self, Self::Nats(nats) if nats.node.is_some())
+    }
+
     /// Kills the broker's server with SIGKILL and starts it again, when the run has one of its
     /// own. Whether it did.
     pub async fn restart_server(&self) -> bool {
