@@ -59,6 +59,19 @@ impl Incoming for Delivery {
     }
 }
 
+/// A delivery the handwritten per-message consumers ack after their commit.
+pub(crate) trait Acked: Incoming + Send + Sync + 'static {
+    /// Acks it.
+    fn ack_after_commit(&self) -> impl std::future::Future<Output = anyhow::Result<()>> + Send;
+}
+
+impl Acked for Delivery {
+    async fn ack_after_commit(&self) -> anyhow::Result<()> {
+        self.ack(BasicAckOptions::default()).await?;
+        Ok(())
+    }
+}
+
 fn parse(delivery: &impl Incoming) -> anyhow::Result<(String, Order)> {
     let key = delivery.key().context("no message id")?.to_owned();
     Ok((key, serde_json::from_slice(delivery.body())?))
@@ -312,15 +325,35 @@ pub async fn lean_per_message(
     inbox: Inbox,
 ) -> anyhow::Result<Duration> {
     let (connection, _channel, consumer) = channel(url, queue, prefetch).await?;
-    let consumer = Arc::new(tokio::sync::Mutex::new(consumer.take(expect)));
+    let elapsed = lean_workers(consumer, database_url, expect, workers, inbox).await?;
+    let _ = connection.close(200, ShortString::from("done")).await;
+    Ok(elapsed)
+}
+
+/// The lean consumer's workers, on either broker: `workers` tasks, each holding its own
+/// PostgreSQL connection and taking deliveries from the shared `stream` until `expect` are
+/// taken, one transaction per delivery, acked after its commit. Returns the time from the
+/// first delivery to the last ack.
+pub(crate) async fn lean_workers<M, E>(
+    stream: impl futures_util::Stream<Item = Result<M, E>> + Send + Unpin + 'static,
+    database_url: &str,
+    expect: usize,
+    workers: usize,
+    inbox: Inbox,
+) -> anyhow::Result<Duration>
+where
+    M: Acked,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    let stream = Arc::new(tokio::sync::Mutex::new(stream.take(expect)));
     let first = Arc::new(OnceLock::new());
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..workers {
         let mut db = PgConnection::connect(database_url).await?;
-        let (consumer, first) = (consumer.clone(), first.clone());
+        let (stream, first) = (stream.clone(), first.clone());
         tasks.spawn(async move {
             loop {
-                let next = consumer.lock().await.next().await;
+                let next = stream.lock().await.next().await;
                 let Some(delivery) = next else {
                     return anyhow::Ok(());
                 };
@@ -330,16 +363,14 @@ pub async fn lean_per_message(
                     tracing::warn!(error = %e, "retrying");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
-                delivery.ack(BasicAckOptions::default()).await?;
+                delivery.ack_after_commit().await?;
             }
         });
     }
     while let Some(done) = tasks.join_next().await {
         done??;
     }
-    let elapsed = first.get().map(Instant::elapsed).unwrap_or_default();
-    let _ = connection.close(200, ShortString::from("done")).await;
-    Ok(elapsed)
+    Ok(first.get().map(Instant::elapsed).unwrap_or_default())
 }
 
 /// One message's transaction on the worker's own connection: its key claimed in `inbox` and,

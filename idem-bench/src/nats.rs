@@ -19,8 +19,7 @@ use async_nats::jetstream::{self, Context, Message};
 use futures_util::StreamExt as _;
 use idem::nats::{MESSAGE_ID_HEADER, NatsConfig, NatsTransport};
 use idem::transport::{QueueSpec, Transport as _};
-use sqlx::{Connection as _, PgConnection, PgPool};
-use std::sync::{Arc, OnceLock};
+use sqlx::PgPool;
 use std::time::{Duration, Instant};
 
 /// The durable consumer of the handwritten consumers.
@@ -66,6 +65,29 @@ impl Ack {
                 Ok(())
             }
         }
+    }
+}
+
+/// A JetStream message with what acks it, for the handwritten per-message workers.
+struct Acking {
+    message: Message,
+    client: async_nats::Client,
+    ack: Ack,
+}
+
+impl Incoming for Acking {
+    fn key(&self) -> Option<&str> {
+        self.message.key()
+    }
+
+    fn body(&self) -> &[u8] {
+        self.message.body()
+    }
+}
+
+impl handwritten::Acked for Acking {
+    async fn ack_after_commit(&self) -> anyhow::Result<()> {
+        self.ack.send(&self.client, &self.message).await
     }
 }
 
@@ -206,32 +228,15 @@ pub async fn lean_per_message(
     } = workers;
     let (client, js) = connect(url).await?;
     let stream = messages(&js, queue, usize::from(prefetch)).await?;
-    let stream = Arc::new(tokio::sync::Mutex::new(stream.take(expect)));
-    let first = Arc::new(OnceLock::new());
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..workers {
-        let mut db = PgConnection::connect(database_url).await?;
-        let (stream, first, client) = (stream.clone(), first.clone(), client.clone());
-        tasks.spawn(async move {
-            loop {
-                let next = stream.lock().await.next().await;
-                let Some(message) = next else {
-                    return anyhow::Ok(());
-                };
-                let message = message?;
-                first.get_or_init(Instant::now);
-                while let Err(e) = handwritten::process_lean(&mut db, &message, inbox).await {
-                    tracing::warn!(error = %e, "retrying");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                ack.send(&client, &message).await?;
-            }
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        done??;
-    }
-    let elapsed = first.get().map(Instant::elapsed).unwrap_or_default();
+    let client_for_acks = client.clone();
+    let stream = stream.map(move |message| {
+        message.map(|message| Acking {
+            message,
+            client: client_for_acks.clone(),
+            ack,
+        })
+    });
+    let elapsed = handwritten::lean_workers(stream, database_url, expect, workers, inbox).await?;
     client.flush().await?;
     Ok(elapsed)
 }
