@@ -228,7 +228,7 @@ macro_rules! suite {
     ($name:ident, $db:ty, $inbox:ty, $connect:path, $open:path, $insert:literal, $count:literal, $rows:literal, cross_process_409 = $nowait:literal) => {
         mod $name {
             use super::*;
-            use idem_http::{Execution, Idempotency, Tx};
+            use idem_http::{Execution, External, Idempotency, Transactional, Tx};
 
             type Pool = sqlx::Pool<$db>;
 
@@ -314,31 +314,46 @@ macro_rules! suite {
                 .unwrap();
             }
 
-            fn transactional(pool: &Pool, operation: &str) -> Idempotency<$inbox> {
+            fn transactional(pool: &Pool, operation: &str) -> Idempotency<$inbox, Transactional> {
                 Idempotency::transactional(<$inbox>::new(pool.clone()), operation).identity(bearer)
             }
 
-            fn external(pool: &Pool, operation: &str, lease: Duration) -> Idempotency<$inbox> {
+            fn external(
+                pool: &Pool,
+                operation: &str,
+                lease: Duration,
+            ) -> Idempotency<$inbox, External> {
                 Idempotency::external(<$inbox>::new(pool.clone()), operation)
                     .identity(bearer)
                     .lease(lease)
             }
 
-            async fn serve(
-                pool: &Pool,
-                probe: &Probe,
-                layer: Idempotency<$inbox>,
-                in_tx: bool,
-            ) -> Server {
-                let layer = layer.layer().unwrap();
-                let route = match in_tx {
-                    true => axum::routing::post(pay_in_tx).layer(layer),
-                    false => axum::routing::post(pay_outside).layer(layer),
-                };
-                let app = axum::Router::new().route("/pay", route).with_state(App {
-                    probe: probe.clone(),
-                    pool: pool.clone(),
-                });
+            /// How a configured layer goes on the `/pay` route, as a user routes it: a
+            /// transactional one wraps `pay_in_tx`, an external one is a tower layer on
+            /// `pay_outside`.
+            trait OnRoute {
+                fn route(self) -> axum::routing::MethodRouter<App>;
+            }
+
+            impl OnRoute for Idempotency<$inbox, Transactional> {
+                fn route(self) -> axum::routing::MethodRouter<App> {
+                    axum::routing::post(self.layer().unwrap().handler(pay_in_tx))
+                }
+            }
+
+            impl OnRoute for Idempotency<$inbox, External> {
+                fn route(self) -> axum::routing::MethodRouter<App> {
+                    axum::routing::post(pay_outside).layer(self.layer().unwrap())
+                }
+            }
+
+            async fn serve(pool: &Pool, probe: &Probe, layer: impl OnRoute) -> Server {
+                let app = axum::Router::new()
+                    .route("/pay", layer.route())
+                    .with_state(App {
+                        probe: probe.clone(),
+                        pool: pool.clone(),
+                    });
                 Server::start(app).await
             }
 
@@ -349,8 +364,8 @@ macro_rules! suite {
                 setup(&pool).await;
                 let operation = unique("concurrent");
                 let probe = Probe::new();
-                let a = serve(&pool, &probe, transactional(&pool, &operation), true).await;
-                let b = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let a = serve(&pool, &probe, transactional(&pool, &operation)).await;
+                let b = serve(&pool, &probe, transactional(&pool, &operation)).await;
                 let r#ref = unique("ref");
                 let pay = Pay {
                     gated: true,
@@ -419,8 +434,8 @@ macro_rules! suite {
                 setup(&pool).await;
                 let operation = unique("other");
                 let probe = Probe::new();
-                let a = serve(&pool, &probe, transactional(&pool, &operation), true).await;
-                let b = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let a = serve(&pool, &probe, transactional(&pool, &operation)).await;
+                let b = serve(&pool, &probe, transactional(&pool, &operation)).await;
                 let pay = Pay {
                     gated: true,
                     ..Pay::new(&unique("ref"))
@@ -469,7 +484,7 @@ macro_rules! suite {
                 setup(&pool).await;
                 let operation = unique("scoped");
                 let probe = Probe::new();
-                let server = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let server = serve(&pool, &probe, transactional(&pool, &operation)).await;
                 let url = server.url();
                 let pay = Pay::new(&unique("ref"));
                 let alice = post(&url, Some("alice"), Some("k"), &pay).await;
@@ -522,7 +537,7 @@ macro_rules! suite {
                 setup(&pool).await;
                 let operation = unique("errors");
                 let probe = Probe::new();
-                let server = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                let server = serve(&pool, &probe, transactional(&pool, &operation)).await;
                 let url = server.url();
 
                 let failing = Pay {
@@ -590,7 +605,7 @@ macro_rules! suite {
                 let layer = transactional(&pool, &operation)
                     .max_request_bytes(1_000)
                     .policy("https://api.example/idempotency");
-                let server = serve(&pool, &probe, layer, true).await;
+                let server = serve(&pool, &probe, layer).await;
                 let url = server.url();
                 let pay = Pay::new(&unique("ref"));
                 let long = "k".repeat(256);
@@ -607,13 +622,8 @@ macro_rules! suite {
                 );
                 assert_eq!(probe.runs(), 0);
 
-                let optional = serve(
-                    &pool,
-                    &probe,
-                    transactional(&pool, &operation).optional(),
-                    true,
-                )
-                .await;
+                let optional =
+                    serve(&pool, &probe, transactional(&pool, &operation).optional()).await;
                 // Without a key the request runs unguarded, in a transaction of its own.
                 let unkeyed = post(&optional.url(), Some("alice"), None, &pay).await;
                 assert_eq!(
@@ -631,7 +641,7 @@ macro_rules! suite {
                 assert_eq!((keyed.status, keyed.replayed), (201, false));
 
                 let small = transactional(&pool, &operation).max_response_bytes(10);
-                let small = serve(&pool, &probe, small, true).await;
+                let small = serve(&pool, &probe, small).await;
                 let too_large = post(&small.url(), Some("alice"), Some("small"), &pay).await;
                 assert_eq!(too_large.status, 500, "{too_large:?}");
                 assert_eq!(
@@ -641,7 +651,7 @@ macro_rules! suite {
                 );
                 let external_small = external(&pool, &unique("limits"), Duration::from_secs(60))
                     .max_response_bytes(10);
-                let external_small = serve(&pool, &probe, external_small, false).await;
+                let external_small = serve(&pool, &probe, external_small).await;
                 let first = post(&external_small.url(), Some("alice"), Some("small"), &pay).await;
                 assert_eq!((first.status, first.json().is_object()), (201, true));
                 let again = post(&external_small.url(), Some("alice"), Some("small"), &pay).await;
@@ -661,8 +671,7 @@ macro_rules! suite {
                 assert_eq!(effects(&pool, &other.r#ref).await, 1);
 
                 broken.close().await;
-                let unavailable =
-                    serve(&broken, &probe, transactional(&broken, &operation), true).await;
+                let unavailable = serve(&broken, &probe, transactional(&broken, &operation)).await;
                 let runs = probe.runs();
                 let answer = post(&unavailable.url(), Some("alice"), Some("down"), &pay).await;
                 assert_eq!(answer.status, 503);
@@ -676,7 +685,7 @@ macro_rules! suite {
                 let operation = unique("expiry");
                 let probe = Probe::new();
                 let layer = transactional(&pool, &operation).retention(Duration::from_secs(1));
-                let server = serve(&pool, &probe, layer, true).await;
+                let server = serve(&pool, &probe, layer).await;
                 let pay = Pay::new(&unique("ref"));
                 let first = post(&server.url(), Some("alice"), Some("x"), &pay).await;
                 assert!(
@@ -707,7 +716,7 @@ macro_rules! suite {
                 let operation = unique("external");
                 let probe = Probe::new();
                 let layer = external(&pool, &operation, Duration::from_secs(60));
-                let server = serve(&pool, &probe, layer, false).await;
+                let server = serve(&pool, &probe, layer).await;
                 let url = server.url();
                 let pay = Pay {
                     gated: true,
@@ -727,7 +736,6 @@ macro_rules! suite {
                     &pool,
                     &probe,
                     external(&pool, &operation, Duration::from_secs(60)),
-                    false,
                 )
                 .await;
                 let leased = post(&other.url(), Some("alice"), Some("x"), &pay).await;
@@ -842,7 +850,7 @@ macro_rules! suite {
                         "a key recorded by a killed request"
                     );
                     assert_eq!(effects(&pool, &r#ref).await, 0);
-                    let server = serve(&pool, &probe, transactional(&pool, &operation), true).await;
+                    let server = serve(&pool, &probe, transactional(&pool, &operation)).await;
                     let answer = post(&server.url(), Some("alice"), Some("crash"), &retry).await;
                     assert_eq!((answer.status, answer.replayed), (201, false));
                     assert_eq!(effects(&pool, &r#ref).await, 1);
@@ -852,7 +860,7 @@ macro_rules! suite {
                     assert_eq!(rows(&pool, &operation).await, 1, "the lease is left");
                     assert_eq!(effects(&pool, &r#ref).await, 1);
                     let layer = external(&pool, &operation, Duration::from_secs(2));
-                    let server = serve(&pool, &probe, layer, false).await;
+                    let server = serve(&pool, &probe, layer).await;
                     let first = post(&server.url(), Some("alice"), Some("crash"), &retry).await;
                     assert_eq!(first.status, 409, "a live lease is taken over: {first:?}");
                     // Polls, with a deadline, until the lease (2 s) expires and is taken over.
@@ -888,11 +896,11 @@ macro_rules! suite {
                 let operation = unique("late");
                 let probe = Probe::new();
                 let layer = external(&pool, &operation, Duration::from_millis(300));
-                let server = serve(&pool, &probe, layer, false).await;
+                let server = serve(&pool, &probe, layer).await;
                 // The retries come through another process's layer (this one knows the first
                 // request is still in flight here, and answers 409).
                 let layer = external(&pool, &operation, Duration::from_millis(300));
-                let other = serve(&pool, &probe, layer, false).await;
+                let other = serve(&pool, &probe, layer).await;
                 let (key, pay) = (unique("k"), Pay::new(&unique("ref")));
                 let (url, retries) = (server.url(), other.url());
                 let refused = {
@@ -951,14 +959,23 @@ macro_rules! suite {
                 setup(&pool).await;
                 let operation = unique("cookie");
                 let probe = Probe::new();
+                fn cookieless<M>(layer: Idempotency<$inbox, M>) -> Idempotency<$inbox, M> {
+                    layer
+                        .shared_key_space()
+                        .never_store_header(axum::http::HeaderName::from_static("x-session"))
+                }
                 for in_tx in [true, false] {
-                    let layer = match in_tx {
-                        true => Idempotency::transactional(<$inbox>::new(pool.clone()), &operation),
-                        false => Idempotency::external(<$inbox>::new(pool.clone()), &operation),
-                    }
-                    .shared_key_space()
-                    .never_store_header(axum::http::HeaderName::from_static("x-session"));
-                    let server = serve(&pool, &probe, layer, in_tx).await;
+                    let store = <$inbox>::new(pool.clone());
+                    let server = match in_tx {
+                        true => {
+                            let layer = Idempotency::transactional(store, &operation);
+                            serve(&pool, &probe, cookieless(layer)).await
+                        }
+                        false => {
+                            let layer = Idempotency::external(store, &operation);
+                            serve(&pool, &probe, cookieless(layer)).await
+                        }
+                    };
                     let key = unique("k");
                     let pay = Pay::new(&unique("ref"));
                     let first =
@@ -1040,11 +1057,13 @@ macro_rules! suite {
                 let pool = $open(&std::env::var("IDEM_HTTP_DB").unwrap()).await;
                 let operation = std::env::var("IDEM_HTTP_OPERATION").unwrap();
                 let in_tx = std::env::var("IDEM_HTTP_MODE").unwrap() == "transactional";
-                let layer = match in_tx {
-                    true => transactional(&pool, &operation),
-                    false => external(&pool, &operation, Duration::from_secs(2)),
+                let server = match in_tx {
+                    true => serve(&pool, &Probe::new(), transactional(&pool, &operation)).await,
+                    false => {
+                        let layer = external(&pool, &operation, Duration::from_secs(2));
+                        serve(&pool, &Probe::new(), layer).await
+                    }
                 };
-                let server = serve(&pool, &Probe::new(), layer, in_tx).await;
                 println!("IDEM-LISTENING {}", server.addr);
                 let _ = &server;
                 std::future::pending::<()>().await;
@@ -1217,14 +1236,47 @@ async fn the_payments_example_takes_one_payment_per_key() {
     );
 }
 
-/// The layer is a tower service over any request body, as tower-http's are: here a handler
-/// service called with `Request<String>` bodies, without a router or a server. The first
-/// request writes in its transaction and is stored; its retry is replayed without a run; the
-/// same key with another body is 422.
+/// Sends `body` with the key `k-1` to `service` as a `Request<String>`: the status, whether it
+/// was replayed, and the body.
+async fn send_string<S>(service: &mut S, body: &str) -> (u16, bool, String)
+where
+    S: tower_service::Service<
+            axum::http::Request<String>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        >,
+{
+    let request = axum::http::Request::post("/any")
+        .header("authorization", "Bearer alice")
+        .header("idempotency-key", "\"k-1\"")
+        .body(body.to_owned())
+        .unwrap();
+    std::future::poll_fn(|cx| service.poll_ready(cx))
+        .await
+        .unwrap();
+    let response = service.call(request).await.unwrap();
+    let replayed = response.headers().contains_key("idempotent-replayed");
+    let status = response.status().as_u16();
+    let body = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (
+        status,
+        replayed,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+/// Both kinds of layer are tower services over any request body, as tower-http's are: here
+/// called with `Request<String>` bodies, without a router or a server. A transactional
+/// handler (`layer.handler(..)`, as a service) writes in its transaction and is stored; its
+/// retry is replayed without a run; the same key with another body is 422. An external layer
+/// around a handler service does the same.
 #[tokio::test]
 async fn the_layer_takes_requests_of_any_body_type_without_a_router() {
+    use axum::handler::HandlerWithoutStateExt as _;
     use idem_http::{Idempotency, Tx};
-    use tower_service::Service as _;
     let (pool, _db) = common::sqlite(2).await;
     idem::sql::SqliteInbox::new(pool.clone())
         .migrate()
@@ -1251,41 +1303,46 @@ async fn the_layer_takes_requests_of_any_body_type_without_a_router() {
         .identity(bearer)
         .layer()
         .unwrap();
-    let inner = axum::handler::HandlerWithoutStateExt::into_service(handler);
-    let mut service = tower_layer::Layer::layer(&layer, inner);
-    let mut send = async |body: &str| {
-        let request = axum::http::Request::post("/any")
-            .header("authorization", "Bearer alice")
-            .header("idempotency-key", "\"k-1\"")
-            .body(body.to_owned())
-            .unwrap();
-        std::future::poll_fn(|cx| {
-            tower_service::Service::<axum::http::Request<String>>::poll_ready(&mut service, cx)
-        })
-        .await
-        .unwrap();
-        let response = service.call(request).await.unwrap();
-        let replayed = response.headers().contains_key("idempotent-replayed");
-        let status = response.status().as_u16();
-        let body = http_body_util::BodyExt::collect(response.into_body())
-            .await
-            .unwrap()
-            .to_bytes();
-        (
-            status,
-            replayed,
-            String::from_utf8_lossy(&body).into_owned(),
-        )
-    };
-    assert_eq!(send("one").await, (201, false, "stored one".to_owned()));
-    assert_eq!(send("one").await, (201, true, "stored one".to_owned()));
-    assert_eq!(send("two").await.0, 422);
+    let mut service = layer.handler(handler).into_service();
+    assert_eq!(
+        send_string(&mut service, "one").await,
+        (201, false, "stored one".to_owned())
+    );
+    assert_eq!(
+        send_string(&mut service, "one").await,
+        (201, true, "stored one".to_owned())
+    );
+    assert_eq!(send_string(&mut service, "two").await.0, 422);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM any_body")
         .fetch_one(&pool)
         .await
         .unwrap();
     assert_eq!(stored, 1);
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move |body: String| async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::CREATED, format!("sent {body}"))
+        }
+    };
+    let layer = Idempotency::external(idem::sql::SqliteInbox::new(pool.clone()), "any-body-out")
+        .identity(bearer)
+        .layer()
+        .unwrap();
+    let mut service = tower_layer::Layer::layer(&layer, handler.into_service());
+    assert_eq!(
+        send_string(&mut service, "one").await,
+        (201, false, "sent one".to_owned())
+    );
+    assert_eq!(
+        send_string(&mut service, "one").await,
+        (201, true, "sent one".to_owned())
+    );
+    assert_eq!(send_string(&mut service, "two").await.0, 422);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 /// SQLite's inbox whose first lease settlement fails as a deadlock victim's would (a transient

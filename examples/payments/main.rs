@@ -140,10 +140,10 @@ fn principal(parts: &Parts) -> Option<String> {
 }
 
 /// The route, its layer on `store`, and a sweeper expiring old keys.
-fn route<S, H, T>(store: S, handler: H) -> anyhow::Result<Router>
+fn route<S, H, A, P, T>(store: S, handler: H) -> anyhow::Result<Router>
 where
     S: idem::store::RuntimeStore + Clone,
-    H: axum::handler::Handler<T, ()>,
+    H: idem::http::WritesIn<S::Tx<'static>, A, P> + axum::handler::Handler<T, ()>,
     T: 'static,
 {
     tokio::spawn(idem::http::sweep_every(
@@ -153,7 +153,7 @@ where
     let idempotent = Idempotency::transactional(store, "payments.create")
         .identity(principal)
         .layer()?;
-    Ok(Router::new().route("/payments", post(handler).layer(idempotent)))
+    Ok(Router::new().route("/payments", post(idempotent.handler(handler))))
 }
 
 #[tokio::main]

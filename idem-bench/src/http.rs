@@ -201,7 +201,7 @@ async fn app(b: &HttpBench) -> anyhow::Result<axum::Router> {
     Ok(axum::Router::new()
         .route("/plain", post(plain).with_state(plain_pool))
         .route("/hand", post(handwritten).with_state(hand_pool))
-        .route("/idem", post(with_idem).layer(layer)))
+        .route("/idem", post(layer.handler(with_idem))))
 }
 
 /// One run: `requests` requests over `concurrency` connections; the sorted latencies and the

@@ -5,6 +5,7 @@ use crate::key::DEFAULT_MAX_KEY_LEN;
 use http::request::Parts;
 use idem_core::{DEFAULT_LEASE, RuntimeStore};
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,6 +40,19 @@ pub enum HttpMode {
         lease: Duration,
     },
 }
+
+/// The type of a transactional [`Idempotency`]: its layer wraps handlers that write in the
+/// request's [`crate::Tx`] ([`crate::IdempotencyLayer::handler`]), typed by the layer's store.
+#[derive(Debug, Clone, Copy)]
+pub struct Transactional;
+
+/// The type of an external [`Idempotency`]: its layer is a tower layer around any route
+/// ([`crate::IdempotencyLayer`] implements `tower::Layer`).
+#[derive(Debug, Clone, Copy)]
+pub struct External;
+
+/// The mode of an [`Idempotency`] once its layer is built: what every request reads.
+pub(crate) struct Built;
 
 /// A wrong idempotency configuration, found when the layer is built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -77,8 +91,8 @@ pub enum ConfigError {
 }
 
 /// The idempotency of one operation (a route, or several routes that are one operation):
-/// where keys are stored, whose keys they are, and how the handler commits. Build the layer
-/// with [`Idempotency::layer`].
+/// where keys are stored, whose keys they are, and how the handler commits (`M`:
+/// [`Transactional`] or [`External`]). Build the layer with [`Idempotency::layer`].
 ///
 /// ```no_run
 /// # #[derive(Clone)] struct Principal(String);
@@ -91,7 +105,7 @@ pub enum ConfigError {
 ///     .layer()?;
 /// # let _ = layer; Ok(()) }
 /// ```
-pub struct Idempotency<S> {
+pub struct Idempotency<S, M> {
     pub(crate) store: S,
     pub(crate) operation: String,
     pub(crate) mode: HttpMode,
@@ -105,14 +119,17 @@ pub struct Idempotency<S> {
     pub(crate) policy: Option<String>,
     /// Response headers never stored nor replayed, besides those idem never stores.
     pub(crate) unstored: Vec<http::HeaderName>,
+    pub(crate) built_as: PhantomData<fn() -> M>,
 }
 
-impl<S: RuntimeStore> Idempotency<S> {
+impl<S: RuntimeStore> Idempotency<S, Transactional> {
     /// Transactional mode ([`HttpMode::Transactional`]) for `operation`, keys in `store`.
     pub fn transactional(store: S, operation: impl Into<String>) -> Self {
         Self::new(store, operation, HttpMode::Transactional)
     }
+}
 
+impl<S: RuntimeStore> Idempotency<S, External> {
     /// External mode ([`HttpMode::External`]) with the default lease (30 s).
     pub fn external(store: S, operation: impl Into<String>) -> Self {
         Self::new(
@@ -124,6 +141,15 @@ impl<S: RuntimeStore> Idempotency<S> {
         )
     }
 
+    /// How long the lease of a key lasts while its handler runs: it must outlast the
+    /// handler's longest run.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.mode = HttpMode::External { lease };
+        self
+    }
+}
+
+impl<S: RuntimeStore, M> Idempotency<S, M> {
     fn new(store: S, operation: impl Into<String>, mode: HttpMode) -> Self {
         Self {
             store,
@@ -138,6 +164,7 @@ impl<S: RuntimeStore> Idempotency<S> {
             retention: DEFAULT_KEY_RETENTION,
             policy: None,
             unstored: Vec::new(),
+            built_as: PhantomData,
         }
     }
 
@@ -165,14 +192,6 @@ impl<S: RuntimeStore> Idempotency<S> {
     /// 400.
     pub fn optional(mut self) -> Self {
         self.required = false;
-        self
-    }
-
-    /// The external mode's lease (ignored in transactional mode).
-    pub fn lease(mut self, lease: Duration) -> Self {
-        if let HttpMode::External { lease: current } = &mut self.mode {
-            *current = lease;
-        }
         self
     }
 
@@ -257,7 +276,28 @@ impl<S: RuntimeStore> Idempotency<S> {
     }
 }
 
-impl<S> fmt::Debug for Idempotency<S> {
+impl<S, M> Idempotency<S, M> {
+    /// The configuration as every request of the built layer reads it.
+    pub(crate) fn built(self) -> Idempotency<S, Built> {
+        Idempotency {
+            store: self.store,
+            operation: self.operation,
+            mode: self.mode,
+            identity: self.identity,
+            shared: self.shared,
+            required: self.required,
+            max_key_len: self.max_key_len,
+            max_request_bytes: self.max_request_bytes,
+            max_response_bytes: self.max_response_bytes,
+            retention: self.retention,
+            policy: self.policy,
+            unstored: self.unstored,
+            built_as: PhantomData,
+        }
+    }
+}
+
+impl<S, M> fmt::Debug for Idempotency<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
             .field("operation", &self.operation)

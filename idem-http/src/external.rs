@@ -1,6 +1,6 @@
 //! External mode: the key is leased `in_progress` in a transaction of its own before the
-//! handler runs, and settled with the response after it. A lease left by a crash is taken
-//! over once it expires.
+//! handler runs, and settled with the response after it, through the runtime's own lease
+//! state machine ([`LeasedRun`]). A lease left by a crash is taken over once it expires.
 
 use crate::keyed::{self, Inner, Keyed, Read, ResponseBody};
 use crate::stored::StoredResponse;
@@ -8,7 +8,8 @@ use crate::telemetry::{self, Result as Seen};
 use crate::tx::Execution;
 use axum_core::body::Body;
 use http::{Request, Response};
-use idem_core::{Admission, LeaseEnd, LeaseStore, StoredOutput};
+use idem_core::store::{LeasedRun, Leasing};
+use idem_core::{LeaseEnd, LeaseStore, StoredOutput};
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -27,25 +28,23 @@ where
     let store = &keyed.shared.config.store;
     let claim = keyed.claim_request();
     let owner = format!("http-{}", idem_core::store::owner_token());
-    let leased = store.lease(&claim, &owner, lease).await;
-    match leased.map(|lease| Admission::of_lease(lease, &keyed.fingerprint)) {
-        Ok(Admission::Run { attempts }) => {
-            if attempts > 1 {
-                tracing::info!(
-                    attempts,
-                    "took over an expired lease: the request runs again"
-                );
-            }
-        }
-        Ok(Admission::Refused(refusal)) => return Ok(keyed.refused(refusal)),
+    let run = match LeasedRun::take(store, &claim, owner, lease).await {
+        Ok(Leasing::Run(run)) => run,
+        Ok(Leasing::Refused(refusal)) => return Ok(keyed.refused(refusal)),
         Err(e) => return Ok(keyed.unavailable(&e)),
+    };
+    if run.attempts() > 1 {
+        tracing::info!(
+            attempts = run.attempts(),
+            "took over an expired lease: the request runs again"
+        );
     }
     let response = keyed::call(inner, request).await?;
     let (parts, body) = response.into_parts();
     if parts.extensions.get::<Execution>() == Some(&Execution::NotBegun) {
         // Refused before execution: the key is freed for a corrected request, while this
         // request still holds it (a retry may have taken it over, and completed it, meanwhile).
-        match store.abandon(&claim, &owner).await {
+        match run.abandon().await {
             Ok(true) => {}
             Ok(false) => {
                 tracing::info!("the key was taken over while this request ran; left as it is")
@@ -89,7 +88,7 @@ where
         false => LeaseEnd::Completed,
     };
     let settled = match StoredOutput::encode(&stored) {
-        Ok(output) => idem_core::store::settle_lease(store, &claim, &owner, end, &output).await,
+        Ok(output) => run.settle(end, &output).await,
         Err(e) => Err(idem_core::StoreError::new(
             "encode response",
             idem_core::ErrorClass::Permanent,

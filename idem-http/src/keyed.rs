@@ -2,7 +2,7 @@
 //! scope and fingerprint, replays, the layer's own answers, calling the handler and reading
 //! its response.
 
-use crate::config::Idempotency;
+use crate::config::{Built, Idempotency};
 use crate::inflight::InFlight;
 use crate::key::Scope;
 use crate::problem::Problem;
@@ -41,7 +41,7 @@ impl<T> ResponseBody for T where
 
 /// What every request of one layer shares.
 pub(crate) struct Shared<S> {
-    pub(crate) config: Idempotency<S>,
+    pub(crate) config: Idempotency<S, Built>,
     pub(crate) in_flight: InFlight,
 }
 

@@ -1,6 +1,7 @@
-//! The tower [`Layer`] and [`Service`] that put a route behind an `Idempotency-Key`.
+//! The built layer of one operation, and the tower [`Layer`] and [`Service`] that put an
+//! external route behind an `Idempotency-Key`.
 
-use crate::config::{ConfigError, Idempotency};
+use crate::config::{ConfigError, External, Idempotency};
 use crate::flow;
 use crate::inflight::InFlight;
 use crate::keyed::Shared;
@@ -11,41 +12,51 @@ use idem_core::RuntimeStore;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use tower_layer::Layer;
 use tower_service::Service;
 
-/// The layer of one operation, built by [`Idempotency::layer`]; put it on the operation's
-/// routes (axum: `post(handler).layer(layer)`). Cloning it is cheap.
-pub struct IdempotencyLayer<S> {
-    shared: Arc<Shared<S>>,
+/// The layer of one operation, built by [`Idempotency::layer`]. Cloning it is cheap; every
+/// route of the operation shares its keys.
+///
+/// - A [`Transactional`](crate::Transactional) layer wraps each handler of the operation
+///   (axum: `post(layer.handler(create))`); the handler's [`crate::Tx`] is checked against the
+///   layer's store when it compiles.
+/// - An [`External`] layer is a tower layer on the operation's routes (axum:
+///   `post(handler).layer(layer)`).
+pub struct IdempotencyLayer<S, M> {
+    pub(crate) shared: Arc<Shared<S>>,
+    built_as: PhantomData<fn() -> M>,
 }
 
-impl<S: RuntimeStore> Idempotency<S> {
-    /// Checks the configuration and builds the tower layer.
-    pub fn layer(self) -> Result<IdempotencyLayer<S>, ConfigError> {
+impl<S: RuntimeStore, M> Idempotency<S, M> {
+    /// Checks the configuration and builds the layer.
+    pub fn layer(self) -> Result<IdempotencyLayer<S, M>, ConfigError> {
         self.check()?;
         let shared = Shared {
-            config: self,
+            config: self.built(),
             in_flight: InFlight::default(),
         };
         Ok(IdempotencyLayer {
             shared: Arc::new(shared),
+            built_as: PhantomData,
         })
     }
 }
 
-impl<S> Clone for IdempotencyLayer<S> {
+impl<S, M> Clone for IdempotencyLayer<S, M> {
     fn clone(&self) -> Self {
         Self {
             shared: self.shared.clone(),
+            built_as: PhantomData,
         }
     }
 }
 
-impl<S> fmt::Debug for IdempotencyLayer<S> {
+impl<S, M> fmt::Debug for IdempotencyLayer<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("IdempotencyLayer")
             .field(&self.shared.config)
@@ -53,7 +64,7 @@ impl<S> fmt::Debug for IdempotencyLayer<S> {
     }
 }
 
-impl<S, I> Layer<I> for IdempotencyLayer<S> {
+impl<S, I> Layer<I> for IdempotencyLayer<S, External> {
     type Service = IdempotencyService<S, I>;
 
     fn layer(&self, inner: I) -> Self::Service {
@@ -64,7 +75,7 @@ impl<S, I> Layer<I> for IdempotencyLayer<S> {
     }
 }
 
-/// The service an [`IdempotencyLayer`] wraps around a handler.
+/// The service an [`External`] [`IdempotencyLayer`] wraps around a route.
 pub struct IdempotencyService<S, I> {
     shared: Arc<Shared<S>>,
     inner: I,

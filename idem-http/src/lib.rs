@@ -23,7 +23,7 @@
 //!     // request extension), never the raw token: a refreshed token is the same client.
 //!     .identity(|parts| parts.extensions.get::<Principal>().map(|p| p.0.clone()))
 //!     .layer()?;
-//! Ok(Router::new().route("/payments", post(create).layer(idempotent)))
+//! Ok(Router::new().route("/payments", post(idempotent.handler(create))))
 //! # }
 //! ```
 //!
@@ -49,6 +49,7 @@
 mod config;
 mod external;
 mod flow;
+mod handler;
 mod inflight;
 pub mod key;
 mod keyed;
@@ -62,8 +63,9 @@ mod tx;
 
 pub use config::{
     ConfigError, DEFAULT_KEY_RETENTION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
-    HttpMode, Idempotency, IdentityFn,
+    External, HttpMode, Idempotency, IdentityFn, Transactional,
 };
+pub use handler::{At, IdempotentHandler, WritesIn};
 pub use layer::{IdempotencyLayer, IdempotencyService};
 pub use sweep::sweep_every;
 pub use tx::{Execution, Tx, TxRejection};

@@ -44,8 +44,9 @@ impl<T> TxSlot<T> {
     }
 }
 
-/// The request's database transaction, for a handler behind a transactional
-/// [`crate::Idempotency`] layer: the key's row is already in it, and the layer stores the
+/// The request's database transaction, for a handler behind a transactional layer
+/// ([`crate::IdempotencyLayer::handler`], which checks when it compiles that `DB` is the
+/// database of the layer's store): the key's row is already in it, and the layer stores the
 /// response in it and commits after the handler returns. Use it as `&mut *tx` (a
 /// `sqlx::Transaction`) or `&mut **tx` (the connection), as with `#[idempotent]`.
 ///
@@ -83,12 +84,11 @@ impl<DB: Database> DerefMut for Tx<DB> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TxRejection {
-    /// No transaction of this database is on the request: the route has no transactional
-    /// idempotency layer of this database (or the request carried no key on a route where
-    /// keys are optional).
+    /// No transaction is on the request: the handler was routed without a transactional
+    /// layer (`layer.handler(create)`).
     #[error(
-        "no idempotent transaction on this request: put a transactional idem_http::Idempotency \
-         layer of this database on the route, and send an Idempotency-Key"
+        "no idempotent transaction on this request: route the handler as \
+         `layer.handler(handler)` with a transactional idem_http::Idempotency layer"
     )]
     Missing,
     /// Another extractor of this request holds the transaction.
@@ -98,13 +98,8 @@ pub enum TxRejection {
 
 impl IntoResponse for TxRejection {
     fn into_response(self) -> Response {
-        let status = match self {
-            // A route whose keys are optional, called without one, has no transaction: the
-            // client can fix that by sending a key.
-            Self::Missing => StatusCode::BAD_REQUEST,
-            Self::InUse => StatusCode::INTERNAL_SERVER_ERROR,
-        };
-        (status, self.to_string()).into_response()
+        // Both are mistakes of the route, not of the client.
+        (StatusCode::INTERNAL_SERVER_ERROR, self.to_string()).into_response()
     }
 }
 

@@ -11,7 +11,7 @@ use super::steps::{
 };
 use crate::handler::Handler;
 use crate::model::{Context, Envelope, Fingerprint, Outcome, StoreError, StoredOutput, Transient};
-use crate::store::{Admission, DeadLetterStore, Lease, LeaseEnd, LeaseStore, settle_lease};
+use crate::store::{DeadLetterStore, LeaseEnd, LeasedRun, Leasing, Refusal};
 use crate::telemetry;
 use std::time::{Duration, Instant};
 
@@ -69,17 +69,16 @@ async fn run<H: Handler>(
     }
     let owner = crate::store::owner_token();
     let claiming = Instant::now();
-    let leased = store.lease(&request, &owner, lease).await;
+    let leased = LeasedRun::take(store, &request, owner, lease).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
-    let held = matches!(leased, Ok(Lease::Held { .. }));
-    if let Err(outcome) = may_run::<H>(leased, envelope, key, fingerprint) {
-        return match (held, &outcome) {
-            (true, Outcome::Retry(_)) => (outcome, Ran::HeldElsewhere),
-            _ => (outcome, Ran::Settled),
-        };
-    }
+    let run = match may_run::<H>(leased, envelope, key, fingerprint) {
+        Ok(run) => run,
+        // Another consumer holds the lease: this delivery's run did not start.
+        Err((outcome, true)) => return (outcome, Ran::HeldElsewhere),
+        Err((outcome, false)) => return (outcome, Ran::Settled),
+    };
     if let Some(refused) = poison_verdict::<H>(keyed, limits.poison) {
-        if let Err(e) = store.release(&request, &owner).await {
+        if let Err(e) = run.release().await {
             // The lease then runs out on its own.
             tracing::warn!(consumer = H::CONSUMER, %key, error = %e, "releasing the lease failed");
         }
@@ -104,14 +103,14 @@ async fn run<H: Handler>(
             (LeaseEnd::Failed, output, Outcome::Rejected(rejection))
         }
         Err(retry) => {
-            if let Err(e) = store.release(&request, &owner).await {
+            if let Err(e) = run.release().await {
                 // The lease then runs out on its own; the retry waits for it.
                 tracing::warn!(consumer = H::CONSUMER, %key, error = %e, "releasing the lease failed");
             }
             return (retry, Ran::Settled);
         }
     };
-    let outcome = match settle_lease(store, &request, &owner, end, &output).await {
+    let outcome = match run.settle(end, &output).await {
         Ok(true) => outcome,
         Ok(false) => Outcome::Retry(Transient {
             message: "the lease expired while the handler ran and another consumer took the key \
@@ -126,30 +125,29 @@ async fn run<H: Handler>(
     (outcome, Ran::Settled)
 }
 
-/// Whether the handler may run on what the lease found ([`Admission::of_lease`] judges), or
-/// the delivery's outcome.
-fn may_run<H: Handler>(
-    leased: Result<Lease, StoreError>,
+/// The lease of the handler's run, or the delivery's outcome when the key is not its
+/// ([`Admission::of_lease`] judged what the lease found), and whether that is because another
+/// consumer holds the key now.
+fn may_run<'a, H: Handler>(
+    leased: Result<Leasing<'a, H::Store>, StoreError>,
     envelope: &Envelope,
     key: &str,
     fingerprint: &Fingerprint,
-) -> Result<(), Outcome> {
-    let lease = leased.map_err(|e| store_failure(e, key))?;
-    match Admission::of_lease(lease, fingerprint) {
-        Admission::Run { attempts } => {
+) -> Result<LeasedRun<'a, H::Store>, (Outcome, bool)> {
+    match leased.map_err(|e| (store_failure(e, key), false))? {
+        Leasing::Run(run) => {
+            let attempts = run.attempts();
             if attempts > 1 {
                 let correlation_id = envelope.correlation_id.as_deref();
                 tracing::info!(consumer = H::CONSUMER, %key, correlation_id, attempts,
                     "taking the key over from an earlier attempt (its lease expired or was released); calling again with the same key");
             }
-            Ok(())
+            Ok(run)
         }
-        Admission::Refused(refusal) => Err(refused(
-            H::CONSUMER,
-            envelope,
-            key.to_owned(),
-            fingerprint,
-            refusal,
-        )),
+        Leasing::Refused(refusal) => {
+            let busy = matches!(refusal, Refusal::Busy { .. });
+            let outcome = refused(H::CONSUMER, envelope, key.to_owned(), fingerprint, refusal);
+            Err((outcome, busy))
+        }
     }
 }
