@@ -1519,3 +1519,24 @@ async fn an_external_settlement_that_fails_transiently_is_tried_again_in_place()
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// A handler taking a `Tx` routed without a transactional layer (here behind none) cannot
+/// run: 500, naming the fix, and the handler is not called.
+#[tokio::test]
+async fn a_tx_without_a_transactional_layer_is_a_server_error_naming_the_fix() {
+    use axum::handler::HandlerWithoutStateExt as _;
+    use idem_http::Tx;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move |_tx: Tx<sqlx::Sqlite>, _body: String| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            StatusCode::CREATED
+        }
+    };
+    let mut service = handler.into_service();
+    let (status, replayed, body) = send_string(&mut service, "one").await;
+    assert_eq!((status, replayed), (500, false));
+    assert!(body.contains("layer.handler(handler)"), "{body}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}

@@ -245,9 +245,10 @@ async fn claim_again<S: InboxStore>(store: &S, claim: &ClaimRequest<'_>) -> Opti
             return None;
         }
     };
-    match store.try_claim(&mut tx, claim).await {
-        Ok(Some(idem_core::Claim::Claimed)) => Some(tx),
-        Ok(_) => {
+    let claimed = store.try_claim(&mut tx, claim).await;
+    match claimed.map(|answer| Admission::of_claim(answer, claim.fingerprint)) {
+        Ok(Admission::Run { .. }) => Some(tx),
+        Ok(Admission::Refused(_)) => {
             store.rollback(tx).await;
             None
         }
