@@ -23,6 +23,12 @@ async fn last(State(_pool): State<SqlitePool>, mut tx: Tx<Sqlite>) -> &'static s
     "done"
 }
 
+/// Eight arguments, the `Tx` last: the most `WritesIn` covers.
+#[allow(clippy::too_many_arguments)]
+async fn eighth(_: u8, _: u8, _: u8, _: u8, _: u8, _: u8, _: u8, mut tx: Tx<Sqlite>) {
+    let _ = &mut **tx;
+}
+
 async fn call_bank(body: String) -> String {
     body
 }
@@ -42,6 +48,14 @@ fn app(pool: SqlitePool) -> Result<Router, ConfigError> {
         .with_state(pool))
 }
 
+fn wraps_eight_arguments(pool: SqlitePool) -> Result<(), ConfigError> {
+    let idempotent = Idempotency::transactional(SqliteInbox::new(pool), "eight")
+        .shared_key_space()
+        .layer()?;
+    let _ = idempotent.handler(eighth);
+    Ok(())
+}
+
 fn main() {
-    let _ = app;
+    let _ = (app, wraps_eight_arguments);
 }
