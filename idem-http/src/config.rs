@@ -25,10 +25,10 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 256 * 1024;
 /// authentication layer put in the request's extensions); `None`: the request is answered 401.
 pub type IdentityFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 
-/// How the handler's effects and the key's record commit.
+/// How the handler's effects and the key's record commit: the mode of the [`Transactional`] or
+/// [`External`] configuration, as its requests read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum HttpMode {
+pub(crate) enum HttpMode {
     /// The handler writes in the request's transaction ([`crate::Tx`]); its writes, the key's
     /// row and the stored response commit together. A crash leaves nothing behind.
     Transactional,
@@ -41,12 +41,16 @@ pub enum HttpMode {
     },
 }
 
-/// The type of a transactional [`Idempotency`]: its layer wraps handlers that write in the
-/// request's [`crate::Tx`] ([`crate::IdempotencyLayer::handler`]), typed by the layer's store.
+/// The type of a transactional [`Idempotency`]: the handler writes in the request's transaction
+/// ([`crate::Tx`]); its writes, the key's row and the stored response commit together, and a
+/// crash leaves nothing behind. Its layer wraps handlers ([`crate::IdempotencyLayer::handler`]),
+/// whose `Tx` is checked against the layer's store.
 #[derive(Debug, Clone, Copy)]
 pub struct Transactional;
 
-/// The type of an external [`Idempotency`]: its layer is a tower layer around any route
+/// The type of an external [`Idempotency`]: the handler calls other services; the key is leased
+/// `in_progress` in a transaction of its own, then settled with the response, and a lease left
+/// by a crash is taken over once it expires. Its layer is a tower layer around any route
 /// ([`crate::IdempotencyLayer`] implements `tower::Layer`).
 #[derive(Debug, Clone, Copy)]
 pub struct External;
@@ -123,14 +127,15 @@ pub struct Idempotency<S, M> {
 }
 
 impl<S: RuntimeStore> Idempotency<S, Transactional> {
-    /// Transactional mode ([`HttpMode::Transactional`]) for `operation`, keys in `store`.
+    /// Transactional mode ([`Transactional`]) for `operation`, keys in `store`.
     pub fn transactional(store: S, operation: impl Into<String>) -> Self {
         Self::new(store, operation, HttpMode::Transactional)
     }
 }
 
 impl<S: RuntimeStore> Idempotency<S, External> {
-    /// External mode ([`HttpMode::External`]) with the default lease (30 s).
+    /// External mode ([`External`]) for `operation`, keys in `store`, with the default lease
+    /// (30 s).
     pub fn external(store: S, operation: impl Into<String>) -> Self {
         Self::new(
             store,

@@ -63,7 +63,7 @@ mod tx;
 
 pub use config::{
     ConfigError, DEFAULT_KEY_RETENTION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
-    External, HttpMode, Idempotency, IdentityFn, Transactional,
+    External, Idempotency, IdentityFn, Transactional,
 };
 pub use handler::{At, IdempotentHandler, WritesIn};
 pub use layer::{IdempotencyLayer, IdempotencyService};
