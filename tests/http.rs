@@ -1268,6 +1268,25 @@ where
     )
 }
 
+/// Sends the body `one` twice and then `two`, all with the key `k-1`: answered `<verb> one`
+/// (201), then the same replayed, then 422.
+async fn once_then_replayed_then_422<S>(service: &mut S, verb: &str)
+where
+    S: tower_service::Service<
+            axum::http::Request<String>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        >,
+{
+    let body = format!("{verb} one");
+    assert_eq!(
+        send_string(service, "one").await,
+        (201, false, body.clone())
+    );
+    assert_eq!(send_string(service, "one").await, (201, true, body));
+    assert_eq!(send_string(service, "two").await.0, 422);
+}
+
 /// Both kinds of layer are tower services over any request body, as tower-http's are: here
 /// called with `Request<String>` bodies, without a router or a server. A transactional
 /// handler (`layer.handler(..)`, as a service) writes in its transaction and is stored; its
@@ -1304,15 +1323,7 @@ async fn the_layer_takes_requests_of_any_body_type_without_a_router() {
         .layer()
         .unwrap();
     let mut service = layer.handler(handler).into_service();
-    assert_eq!(
-        send_string(&mut service, "one").await,
-        (201, false, "stored one".to_owned())
-    );
-    assert_eq!(
-        send_string(&mut service, "one").await,
-        (201, true, "stored one".to_owned())
-    );
-    assert_eq!(send_string(&mut service, "two").await.0, 422);
+    once_then_replayed_then_422(&mut service, "stored").await;
     assert_eq!(runs.load(Ordering::SeqCst), 1);
     let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM any_body")
         .fetch_one(&pool)
@@ -1333,15 +1344,7 @@ async fn the_layer_takes_requests_of_any_body_type_without_a_router() {
         .layer()
         .unwrap();
     let mut service = tower_layer::Layer::layer(&layer, handler.into_service());
-    assert_eq!(
-        send_string(&mut service, "one").await,
-        (201, false, "sent one".to_owned())
-    );
-    assert_eq!(
-        send_string(&mut service, "one").await,
-        (201, true, "sent one".to_owned())
-    );
-    assert_eq!(send_string(&mut service, "two").await.0, 422);
+    once_then_replayed_then_422(&mut service, "sent").await;
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
