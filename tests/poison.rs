@@ -337,3 +337,144 @@ async fn a_redelivered_copy_of_a_completed_key_is_a_duplicate_whatever_its_count
     assert_eq!(cents, 7, "applied once");
     broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
 }
+
+/// Batch mode: a batch of 50 orders, one of which (the tenth) waits in its handler for a row the
+/// test keeps locked. The consumer is killed while it waits, again and again. Only the handler
+/// that started counts: the stuck order is refused as `poison` once it started on redeliveries
+/// more often than the limit, and the 49 others (those before it and those behind it, which
+/// never started) are each applied once and never dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_batch_mode_only_the_member_that_started_counts() {
+    const ORDERS: usize = 50;
+    let schema = common::OwnSchema::create("idem_batch_poison", 2).await;
+    let queue = common::unique("idem-batch-poison");
+    let (free, locked) = (format!("{queue}-free"), format!("{queue}-locked"));
+    for table in [
+        "CREATE TABLE orders (order_id TEXT PRIMARY KEY, customer TEXT NOT NULL, amount_cents BIGINT NOT NULL)",
+        "CREATE TABLE balances (customer TEXT PRIMARY KEY, cents BIGINT NOT NULL)",
+    ] {
+        sqlx::query(table).execute(&schema.pool).await.unwrap();
+    }
+    for customer in [&free, &locked] {
+        sqlx::query("INSERT INTO balances (customer, cents) VALUES ($1, 0)")
+            .bind(customer)
+            .execute(&schema.pool)
+            .await
+            .unwrap();
+    }
+    broker::declare_orders_queue(&queue).await;
+    let publisher = broker::publisher().await;
+    let stuck_id = format!("{queue}-9");
+    for n in 0..ORDERS {
+        let id = format!("{queue}-{n}");
+        let customer = if id == stuck_id { &locked } else { &free };
+        let body = serde_json::json!({"order_id": id, "customer": customer, "amount_cents": 1});
+        broker::publish(&publisher, &queue, Some(&id), body.to_string().as_bytes()).await;
+    }
+    let observer = common::postgres(1).await;
+    let waiting = || {
+        let observer = observer.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%balances%'",
+            )
+            .fetch_one(&observer)
+            .await
+            .unwrap()
+        }
+    };
+    let dlq = idem::rabbitmq::dlq(&queue);
+    let consume = || {
+        Command::new(common::orders_example())
+            .arg("consume")
+            .env("AMQP_URL", amqp_url())
+            .env("DATABASE_URL", &schema.url)
+            .env("ORDERS_QUEUE", &queue)
+            .env("ORDERS_BATCH", "50")
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut kills = 0;
+    let (lock, consumer) = loop {
+        assert!(
+            kills <= DEFAULT_POISON_LIMIT as usize + 1,
+            "{kills} kills and the stuck order is still delivered"
+        );
+        // Each round: the row locked, a consumer started, killed once the order waits for the
+        // row in its handler; then the row let go, so that the killed session ends.
+        let mut lock = schema.pool.begin().await.unwrap();
+        sqlx::query("SELECT cents FROM balances WHERE customer = $1 FOR UPDATE")
+            .bind(&locked)
+            .fetch_one(&mut *lock)
+            .await
+            .unwrap();
+        let mut child = common::KillOnDrop(consume());
+        let dlq_ref = &dlq;
+        common::wait_until(
+            "the stuck order in its handler, or dead-lettered",
+            Duration::from_secs(60),
+            || async move { waiting().await >= 1 || broker::count(dlq_ref).await > 0 },
+        )
+        .await;
+        if broker::count(&dlq).await > 0 {
+            break (lock, child);
+        }
+        child.0.kill().unwrap();
+        exited(&mut child.0, Duration::from_secs(30)).await;
+        lock.rollback().await.unwrap();
+        common::wait_until(
+            "the killed session gone",
+            Duration::from_secs(30),
+            || async { waiting().await == 0 },
+        )
+        .await;
+        kills += 1;
+    };
+    assert_eq!(
+        kills,
+        DEFAULT_POISON_LIMIT as usize + 1,
+        "the first delivery's run, then one per counted redelivery up to the limit"
+    );
+    let pool = schema.pool.clone();
+    common::wait_until("the other orders applied", Duration::from_secs(60), || {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders")
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                == ORDERS as i64 - 1
+        }
+    })
+    .await;
+    drop(consumer);
+    lock.rollback().await.unwrap();
+    let cents: i64 = sqlx::query_scalar("SELECT cents FROM balances WHERE customer = $1")
+        .bind(&free)
+        .fetch_one(&schema.pool)
+        .await
+        .unwrap();
+    assert_eq!(cents, ORDERS as i64 - 1, "every other order applied once");
+    let dead = broker::drain(&dlq).await;
+    let ids: Vec<Option<String>> = dead.iter().map(|d| d.message_id()).collect();
+    assert_eq!(
+        ids,
+        [Some(stuck_id.clone())],
+        "only the stuck order is dead-lettered"
+    );
+    let reason = dead[0].header("x-idem-reason");
+    let records = idem::sql::PgInbox::new(schema.pool.clone())
+        .dead_letters(&queue)
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 1, "{records:?} {reason:?}");
+    assert_eq!(
+        (records[0].reason.as_str(), records[0].key.as_str()),
+        ("poison", stuck_id.as_str())
+    );
+    broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+    schema.drop().await;
+}

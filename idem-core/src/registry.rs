@@ -31,6 +31,11 @@ impl Registration {
         self.handler
     }
 
+    /// Whether this handler's store can write now (see [`InboxStore::probe`](crate::InboxStore::probe)).
+    pub fn probe_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.handler.probe_store(stores)
+    }
+
     /// Checks that this handler's store is present and usable.
     pub fn check_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>> {
         self.handler.check_store(stores)
@@ -166,6 +171,16 @@ pub enum RegistryError {
         /// The other.
         second: &'static str,
     },
+    /// A handler takes the consumer identity the stores' write probe uses.
+    #[error(
+        "handler `{handler}` uses consumer = \"{consumer}\", which idem keeps for its store probe; give it another `consumer`"
+    )]
+    ReservedConsumer {
+        /// The handler.
+        handler: &'static str,
+        /// The reserved identity.
+        consumer: &'static str,
+    },
 }
 
 /// Every registered handler, ordered by consumer identity (link order does not matter).
@@ -189,12 +204,20 @@ pub fn for_store(store: StoreKind) -> Vec<&'static Registration> {
         .collect()
 }
 
-/// Checks that no two of `handlers` share a consumer identity on the same store. (The same
+/// Checks that no handler takes a reserved consumer identity
+/// ([`PROBE_CONSUMER`](crate::store::inbox::PROBE_CONSUMER)), and that no two of `handlers`
+/// share a consumer identity on the same store. (The same
 /// consumer on two stores is two key spaces, as when one handler is written for PostgreSQL and
 /// SQLite and the deployment picks one.)
 pub fn validate(handlers: &[&'static Registration]) -> Result<(), RegistryError> {
     let mut seen = BTreeMap::new();
     for r in handlers {
+        if r.consumer() == crate::store::inbox::PROBE_CONSUMER {
+            return Err(RegistryError::ReservedConsumer {
+                handler: r.name(),
+                consumer: r.consumer(),
+            });
+        }
         if let Some(first) = seen.insert((r.store(), r.consumer()), r.name()) {
             return Err(RegistryError::DuplicateConsumer {
                 store: r.store(),

@@ -52,19 +52,21 @@ impl<DB: Dialect> SqlInbox<DB> {
         conn.commit().await.map_err(fail)
     }
 
-    /// Removes the counts of `keys` for `consumer` (their deliveries settled), in one short
-    /// transaction.
+    /// Takes back one run from the counts of `keys` for `consumer` (those runs settled; the runs
+    /// before them that never settled still count), in one short transaction.
     pub(crate) async fn settle_deliveries_of(
         &self,
         consumer: &str,
         keys: &[&str],
     ) -> Result<(), StoreError> {
         let fail = |e| store_error("settle deliveries", e);
-        let forget = &self.sql.admin.forget_deliveries;
+        let uncount = &self.sql.deliveries.uncount;
         let mut tx = self.begin_tx().await?;
         for key in keys {
             let params = [Param::Text(consumer), Param::Text(key)];
-            DB::execute(&mut *tx, forget, &params).await.map_err(fail)?;
+            DB::execute(&mut *tx, uncount, &params)
+                .await
+                .map_err(fail)?;
         }
         tx.commit().await.map_err(fail)
     }

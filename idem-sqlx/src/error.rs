@@ -4,15 +4,17 @@
 
 use idem_core::{Claim, ErrorClass, Fingerprint, StoreError, StoredOutput};
 
-/// Classifies a sqlx error.
+/// Classifies a sqlx error by what it means for the message.
 ///
-/// Transient: I/O, TLS and protocol failures, pool timeouts and closure, and database errors
-/// whose SQLSTATE says the connection, the server's resources, a lock or serialization
-/// failed (classes `08`, `53`, `57`, `58`; `40001`, `40P01`, `40003`, `55P03`, `55006`), on
-/// SQLite `SQLITE_BUSY` and `SQLITE_LOCKED` with their extended codes, and on MySQL the error
-/// numbers of [`classify_mysql_number`]. Error kinds sqlx may add later are treated as
-/// transient: a retry costs little, a lost message a lot. Everything else (constraint
-/// violations, bad SQL, decoding) is permanent.
+/// - **Unavailable** (the store cannot write for now, whatever the message; the runtime pauses
+///   the store's handlers until a probe write succeeds): I/O, TLS and protocol failures, pool
+///   timeouts and closure, and database errors that say the server is read-only, full, out of
+///   resources, shutting down or starting, or unreachable: see [`classify_database_code`] and
+///   [`classify_mysql_number`].
+/// - **Transient** (this message may succeed on a retry): a deadlock, a serialization failure,
+///   a lock wait or statement timeout. Error kinds sqlx may add later are treated as transient:
+///   a retry costs little, a lost message a lot.
+/// - **Permanent**: everything else (constraint violations, bad SQL, decoding).
 pub fn classify_sqlx(error: &sqlx::Error) -> ErrorClass {
     use sqlx::Error as E;
     match error {
@@ -33,7 +35,7 @@ pub fn classify_sqlx(error: &sqlx::Error) -> ErrorClass {
         | E::PoolTimedOut
         | E::PoolClosed
         | E::WorkerCrashed
-        | E::BeginFailed => ErrorClass::Transient,
+        | E::BeginFailed => ErrorClass::Unavailable,
         E::Configuration(_)
         | E::InvalidArgument(_)
         | E::RowNotFound
@@ -60,26 +62,51 @@ pub fn classify_error(error: &(dyn std::error::Error + 'static)) -> ErrorClass {
 
 /// Classifies a database error code: a five-character SQLSTATE (PostgreSQL, MySQL), or an
 /// SQLite (extended) result code, which is never five characters long.
+///
+/// SQLSTATEs: unavailable are class `08` (connection), `25006` (read-only transaction: a hot
+/// standby, or a database set read-only, as after a failover), class `53` (insufficient
+/// resources: disk full, out of memory, too many connections), `57P01`…`57P05` (shut down,
+/// starting up, in recovery, dropped, idle-terminated) and class `58` (system, I/O); transient
+/// are `40001`, `40P01`, `40003` (serialization, deadlock, completion unknown), `55P03`,
+/// `55006` (lock not available, object in use) and the rest of class `57` (a cancelled
+/// statement: a timeout). SQLite: unavailable are `NOMEM` (7), `READONLY` (8), `IOERR` (10),
+/// `CORRUPT` (11), `FULL` (13) and `CANTOPEN` (14); transient `BUSY` (5) and `LOCKED` (6);
+/// each with its extended codes.
 pub fn classify_database_code(code: &str) -> ErrorClass {
-    let transient = if code.len() == 5 {
-        matches!(&code[..2], "08" | "53" | "57" | "58")
-            || matches!(code, "40001" | "40P01" | "40003" | "55P03" | "55006")
-    } else {
-        // SQLITE_BUSY (5) and SQLITE_LOCKED (6), and their extended codes (low byte 5 or 6).
-        code.parse::<i32>().is_ok_and(|c| matches!(c & 0xff, 5 | 6))
-    };
-    if transient {
-        ErrorClass::Transient
-    } else {
-        ErrorClass::Permanent
+    if code.len() == 5 {
+        let class = &code[..2];
+        if matches!(class, "08" | "53" | "58")
+            || code == "25006"
+            || (class == "57" && code.starts_with("57P"))
+        {
+            return ErrorClass::Unavailable;
+        }
+        if class == "57" || matches!(code, "40001" | "40P01" | "40003" | "55P03" | "55006") {
+            return ErrorClass::Transient;
+        }
+        return ErrorClass::Permanent;
+    }
+    match code.parse::<i32>().map(|c| c & 0xff) {
+        Ok(7 | 8 | 10 | 11 | 13 | 14) => ErrorClass::Unavailable,
+        Ok(5 | 6) => ErrorClass::Transient,
+        _ => ErrorClass::Permanent,
     }
 }
 
-/// Classifies the MySQL/MariaDB error numbers whose SQLSTATE is the catch-all `HY000` but that
-/// a retry can overcome: lock wait timeout (1205), deadlock (1213), query interrupted (1317),
-/// connection killed (1927). `None`: the SQLSTATE decides.
+/// Classifies the MySQL/MariaDB error numbers whose SQLSTATE is the catch-all `HY000` (or
+/// says less than the number): unavailable are read-only (1290 `--read-only`, 1792 a read-only
+/// transaction, 1836 read-only mode), disk or table full (1021, 1114), a table opened
+/// read-only (1036), out of memory (1037, 1038, 1041), too many connections (1040, 1203), a
+/// server shutting down (1053), a killed connection (1927) and a cluster node not ready
+/// (1047); transient are a lock wait timeout (1205), a deadlock (1213) and an interrupted
+/// query (1317). `None`: the SQLSTATE decides.
 pub fn classify_mysql_number(number: u16) -> Option<ErrorClass> {
-    matches!(number, 1205 | 1213 | 1317 | 1927).then_some(ErrorClass::Transient)
+    match number {
+        1021 | 1036 | 1037 | 1038 | 1040 | 1041 | 1047 | 1053 | 1114 | 1203 | 1290 | 1792
+        | 1836 | 1927 => Some(ErrorClass::Unavailable),
+        1205 | 1213 | 1317 => Some(ErrorClass::Transient),
+        _ => None,
+    }
 }
 
 /// A sqlx failure of the store during `operation`, classified.
@@ -116,8 +143,15 @@ mod tests {
 
     #[test]
     fn mysql_numbers() {
-        for number in [1205, 1213, 1317, 1927] {
+        for number in [1205, 1213, 1317] {
             assert_eq!(classify_mysql_number(number), Some(ErrorClass::Transient));
+        }
+        for number in [1021, 1040, 1053, 1114, 1290, 1792, 1836, 1927] {
+            assert_eq!(
+                classify_mysql_number(number),
+                Some(ErrorClass::Unavailable),
+                "{number}"
+            );
         }
         // Duplicate entry, data too long: the SQLSTATE (23000, 22001) decides, permanent.
         assert_eq!(classify_mysql_number(1062), None);
@@ -127,7 +161,7 @@ mod tests {
     #[test]
     fn sqlstate_and_sqlite_codes() {
         for code in [
-            "40001", "40P01", "08006", "57P01", "53300", "55P03", "5", "6", "517", "261", "262",
+            "40001", "40P01", "55P03", "57014", "5", "6", "517", "261", "262",
         ] {
             assert_eq!(
                 classify_database_code(code),
@@ -135,7 +169,21 @@ mod tests {
                 "{code}"
             );
         }
-        for code in ["23505", "42P01", "22P02", "19", "2067", "1", "23301"] {
+        // Read-only (a standby, a database set read-only), full, shutting down or starting,
+        // out of connections, unreachable; SQLite read-only, full, I/O.
+        for code in [
+            "25006", "53100", "53300", "57P01", "57P03", "08006", "58030", "8", "1032", "13", "10",
+            "266",
+        ] {
+            assert_eq!(
+                classify_database_code(code),
+                ErrorClass::Unavailable,
+                "{code}"
+            );
+        }
+        for code in [
+            "23505", "42P01", "22P02", "19", "2067", "1", "23301", "42501",
+        ] {
             assert_eq!(
                 classify_database_code(code),
                 ErrorClass::Permanent,
@@ -148,7 +196,7 @@ mod tests {
     fn sqlx_variants() {
         assert_eq!(
             classify_sqlx(&sqlx::Error::PoolTimedOut),
-            ErrorClass::Transient
+            ErrorClass::Unavailable
         );
         assert_eq!(
             classify_sqlx(&sqlx::Error::RowNotFound),
@@ -159,7 +207,7 @@ mod tests {
             HandlerError::from(sqlx::Error::Io(io))
                 .classify(classify_error)
                 .class(),
-            Some(ErrorClass::Transient)
+            Some(ErrorClass::Unavailable)
         );
     }
 }

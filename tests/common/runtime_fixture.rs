@@ -213,6 +213,17 @@ pub async fn fixture(
     delivery_limit: Option<u32>,
 ) -> Fixture {
     let pool = crate::common::postgres(8).await;
+    fixture_on(name, policy, queue_type, delivery_limit, pool).await
+}
+
+/// [`fixture`] with its tables, inbox and handlers' transactions in the database of `pool`.
+pub async fn fixture_on(
+    name: &str,
+    policy: RetryPolicy,
+    queue_type: QueueType,
+    delivery_limit: Option<u32>,
+    pool: sqlx::PgPool,
+) -> Fixture {
     let mut tx = pool.begin().await.unwrap();
     sqlx::query("SELECT pg_advisory_xact_lock(hashtext('idem.tests'))::text")
         .execute(&mut *tx)
@@ -269,6 +280,12 @@ impl Fixture {
     /// prefetch.
     pub fn runtime_with_defaults(&self) -> RuntimeBuilder {
         self.defaults_of("record", self.pool.clone())
+    }
+
+    /// The runtime with the consumer's batch handler (`record_batch`), idem's default
+    /// concurrency and prefetch.
+    pub fn batch_handler_runtime_with_defaults(&self) -> RuntimeBuilder {
+        self.defaults_of("record_batch", self.pool.clone())
     }
 
     fn defaults_of(&self, function: &str, pool: sqlx::PgPool) -> RuntimeBuilder {

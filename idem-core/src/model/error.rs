@@ -1,4 +1,5 @@
-//! Error classification: transient failures are retried, permanent ones dead-lettered.
+//! Error classification: transient failures are retried, permanent ones dead-lettered, and a
+//! store that cannot write for now pauses its handlers' consumption.
 //!
 //! Nothing here knows a database's error codes. A handler's database error (`?` on a
 //! `sqlx::Error`, see the `sqlx` feature) stays unclassified until the pipeline asks the
@@ -18,6 +19,11 @@ pub enum ErrorClass {
     /// The message will never succeed as it is: bad payload, constraint violation, a
     /// handler's own refusal. The runtime dead-letters it.
     Permanent,
+    /// The store cannot write for now, whatever the message: read-only (a failover), disk or
+    /// table full, shutting down or restarting, out of connections. The message is not at
+    /// fault: the runtime pauses the consumption of the store's handlers until a probe write
+    /// succeeds, then tries it again, spending none of its attempts.
+    Unavailable,
 }
 
 impl fmt::Display for ErrorClass {
@@ -25,6 +31,7 @@ impl fmt::Display for ErrorClass {
         f.write_str(match self {
             Self::Transient => "transient",
             Self::Permanent => "permanent",
+            Self::Unavailable => "unavailable",
         })
     }
 }
@@ -47,6 +54,10 @@ pub enum HandlerError {
     /// error codes.
     #[error("database failure: {0}")]
     Database(#[source] BoxError),
+    /// The database cannot write for now (read-only, full, restarting): pause, and try the
+    /// message again once it can, spending no attempt ([`ErrorClass::Unavailable`]).
+    #[error("the store cannot write for now: {0}")]
+    Unavailable(#[source] BoxError),
 }
 
 impl HandlerError {
@@ -60,6 +71,12 @@ impl HandlerError {
         Self::Permanent(error.into())
     }
 
+    /// A failure of the database that no message can get past for now: the handler's
+    /// consumption pauses until the store writes again ([`ErrorClass::Unavailable`]).
+    pub fn unavailable(error: impl Into<BoxError>) -> Self {
+        Self::Unavailable(error.into())
+    }
+
     /// A database error for the handler's store to classify.
     pub fn database(error: impl Into<BoxError>) -> Self {
         Self::Database(error.into())
@@ -71,6 +88,7 @@ impl HandlerError {
         match self {
             Self::Transient(_) => Some(ErrorClass::Transient),
             Self::Permanent(_) => Some(ErrorClass::Permanent),
+            Self::Unavailable(_) => Some(ErrorClass::Unavailable),
             Self::Database(_) => None,
         }
     }
@@ -85,6 +103,7 @@ impl HandlerError {
             Self::Database(error) => match classify(error.as_ref()) {
                 ErrorClass::Transient => Self::Transient(error),
                 ErrorClass::Permanent => Self::Permanent(error),
+                ErrorClass::Unavailable => Self::Unavailable(error),
             },
             classified => classified,
         }
@@ -97,13 +116,13 @@ impl From<serde_json::Error> for HandlerError {
     }
 }
 
-/// A store failure in a handler (staging an outbox message): transient or permanent as the
-/// store classified it.
+/// A store failure in a handler (staging an outbox message), of the class the store gave it.
 impl From<StoreError> for HandlerError {
     fn from(error: StoreError) -> Self {
         match error.class() {
             ErrorClass::Transient => Self::Transient(error.into()),
             ErrorClass::Permanent => Self::Permanent(error.into()),
+            ErrorClass::Unavailable => Self::Unavailable(error.into()),
         }
     }
 }
@@ -128,9 +147,14 @@ impl StoreError {
         }
     }
 
-    /// Whether retrying can help.
+    /// Whether retrying can help, and whether the store as a whole cannot write for now.
     pub fn class(&self) -> ErrorClass {
         self.class
+    }
+
+    /// Whether the store cannot write for now ([`ErrorClass::Unavailable`]).
+    pub fn is_unavailable(&self) -> bool {
+        self.class == ErrorClass::Unavailable
     }
 
     /// The operation that failed.

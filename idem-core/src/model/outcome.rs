@@ -32,6 +32,10 @@ pub enum Outcome {
     Rejected(Rejection),
     /// A transient failure: nothing was committed; retry later.
     Retry(Transient),
+    /// The store cannot write for now (read-only, full, restarting): nothing was committed and
+    /// the message is not at fault. It is not settled: the runtime pauses the consumption of
+    /// the store's handlers and tries it again, as the same attempt, once the store writes.
+    Unavailable(Transient),
     /// A versioned message whose version is at or below the one applied to its entity: nothing
     /// ran, nothing was written. Ack.
     Stale(Stale),
@@ -62,7 +66,7 @@ impl fmt::Display for Stale {
 
 impl Outcome {
     /// A short, stable label: `processed`, `duplicate`, `conflict`, `rejected`, `retry`,
-    /// `stale`.
+    /// `stale`, `unavailable`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Processed { .. } => "processed",
@@ -71,6 +75,7 @@ impl Outcome {
             Self::Rejected(_) => "rejected",
             Self::Retry(_) => "retry",
             Self::Stale(_) => "stale",
+            Self::Unavailable(_) => "unavailable",
         }
     }
 
@@ -81,7 +86,7 @@ impl Outcome {
                 Some(key)
             }
             Self::Rejected(r) => r.key.as_deref(),
-            Self::Retry(t) => t.key.as_deref(),
+            Self::Retry(t) | Self::Unavailable(t) => t.key.as_deref(),
             Self::Stale(s) => Some(&s.key),
         }
     }

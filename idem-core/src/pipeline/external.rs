@@ -27,11 +27,7 @@ pub(crate) async fn process<H: Handler>(
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
-    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
-    keyed.unsettled = match count_start::<H>(store, envelope, &request, limits.poison).await {
-        Ok(unsettled) => unsettled,
-        Err(failed) => return failed,
-    };
+    count_start::<H>(store, envelope, &mut keyed, limits.retention, limits.poison).await;
     let (outcome, ran) = run::<H>(store, envelope, payload, &keyed, lease, limits).await;
     match (keyed.unsettled.is_some(), ran) {
         (false, _) => {}

@@ -126,6 +126,8 @@ pub trait ErasedHandler: Send + Sync + 'static {
     fn store_available(&self, stores: &Stores) -> bool;
     /// Checks that its store is present and usable.
     fn check_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Whether its store can write now ([`InboxStore::probe`]).
+    fn probe_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>>;
     /// Records `record` in its store from `stores` (see [`DeadLetterStore::record_dead_letter`]).
     fn record_dead_letter<'a>(
         &'a self,
@@ -205,6 +207,19 @@ impl<H: Handler> ErasedHandler for H {
                 Some(store) => store.check().await,
                 None => Err(StoreError::new(
                     "check",
+                    crate::model::ErrorClass::Permanent,
+                    format!("no {} store was provided", <H::Store as InboxStore>::KIND),
+                )),
+            }
+        })
+    }
+
+    fn probe_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            match stores.get::<H::Store>() {
+                Some(store) => store.probe().await,
+                None => Err(StoreError::new(
+                    "probe",
                     crate::model::ErrorClass::Permanent,
                     format!("no {} store was provided", <H::Store as InboxStore>::KIND),
                 )),

@@ -23,6 +23,9 @@ pub(crate) struct Keyed {
     /// The poison limit's count of this key's handler runs on redeliveries that did not settle,
     /// this one included, when this delivery was counted (see [`count_start`]).
     pub(crate) unsettled: Option<u32>,
+    /// The outcome of a count that failed (see [`count_start`]): the delivery may not run,
+    /// since its run could not be counted, but a copy of a completed key is still a duplicate.
+    pub(crate) uncounted: Option<Outcome>,
 }
 
 impl Keyed {
@@ -68,6 +71,7 @@ pub(crate) fn prepare<H: Handler>(envelope: &Envelope) -> Result<(H::Payload, Ke
             fingerprint,
             versioned,
             unsettled: None,
+            uncounted: None,
         },
     ))
 }
@@ -247,8 +251,8 @@ pub(crate) fn encode_result<H: Handler>(
     }
 }
 
-/// The outcome of a handler's failure `error`, classified (dead-lettered if permanent, else
-/// retried).
+/// The outcome of a handler's failure `error`, classified (dead-lettered if permanent, held
+/// while its store cannot write, else retried).
 pub(crate) fn handler_failure(error: HandlerError, key: &str) -> Outcome {
     let message = error.to_string();
     match error.class() {
@@ -257,6 +261,10 @@ pub(crate) fn handler_failure(error: HandlerError, key: &str) -> Outcome {
             message,
             Some(key.to_owned()),
         )),
+        Some(ErrorClass::Unavailable) => Outcome::Unavailable(Transient {
+            message,
+            key: Some(key.to_owned()),
+        }),
         // `classify` left no database error unclassified.
         Some(ErrorClass::Transient) | None => Outcome::Retry(Transient {
             message,
@@ -282,6 +290,10 @@ pub(crate) fn failure(class: ErrorClass, message: String, key: &str) -> Outcome 
             message,
             Some(key.to_owned()),
         )),
+        ErrorClass::Unavailable => Outcome::Unavailable(Transient {
+            message,
+            key: Some(key.to_owned()),
+        }),
     }
 }
 
@@ -347,30 +359,45 @@ impl Limits<'_> {
 }
 
 /// Counts the run of the handler that this redelivery is about to start, in the store's
-/// transaction of its own (first deliveries and handlers without a poison limit pay nothing):
-/// `Ok(Some(n))`, this key's runs on redeliveries that did not settle, this one included;
-/// `Ok(None)`: not counted. The count is removed when the delivery settles ([`settle_counts`]),
-/// and judged only once its key is claimed ([`poison_verdict`]): a copy of a completed key is a
-/// duplicate whatever its count.
+/// transaction of its own (first deliveries and handlers without a poison limit pay nothing),
+/// into `keyed`: [`Keyed::unsettled`], this key's runs on redeliveries that did not settle,
+/// this one included; or, when the count fails, [`Keyed::uncounted`]. The count is taken back
+/// when the delivery settles ([`settle_counts`]), and judged only once its key is claimed
+/// ([`poison_verdict`]): a copy of a completed key is a duplicate whatever its count, even
+/// when counting it failed.
 pub(crate) async fn count_start<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
-    request: &ClaimRequest<'_>,
+    keyed: &mut Keyed,
+    retention: Duration,
     limit: Option<u32>,
-) -> Result<Option<u32>, Outcome> {
+) {
     if limit.is_none() || !envelope.redelivered {
-        return Ok(None);
+        return;
     }
-    match store.count_delivery(request).await {
-        Ok(unsettled) => Ok(Some(unsettled)),
-        Err(e) => Err(store_failure(e, request.key)),
+    let counted = store
+        .count_delivery(&keyed.request(H::CONSUMER, envelope, retention))
+        .await;
+    match counted {
+        Ok(unsettled) => keyed.unsettled = Some(unsettled),
+        Err(e) => keyed.uncounted = Some(store_failure(e, &keyed.key)),
     }
 }
 
 /// The poison limit's verdict on a delivery whose key it has just claimed (the key is new):
 /// refused when more than `limit` runs of its handler on redeliveries did not settle before
-/// this one (its consumers died or lost their connection while it ran). `None`: it may run.
+/// this one (its consumers died or lost their connection while it ran), or held as its count's
+/// failure says when the count failed. `None`: it may run.
 pub(crate) fn poison_verdict<H: Handler>(keyed: &Keyed, limit: Option<u32>) -> Option<Outcome> {
+    if let Some(uncounted) = &keyed.uncounted {
+        tracing::info!(
+            consumer = H::CONSUMER,
+            key = keyed.key,
+            outcome = uncounted.label(),
+            "the run of a redelivered message could not be counted for the poison limit; not running it now"
+        );
+        return Some(uncounted.clone());
+    }
     let (Some(limit), Some(unsettled)) = (limit, keyed.unsettled) else {
         return None;
     };
@@ -394,8 +421,9 @@ pub(crate) fn poison_verdict<H: Handler>(keyed: &Keyed, limit: Option<u32>) -> O
     )))
 }
 
-/// Removes the poison limit's counts of `keys`: their deliveries settled. A failure is logged:
-/// a count left behind expires with its key, and only a later crash in the handler adds to it.
+/// Takes back the poison limit's count of this run of each of `keys`: their deliveries settled
+/// (the runs before them that never settled still count). A failure is logged: a count left
+/// behind expires with its key.
 pub(crate) async fn settle_counts<H: Handler>(store: &H::Store, keys: &[&str]) {
     if keys.is_empty() {
         return;

@@ -32,11 +32,7 @@ pub(crate) async fn process<H: Handler>(
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
     };
-    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
-    keyed.unsettled = match count_start::<H>(store, envelope, &request, limits.poison).await {
-        Ok(unsettled) => unsettled,
-        Err(failed) => return failed,
-    };
+    count_start::<H>(store, envelope, &mut keyed, limits.retention, limits.poison).await;
     let outcome = run::<H>(store, envelope, payload, &keyed, limits, held).await;
     if keyed.unsettled.is_some() {
         settle_counts::<H>(store, &[keyed.key.as_str()]).await;
@@ -170,6 +166,8 @@ mod tests {
     struct MemStore {
         rows: Mutex<HashMap<RowId, Row>>,
         effects: Mutex<Vec<String>>,
+        /// The poison limit's count fails, as this class says.
+        failing_count: Mutex<Option<crate::model::ErrorClass>>,
     }
 
     #[derive(Default)]
@@ -253,7 +251,14 @@ mod tests {
 
     // The optional roles, at their defaults: a minimal store.
     impl crate::store::LeaseStore for MemStore {}
-    impl crate::store::DeadLetterStore for MemStore {}
+    impl crate::store::DeadLetterStore for MemStore {
+        async fn count_delivery(&self, _: &ClaimRequest<'_>) -> Result<u32, StoreError> {
+            match *self.failing_count.lock().unwrap() {
+                Some(class) => Err(StoreError::new("count delivery", class, "cannot count")),
+                None => Ok(1),
+            }
+        }
+    }
     impl crate::store::SweepStore for MemStore {}
     impl crate::store::OutboxStore for MemStore {}
 
@@ -295,15 +300,46 @@ mod tests {
     }
 
     async fn run(store: &MemStore, body: &str) -> Outcome {
+        run_envelope(store, Envelope::new(body)).await
+    }
+
+    async fn run_envelope(store: &MemStore, envelope: Envelope) -> Outcome {
         let limits = Limits {
             retention: std::time::Duration::from_secs(60),
-            poison: None,
+            poison: Some(5),
             inject_failure: false,
             dead_letter_stale: false,
             state: &crate::state::EMPTY,
             dispatch: None,
         };
-        process::<OrderHandler>(store, &Envelope::new(body), limits, &mut None).await
+        process::<OrderHandler>(store, &envelope, limits, &mut None).await
+    }
+
+    /// A redelivered copy whose run cannot be counted for the poison limit: a copy of a
+    /// completed key is still a duplicate; a new key is held or retried as the count's failure
+    /// says, and never dead-lettered for it unless the store refused the count for good.
+    #[tokio::test]
+    async fn a_failed_count_never_dead_letters_a_copy_of_a_completed_key() {
+        use crate::model::ErrorClass;
+        let store = MemStore::default();
+        assert_eq!(run(&store, r#"{"id":"a"}"#).await.label(), "processed");
+        let redelivered = |body: &str| {
+            let mut envelope = Envelope::new(body);
+            envelope.redelivered = true;
+            envelope
+        };
+        for (class, new_key) in [
+            (ErrorClass::Unavailable, "unavailable"),
+            (ErrorClass::Transient, "retry"),
+            (ErrorClass::Permanent, "rejected"),
+        ] {
+            *store.failing_count.lock().unwrap() = Some(class);
+            let copy = run_envelope(&store, redelivered(r#"{"id":"a"}"#)).await;
+            assert_eq!(copy.label(), "duplicate", "{class}");
+            let new = run_envelope(&store, redelivered(r#"{"id":"n"}"#)).await;
+            assert_eq!(new.label(), new_key, "{class}");
+        }
+        assert_eq!(*store.effects.lock().unwrap(), vec!["a".to_owned()]);
     }
 
     #[tokio::test]

@@ -1,6 +1,7 @@
 //! One handler's actor: its configuration (queue, workers, prefetch, batching), and what its
 //! workers share while they run.
 
+use super::pause::Pause;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
 use crate::pipeline::ErasedHandler;
@@ -47,4 +48,7 @@ pub(crate) struct Shared {
     /// An ordered handler's concurrency, shared by all its partitions in this process: a
     /// worker holds a permit while it processes a delivery.
     pub(crate) permits: Option<Arc<Semaphore>>,
+    /// Whether its store writes: a delivery that finds it unable to waits here, and so does
+    /// every worker of the store's handlers before it takes another delivery.
+    pub(crate) pause: Arc<Pause>,
 }

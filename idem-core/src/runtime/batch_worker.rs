@@ -8,7 +8,7 @@
 
 use super::actor::{BatchSpec, Shared};
 use super::settle;
-use crate::model::Envelope;
+use crate::model::{Envelope, Outcome};
 use crate::pipeline::{HeldConnection, Stages};
 use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal, Wants};
@@ -69,6 +69,8 @@ pub(crate) async fn run(
     let mut previous: Option<oneshot::Receiver<()>> = None;
     let connections = Connections::default();
     loop {
+        // A store that cannot write pauses the gathering: what arrives waits in the mailbox.
+        shared.pause.writable(&stop).await;
         let batch = {
             let mut mailbox = mailbox.lock().await;
             let gathering = wants.gathering();
@@ -102,7 +104,15 @@ pub(crate) async fn run(
             committing: Some(committing_tx),
             committed: Some(committed_tx),
         };
-        in_flight.spawn(handle(shared.clone(), batch, stages, connections.clone()));
+        let batch_stop = stop.clone();
+        let connections = connections.clone();
+        in_flight.spawn(handle(
+            shared.clone(),
+            batch,
+            stages,
+            connections,
+            batch_stop,
+        ));
         previous = Some(committed);
         // Pipelining: the next batch is gathered, begun and claimed while this one commits.
         let _ = committing.await;
@@ -133,39 +143,58 @@ impl Connections {
 }
 
 /// Processes one batch in one transaction on a connection of `connections`, then settles each
-/// delivery by its outcome.
+/// delivery by its outcome. The deliveries that found the store unable to write wait for it,
+/// unsettled, and run again as a batch of their own, as the same attempt (given back if `stop`
+/// is raised first).
 async fn handle(
     shared: Arc<Shared>,
     batch: Vec<Delivery>,
     stages: Stages,
     connections: Connections,
+    stop: StopSignal,
 ) {
-    let (envelopes, settles): (Vec<Envelope>, Vec<Box<dyn Settle>>) = batch
-        .into_iter()
-        .map(|delivery| (delivery.envelope, delivery.settle))
-        .unzip();
     let handler = shared.handler;
-    let span = tracing::info_span!(
-        "batch",
-        consumer = handler.consumer(),
-        size = envelopes.len()
-    );
+    let span = tracing::info_span!("batch", consumer = handler.consumer(), size = batch.len());
     async {
-        let mut held = connections.take();
-        let processed = handler
-            .process_batch(&shared.stores, &envelopes, stages, &mut held)
-            .await;
-        connections.give_back(held);
-        let outcomes = match processed {
-            Ok(outcomes) => outcomes,
-            Err(failed) => vec![settle::undispatched(&shared, failed); envelopes.len()],
-        };
-        for ((outcome, envelope), settle) in outcomes.iter().zip(&envelopes).zip(settles) {
-            let span = telemetry::delivery_span(handler.consumer(), envelope);
-            telemetry::record_outcome(&span, outcome);
-            settle::settle(&shared, outcome, envelope, settle)
-                .instrument(span)
+        let mut pending = batch;
+        let mut stages = Some(stages);
+        while !pending.is_empty() {
+            let (envelopes, settles): (Vec<Envelope>, Vec<Box<dyn Settle>>) = pending
+                .into_iter()
+                .map(|delivery| (delivery.envelope, delivery.settle))
+                .unzip();
+            let mut held = connections.take();
+            let stages = stages.take().unwrap_or_default();
+            let processed = handler
+                .process_batch(&shared.stores, &envelopes, stages, &mut held)
                 .await;
+            connections.give_back(held);
+            let outcomes = match processed {
+                Ok(outcomes) => outcomes,
+                Err(failed) => vec![settle::undispatched(&shared, failed); envelopes.len()],
+            };
+            let mut waiting = Vec::new();
+            let mut failure = None;
+            for ((outcome, envelope), settle) in outcomes.into_iter().zip(envelopes).zip(settles) {
+                let span = telemetry::delivery_span(handler.consumer(), &envelope);
+                telemetry::record_outcome(&span, &outcome);
+                if let Outcome::Unavailable(unavailable) = outcome {
+                    failure = Some(unavailable);
+                    waiting.push(Delivery { envelope, settle });
+                    continue;
+                }
+                settle::settle(&shared, &outcome, &envelope, settle, &stop)
+                    .instrument(span)
+                    .await;
+            }
+            pending = waiting;
+            let Some(failure) = failure else { break };
+            if !settle::wait_for_store(&shared, &failure, pending.len(), &stop).await {
+                for delivery in pending {
+                    settle::release(delivery).await;
+                }
+                return;
+            }
         }
     }
     .instrument(span)

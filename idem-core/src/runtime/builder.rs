@@ -2,6 +2,7 @@
 
 use super::error::RuntimeError;
 use super::health::Health;
+use super::pause::Pauses;
 use super::retry::RetryPolicy;
 use super::run::Runtime;
 use super::stats::Stats;
@@ -363,8 +364,16 @@ impl RuntimeBuilder {
             .iter()
             .map(|a| (a.registration, a.spec.queue.clone()))
             .collect();
-        let health = Arc::new(Health::new(transport.clone(), stores.clone(), handlers));
+        let stats = Arc::new(Stats::default());
+        let pauses = Arc::new(Pauses::new(stats.clone()));
+        let health = Arc::new(Health::new(
+            transport.clone(),
+            stores.clone(),
+            handlers,
+            pauses.clone(),
+        ));
         Ok(Runtime {
+            pauses,
             transport,
             stores,
             health,
@@ -372,7 +381,7 @@ impl RuntimeBuilder {
             retry: self.retry,
             shutdown_grace: self.shutdown_grace,
             start_deadline: self.start_deadline,
-            stats: Arc::new(Stats::default()),
+            stats,
             sweep: self.sweep,
             relay: self.relay,
         })

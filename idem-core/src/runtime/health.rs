@@ -1,6 +1,7 @@
 //! [`Health`]: whether a runtime is alive and ready, for health endpoints (`/healthz`,
 //! `/readyz`) and orchestrators.
 
+use super::pause::Pauses;
 use crate::registry::Registration;
 use crate::store::Stores;
 use crate::transport::Transport;
@@ -19,14 +20,16 @@ pub struct Health {
     /// Each handler and the queue it consumes.
     handlers: Vec<(&'static Registration, String)>,
     consuming: AtomicBool,
+    pauses: Arc<Pauses>,
 }
 
 /// The answer of [`Health::readiness`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Readiness {
-    /// Whether the runtime consumes, every queue's consumer is connected to the broker and
-    /// every handler's store answers.
+    /// Whether the runtime consumes, every queue's consumer is connected to the broker, and
+    /// every handler's store answers and writes (a store that cannot write for now pauses its
+    /// handlers' consumption, and the runtime is not ready while it does).
     pub ready: bool,
     /// What is not ready, one line each.
     pub problems: Vec<String>,
@@ -37,12 +40,14 @@ impl Health {
         transport: Arc<dyn Transport>,
         stores: Arc<Stores>,
         handlers: Vec<(&'static Registration, String)>,
+        pauses: Arc<Pauses>,
     ) -> Self {
         Self {
             transport,
             stores,
             handlers,
             consuming: AtomicBool::new(false),
+            pauses,
         }
     }
 
@@ -56,12 +61,19 @@ impl Health {
         self.consuming.load(Ordering::Acquire)
     }
 
-    /// Checks readiness: the runtime consumes, the transport reports every handler's queue
-    /// connected, and every handler's store answers its check within two seconds.
+    /// Checks readiness: the runtime consumes, no store has paused its handlers (it could not
+    /// write, and no probe write has succeeded since), the transport reports every handler's
+    /// queue connected, and every handler's store answers its check within two seconds.
     pub async fn readiness(&self) -> Readiness {
         let mut problems = Vec::new();
         if !self.is_consuming() {
             problems.push("the runtime is not consuming".to_owned());
+        }
+        for (store, since, reason) in self.pauses.paused() {
+            problems.push(format!(
+                "the {store} store cannot write (for {} s; last: {reason}): its handlers' consumption is paused until a probe write succeeds",
+                since.as_secs()
+            ));
         }
         for (registration, queue) in &self.handlers {
             if !self.transport.connected(queue) {

@@ -9,6 +9,7 @@ mod builder;
 mod error;
 mod health;
 mod lanes;
+mod pause;
 mod plan;
 pub mod retry;
 mod run;

@@ -5,6 +5,7 @@
 use super::actor::{Actor, Shared};
 use super::error::RuntimeError;
 use super::health::Health;
+use super::pause::Pauses;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
 use super::sweeper::{self, SweepSettings};
@@ -36,6 +37,8 @@ pub struct Runtime {
     pub(crate) sweep: Option<SweepSettings>,
     pub(crate) relay: Option<RelaySettings>,
     pub(crate) health: Arc<Health>,
+    /// Whether each store writes.
+    pub(crate) pauses: Arc<Pauses>,
 }
 
 impl Runtime {
@@ -93,6 +96,7 @@ impl Runtime {
                         .or_insert_with(|| Arc::new(Semaphore::new(actor.workers)))
                         .clone()
                 }),
+                pause: self.pauses.of(handler, &self.stores),
             });
             match actor.batch {
                 None if actor.ordered => {

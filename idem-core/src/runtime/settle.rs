@@ -1,21 +1,28 @@
 //! Where the ack is decided: an [`Outcome`] becomes exactly one settlement (ack, retry later,
 //! dead letter), counted and sent through the delivery's [`Settle`], always after the pipeline
 //! returned (after the commit). A dead letter's record is written to the handler's store
-//! before the message is moved: a record that cannot be written sends the message round
-//! again instead.
+//! before the message is moved: a record that fails transiently is written again in place, one
+//! that meets a store unable to write waits for the store (see `pause`), and only a record the
+//! store refuses for its content lets the message go without one. A delivery whose store
+//! cannot write is not settled at all: it waits for the store ([`wait_for_store`]).
 
 use super::actor::Shared;
+use super::pause::jittered;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
-use crate::model::{DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, Transient};
+use crate::model::{
+    DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, StoreError, Transient,
+};
 use crate::pipeline::DispatchError;
 use crate::telemetry;
-use crate::transport::{Delivery, Settle};
+use crate::transport::{Delivery, Settle, StopSignal};
 use std::time::Duration;
 
-/// How long a dead letter whose record could not be written waits before it is delivered
-/// again, when the retry policy has no delay of its own.
-const RECORD_RETRY: Duration = Duration::from_secs(1);
+/// The first wait before a dead letter's record that failed transiently is written again; it
+/// doubles up to [`RECORD_LONGEST`].
+const RECORD_FIRST: Duration = Duration::from_millis(10);
+/// The longest wait between two tries of a dead letter's record.
+const RECORD_LONGEST: Duration = Duration::from_secs(5);
 
 /// What to do with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,6 +33,9 @@ pub(crate) enum Settlement {
     Retry(Duration),
     /// Rejected, conflicting, or out of attempts: dead-letter with the reason.
     DeadLetter(DeadLetter),
+    /// The store cannot write for now: nothing is settled; the delivery waits for the store
+    /// and is tried again as the same attempt.
+    Hold,
 }
 
 /// The settlement for `outcome` of `envelope`'s delivery.
@@ -49,6 +59,7 @@ pub(crate) fn decide(
         Outcome::Processed { .. } | Outcome::Duplicate { .. } | Outcome::Stale(_) => {
             Settlement::Ack
         }
+        Outcome::Unavailable(_) => Settlement::Hold,
         Outcome::Conflict { key } => dead_letter(
             "conflict",
             format!("key {key:?} was processed before with a different payload"),
@@ -69,12 +80,14 @@ pub(crate) fn decide(
     }
 }
 
-/// Settles one delivery according to its outcome, counting it.
+/// Settles one delivery according to its outcome, counting it. A dead letter's record waits
+/// for a store that cannot write, up to `stop` (then the delivery is given back unsettled).
 pub(crate) async fn settle(
     shared: &Shared,
     outcome: &Outcome,
     envelope: &Envelope,
     settle: Box<dyn Settle>,
+    stop: &StopSignal,
 ) {
     #[cfg(feature = "fault-injection")]
     if matches!(outcome, Outcome::Processed { .. }) {
@@ -102,58 +115,45 @@ pub(crate) async fn settle(
             telemetry::message(consumer, "retried");
             settle.retry(envelope, delay).await
         }
+        // The workers wait for the store before they settle; given one all the same, it goes
+        // back to the broker unsettled.
+        Settlement::Hold => settle.release().await,
         Settlement::DeadLetter(reason) => {
             tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
             let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);
-            let recorded = shared
-                .handler
-                .record_dead_letter(&shared.stores, &record)
-                .await;
-            let (recorded, reason) = match recorded {
-                Err(e) if e.class() == ErrorClass::Permanent => {
-                    // Retrying will not write it: moved all the same, its reason in its
-                    // headers and logged here, and counted.
-                    tracing::error!(error = %e, key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "the dead letter's record cannot be written; moving it without one");
+            let reason = match record_dead_letter(shared, &record, stop).await {
+                Recorded::Written => reason,
+                Recorded::Refused(e) => {
+                    // The store refuses this record for what it holds, and always will: moved
+                    // all the same, its reason in its headers and logged here, and counted.
+                    tracing::error!(error = %e, key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "the store refuses the dead letter's record; moving it without one");
                     telemetry::dead_letter_unrecorded(consumer);
-                    (Ok(()), reason.unrecorded())
+                    reason.unrecorded()
                 }
-                recorded => (recorded, reason),
+                Recorded::Stopped => {
+                    release(Delivery {
+                        envelope: envelope.clone(),
+                        settle,
+                    })
+                    .await;
+                    return;
+                }
             };
-            if let Err(e) = recorded {
-                // Not moved without its reason: deliver it again later and decide again.
-                tracing::warn!(error = %e, "could not record the dead letter; retrying it later");
-                Stats::add(&stats.retried);
-                telemetry::message(consumer, "retried");
-                let delay = shared
-                    .retry
-                    .delays()
-                    .first()
-                    .copied()
-                    .unwrap_or(RECORD_RETRY);
-                if shared.in_place {
-                    // An ordered partition has no delay queues: give it back in its place.
-                    tokio::time::sleep(delay).await;
-                    settle.release().await
-                } else {
-                    settle.retry(envelope, delay).await
+            let label = match outcome {
+                Outcome::Conflict { .. } => {
+                    Stats::add(&stats.conflicts);
+                    "conflict"
                 }
-            } else {
-                let label = match outcome {
-                    Outcome::Conflict { .. } => {
-                        Stats::add(&stats.conflicts);
-                        "conflict"
-                    }
-                    Outcome::Rejected(_) => {
-                        Stats::add(&stats.rejected);
-                        "rejected"
-                    }
-                    _ => "dead_lettered",
-                };
-                Stats::add(&stats.dead_lettered);
-                telemetry::message(consumer, label);
-                telemetry::dead_letter(consumer, &reason.reason);
-                settle.dead_letter(envelope, &reason).await
-            }
+                Outcome::Rejected(_) => {
+                    Stats::add(&stats.rejected);
+                    "rejected"
+                }
+                _ => "dead_lettered",
+            };
+            Stats::add(&stats.dead_lettered);
+            telemetry::message(consumer, label);
+            telemetry::dead_letter(consumer, &reason.reason);
+            settle.dead_letter(envelope, &reason).await
         }
     };
     if let Err(e) = settled {
@@ -161,6 +161,74 @@ pub(crate) async fn settle(
         telemetry::settle_failed(consumer);
         tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will recognise what committed");
     }
+}
+
+/// What became of a dead letter's record.
+enum Recorded {
+    Written,
+    /// The store refuses it for what it holds: retrying will not write it.
+    Refused(StoreError),
+    /// The runtime stopped while the store could not write it.
+    Stopped,
+}
+
+/// Writes `record` to the handler's store: again in place after a transient failure (backing
+/// off, with jitter), and after the store could not write, once it can again (the handler's
+/// consumption pauses meanwhile); until it is written, the store refuses it for good, or
+/// `stop` is raised.
+async fn record_dead_letter(
+    shared: &Shared,
+    record: &DeadLetterRecord,
+    stop: &StopSignal,
+) -> Recorded {
+    let mut wait = RECORD_FIRST;
+    loop {
+        let failed = match shared
+            .handler
+            .record_dead_letter(&shared.stores, record)
+            .await
+        {
+            Ok(()) => return Recorded::Written,
+            Err(e) => e,
+        };
+        match failed.class() {
+            ErrorClass::Permanent => return Recorded::Refused(failed),
+            ErrorClass::Unavailable => {
+                tracing::warn!(error = %failed, key = %record.key, "the dead letter's record waits for the store to write");
+                shared.pause.enter(&failed.to_string(), stop);
+                if !shared.pause.writable(stop).await {
+                    return Recorded::Stopped;
+                }
+            }
+            ErrorClass::Transient => {
+                tracing::debug!(error = %failed, retry_in = ?wait, "the dead letter's record failed; writing it again");
+                let mut stopping = stop.clone();
+                tokio::select! {
+                    _ = tokio::time::sleep(jittered(wait)) => {}
+                    _ = stopping.wait_for(|stopped| *stopped) => return Recorded::Stopped,
+                }
+                wait = (wait * 2).min(RECORD_LONGEST);
+            }
+        }
+    }
+}
+
+/// `count` deliveries found their store unable to write (`failure`): pauses the store's
+/// handlers and waits until a probe write succeeds. `false`: `stop` was raised first, and the
+/// deliveries are to be given back. No attempt is spent.
+pub(crate) async fn wait_for_store(
+    shared: &Shared,
+    failure: &Transient,
+    count: usize,
+    stop: &StopSignal,
+) -> bool {
+    for _ in 0..count {
+        Stats::add(&shared.stats.unavailable);
+        telemetry::message(shared.handler.consumer(), "unavailable");
+    }
+    tracing::debug!(key = failure.key.as_deref(), failure = %failure.message, count, "the store cannot write; waiting for it");
+    shared.pause.enter(&failure.message, stop);
+    shared.pause.writable(stop).await
 }
 
 /// For an ordered handler (retrying in place), the delay before `outcome` is tried again, when
@@ -206,7 +274,7 @@ pub(crate) async fn release(delivery: Delivery) {
 
 fn describe(outcome: &Outcome) -> String {
     match outcome {
-        Outcome::Retry(t) => t.message.clone(),
+        Outcome::Retry(t) | Outcome::Unavailable(t) => t.message.clone(),
         other => other.label().to_owned(),
     }
 }

@@ -28,12 +28,12 @@ impl Runtime {
             let checked = patiently(
                 deadline,
                 "the inbox",
-                |e: &crate::StoreError| e.class() == ErrorClass::Transient,
+                |e: &crate::StoreError| e.class() != ErrorClass::Permanent,
                 || actor.registration.check_store(&self.stores),
             )
             .await;
             checked.map_err(|error| match error.class() {
-                ErrorClass::Transient => RuntimeError::StoreUnreachable {
+                ErrorClass::Transient | ErrorClass::Unavailable => RuntimeError::StoreUnreachable {
                     consumer,
                     waited: self.start_deadline,
                     error,

@@ -14,6 +14,8 @@ pub struct Stats {
     pub(crate) dead_lettered: AtomicU64,
     pub(crate) panics: AtomicU64,
     pub(crate) settle_failures: AtomicU64,
+    pub(crate) unavailable: AtomicU64,
+    pub(crate) pauses: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -39,6 +41,11 @@ pub struct Snapshot {
     /// Settlements (ack, retry, dead letter) the transport could not send; the broker
     /// redelivers those messages.
     pub settle_failures: u64,
+    /// Deliveries (and batch members) that found their store unable to write and waited,
+    /// unsettled, to be tried again as the same attempt once it wrote.
+    pub unavailable: u64,
+    /// Times a store could not write and paused its handlers' consumption.
+    pub pauses: u64,
 }
 
 impl Stats {
@@ -59,6 +66,8 @@ impl Stats {
             dead_lettered: get(&self.dead_lettered),
             panics: get(&self.panics),
             settle_failures: get(&self.settle_failures),
+            unavailable: get(&self.unavailable),
+            pauses: get(&self.pauses),
         }
     }
 }

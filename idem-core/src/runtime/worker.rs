@@ -1,8 +1,10 @@
 //! A handler's workers (one transaction per delivery): take a delivery from the mailbox, run
-//! the pipeline, settle it after the commit.
+//! the pipeline, settle it after the commit. A delivery whose store cannot write waits in its
+//! worker for the store, and no worker of the store takes another meanwhile (`pause`).
 
 use super::actor::Shared;
 use super::settle;
+use crate::model::Outcome;
 use crate::pipeline::HeldConnection;
 use crate::telemetry;
 use crate::transport::{Delivery, StopSignal};
@@ -10,8 +12,9 @@ use std::sync::Arc;
 use tokio::sync::{Mutex, mpsc};
 use tracing::Instrument;
 
-/// Runs until the mailbox is closed and empty. After `stop` is raised, deliveries not yet
-/// started are released to the broker instead of processed.
+/// Runs until the mailbox is closed and empty, taking a delivery only while its store writes.
+/// After `stop` is raised, deliveries not yet started are released to the broker instead of
+/// processed.
 pub(crate) async fn run(
     shared: Arc<Shared>,
     mailbox: Arc<Mutex<mpsc::Receiver<Delivery>>>,
@@ -20,6 +23,7 @@ pub(crate) async fn run(
     // The worker's database connection, kept from one delivery to the next.
     let mut held = HeldConnection::default();
     loop {
+        shared.pause.writable(&stop).await;
         let next = {
             let mut mailbox = mailbox.lock().await;
             let next = mailbox.recv().await;
@@ -35,10 +39,11 @@ pub(crate) async fn run(
     }
 }
 
-/// Processes and settles one delivery, in a transaction on the connection in `held`. The settlement is sent only after the pipeline
-/// returned, that is after the inbox transaction committed or rolled back. An ordered
-/// handler's transient failure is retried here, in place, after the policy's delay (a stop
-/// during the delay gives the delivery back instead).
+/// Processes and settles one delivery, in a transaction on the connection in `held`. The
+/// settlement is sent only after the pipeline returned, that is after the inbox transaction
+/// committed or rolled back. A delivery whose store cannot write waits for it and runs again as
+/// the same attempt; an ordered handler's transient failure is retried here, in place, after
+/// the policy's delay (a stop during either wait gives the delivery back instead).
 async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &mut HeldConnection) {
     let Delivery {
         mut envelope,
@@ -58,6 +63,13 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &m
             };
             drop(permit);
             telemetry::record_outcome(&tracing::Span::current(), &outcome);
+            if let Outcome::Unavailable(failure) = &outcome {
+                if !settle::wait_for_store(shared, failure, 1, stop).await {
+                    settle::release(Delivery { envelope, settle }).await;
+                    return;
+                }
+                continue;
+            }
             if let Some(delay) = settle::retried_in_place(shared, &outcome, &envelope) {
                 if stopped_within(delay, stop).await {
                     settle::release(Delivery { envelope, settle }).await;
@@ -66,7 +78,7 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &m
                 envelope.attempt = envelope.attempt.saturating_add(1);
                 continue;
             }
-            settle::settle(shared, &outcome, &envelope, settle).await;
+            settle::settle(shared, &outcome, &envelope, settle, stop).await;
             return;
         }
     }
@@ -81,7 +93,7 @@ async fn stopped_within(delay: std::time::Duration, stop: &StopSignal) -> bool {
         return true;
     }
     tokio::select! {
-        _ = tokio::time::sleep(delay) => false,
+        _ = tokio::time::sleep(super::pause::jittered(delay)) => false,
         _ = stop.wait_for(|stopped| *stopped) => true,
     }
 }

@@ -66,6 +66,10 @@ pub struct ClaimRequest<'a> {
     pub retention: Duration,
 }
 
+/// The consumer identity of the key [`InboxStore::probe`] writes and removes again; no handler
+/// may take it.
+pub const PROBE_CONSUMER: &str = "idem.probe";
+
 /// How long inbox rows are kept unless the handler, the runtime or the store says otherwise:
 /// 7 days. It must outlast the broker's redelivery window (including operators resubmitting
 /// from a dead-letter queue), or a late redelivery finds no marker and is processed again.
@@ -148,6 +152,37 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Checks that the inbox is usable (its table exists with the expected columns); the
     /// runtime calls this before it consumes anything.
     fn check(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Whether the store can write now: a transaction that writes, commits and leaves nothing
+    /// behind. The runtime probes a store that failed as unavailable
+    /// ([`ErrorClass::Unavailable`]) until this succeeds, then resumes its handlers. The
+    /// default claims a key of its own under the consumer [`PROBE_CONSUMER`], removes it again
+    /// and commits.
+    fn probe(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            let key = crate::store::owner_token();
+            let fingerprint = Fingerprint::of(key.as_bytes());
+            let request = ClaimRequest {
+                consumer: PROBE_CONSUMER,
+                key: &key,
+                fingerprint: &fingerprint,
+                attempt: 1,
+                retention: Duration::from_secs(60),
+            };
+            let mut tx = self.begin().await?;
+            let written = match self.claim(&mut tx, &request).await {
+                Ok(_) => self.unclaim(&mut tx, PROBE_CONSUMER, &[&key]).await,
+                Err(e) => Err(e),
+            };
+            match written {
+                Ok(()) => self.commit(tx).await,
+                Err(e) => {
+                    self.rollback(tx).await;
+                    Err(e)
+                }
+            }
+        }
+    }
 
     /// How long rows are kept when neither the handler nor the runtime sets a retention
     /// (default [`DEFAULT_RETENTION`]).

@@ -14,7 +14,9 @@ pub mod set;
 pub mod settlement;
 
 pub use admission::{Admission, Refusal};
-pub use inbox::{Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, StoreKind, SweepReport};
+pub use inbox::{
+    Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, PROBE_CONSUMER, StoreKind, SweepReport,
+};
 pub use lease::{Lease, LeaseEnd, owner_token};
 pub use leased::{LeasedRun, Leasing};
 pub use roles::{DeadLetterStore, LeaseStore, OutboxStore, RuntimeStore, SweepStore};

@@ -76,7 +76,7 @@ pub trait DeadLetterStore: InboxStore {
     /// Counts one more run of the handler on a redelivery of `request`'s message (the broker
     /// flagged it redelivered), just before that run, in a transaction of its own committed
     /// before this returns, so that the count survives a crash in the handler; returns the
-    /// count. The runtime removes it when the delivery settles
+    /// count. The runtime takes this run back when the delivery settles
     /// ([`DeadLetterStore::settle_deliveries`]), so it counts runs that started and never settled.
     /// The count expires with `request.retention`. The default counts nothing (`0`): such a
     /// store has no poison limit.
@@ -88,9 +88,10 @@ pub trait DeadLetterStore: InboxStore {
         async { Ok(0) }
     }
 
-    /// Removes the counts of [`DeadLetterStore::count_delivery`] for `consumer`'s `keys`: their
-    /// deliveries settled (processed, duplicate, retried or dead-lettered). In a transaction of
-    /// its own. The default keeps no counts.
+    /// Takes back one run from the counts of [`DeadLetterStore::count_delivery`] for
+    /// `consumer`'s `keys`: those runs settled (processed, duplicate, retried or dead-lettered),
+    /// and the runs before them that never settled still count. In a transaction of its own.
+    /// The default keeps no counts.
     fn settle_deliveries(
         &self,
         consumer: &str,

@@ -50,6 +50,11 @@ pub(super) fn finish(
                 &stored,
                 None,
             ),
+            // The store could not write the first: the copy waits for it too.
+            (Some(Outcome::Unavailable(failure)), _) => Outcome::Unavailable(Transient {
+                message: failure.message.clone(),
+                key: Some(keyed.key),
+            }),
             _ => Outcome::Retry(Transient {
                 message: "an earlier copy in the same batch did not commit".to_owned(),
                 key: Some(keyed.key),

@@ -61,18 +61,13 @@ pub(super) struct Gathered<P> {
     pub(super) outcomes: Vec<Option<Outcome>>,
 }
 
-/// Reads `envelopes` for handler `H`; those with an outcome in `refused` are left out. Each
-/// item carries its key's poison-limit count from `unsettled`.
-pub(super) fn gather<H: Handler>(
-    envelopes: &[Envelope],
-    refused: Vec<Option<Outcome>>,
-    unsettled: &HashMap<String, u32>,
-) -> Gathered<H::Payload> {
+/// Reads `envelopes` for handler `H`.
+pub(super) fn gather<H: Handler>(envelopes: &[Envelope]) -> Gathered<H::Payload> {
     let mut gathered = Gathered {
         items: Vec::with_capacity(envelopes.len()),
         payloads: Vec::with_capacity(envelopes.len()),
         copies: Vec::new(),
-        outcomes: refused,
+        outcomes: vec![None; envelopes.len()],
     };
     let mut first_of: HashMap<String, usize> = HashMap::new();
     for (index, envelope) in envelopes.iter().enumerate() {
@@ -81,14 +76,13 @@ pub(super) fn gather<H: Handler>(
         }
         match prepare::<H>(envelope) {
             Err(rejected) => gathered.outcomes[index] = Some(rejected),
-            Ok((payload, mut keyed)) => match first_of.get(&keyed.key) {
+            Ok((payload, keyed)) => match first_of.get(&keyed.key) {
                 Some(&first) => gathered.copies.push(Copy {
                     index,
                     first,
                     keyed,
                 }),
                 None => {
-                    keyed.unsettled = unsettled.get(&keyed.key).copied();
                     first_of.insert(keyed.key.clone(), gathered.items.len());
                     gathered.payloads.push(Some(payload));
                     gathered.items.push(Item {

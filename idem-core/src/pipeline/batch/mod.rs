@@ -1,9 +1,10 @@
 //! The pipeline for a batch of deliveries of a transactional handler: one transaction, one
 //! multi-row claim, the handler of each new message, one commit. In three steps:
 //!
-//! 1. [`gather`]: read every delivery, keep one message per key (the handler run that each
+//! 1. [`gather`]: read every delivery, keep one message per key (the handler run that a
 //!    redelivery is about to start counted for the poison limit, which is judged on the keys
-//!    the pass claims);
+//!    the pass claims; a batch with a redelivery in it runs one message per transaction, so
+//!    that only the handler that starts is counted);
 //! 2. [`pass`]: the transaction. The fast pass runs the handlers back to back. If one fails,
 //!    that pass is rolled back and the batch runs again with each new message under its own
 //!    savepoint: a message whose handler fails permanently is rolled back to its savepoint and
@@ -30,10 +31,10 @@ mod set;
 use crate::handler::Handler;
 use crate::model::{Envelope, Outcome};
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{Limits, count_start, prepare, reply_again, settle_counts};
+use crate::pipeline::steps::{Limits, count_start, reply_again, settle_counts};
 use crate::store::InboxStore;
 use run::{Batch, How, Pass, Place};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 /// Processes `envelopes` with handler `H` in one transaction of `store` on the connection in
 /// `held` (see [`InboxStore::begin_on`]), within `limits`; one outcome per envelope, in order.
@@ -41,20 +42,69 @@ use std::collections::{HashMap, VecDeque};
 ///
 /// A key that occurs twice in the batch is processed once; its later copies are duplicates (or
 /// conflicts) of the first once that has committed, and are retried if it did not.
+///
+/// A batch with a redelivery in it, under a poison limit, runs one message per transaction
+/// instead ([`one_by_one`]): only a handler that starts may count toward the limit, and in one
+/// transaction the members behind a handler that never returns would never start.
 pub(crate) async fn process<H: Handler>(
+    store: &H::Store,
+    envelopes: &[Envelope],
+    stages: Stages,
+    limits: Limits<'_>,
+    held: &mut Option<<H::Store as InboxStore>::Held>,
+) -> Vec<Outcome> {
+    let redelivered = envelopes.iter().any(|envelope| envelope.redelivered);
+    if limits.poison.is_some() && redelivered && envelopes.len() > 1 {
+        return one_by_one::<H>(store, envelopes, stages, limits, held).await;
+    }
+    together::<H>(store, envelopes, stages, limits, held).await
+}
+
+/// [`process`] for a batch after a crash: each message in a transaction of its own, after the
+/// batch before it and before the one after it, each redelivery counted just before its handler
+/// starts.
+async fn one_by_one<H: Handler>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
     limits: Limits<'_>,
     held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
-    let counted = count_starts::<H>(store, envelopes, limits).await;
+    stages.wait_for_previous().await;
+    let mut outcomes = Vec::with_capacity(envelopes.len());
+    for envelope in envelopes {
+        let one = std::slice::from_ref(envelope);
+        outcomes.extend(together::<H>(store, one, Stages::default(), limits, held).await);
+    }
+    stages.fire_committing();
+    stages.fire_committed();
+    outcomes
+}
+
+/// [`process`] in one transaction.
+async fn together<H: Handler>(
+    store: &H::Store,
+    envelopes: &[Envelope],
+    mut stages: Stages,
+    limits: Limits<'_>,
+    held: &mut Option<<H::Store as InboxStore>::Held>,
+) -> Vec<Outcome> {
     let gather::Gathered {
         mut items,
         payloads,
         copies,
         mut outcomes,
-    } = gather::gather::<H>(envelopes, counted.refused, &counted.unsettled);
+    } = gather::gather::<H>(envelopes);
+    for item in &mut items {
+        let envelope = &envelopes[item.index];
+        let (retention, limit) = (limits.retention, limits.poison);
+        count_start::<H>(store, envelope, &mut item.keyed, retention, limit).await;
+    }
+    let counted: Vec<String> = items
+        .iter()
+        .filter(|item| item.keyed.unsettled.is_some())
+        .map(|item| item.keyed.key.clone())
+        .collect();
     if !items.is_empty() {
         let place = &mut Place {
             stages: &mut stages,
@@ -71,7 +121,7 @@ pub(crate) async fn process<H: Handler>(
             .await;
     }
     let outcomes = finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes);
-    let settled: Vec<&str> = counted.unsettled.keys().map(String::as_str).collect();
+    let settled: Vec<&str> = counted.iter().map(String::as_str).collect();
     settle_counts::<H>(store, &settled).await;
     reply_to_duplicates::<H>(envelopes, outcomes, limits).await
 }
@@ -182,45 +232,4 @@ impl<H: Handler> Batch<'_, H> {
         self.pass(items, members, payloads, outcomes, How::Isolated, place)
             .await
     }
-}
-
-/// The poison limit's counts of a batch (see `steps::count_start`).
-struct Counted {
-    /// By delivery: the outcome of one whose count failed.
-    refused: Vec<Option<Outcome>>,
-    /// By key: the count of each key with a redelivery in the batch (counted once).
-    unsettled: HashMap<String, u32>,
-}
-
-/// Counts the handler run that each redelivered key of the batch is about to start (one short
-/// transaction each; first deliveries pay nothing).
-async fn count_starts<H: Handler>(
-    store: &H::Store,
-    envelopes: &[Envelope],
-    limits: Limits<'_>,
-) -> Counted {
-    let mut counted = Counted {
-        refused: vec![None; envelopes.len()],
-        unsettled: HashMap::new(),
-    };
-    for (index, envelope) in envelopes.iter().enumerate() {
-        if limits.poison.is_none() || !envelope.redelivered {
-            continue;
-        }
-        let Ok((_, keyed)) = prepare::<H>(envelope) else {
-            continue;
-        };
-        if counted.unsettled.contains_key(&keyed.key) {
-            continue;
-        }
-        let request = keyed.request(H::CONSUMER, envelope, limits.retention);
-        match count_start::<H>(store, envelope, &request, limits.poison).await {
-            Ok(Some(unsettled)) => {
-                counted.unsettled.insert(keyed.key.clone(), unsettled);
-            }
-            Ok(None) => {}
-            Err(failed) => counted.refused[index] = Some(failed),
-        }
-    }
-    counted
 }

@@ -132,6 +132,9 @@ pub(super) async fn handle<H: Handler>(
             SetEnd::Again(Pass::Exclude(*only, outcome))
         }
         (Some(ErrorClass::Permanent), _) => SetEnd::Again(Pass::Split),
+        (Some(ErrorClass::Unavailable), _) => {
+            SetEnd::Abort(ErrorClass::Unavailable, error.to_string())
+        }
         _ => SetEnd::Abort(ErrorClass::Transient, error.to_string()),
     })
 }
