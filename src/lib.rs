@@ -45,8 +45,9 @@ pub mod outbox {
 pub mod store {
     pub use idem_core::outbox::{Dispatch, Relay, RelayFn};
     pub use idem_core::store::{
-        Admission, DeadLetterStore, LeaseStore, LeasedRun, Leasing, OutboxStore, Refusal,
-        RuntimeStore, SETTLE_ATTEMPTS, SweepFn, SweepStore, Sweeper, owner_token, settle_lease,
+        Admission, DeadLetterStore, LeaseStore, LeasedRun, Leasing, OutboxStore, PROBE_CONSUMER,
+        Refusal, RuntimeStore, SETTLE_ATTEMPTS, SweepFn, SweepStore, Sweeper, owner_token,
+        settle_lease,
     };
     pub use idem_core::{
         Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterRecord, Fingerprint, InboxStore,

@@ -5,7 +5,8 @@
 //! flows again on its own, each message applied once and each staged event published.
 //!
 //! Its own test binary: the alarm blocks every publisher on the broker, and cargo runs test
-//! binaries one after another, so no other test publishes meanwhile.
+//! binaries one after another, so no other test publishes meanwhile; its tests take turns
+//! ([`ONE_ALARM_AT_A_TIME`]).
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -19,6 +20,9 @@ use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 const TABLE: &str = "idem_alarm_inbox";
+
+/// Held by each test for as long as it raises the alarm: one alarm at a time.
+static ONE_ALARM_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const ORDERS: usize = 8_000;
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -111,6 +115,7 @@ async fn applied(pool: &sqlx::PgPool) -> i64 {
 /// gets out; once the alarm is lifted, every order is applied once and every event arrives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_memory_alarm_consumption_pauses_and_resumes_with_nothing_lost() {
+    let _turn = ONE_ALARM_AT_A_TIME.lock().await;
     let pool = common::postgres(2).await;
     let inbox = idem::sql::PgInbox::new(common::postgres(8).await)
         .table(TABLE)
@@ -243,4 +248,85 @@ async fn under_a_memory_alarm_consumption_pauses_and_resumes_with_nothing_lost()
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
     broker::delete_topology(&billed, &[]).await;
     broker::delete_topology(&probe, &[]).await;
+}
+
+/// Fails the first time it sees a key (transiently), then succeeds.
+#[idempotent(store = Postgres, key = "order.order_id", queue = "idem-test-alarm-unset")]
+async fn flaky(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    order: Order,
+    seen: &Seen,
+) -> Result<(), HandlerError> {
+    match seen.0.lock().unwrap().insert(order.order_id) {
+        true => Err(HandlerError::transient("the first run fails")),
+        false => Ok(()),
+    }
+}
+
+/// The keys `flaky` has seen.
+#[derive(Default)]
+struct Seen(std::sync::Mutex<HashSet<String>>);
+
+/// A retry copy published while the broker's memory alarm blocks publishes has the deadline of
+/// every publish (the publish timeout): its settlement fails in time (counted), the delivery
+/// goes back to the queue, and the worker moves on instead of waiting for ever. The second run
+/// succeeds and is acked (acks are not publishes), all while the alarm lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_under_a_memory_alarm_has_a_deadline() {
+    let _turn = ONE_ALARM_AT_A_TIME.lock().await;
+    let inbox = idem::sql::PgInbox::new(common::postgres(4).await)
+        .table(TABLE)
+        .unwrap();
+    inbox.migrate().await.unwrap();
+    let queue = common::unique("idem-test-alarm-retry");
+    broker::declare_orders_queue(&queue).await;
+    let id = format!("{queue}-0");
+    let order = serde_json::to_vec(&Order {
+        order_id: id.clone(),
+    })
+    .unwrap();
+    broker::publish(&broker::publisher().await, &queue, Some(&id), &order).await;
+
+    let alarm = Alarm::raise();
+    common::wait_until("the memory alarm", Duration::from_secs(20), || async {
+        Alarm::in_effect()
+    })
+    .await;
+    let consumer = idem::registry::find("alarm::flaky").unwrap().consumer();
+    let timeout = Duration::from_secs(2);
+    let config = RabbitConfig::new(amqp_url()).publish_timeout(timeout);
+    let started = Instant::now();
+    let running = start(
+        idem::Runtime::builder()
+            .transport(RabbitTransport::new(config))
+            .store(inbox)
+            .state(Seen::default())
+            .handlers([consumer])
+            .handler_queue(consumer, &queue),
+    );
+    common::wait_until(
+        "the retry's settlement failing in time",
+        Duration::from_secs(30),
+        || async { running.now().settle_failures >= 1 },
+    )
+    .await;
+    common::wait_until("the second run acked", Duration::from_secs(30), || async {
+        running.now().processed == 1
+    })
+    .await;
+    assert!(Alarm::in_effect(), "the alarm lasted");
+    assert!(
+        started.elapsed() < timeout * 10,
+        "{:?} for a {timeout:?} deadline",
+        started.elapsed()
+    );
+    drop(alarm);
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.retried, seen.settle_failures, seen.dead_lettered),
+        (1, 1, 0),
+        "{seen:?}"
+    );
+    assert_eq!(broker::count(&queue).await, 0);
+    broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
 }

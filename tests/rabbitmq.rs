@@ -883,7 +883,10 @@ async fn existing_topology_with_other_arguments_stops_the_start() {
 
 /// A dead letter whose record can never be written (the store refuses it with an error that
 /// retrying will not fix: here a trigger on the records' table) is moved all the same, once,
-/// counted as dead-lettered, with its reason in its headers: it does not go round for ever.
+/// counted as dead-lettered, with its reason in its headers: it does not go round for ever. As
+/// the broker's own dead-lettering does, its copy drops the message's `expiration` (it must not
+/// expire in the DLQ with no record anywhere), and names the queue it came from, whatever the
+/// producer wrote in `x-first-death-queue`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_letter_whose_record_can_never_be_written_is_moved_all_the_same() {
     let f = fixture("unrecordable", fast_retries(), QueueType::Classic, None).await;
@@ -898,7 +901,38 @@ async fn a_dead_letter_whose_record_can_never_be_written_is_moved_all_the_same()
         sqlx::query(statement).execute(&schema.pool).await.unwrap();
     }
     let running = start(f.runtime_with(schema.pool.clone()));
-    publish(&f.publisher, &f.queue, Some(&f.key(0)), b"not json").await;
+    {
+        use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+        use lapin::types::{AMQPValue, FieldTable, ShortString};
+        let connection = broker::connect().await;
+        let channel = connection.create_channel().await.unwrap();
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let mut forged = FieldTable::default();
+        forged.insert(
+            ShortString::from("x-first-death-queue"),
+            AMQPValue::LongString("a-queue-of-the-producers".into()),
+        );
+        let properties = lapin::BasicProperties::default()
+            .with_message_id(ShortString::from(f.key(0)))
+            .with_expiration(ShortString::from("60000"))
+            .with_headers(forged);
+        channel
+            .basic_publish(
+                ShortString::from(""),
+                ShortString::from(f.queue.as_str()),
+                BasicPublishOptions::default(),
+                b"not json",
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        broker::close(connection).await;
+    }
     let dlq = idem::rabbitmq::dlq(&f.queue);
     wait_until("moved to the DLQ without its record", DEADLINE, || async {
         broker::count(&dlq).await == 1
@@ -921,6 +955,16 @@ async fn a_dead_letter_whose_record_can_never_be_written_is_moved_all_the_same()
     };
     assert_eq!(header(idem::rabbitmq::REASON_HEADER), "decode");
     assert!(header(idem::rabbitmq::REASON_DETAIL_HEADER).contains("JSON"));
+    assert_eq!(
+        header("x-first-death-queue"),
+        f.queue,
+        "idem's own knowledge"
+    );
+    assert_eq!(
+        dead[0].properties.expiration(),
+        &None,
+        "no expiration in the DLQ"
+    );
     assert!(
         broker::drain(&f.queue).await.is_empty(),
         "nothing left behind"

@@ -193,3 +193,75 @@ async fn read_only_for_a_while(mode: Run) {
     f.cleanup().await;
     database.drop(pool).await;
 }
+
+/// Every dialect says "cannot write for now" when its database is read-only, through the store's
+/// own write probe (the one that resumes a paused store): PostgreSQL's read-only sessions
+/// (25006, as on a hot standby), MariaDB's read-only transactions (1792) and its server-wide
+/// `read_only` for a user without the privilege to pass it (1290), SQLite's `query_only`
+/// (`SQLITE_READONLY`). On a writable database the probe commits and leaves no row.
+#[tokio::test]
+async fn each_dialect_calls_a_read_only_database_unavailable() {
+    use idem::ErrorClass;
+    use idem::sql::{MySqlInbox, PgInbox, SqliteInbox};
+    use idem::store::{InboxStore, StoreError};
+    use sqlx::Executor;
+
+    fn read_only(probed: Result<(), StoreError>, what: &str) {
+        let error = probed.expect_err(what);
+        assert_eq!(error.class(), ErrorClass::Unavailable, "{what}: {error}");
+    }
+
+    let pg = postgres(2).await;
+    let store = PgInbox::new(pg.clone());
+    store.migrate().await.unwrap();
+    store.probe().await.unwrap();
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_inbox WHERE consumer = $1")
+        .bind(idem::store::PROBE_CONSUMER)
+        .fetch_one(&pg)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "the probe leaves nothing behind");
+    let read_only_pg = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET default_transaction_read_only = on")
+                    .await?;
+                Ok(())
+            })
+        })
+        .connect(&postgres_url())
+        .await
+        .unwrap();
+    read_only(PgInbox::new(read_only_pg).probe().await, "PostgreSQL");
+
+    let maria = common::mysql(2).await;
+    let store = MySqlInbox::new(maria.clone());
+    store.migrate().await.unwrap();
+    store.probe().await.unwrap();
+    let read_only_maria = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION TRANSACTION READ ONLY").await?;
+                Ok(())
+            })
+        })
+        .connect(&common::mysql_url())
+        .await
+        .unwrap();
+    read_only(
+        MySqlInbox::new(read_only_maria).probe().await,
+        "MariaDB, a read-only transaction",
+    );
+
+    let (sqlite, _dir) = common::sqlite(1).await;
+    let store = SqliteInbox::new(sqlite.clone());
+    store.migrate().await.unwrap();
+    store.probe().await.unwrap();
+    sqlx::query("PRAGMA query_only = ON")
+        .execute(&sqlite)
+        .await
+        .unwrap();
+    read_only(store.probe().await, "SQLite, query_only");
+}

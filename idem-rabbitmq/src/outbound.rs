@@ -24,6 +24,20 @@ impl RabbitOutbound {
 }
 
 impl RabbitOutbound {
+    /// Publishes a settlement's copy of a delivery to `queue` (see [`Publisher::publish_copy`]).
+    pub(crate) async fn publish_copy(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: lapin::BasicProperties,
+    ) -> Result<(), PublishError> {
+        let publisher = self
+            .publisher
+            .get_or_try_init(|| Publisher::connect(&self.config))
+            .await?;
+        publisher.publish_copy(queue, body, properties).await
+    }
+
     /// The publisher, connected on first use.
     async fn publisher(&self) -> Result<&Publisher, OutboundError> {
         self.publisher

@@ -279,12 +279,48 @@ impl Publisher {
         message: &Envelope,
     ) -> Result<(), PublishError> {
         let (exchange_name, routing, properties) = prepared(exchange, routing_key, message)?;
+        let route = (exchange_name, routing);
+        self.publish_confirmed(route, &message.body, properties)
+            .await
+    }
+
+    /// Publishes a copy of a delivery (`body` with its own `properties`, as they came) to
+    /// `queue` on the default exchange, mandatory, and waits for the confirm within the publish
+    /// timeout: the retry copies and dead letters of settlements, on a connection other than the
+    /// consumer's, so that an alarm blocking publishes never stops that connection's acks.
+    pub(crate) async fn publish_copy(
+        &self,
+        queue: &str,
+        body: &[u8],
+        properties: lapin::BasicProperties,
+    ) -> Result<(), PublishError> {
+        let route = (
+            ShortString::from(""),
+            crate::envelope::short("queue", queue)?,
+        );
+        self.publish_confirmed(route, body, properties).await
+    }
+
+    /// Publishes `body` with `properties` to `route` (exchange, routing key), mandatory, and
+    /// waits for the confirm, all within the publish timeout.
+    async fn publish_confirmed(
+        &self,
+        (exchange, routing_key): (ShortString, ShortString),
+        body: &[u8],
+        properties: lapin::BasicProperties,
+    ) -> Result<(), PublishError> {
         let deadline = self.deadline();
         let current = self.channel(deadline).await?;
         let channel = &current.channel;
         let publishing = on_channel(channel, async {
             channel
-                .basic_publish(exchange_name, routing, MANDATORY, &message.body, properties)
+                .basic_publish(
+                    exchange.clone(),
+                    routing_key.clone(),
+                    MANDATORY,
+                    body,
+                    properties,
+                )
                 .await?
                 .await
         });
@@ -296,8 +332,8 @@ impl Publisher {
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
-                exchange: exchange.to_owned(),
-                routing_key: routing_key.to_owned(),
+                exchange: exchange.to_string(),
+                routing_key: routing_key.to_string(),
             }),
             Confirmation::Nack(_) | Confirmation::NotRequested => Err(PublishError::Refused),
         }

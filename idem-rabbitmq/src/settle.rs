@@ -25,13 +25,15 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-/// One delivery's settlement handle: its tag and its channel's settlement task, its channel
-/// (for the retry publishes, confirmed) and its properties (kept on republished
-/// copies). Dropped unsettled (an abandoned worker), it gives the delivery back.
+/// One delivery's settlement handle: its tag and its channel's settlement task, the publisher
+/// of its copies (retries, dead letters with their reason: confirmed, within the publish
+/// timeout, on a connection other than the consumer's, which a resource alarm would block acks
+/// and all) and its properties (kept on the copies). Dropped unsettled (an abandoned worker),
+/// it gives the delivery back.
 pub(crate) struct RabbitSettle {
     pub(crate) tag: u64,
     pub(crate) acks: Acks,
-    pub(crate) channel: Arc<Channel>,
+    pub(crate) copies: Arc<crate::outbound::RabbitOutbound>,
     pub(crate) properties: BasicProperties,
     pub(crate) queue: Arc<str>,
     pub(crate) done: bool,

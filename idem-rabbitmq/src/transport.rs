@@ -18,12 +18,16 @@ use tokio::sync::mpsc;
 pub struct RabbitTransport {
     config: RabbitConfig,
     connections: Connections,
+    /// The retry copies and dead letters of settlements: a connection of their own (see
+    /// `settle`), connected on first use.
+    copies: Arc<RabbitOutbound>,
 }
 
 impl RabbitTransport {
     /// A transport with `config`. Nothing connects until the runtime starts.
     pub fn new(config: RabbitConfig) -> Self {
         Self {
+            copies: Arc::new(RabbitOutbound::new(config.clone())),
             config,
             connections: Connections::default(),
         }
@@ -54,6 +58,7 @@ impl Transport for RabbitTransport {
         let consumer = Consumer {
             config: self.config.clone(),
             connections: self.connections.clone(),
+            copies: self.copies.clone(),
             spec: queue,
             prefetch,
             mailbox,
