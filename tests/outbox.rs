@@ -38,6 +38,7 @@ const NOTIFY: &str = "idem_ob_notify_inbox";
 const STOP: &str = "idem_ob_stop_inbox";
 const BATCH: &str = "idem_ob_batch_inbox";
 const LONG: &str = "idem_ob_long_inbox";
+const REFUSED: &str = "idem_ob_refused_inbox";
 
 /// Publishes through a confirmed publisher and counts, per message id, the confirms it got.
 struct Counting {
@@ -648,6 +649,157 @@ macro_rules! outbox_suite {
                 );
                 broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
                 broker::delete_topology(&missing, &RetryPolicy::default().delays()).await;
+            }
+
+            /// Through the transport's own publisher, one pass over rows to a queue that takes
+            /// them, a full queue that refuses publishes (`x-overflow = reject-publish`: a
+            /// nack) and an exchange that does not exist (the broker closes the channel, and
+            /// every publish sent beside it fails): the refused rows are parked with their
+            /// reasons, the others are published (those sent beside the channel's closing, each
+            /// again alone, with its id) and removed, and the pass ends without a failure. The same id staged again while its row is parked is one message: the
+            /// release merges the two, the relay goes on, and it is published once. A row the
+            /// broker keeps refusing for the give-up time is given up (an outbox dead letter,
+            /// no longer tried) until an operator drops it.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_the_broker_refuses_never_stops_the_relay() {
+                use idem::store::{InboxStore, OutboxStore};
+                use lapin::options::QueueDeclareOptions;
+                use lapin::types::{AMQPValue, FieldTable, ShortString};
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-refused");
+                let full = format!("{queue}.full");
+                broker::declare_orders_queue(&queue).await;
+                let connection = broker::connect().await;
+                let channel = connection.create_channel().await.unwrap();
+                let mut arguments = FieldTable::default();
+                arguments.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(1));
+                arguments.insert(
+                    ShortString::from("x-overflow"),
+                    AMQPValue::LongString("reject-publish".into()),
+                );
+                channel
+                    .queue_declare(
+                        ShortString::from(full.as_str()),
+                        QueueDeclareOptions::default(),
+                        arguments,
+                    )
+                    .await
+                    .unwrap();
+                broker::close(connection).await;
+                let publisher = broker::publisher().await;
+                broker::publish(&publisher, &full, Some("filler"), b"{}").await;
+                let inbox = inbox(&pool, REFUSED).await;
+                // What an earlier run of this test may have left parked.
+                let left: Vec<i64> = inbox
+                    .parked()
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|p| p.seq)
+                    .collect();
+                inbox.drop_parked(&left).await.unwrap();
+                let id = |n: usize| format!("{queue}-{n}");
+                let message = |exchange: &str, to: &str, n: usize| {
+                    Outgoing::new(exchange, to, id(n)).with_message_id(id(n))
+                };
+                let missing_exchange = format!("{queue}.no-such-exchange");
+                let run = [
+                    message("", &queue, 1),
+                    message("", &full, 2),
+                    message(&missing_exchange, "x", 3),
+                    message("", &queue, 4),
+                    message("", &queue, 5),
+                ];
+                let mut tx = inbox.begin().await.unwrap();
+                inbox
+                    .stage_rows(&mut tx, "c", &format!("{queue}-run"), &run)
+                    .await
+                    .unwrap();
+                inbox.commit(tx).await.unwrap();
+                let transport = RabbitTransport::new(RabbitConfig::new(amqp_url()));
+                let outbound = transport.outbound().unwrap();
+                let select = OutboxSelect::Older {
+                    age: Duration::ZERO,
+                    limit: 1000,
+                };
+                let report = inbox.relay(&select, outbound.as_ref()).await.unwrap();
+                assert_eq!(
+                    (report.published, report.parked, report.failure.clone()),
+                    (3, 2, None),
+                    "{report:?}"
+                );
+                assert_eq!(outbox_rows(&pool, REFUSED, &queue).await, 0);
+                let published = |got: Vec<broker::Got>| -> Vec<String> {
+                    got.iter().filter_map(|m| m.message_id()).collect()
+                };
+                // Row 1 may have reached the queue before the channel closed, its confirm lost
+                // with it: sent again alone, it can arrive twice, with its id.
+                let mut ids = published(broker::drain(&queue).await);
+                ids.dedup();
+                assert_eq!(ids, [id(1), id(4), id(5)], "each published, in order");
+                let parked: Vec<_> = inbox
+                    .parked()
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .filter(|p| p.message_id.starts_with(&queue))
+                    .collect();
+                let reasons: Vec<(String, bool)> = parked
+                    .iter()
+                    .map(|p| (p.message_id.clone(), p.given_up_at_ms.is_some()))
+                    .collect();
+                assert_eq!(reasons, [(id(2), false), (id(3), false)]);
+                assert!(
+                    parked[0].failure.contains("refused"),
+                    "{}",
+                    parked[0].failure
+                );
+                assert!(
+                    parked[1].failure.contains("NOT_FOUND"),
+                    "{}",
+                    parked[1].failure
+                );
+
+                // The id of the full queue's row staged again while its row is parked.
+                let mut tx = inbox.begin().await.unwrap();
+                let again = [message("", &full, 2)];
+                inbox
+                    .stage_rows(&mut tx, "c", &format!("{queue}-again"), &again)
+                    .await
+                    .unwrap();
+                inbox.commit(tx).await.unwrap();
+                assert_eq!(broker::drain(&full).await.len(), 1, "the filler");
+                assert_eq!(inbox.release_parked(&[parked[0].seq]).await.unwrap(), 1);
+                assert_eq!(outbox_rows(&pool, REFUSED, &queue).await, 1, "merged");
+                let report = inbox.relay(&select, outbound.as_ref()).await.unwrap();
+                assert_eq!((report.published, report.failure), (1, None));
+                assert_eq!(published(broker::drain(&full).await), [id(2)], "once");
+
+                // Kept refusing past the give-up time: given up, no longer tried.
+                let impatient = inbox.clone().outbox_give_up(Duration::ZERO);
+                let report = impatient.relay(&select, outbound.as_ref()).await.unwrap();
+                assert_eq!(report.given_up, 1, "{report:?}");
+                let given_up: Vec<_> = inbox
+                    .parked()
+                    .await
+                    .unwrap()
+                    .into_iter()
+                    .filter(|p| p.message_id.starts_with(&queue))
+                    .collect();
+                assert_eq!(given_up.len(), 1);
+                assert_eq!(given_up[0].message_id, id(3));
+                assert!(given_up[0].given_up_at_ms.is_some());
+                assert_eq!(inbox.drop_parked(&[given_up[0].seq]).await.unwrap(), 1);
+                assert!(
+                    inbox
+                        .parked()
+                        .await
+                        .unwrap()
+                        .iter()
+                        .all(|p| !p.message_id.starts_with(&queue))
+                );
+                broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
+                broker::delete_topology(&full, &[]).await;
             }
 
             /// Three relays on connections of their own take passes over 600 rows at once:

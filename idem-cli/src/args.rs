@@ -68,8 +68,9 @@ pub enum Command {
     /// The inbox: rows per consumer and status, one key, forgetting a key, sweeping.
     #[command(subcommand)]
     Inbox(Inbox),
-    /// The outbox: rows the broker refused (no queue bound, or not carriable), parked out of
-    /// the relay's way.
+    /// The outbox: rows the broker refused (no queue bound, not carriable, nacked), parked out
+    /// of the relay's way, and those given up after refusals for too long (outbox dead
+    /// letters).
     #[command(subcommand)]
     Outbox(Outbox),
 }
@@ -77,7 +78,8 @@ pub enum Command {
 /// `idem outbox …`
 #[derive(Debug, Subcommand)]
 pub enum Outbox {
-    /// List the parked rows, oldest first, each with why the broker refused it.
+    /// List the parked rows, oldest first, each with why the broker refused it and whether the
+    /// relay gave it up (an outbox dead letter: only `release` sends it again).
     Parked,
     /// Put parked rows back into the outbox (once their queue exists): the relay publishes
     /// them at its next pass, with their ids.
@@ -88,6 +90,15 @@ pub enum Outbox {
         /// Release every parked row.
         #[arg(long)]
         all: bool,
+    },
+    /// Remove parked rows for good: they are never published.
+    Drop {
+        /// The rows to remove (`seq` as `idem outbox parked` lists them).
+        #[arg(required_unless_present = "given_up", conflicts_with = "given_up")]
+        seqs: Vec<i64>,
+        /// Remove every row the relay gave up.
+        #[arg(long)]
+        given_up: bool,
     },
 }
 

@@ -875,10 +875,47 @@ async fn unroutable_outbox_rows_are_parked_listed_and_released() {
     assert_eq!(rows.len(), 600);
     assert!(
         rows.iter().all(|r| r["routing_key"] == missing.as_str()
-            && r["failure"].as_str().unwrap().contains("no queue is bound")),
+            && r["failure"].as_str().unwrap().contains("no queue is bound")
+            && r["given_up_at_ms"].is_null()),
         "{}",
         rows[0]
     );
+
+    // Refused past the give-up time, they are given up: listed so, no longer tried, and only
+    // an operator releases or drops them. One more, for a queue that will never exist, is
+    // dropped.
+    let never = idem::Outgoing::to_queue(format!("{queue}.never"), &0)
+        .unwrap()
+        .with_message_id(format!("{queue}-never"));
+    let mut tx = pool.begin().await.unwrap();
+    inbox.stage(&mut tx, never).await.unwrap();
+    tx.commit().await.unwrap();
+    wait_until("the row for no queue parked", || async {
+        inbox.parked().await.unwrap().len() == 601
+    })
+    .await;
+    let impatient = inbox.clone().outbox_give_up(Duration::ZERO);
+    let select = idem::store::OutboxSelect::Older {
+        age: Duration::from_secs(3600),
+        limit: 1,
+    };
+    let outbound = RabbitTransport::new(rabbit.clone()).outbound().unwrap();
+    use idem::store::OutboxStore;
+    let report = impatient.relay(&select, outbound.as_ref()).await.unwrap();
+    assert_eq!(report.given_up, 601, "{report:?}");
+    let parked = idem(&["outbox", "parked"]);
+    let rows = parked["parked"].as_array().unwrap();
+    assert!(
+        rows.iter().all(|r| r["given_up_at_ms"].is_i64()),
+        "{}",
+        rows[0]
+    );
+    let never_seq = rows
+        .iter()
+        .find(|r| r["message_id"] == format!("{queue}-never").as_str())
+        .unwrap()["seq"]
+        .to_string();
+    assert_eq!(idem(&["outbox", "drop", &never_seq])["dropped"], 1);
 
     // The queue exists now: released, the 600 go out, once each.
     RabbitTransport::new(rabbit)

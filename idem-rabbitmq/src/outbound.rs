@@ -105,6 +105,7 @@ fn outbound(error: PublishError) -> OutboundError {
             routing_key,
         },
         PublishError::Refused => OutboundError::Refused,
+        PublishError::Rejected(why) => OutboundError::Rejected(why),
         PublishError::Invalid(e) => OutboundError::Invalid(e),
         other => OutboundError::Broker(other.into()),
     }

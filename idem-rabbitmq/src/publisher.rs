@@ -39,6 +39,10 @@ pub enum PublishError {
     /// The broker refused the message (nack).
     #[error("the broker refused the message")]
     Refused,
+    /// The broker closed the channel over a publish (a missing exchange, a body over its
+    /// limit: a soft AMQP error); every publish pending on the channel failed with it.
+    #[error("the broker closed the channel: {0}")]
+    Rejected(String),
     /// The broker did not take or confirm the message within
     /// [`RabbitConfig::publish_timeout`]; it may have it (its id tells the copies apart).
     #[error("the broker did not confirm the publish within {0:?}")]
@@ -84,8 +88,14 @@ fn lost_unconfirmed() -> PublishError {
     )
 }
 
-/// A lapin error as a [`PublishError`] (no `From` impl: lapin stays out of the public API).
+/// A lapin error as a [`PublishError`] (no `From` impl: lapin stays out of the public API): a
+/// channel the broker closed with a soft error is [`PublishError::Rejected`].
 fn broker(error: lapin::Error) -> PublishError {
+    if let lapin::ErrorKind::ProtocolError(amqp) = error.kind()
+        && matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
+    {
+        return PublishError::Rejected(amqp.get_message().to_string());
+    }
     PublishError::Broker(error.into())
 }
 

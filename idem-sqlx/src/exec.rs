@@ -76,6 +76,9 @@ pub trait Sql: Database {
     /// Column `column` of `row`, as a 64-bit integer.
     fn int(row: &Self::Row, column: &str) -> Result<i64, sqlx::Error>;
 
+    /// Column `column` of `row`, as a 64-bit integer or `NULL`.
+    fn int_opt(row: &Self::Row, column: &str) -> Result<Option<i64>, sqlx::Error>;
+
     /// Column `column` of `row`, as a 32-bit integer.
     fn int32(row: &Self::Row, column: &str) -> Result<i32, sqlx::Error>;
 }
@@ -148,6 +151,10 @@ where
     }
 
     fn int(row: &DB::Row, column: &str) -> Result<i64, sqlx::Error> {
+        row.try_get(column)
+    }
+
+    fn int_opt(row: &DB::Row, column: &str) -> Result<Option<i64>, sqlx::Error> {
         row.try_get(column)
     }
 

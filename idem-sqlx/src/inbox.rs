@@ -34,6 +34,8 @@ pub struct SqlInbox<DB: Dialect> {
     sweeping: Arc<AtomicBool>,
     /// How long a worker keeps one connection ([`SqlInbox::hold_connections`]).
     pub(crate) hold_for: Duration,
+    /// When a parked outbox row is given up ([`SqlInbox::outbox_give_up`]).
+    pub(crate) give_up: Duration,
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -53,21 +55,38 @@ impl<DB: Dialect> SqlInbox<DB> {
             sql,
             sweeping: Arc::default(),
             hold_for: crate::held::HOLD_FOR,
+            give_up: crate::outbox::parked::DEFAULT_GIVE_UP,
         }
     }
 
     /// The same inbox in table `name`.
     pub fn table(self, name: &str) -> Result<Self, ConfigError> {
         let config = self.config.clone().table(name)?;
-        let hold_for = self.hold_for;
-        Ok(Self::with_config(self.pool, config).hold_connections(hold_for))
+        Ok(self.reconfigured(config))
     }
 
     /// The same inbox keeping rows for `retention`.
     pub fn retention(self, retention: Duration) -> Result<Self, ConfigError> {
         let config = self.config.clone().retention(retention)?;
-        let hold_for = self.hold_for;
-        Ok(Self::with_config(self.pool, config).hold_connections(hold_for))
+        Ok(self.reconfigured(config))
+    }
+
+    /// This inbox with `config`, keeping its other settings.
+    fn reconfigured(self, config: InboxConfig) -> Self {
+        Self {
+            hold_for: self.hold_for,
+            give_up: self.give_up,
+            ..Self::with_config(self.pool, config)
+        }
+    }
+
+    /// The same inbox giving up an outbox row that the broker still refuses `after` it was
+    /// staged (default [`crate::outbox::parked::DEFAULT_GIVE_UP`], one day): the relay stops
+    /// trying it, it stays parked as an outbox dead letter with its reason
+    /// (`idem outbox parked`), and `idem_outbox_given_up_total` counts it.
+    pub fn outbox_give_up(mut self, after: Duration) -> Self {
+        self.give_up = after;
+        self
     }
 
     /// The same inbox with each per-message worker keeping its pooled connection for up to
@@ -389,6 +408,7 @@ impl<DB: Dialect> Clone for SqlInbox<DB> {
             wake: self.wake.clone(),
             sweeping: self.sweeping.clone(),
             hold_for: self.hold_for,
+            give_up: self.give_up,
         }
     }
 }

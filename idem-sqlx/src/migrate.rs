@@ -9,7 +9,7 @@ use crate::statements::fill;
 use sqlx::{Connection, Pool, Transaction};
 
 /// The current inbox schema version.
-pub const SCHEMA_VERSION: i32 = 11;
+pub const SCHEMA_VERSION: i32 = 12;
 
 /// The table recording which schema version each inbox table has.
 pub const SCHEMA_TABLE: &str = "idem_schema_version";

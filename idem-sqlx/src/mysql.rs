@@ -119,6 +119,9 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         11,
         &["CREATE INDEX IF NOT EXISTS parked_at ON `{outbox}_parked` (parked_at)"],
     ),
+    // Version 12: parked rows are given up (outbox dead letters) once they kept being refused
+    // for the store's give-up time after they were staged.
+    (12, &[crate::outbox::parked::MYSQL_GIVE_UP]),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
@@ -126,7 +129,7 @@ const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.ou
     l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
     v.entity, v.version, v.updated_at, o.seq, o.message_id, o.consumer, o.`key`, o.exchange,
     o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at,
-    p.seq, p.parked_at, p.failure
+    p.seq, p.parked_at, p.failure, p.given_up_at
     FROM `{table}` i, `{table}_deliveries` d, `{table}_dead_letters` l, `{table}_versions` v,
     `{outbox}` o, `{outbox}_parked` p
     WHERE 1 = 0"#;

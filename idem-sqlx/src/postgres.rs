@@ -105,6 +105,9 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         11,
         &[r#"CREATE INDEX IF NOT EXISTS "{outbox}_parked_at" ON "{outbox}_parked" (parked_at)"#],
     ),
+    // Version 12: parked rows are given up (outbox dead letters) once they kept being refused
+    // for the store's give-up time after they were staged.
+    (12, &[crate::outbox::parked::POSTGRES_GIVE_UP]),
 ];
 
 /// Wakes `wake` at each notification on [`crate::outbox::notify::CHANNEL`] naming `outbox`, on a

@@ -108,6 +108,9 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         11,
         &[r#"CREATE INDEX IF NOT EXISTS "{outbox}_parked_at" ON "{outbox}_parked" (parked_at)"#],
     ),
+    // Version 12: parked rows are given up (outbox dead letters) once they kept being refused
+    // for the store's give-up time after they were staged.
+    (12, &[crate::outbox::parked::SQLITE_GIVE_UP]),
 ];
 
 const CLAIM: &str = r#"

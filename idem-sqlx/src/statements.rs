@@ -125,7 +125,7 @@ pub const PROBE: &str = r#"SELECT i.consumer, i.key, i.fingerprint, i.status, i.
     l.keyed, l.queue, l.reason, l.detail, l.attempts, l.message_id, l.fingerprint, l.dead_lettered_at,
     v.entity, v.version, v.updated_at, o.seq, o.message_id, o.consumer, o.key, o.exchange,
     o.routing_key, o.body, o.headers, o.correlation_id, o.content_type, o.created_at,
-    p.seq, p.parked_at, p.failure
+    p.seq, p.parked_at, p.failure, p.given_up_at
     FROM "{table}" i, "{table}_deliveries" d, "{table}_dead_letters" l, "{table}_versions" v,
     "{outbox}" o, "{outbox}_parked" p
     WHERE 1 = 0"#;
@@ -359,6 +359,7 @@ impl Statements {
                 unpark: fill(self.parked.unpark),
                 remove: fill(self.parked.remove),
                 due: fill(self.parked.due),
+                give_up: fill(self.parked.give_up),
             },
             rows: self.rows.as_ref().map(|rows| RowStatements {
                 insert: fill(rows.insert),

@@ -37,9 +37,12 @@ pub struct RelayReport {
     pub published: u64,
     /// Rows the broker could not route (or carry), counted as unroutable.
     pub unroutable: u64,
-    /// Rows moved out of the relay's way for good because the broker refused them (a store
-    /// that parks them); an operator lists and releases them.
+    /// Rows moved out of the relay's way because the broker refused them (a store that parks
+    /// them tries them again later); an operator lists and releases them.
     pub parked: u64,
+    /// Parked rows given up because the broker kept refusing them too long after they were
+    /// staged: outbox dead letters, which only an operator releases.
+    pub given_up: u64,
     /// Why the pass stopped before the end of its rows, if it did: the rows from there on stay
     /// for a later pass.
     pub failure: Option<String>,

@@ -56,6 +56,8 @@ pub const STORE_PAUSES: &str = "idem_store_pauses_total";
 pub const OUTBOX_PUBLISHED: &str = "idem_outbox_published_total";
 /// Outbox messages the broker could not route.
 pub const OUTBOX_UNROUTABLE: &str = "idem_outbox_unroutable_total";
+/// Parked outbox rows given up (outbox dead letters).
+pub const OUTBOX_GIVEN_UP: &str = "idem_outbox_given_up_total";
 /// How long the oldest outbox row a relay pass took had waited.
 pub const OUTBOX_LAG: &str = "idem_outbox_lag_seconds";
 /// Messages staged by handlers that committed.
@@ -154,6 +156,10 @@ pub fn describe() {
         OUTBOX_UNROUTABLE,
         "Outbox messages the broker could not route (kept and retried)"
     );
+    describe_counter!(
+        OUTBOX_GIVEN_UP,
+        "Parked outbox rows the broker kept refusing, given up as outbox dead letters"
+    );
     describe_gauge!(
         OUTBOX_LAG,
         Unit::Seconds,
@@ -188,6 +194,9 @@ pub(crate) fn relayed(store: &'static str, by: &'static str, report: &crate::out
     }
     if report.unroutable > 0 {
         metrics::counter!(OUTBOX_UNROUTABLE, "store" => store).increment(report.unroutable);
+    }
+    if report.given_up > 0 {
+        metrics::counter!(OUTBOX_GIVEN_UP, "store" => store).increment(report.given_up);
     }
     if let Some(oldest) = report.oldest.filter(|_| by == "relay") {
         metrics::gauge!(OUTBOX_LAG, "store" => store).set(oldest.as_secs_f64());

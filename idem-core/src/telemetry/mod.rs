@@ -28,7 +28,8 @@
 //! | `idem_broker_connected` | gauge | `queue`: 1 while its consumer is consuming, else 0 |
 //! | `idem_reconnects_total` | counter | `queue`: lost connections or channels of its consumer |
 //! | `idem_outbox_published_total` | counter | `store`, `by`: `dispatch` (right after the commit) or `relay` |
-//! | `idem_outbox_unroutable_total` | counter | `store`: outbox messages the broker could not route (kept, retried) |
+//! | `idem_outbox_unroutable_total` | counter | `store`: outbox messages the broker could not route (parked, tried again later) |
+//! | `idem_outbox_given_up_total` | counter | `store`: parked outbox rows the broker kept refusing, given up as outbox dead letters (`idem outbox parked` lists them) |
 //! | `idem_outbox_lag_seconds` | gauge | `store`: how long the oldest row a relay pass took had waited |
 //! | `idem_outbox_staged_total` | counter | `consumer`: messages staged by handlers that committed (replies included) |
 //! | `idem_outbox_dispatch_seconds` | histogram | `store`: from a commit that staged messages until the broker confirmed them |

@@ -62,6 +62,12 @@ pub enum OutboundError {
     /// The message cannot be carried as it is (a short field too long); nothing was sent.
     #[error(transparent)]
     Invalid(#[from] crate::model::OutgoingError),
+    /// The broker refused a publish for what it was (a missing exchange, a body over its
+    /// limit) in a way that names no message: it closed the channel, and the messages sent
+    /// beside it failed with it (some may have arrived). Sent alone, the one at fault fails
+    /// again.
+    #[error("the broker refused a publish: {0}")]
+    Rejected(String),
     /// Connecting or publishing failed.
     #[error("publish failed: {0}")]
     Broker(#[source] BoxError),

@@ -2,8 +2,12 @@
 //! or it cannot be carried as it is) is moved out of the relay's way, with the reason, by the
 //! relay pass that sent it, so that the rows behind it are always relayed. The relay puts a
 //! row parked for [`PARK_RETRY`] back into the outbox, behind the rows staged since (a queue
-//! declared late takes it then); an operator lists parked rows and releases them at once
-//! (`idem outbox parked`, `idem outbox release`). A released row keeps its id.
+//! declared late takes it then); a row still refused [`DEFAULT_GIVE_UP`] (or the store's
+//! [`SqlInbox::outbox_give_up`]) after it was staged is given up: an outbox dead letter, kept
+//! with its reason, counted, and no longer tried. An operator lists parked rows, releases them
+//! at once, or drops them (`idem outbox parked`, `idem outbox release`, `idem outbox drop`). A released row keeps its id; the same id
+//! staged again while its row was parked is one message, so releasing merges the two instead
+//! of failing on the outbox's unique id (which would stop every later pass).
 
 use crate::dialect::Dialect;
 use crate::error::store_error;
@@ -23,14 +27,19 @@ pub struct ParkedStatements<S = &'static str> {
     /// Lists the parked rows, oldest first: `seq`, `message_id`, `consumer`, `key`,
     /// `exchange`, `routing_key`, `failure`, `parked_ms`.
     pub list: S,
-    /// Copies a parked row back into the outbox, with its id and staging time (its `seq`).
+    /// Copies a parked row back into the outbox, with its id and staging time (its `seq`); a
+    /// row whose id the outbox holds again (it was staged anew while parked) is merged into
+    /// that one: nothing is inserted, and the id goes out once.
     pub unpark: S,
     /// Removes a parked row (its `seq`).
     pub remove: S,
     /// Takes the `seq` of rows parked longer ago than the given milliseconds, oldest first
     /// (milliseconds, the number of rows), skipping rows another pass holds where the dialect
-    /// can.
+    /// can, and rows given up.
     pub due: S,
+    /// Gives up the parked rows staged longer ago than the given milliseconds: they are outbox
+    /// dead letters from then on, released only by an operator.
+    pub give_up: S,
 }
 
 /// PostgreSQL's parked rows.
@@ -41,15 +50,20 @@ pub(crate) const POSTGRES: ParkedStatements = ParkedStatements {
     SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, created_at, now(), $1 FROM "{outbox}" WHERE seq = $2"#,
     list: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, failure,
-        (EXTRACT(EPOCH FROM parked_at) * 1000)::int8 AS parked_ms
+        (EXTRACT(EPOCH FROM parked_at) * 1000)::int8 AS parked_ms,
+        (EXTRACT(EPOCH FROM given_up_at) * 1000)::int8 AS given_up_ms
     FROM "{outbox}_parked" ORDER BY seq"#,
     unpark: r#"INSERT INTO "{outbox}" (message_id, consumer, key, exchange, routing_key, body,
         headers, correlation_id, content_type, created_at)
     SELECT message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
-        content_type, created_at FROM "{outbox}_parked" WHERE seq = $1"#,
+        content_type, created_at FROM "{outbox}_parked" WHERE seq = $1
+    ON CONFLICT (message_id) DO NOTHING"#,
     remove: r#"DELETE FROM "{outbox}_parked" WHERE seq = $1"#,
     due: r#"SELECT seq FROM "{outbox}_parked" WHERE parked_at < now() - $1 * interval '1 millisecond'
+        AND given_up_at IS NULL
     ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED"#,
+    give_up: r#"UPDATE "{outbox}_parked" SET given_up_at = now()
+    WHERE given_up_at IS NULL AND created_at < now() - $1 * interval '1 millisecond'"#,
 };
 
 /// PostgreSQL's table of parked rows (schema version 9).
@@ -78,15 +92,20 @@ pub(crate) const MYSQL: ParkedStatements = ParkedStatements {
     SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, created_at, UTC_TIMESTAMP(6), ? FROM `{outbox}` WHERE seq = ?"#,
     list: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, failure,
-        CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', parked_at) DIV 1000 AS SIGNED) AS parked_ms
+        CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', parked_at) DIV 1000 AS SIGNED) AS parked_ms,
+        CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', given_up_at) DIV 1000 AS SIGNED) AS given_up_ms
     FROM `{outbox}_parked` ORDER BY seq"#,
     unpark: r#"INSERT INTO `{outbox}` (message_id, consumer, `key`, exchange, routing_key, body,
         headers, correlation_id, content_type, created_at)
     SELECT message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
-        content_type, created_at FROM `{outbox}_parked` WHERE seq = ?"#,
+        content_type, created_at FROM `{outbox}_parked` p WHERE p.seq = ?
+    ON DUPLICATE KEY UPDATE message_id = `{outbox}`.message_id"#,
     remove: "DELETE FROM `{outbox}_parked` WHERE seq = ?",
     due: r#"SELECT seq FROM `{outbox}_parked` WHERE parked_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND
+        AND given_up_at IS NULL
     ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"#,
+    give_up: r#"UPDATE `{outbox}_parked` SET given_up_at = UTC_TIMESTAMP(6)
+    WHERE given_up_at IS NULL AND created_at < UTC_TIMESTAMP(6) - INTERVAL (? * 1000) MICROSECOND"#,
 };
 
 /// MySQL's and MariaDB's table of parked rows (schema version 9).
@@ -115,13 +134,17 @@ pub(crate) const SQLITE: ParkedStatements = ParkedStatements {
     SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, created_at, {now}, ?1 FROM "{outbox}" WHERE seq = ?2"#,
     list: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, failure,
-        parked_at AS parked_ms FROM "{outbox}_parked" ORDER BY seq"#,
+        parked_at AS parked_ms, given_up_at AS given_up_ms FROM "{outbox}_parked" ORDER BY seq"#,
     unpark: r#"INSERT INTO "{outbox}" (message_id, consumer, key, exchange, routing_key, body,
         headers, correlation_id, content_type, created_at)
     SELECT message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
-        content_type, created_at FROM "{outbox}_parked" WHERE seq = ?1"#,
+        content_type, created_at FROM "{outbox}_parked" WHERE seq = ?1
+    ON CONFLICT (message_id) DO NOTHING"#,
     remove: r#"DELETE FROM "{outbox}_parked" WHERE seq = ?1"#,
-    due: r#"SELECT seq FROM "{outbox}_parked" WHERE parked_at < {now} - ?1 ORDER BY seq LIMIT ?2"#,
+    due: r#"SELECT seq FROM "{outbox}_parked" WHERE parked_at < {now} - ?1 AND given_up_at IS NULL
+    ORDER BY seq LIMIT ?2"#,
+    give_up: r#"UPDATE "{outbox}_parked" SET given_up_at = {now}
+    WHERE given_up_at IS NULL AND created_at < {now} - ?1"#,
 };
 
 /// SQLite's table of parked rows (schema version 9).
@@ -142,6 +165,25 @@ pub(crate) const SQLITE_TABLE: &str = r#"CREATE TABLE IF NOT EXISTS "{outbox}_pa
     failure        TEXT    NOT NULL
 )"#;
 
+/// PostgreSQL: parked rows are given up after a while (schema version 12).
+#[cfg(feature = "postgres")]
+pub(crate) const POSTGRES_GIVE_UP: &str =
+    r#"ALTER TABLE "{outbox}_parked" ADD COLUMN IF NOT EXISTS given_up_at timestamptz"#;
+
+/// MariaDB: parked rows are given up after a while (schema version 12).
+#[cfg(feature = "mysql")]
+pub(crate) const MYSQL_GIVE_UP: &str =
+    "ALTER TABLE `{outbox}_parked` ADD COLUMN IF NOT EXISTS given_up_at DATETIME(6) NULL";
+
+/// SQLite: parked rows are given up after a while (schema version 12).
+#[cfg(feature = "sqlite")]
+pub(crate) const SQLITE_GIVE_UP: &str =
+    r#"ALTER TABLE "{outbox}_parked" ADD COLUMN given_up_at INTEGER"#;
+
+/// How long after it was staged a row that keeps being refused is given up, unless the store
+/// says otherwise ([`SqlInbox::outbox_give_up`]): one day.
+pub const DEFAULT_GIVE_UP: Duration = Duration::from_secs(24 * 3600);
+
 /// A parked outbox row, as an operator sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParkedRow {
@@ -161,6 +203,10 @@ pub struct ParkedRow {
     pub failure: String,
     /// When it was parked, in milliseconds since the Unix epoch.
     pub parked_at_ms: i64,
+    /// When the relay gave it up (it kept being refused for [`SqlInbox::outbox_give_up`]
+    /// after it was staged), in milliseconds since the Unix epoch: an outbox dead letter, which
+    /// the relay no longer tries and only an operator releases.
+    pub given_up_at_ms: Option<i64>,
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -183,6 +229,7 @@ impl<DB: Dialect> SqlInbox<DB> {
                     routing_key: text("routing_key")?,
                     failure: text("failure")?,
                     parked_at_ms: DB::int(row, "parked_ms")?,
+                    given_up_at_ms: DB::int_opt(row, "given_up_ms")?,
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
@@ -190,7 +237,8 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 
     /// Puts the parked rows `seqs` back into the outbox (with their ids; the relay takes them
-    /// at its next pass), in one transaction; returns how many it released.
+    /// at its next pass; one whose id was staged again since is merged into that row), in one
+    /// transaction; returns how many it released.
     pub async fn release_parked(&self, seqs: &[i64]) -> Result<u64, StoreError> {
         let fail = |e| store_error("release parked rows", e);
         let mut tx = self.begin_tx().await?;
@@ -201,21 +249,31 @@ impl<DB: Dialect> SqlInbox<DB> {
         Ok(released)
     }
 
-    /// Puts back into the outbox at most `limit` rows parked longer than `after` ago, so that a
-    /// row refused for a while (its queue was not declared yet, say) is tried again, behind the
-    /// rows staged since; returns how many it released.
-    pub(crate) async fn release_due(&self, after: Duration, limit: u32) -> Result<u64, StoreError> {
+    /// Gives up the parked rows staged longer than [`SqlInbox::outbox_give_up`] ago (outbox
+    /// dead letters from then on), then puts back into the outbox at most `limit` rows parked
+    /// longer than `after` ago, so that a row refused for a while (its queue was not declared
+    /// yet, say) is tried again, behind the rows staged since; returns how many it gave up and
+    /// how many it released.
+    pub(crate) async fn release_due(
+        &self,
+        after: Duration,
+        limit: u32,
+    ) -> Result<(u64, u64), StoreError> {
         let fail = |e| store_error("release parked rows", e);
         let sql = &self.sql.parked;
         let mut tx = self.begin_tx().await?;
-        let after = i64::try_from(after.as_millis()).unwrap_or(i64::MAX);
+        let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        let given_up = DB::execute(&mut *tx, &sql.give_up, &[Param::Int(millis(self.give_up))])
+            .await
+            .map_err(fail)?;
+        let after = millis(after);
         let params = [Param::Int(after), Param::Int(i64::from(limit))];
         let due = DB::fetch_all(&mut *tx, &sql.due, &params)
             .await
             .map_err(fail)?;
         if due.is_empty() {
             tx.commit().await.map_err(fail)?;
-            return Ok(0);
+            return Ok((given_up, 0));
         }
         let seqs = due
             .iter()
@@ -224,11 +282,27 @@ impl<DB: Dialect> SqlInbox<DB> {
             .map_err(fail)?;
         let released = unpark::<DB>(sql, &mut tx, &seqs).await.map_err(fail)?;
         tx.commit().await.map_err(fail)?;
-        Ok(released)
+        Ok((given_up, released))
+    }
+
+    /// Removes the parked rows `seqs` for good (an operator gave up on them: they are never
+    /// published); returns how many it removed.
+    pub async fn drop_parked(&self, seqs: &[i64]) -> Result<u64, StoreError> {
+        let fail = |e| store_error("drop parked rows", e);
+        let mut tx = self.begin_tx().await?;
+        let mut dropped = 0;
+        for seq in seqs {
+            dropped += DB::execute(&mut *tx, &self.sql.parked.remove, &[Param::Int(*seq)])
+                .await
+                .map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        Ok(dropped)
     }
 }
 
-/// Moves the parked rows `seqs` back into the outbox in `tx`; how many it moved.
+/// Moves the parked rows `seqs` back into the outbox in `tx` (merged into a row of the same id
+/// there); how many parked rows it removed.
 async fn unpark<DB: Dialect>(
     sql: &ParkedStatements<std::sync::Arc<str>>,
     tx: &mut sqlx::Transaction<'_, DB>,
@@ -237,8 +311,8 @@ async fn unpark<DB: Dialect>(
     let mut released = 0;
     for seq in seqs {
         let params = [Param::Int(*seq)];
-        released += DB::execute(&mut **tx, &sql.unpark, &params).await?;
-        DB::execute(&mut **tx, &sql.remove, &params).await?;
+        DB::execute(&mut **tx, &sql.unpark, &params).await?;
+        released += DB::execute(&mut **tx, &sql.remove, &params).await?;
     }
     Ok(released)
 }

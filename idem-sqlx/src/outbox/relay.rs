@@ -29,16 +29,19 @@ impl<DB: Dialect> SqlInbox<DB> {
 
     /// One relay pass: takes the rows `select` names (skipping rows another pass holds),
     /// publishes them in the order staged, and removes those confirmed, in one transaction. A
-    /// row the broker cannot route (or carry) is parked; a broker failure ends the pass.
+    /// row the broker refuses (cannot route or carry, nacks, closes the channel over) is
+    /// parked; a row that failed for the broker's state stays; every row is judged.
     pub(crate) async fn relay_rows(
         &self,
         select: &OutboxSelect,
         publish: &dyn Outbound,
     ) -> Result<RelayReport, StoreError> {
         let fail = |e| store_error("relay", e);
+        let mut report = RelayReport::default();
         if let OutboxSelect::Older { limit, .. } = select {
-            // Rows parked long enough go back behind the rows staged since.
-            let released = self
+            // Rows parked long enough go back behind the rows staged since; those refused too
+            // long are given up.
+            let (given_up, released) = self
                 .release_due(crate::outbox::parked::PARK_RETRY, *limit)
                 .await?;
             if released > 0 {
@@ -47,6 +50,10 @@ impl<DB: Dialect> SqlInbox<DB> {
                     "parked outbox rows put back for the relay to try again"
                 );
             }
+            if given_up > 0 {
+                tracing::error!(given_up, after = ?self.give_up, "outbox rows the broker kept refusing were given up: they are outbox dead letters (`idem outbox parked`)");
+            }
+            report.given_up = given_up;
         }
         let sql = &self.sql.outbox;
         let mut conn = self.pool.acquire().await.map_err(fail)?;
@@ -93,7 +100,6 @@ impl<DB: Dialect> SqlInbox<DB> {
             _ => Ok(Vec::new()),
         }
         .map_err(fail)?;
-        let mut report = RelayReport::default();
         let mut runs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
         for row in &rows {
@@ -107,24 +113,24 @@ impl<DB: Dialect> SqlInbox<DB> {
             ));
             messages.push(message::<DB>(row).map_err(fail)?);
         }
-        // All sent before any confirm is awaited; judged in the order staged. Every confirmed
-        // row goes, and is never sent again; a row the broker refused for good is parked out
-        // of the way of the rows behind it (`parked.rs`); any other failure keeps the rows
-        // from there on for a later pass.
-        let results = publish.publish_all(&messages).await;
+        // All sent before any confirm is awaited, then judged row by row: every confirmed row
+        // goes, and is never sent again; a row the broker refused is parked out of the way of
+        // the rows behind it (`parked.rs`); a row that failed for the broker's state (a lost
+        // connection, a timeout) stays for a later pass; and the pass goes on to the end.
+        let mut results = publish.publish_all(&messages).await;
+        isolate(publish, &messages, &mut results).await;
         let mut done = Vec::with_capacity(rows.len());
         let mut parked = Vec::new();
         for ((seq, consumer, key), result) in runs.iter().zip(results) {
             match result {
                 Ok(()) => done.push(*seq),
-                Err(e @ (OutboundError::Unroutable { .. } | OutboundError::Invalid(_))) => {
+                Err(e) if refused(&e) => {
                     tracing::warn!(seq, consumer, key, error = %e, "the broker refused an outbox row; parking it (`idem outbox parked`)");
-                    report.unroutable += 1;
+                    report.unroutable += u64::from(matches!(e, OutboundError::Unroutable { .. }));
                     parked.push((*seq, e.to_string()));
                 }
                 Err(e) => {
-                    report.failure = Some(e.to_string());
-                    break;
+                    report.failure.get_or_insert_with(|| e.to_string());
                 }
             }
         }
@@ -185,6 +191,41 @@ impl<DB: Dialect> SqlInbox<DB> {
             .map_err(fail)?;
         tx.commit().await.map_err(fail)?;
         Ok(removed)
+    }
+}
+
+/// Whether the broker refused a message for what it is (no queue for it, a body it will not
+/// carry, a missing exchange, a nack): parked, so that it never holds up the rows behind it.
+fn refused(error: &OutboundError) -> bool {
+    matches!(
+        error,
+        OutboundError::Unroutable { .. }
+            | OutboundError::Invalid(_)
+            | OutboundError::Refused
+            | OutboundError::Rejected(_)
+    )
+}
+
+/// After a pass whose publishes the broker rejected without naming the message at fault (it
+/// closed the channel, and every message sent beside it failed too): each of those messages is
+/// sent again alone, so that only the one at fault is refused (and parked) and the others go.
+async fn isolate(
+    publish: &dyn Outbound,
+    messages: &[Outgoing],
+    results: &mut [Result<(), OutboundError>],
+) {
+    let rejected: Vec<usize> = (0..results.len())
+        .filter(|&i| matches!(results[i], Err(OutboundError::Rejected(_))))
+        .collect();
+    if rejected.len() < 2 {
+        return;
+    }
+    tracing::info!(
+        rejected = rejected.len(),
+        "the broker closed the channel over one of a pass's publishes; sending each alone"
+    );
+    for i in rejected {
+        results[i] = publish.publish(&messages[i]).await;
     }
 }
 
