@@ -1,6 +1,7 @@
 //! `idem dlq replay`: for each dead letter asked for, the inbox's record of its failure is
 //! cleared, its copy published (confirmed, mandatory, without the broker's dead-lettering
-//! headers) and only then the dead letter acknowledged. Interrupted at any point, it leaves
+//! headers) to the queue idem consumed it from (its record's, else the queue whose dead letters
+//! these are; `--to` overrides) and only then the dead letter acknowledged. Interrupted at any point, it leaves
 //! the dead letter in place; replayed again, the first copy's inbox row makes the second a
 //! duplicate.
 
@@ -132,12 +133,14 @@ async fn replay_one<DB: Dialect>(
     letter: &HeldLetter,
     records: &[DeadLetterRow],
 ) -> Result<Option<bool>, CliError> {
-    let target = match (plan.to, &letter.source) {
+    // Where idem consumed it: its record says, else the queue whose dead letters these are;
+    // never a header, which a producer may have written.
+    let record = letter.record(records);
+    let target = match (plan.to, record) {
         (Some(to), _) => to,
-        (None, Some(source)) => source.as_str(),
+        (None, Some(record)) => record.queue.as_str(),
         (None, None) => plan.queue,
     };
-    let record = letter.record(records);
     let cleared = match record {
         Some(r) => {
             let removed = inbox.clear_failure(&r.consumer, &r.key).await?;

@@ -440,6 +440,46 @@ async fn dead_letters_are_listed_shown_and_replayed_one_by_one() {
     assert_eq!(seen.processed, 2);
 }
 
+/// A dead letter's `x-first-death-queue` header, as a copy moved without its record by an
+/// earlier idem kept it from its producer (RabbitMQ's own dead-lettering writes the queue it
+/// died in), never decides where a replay goes, and one of 300 bytes never panics the tool:
+/// both letters go back to the queue whose dead letters they are, and are applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_producers_death_header_never_decides_where_a_replay_goes() {
+    let f = Fixture::new("forged").await;
+    let dlq = idem::rabbitmq::dlq(&f.queue);
+    for (n, forged) in [(0, "a-queue-of-the-producers".to_owned()), (1, "q".repeat(300))] {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("x-first-death-queue"),
+            AMQPValue::LongString(forged.into_bytes().into()),
+        );
+        let body = serde_json::json!({"id": f.key(n), "gate": f.queue}).to_string();
+        f.channel
+            .basic_publish(
+                ShortString::from(""),
+                ShortString::from(dlq.as_str()),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default()
+                    .with_message_id(ShortString::from(f.key(n)))
+                    .with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    wait_until("2 dead letters", || async { f.dlq_count().await == 2 }).await;
+    let shown = f.idem_json(&["dlq", "show", &f.key(1)]);
+    assert!(shown["record"].is_null(), "{shown}");
+    let replayed = f.idem_json(&["dlq", "replay", "--all"]);
+    assert_eq!(replayed["replayed"], 2, "{replayed}");
+    wait_until("both applied", || async { f.effects().await == (2, 2) }).await;
+    assert_eq!(f.dlq_count().await, 0);
+    f.shut_down().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inbox_rows_are_counted_shown_forgotten_and_swept() {
     let f = Fixture::new("inbox").await;

@@ -48,6 +48,19 @@ impl RabbitDeadLetters {
     /// Connects to the first broker of `config` that takes a connection and opens the reading
     /// and publishing channels for `queue`'s dead-letter queue.
     pub(crate) async fn open(config: &RabbitConfig, queue: &str) -> Result<Self, TransportError> {
+        let name = dlq(queue);
+        if crate::envelope::short("queue", &name).is_err() {
+            return Err(TransportError::Topology {
+                queue: queue.chars().take(64).collect(),
+                action: "reading its dead letters",
+                source: format!(
+                    "`{}…` ({} bytes) is no queue name: RabbitMQ's are at most 255 bytes",
+                    name.chars().take(32).collect::<String>(),
+                    name.len()
+                )
+                .into(),
+            });
+        }
         let unreachable = |e: lapin::Error| TransportError::Connection {
             broker: config.redacted_url(),
             url_variable: "AMQP_URL",
@@ -70,7 +83,7 @@ impl RabbitDeadLetters {
                 connection,
                 reader,
                 publisher,
-                name: dlq(queue),
+                name,
                 held: Mutex::default(),
             }),
             Err(e) => {
@@ -146,6 +159,7 @@ impl DeadLetterReader for RabbitDeadLetters {
             let properties = self
                 .properties(letter.tag)
                 .ok_or_else(|| OutboundError::Broker("the letter is not held".into()))?;
+            let routing_key = crate::envelope::short("queue", queue)?;
             let options = BasicPublishOptions {
                 mandatory: true,
                 immediate: false,
@@ -154,7 +168,7 @@ impl DeadLetterReader for RabbitDeadLetters {
                 .publisher
                 .basic_publish(
                     ShortString::from(""),
-                    ShortString::from(queue),
+                    routing_key,
                     options,
                     &letter.body,
                     without_death(&properties),

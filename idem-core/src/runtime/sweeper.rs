@@ -1,4 +1,8 @@
-//! The runtime's retention sweeper: one task per inbox store, sweeping on an interval.
+//! The runtime's retention sweeper: one task per inbox store. A sweep that finds the sweeper
+//! caught up paces its delete statements (`pause`) and the next one comes an interval later;
+//! while it is behind (a sweep ran out of statements with expired rows left, or left a row that
+//! expired more than an interval ago) it sweeps back to back without pausing, until it has
+//! caught up.
 
 use crate::store::Sweeper;
 use crate::telemetry;
@@ -18,8 +22,8 @@ pub(crate) struct SweepSettings {
     pub(crate) pause: u32,
 }
 
-/// The runtime sweeper's pause after each delete statement, in multiples of the statement's
-/// time: it deletes at most a tenth of the time (measured in BENCHMARKS.md: at 10M rows with a
+/// The runtime sweeper's pause after each delete statement while it is caught up, in multiples
+/// of the statement's time: it deletes at most a tenth of the time (behind, it does not pause) (measured in BENCHMARKS.md: at 10M rows with a
 /// day's worth expired it costs the consumers about 5% per message, and works off a backlog at
 /// about 12,000 rows/s).
 pub const DEFAULT_SWEEP_PAUSE: u32 = 9;
@@ -35,24 +39,30 @@ impl Default for SweepSettings {
     }
 }
 
-/// Sweeps with `sweeper` every `settings.interval` (the first time at once) until `stop`.
+/// Sweeps with `sweeper` every `settings.interval` (the first time at once) until `stop`, back
+/// to back and unpaced while it is behind ([`behind`]).
 pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: StopSignal) {
     let store = sweeper.kind.label();
+    let mut behind = false;
     loop {
-        let sweep = (sweeper.sweep)(settings.batch, settings.max_batches, settings.pause);
+        let pause = if behind { 0 } else { settings.pause };
+        let sweep = (sweeper.sweep)(settings.batch, settings.max_batches, pause);
         let report = tokio::select! {
             report = sweep => report,
             _ = stop.wait_for(|stopped| *stopped) => return,
         };
+        behind = false;
         match report {
             Ok(report) if report.locked => {
                 telemetry::swept(store, &report);
+                behind = self::behind(&report, &settings);
                 tracing::debug!(
                     store,
                     deleted = report.deleted,
                     batches = report.batches,
                     longest_batch = ?report.longest_batch,
                     lag = ?report.lag,
+                    behind,
                     "inbox swept"
                 );
             }
@@ -61,9 +71,99 @@ pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: Sto
                 tracing::warn!(store, error = %e, "sweeping the inbox failed; retrying at the next interval")
             }
         }
+        if behind {
+            tokio::task::yield_now().await;
+            continue;
+        }
         tokio::select! {
             () = tokio::time::sleep(settings.interval) => {}
             _ = stop.wait_for(|stopped| *stopped) => return,
         }
+    }
+}
+
+/// Whether a sweep left the sweeper behind: it ran out of statements with expired rows left,
+/// or the oldest expired row it left expired more than an interval ago (the inflow expires rows
+/// faster than paced sweeps delete them).
+fn behind(report: &crate::store::SweepReport, settings: &SweepSettings) -> bool {
+    let capped = report.batches >= settings.max_batches && report.expired > 0;
+    capped || report.lag > settings.interval
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{StoreKind, SweepFn, SweepReport};
+    use std::sync::{Arc, Mutex};
+    use tokio::sync::watch;
+
+    /// A sweeper behind twice (capped, then old rows left), then caught up: the two sweeps
+    /// after the behind ones come at once and unpaced, the one after catching up an interval
+    /// later and paced.
+    #[tokio::test(start_paused = true)]
+    async fn a_sweeper_behind_sweeps_back_to_back_and_paces_once_caught_up() {
+        let settings = SweepSettings {
+            interval: Duration::from_secs(60),
+            batch: 10,
+            max_batches: 3,
+            pause: 9,
+        };
+        let reports = [
+            SweepReport {
+                locked: true,
+                batches: 3,
+                expired: 500,
+                ..SweepReport::default()
+            },
+            SweepReport {
+                locked: true,
+                batches: 2,
+                expired: 5,
+                lag: Duration::from_secs(61),
+                ..SweepReport::default()
+            },
+            SweepReport {
+                locked: true,
+                batches: 1,
+                ..SweepReport::default()
+            },
+        ];
+        let calls: Arc<Mutex<Vec<(u32, tokio::time::Instant)>>> = Arc::default();
+        let seen = calls.clone();
+        let sweep: SweepFn = Arc::new(move |_, _, pause| {
+            let seen = seen.clone();
+            let n = {
+                let mut seen = seen.lock().unwrap();
+                seen.push((pause, tokio::time::Instant::now()));
+                seen.len() - 1
+            };
+            let report = reports.get(n).copied().unwrap_or_default();
+            Box::pin(async move {
+                Ok(SweepReport {
+                    locked: true,
+                    ..report
+                })
+            })
+        });
+        let sweeper = Sweeper {
+            kind: StoreKind::new("Test", "test", "Test"),
+            sweep,
+        };
+        let (stop, stopped) = watch::channel(false);
+        let started = tokio::time::Instant::now();
+        let task = tokio::spawn(run(sweeper, settings, stopped));
+        tokio::time::sleep(Duration::from_secs(90)).await;
+        let _ = stop.send(true);
+        task.await.unwrap();
+        let calls = calls.lock().unwrap().clone();
+        let at: Vec<(u32, u64)> = calls
+            .iter()
+            .map(|(pause, at)| (*pause, (*at - started).as_secs()))
+            .collect();
+        assert_eq!(
+            at,
+            [(9, 0), (0, 0), (0, 0), (9, 60)],
+            "pause and start of each sweep"
+        );
     }
 }
