@@ -416,6 +416,12 @@ macro_rules! outbox_suite {
                     if n == 1 {
                         envelope = envelope.with_correlation_id("corr-1");
                     }
+                    // Ids with NUL, which PostgreSQL's text refuses: staged all the same.
+                    if n == 10 {
+                        envelope = envelope
+                            .with_correlation_id("corr\0nul")
+                            .with_message_id(format!("m-\0-{}", order.order_id));
+                    }
                     if n == 2 {
                         envelope = envelope.with_header("traceparent", traceparent);
                     }
@@ -496,6 +502,19 @@ macro_rules! outbox_suite {
                     Some("corr-1")
                 );
                 assert_eq!(of(0).header("causation_id"), Some(causation(0)));
+                assert_eq!(
+                    of(10)
+                        .properties
+                        .correlation_id()
+                        .as_ref()
+                        .map(|c| c.to_string())
+                        .as_deref(),
+                    Some("corr\0nul")
+                );
+                assert_eq!(
+                    of(10).header("causation_id"),
+                    Some(format!("m-\0-{}", order(10).order_id))
+                );
                 assert_eq!(of(2).header("traceparent").as_deref(), Some(traceparent));
                 assert_eq!(of(0).header("traceparent"), None);
                 broker::delete_topology(&queue, &policy.delays()).await;

@@ -121,3 +121,41 @@ async fn the_orders_example_never_prints_a_password() {
         }
     }
 }
+
+/// A NATS token in `NATS_URL` and an `sslpassword` in `DATABASE_URL` are never printed either:
+/// the example, run at debug level against a NATS server that is not there and a database that
+/// is not there, fails naming both URLs with their secrets hidden.
+#[test]
+fn a_nats_token_and_an_ssl_password_are_never_printed() {
+    let token = common::unique("nats-token");
+    let ssl_password = common::unique("ssl-pw");
+    let run = |nats_url: &str, database_url: &str| {
+        let output = Command::new(common::orders_example())
+            .args(["demo", "--orders", "10", "--timeout-secs", "20"])
+            .env("NATS_URL", nats_url)
+            .env("DATABASE_URL", database_url)
+            .env("ORDERS_QUEUE", common::unique("idem-test-secrets-nats"))
+            .env("ORDERS_START_DEADLINE_SECS", "2")
+            .env("RUST_LOG", "debug")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        (output.status.success(), text)
+    };
+    let sqlite = tempfile::tempdir().unwrap();
+    let sqlite_url = sqlite.path().join("orders.db").to_string_lossy().into_owned();
+    let (nats_ok, nats_text) = run(&format!("nats://{token}@127.0.0.1:1"), &sqlite_url);
+    assert!(!nats_ok, "a NATS server on port 1 was reached");
+    assert!(nats_text.contains("nats://***@127.0.0.1:1"), "{nats_text}");
+    let database = format!("postgres://app@127.0.0.1:1/test?sslmode=prefer&sslpassword={ssl_password}");
+    let (db_ok, db_text) = run(&common::bus::nats_url(), &database);
+    assert!(!db_ok, "a database on port 1 was reached");
+    assert!(db_text.contains("sslpassword=***"), "{db_text}");
+    for (text, secret) in [(&nats_text, &token), (&db_text, &ssl_password)] {
+        assert!(!text.contains(secret.as_str()), "the output shows {secret}:\n{text}");
+    }
+}

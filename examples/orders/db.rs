@@ -21,9 +21,12 @@ impl Db {
     /// Connects, creates the example's tables and migrates the inbox.
     pub async fn connect(url: &str, concurrency: usize) -> anyhow::Result<Self> {
         if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            let options = idem::sql::urls::postgres_options(url).with_context(|| {
+                format!("DATABASE_URL ({}) is not a PostgreSQL URL", redact_url(url))
+            })?;
             let pool = sqlx::postgres::PgPoolOptions::new()
                 .max_connections(u32::try_from(2 * concurrency + 2).unwrap_or(u32::MAX))
-                .connect(url)
+                .connect_with(options)
                 .await
                 .with_context(|| {
                     format!(

@@ -166,7 +166,10 @@ async fn main() -> anyhow::Result<()> {
     let settings = Settings::parse();
     let url = settings.database_url.as_str();
     let app = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let pool = sqlx::PgPool::connect(url).await.with_context(|| {
+        let options = idem::sql::urls::postgres_options(url).with_context(|| {
+            format!("DATABASE_URL ({}) is not a PostgreSQL URL", redact_url(url))
+        })?;
+        let pool = sqlx::PgPool::connect_with(options).await.with_context(|| {
             format!(
                 "cannot connect to PostgreSQL at DATABASE_URL ({})",
                 redact_url(url)

@@ -15,9 +15,10 @@ pub async fn dispatch(cli: &Cli) -> Result<(), CliError> {
     };
     let table = |e: idem::sql::ConfigError| CliError::Usage(format!("IDEM_INBOX_TABLE: {e}"));
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let options = idem::sql::urls::postgres_options(url).map_err(|e| failed(&e))?;
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(2)
-            .connect(url)
+            .connect_with(options)
             .await
             .map_err(|e| failed(&e))?;
         run_checked(cli, PgInbox::new(pool).table(&cli.table).map_err(table)?).await

@@ -12,6 +12,48 @@ use tokio::sync::OnceCell;
 /// The environment variable the examples and tests read the server's URL from.
 pub const URL_VARIABLE: &str = "NATS_URL";
 
+/// Credentials a server URL carried in its user part.
+#[derive(Debug, PartialEq, Eq)]
+enum Credentials {
+    /// `nats://token@host`.
+    Token(String),
+    /// `nats://user:password@host`.
+    User(String, String),
+}
+
+/// The server URLs of `urls` (comma-separated) without their user parts, and the credentials
+/// the first that had one carried (percent-decoded).
+fn without_credentials(urls: &str) -> (String, Option<Credentials>) {
+    let mut credentials = None;
+    let servers: Vec<String> = urls
+        .split(',')
+        .map(str::trim)
+        .filter(|url| !url.is_empty())
+        .map(|server| {
+            let Ok(mut url) = url::Url::parse(server) else {
+                return server.to_owned();
+            };
+            if url.username().is_empty() && url.password().is_none() {
+                return server.to_owned();
+            }
+            let decode = |s: &str| {
+                percent_encoding::percent_decode_str(s)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            };
+            let found = match url.password() {
+                Some(password) => Credentials::User(decode(url.username()), decode(password)),
+                None => Credentials::Token(decode(url.username())),
+            };
+            credentials.get_or_insert(found);
+            let _ = url.set_username("");
+            let _ = url.set_password(None);
+            url.to_string()
+        })
+        .collect();
+    (servers.join(","), credentials)
+}
+
 /// What a transport's consumers and publisher share (see the module).
 #[derive(Debug, Clone)]
 pub(crate) struct Shared {
@@ -44,7 +86,17 @@ impl Shared {
                     for root in &config.tls_roots {
                         options = options.add_root_certificates(root.clone());
                     }
-                    options.connect(config.url.as_str()).await.map_err(|e| {
+                    // Credentials go to the client as options, not in the URL, which its own
+                    // logs print.
+                    let (servers, credentials) = without_credentials(&config.url);
+                    options = match credentials {
+                        Some(Credentials::Token(token)) => options.token(token),
+                        Some(Credentials::User(user, password)) => {
+                            options.user_and_password(user, password)
+                        }
+                        None => options,
+                    };
+                    options.connect(servers.as_str()).await.map_err(|e| {
                         TransportError::Connection {
                             broker: config.redacted_url(),
                             url_variable: URL_VARIABLE,
@@ -100,5 +152,29 @@ impl Shared {
     pub(crate) fn is_consuming(&self, queue: &str) -> bool {
         let set = self.consuming.lock().unwrap_or_else(|e| e.into_inner());
         set.contains(queue)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_leave_the_urls() {
+        assert_eq!(
+            without_credentials("nats://s3cret@h:4222"),
+            ("nats://h:4222".to_owned(), Some(Credentials::Token("s3cret".into())))
+        );
+        assert_eq!(
+            without_credentials("nats://u:p%40s+s@a:4222, nats://u:p%40s+s@b:4223"),
+            (
+                "nats://a:4222,nats://b:4223".to_owned(),
+                Some(Credentials::User("u".into(), "p@s+s".into()))
+            )
+        );
+        assert_eq!(
+            without_credentials("nats://127.0.0.1:4222"),
+            ("nats://127.0.0.1:4222".to_owned(), None)
+        );
     }
 }

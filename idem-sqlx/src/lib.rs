@@ -64,6 +64,7 @@ pub mod statements;
 #[doc(hidden)]
 pub mod stores;
 mod sweep;
+pub mod urls;
 mod versions;
 
 pub use admin::{DeadLetterCount, InboxRow, InboxStats, KeyReport, Removed, StatusCount};

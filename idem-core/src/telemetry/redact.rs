@@ -1,30 +1,80 @@
 //! Secrets kept out of logs and error messages.
 
-/// `url` with its password replaced by `***`, fit for logs and error messages: the password of
-/// the user part (`scheme://user:password@host`) and a `password=` query parameter.
+/// `url` with its secrets replaced by `***`, fit for logs and error messages: the password of
+/// the user part (`scheme://user:password@host`), the whole user part of a NATS URL (a token:
+/// `nats://token@host`), and query parameters that hold a secret (`password`, `sslpassword`,
+/// any name with `password`, `token`, `secret` or `jwt` in it). A list of URLs (`a, b`, as
+/// `AMQP_URL` may hold) has each of them redacted.
 pub fn redact_url(url: &str) -> String {
-    let mut redacted = match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
-                None => url.to_owned(),
+    if url.contains(',') {
+        return url
+            .split(',')
+            .map(|part| {
+                let trimmed = part.trim_start();
+                let lead = &part[..part.len() - trimmed.len()];
+                format!("{lead}{}", redact_one(trimmed))
+            })
+            .collect::<Vec<_>>()
+            .join(",");
+    }
+    redact_one(url)
+}
+
+/// [`redact_url`] of one URL.
+fn redact_one(url: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut redacted = match base.find("://") {
+        Some(scheme_end) => {
+            let scheme = &base[..scheme_end];
+            let rest = &base[scheme_end + 3..];
+            // The user part ends at the last `@` before the path.
+            let authority_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..authority_end].rfind('@') {
+                Some(at) => {
+                    let userinfo = &rest[..at];
+                    let hidden = match userinfo.split_once(':') {
+                        Some((user, _)) => format!("{user}:***"),
+                        None if token_scheme(scheme) => "***".to_owned(),
+                        None => userinfo.to_owned(),
+                    };
+                    format!("{scheme}://{hidden}{}", &rest[at..])
+                }
+                None => base.to_owned(),
             }
         }
-        _ => url.to_owned(),
+        None => base.to_owned(),
     };
-    if let Some(query) = redacted.find('?') {
-        let (base, params) = redacted.split_at(query + 1);
-        let params: Vec<String> = params
+    if let Some(query) = query {
+        let params: Vec<String> = query
             .split('&')
             .map(|param| match param.split_once('=') {
-                Some((name, _)) if name.eq_ignore_ascii_case("password") => format!("{name}=***"),
+                Some((name, _)) if secret_parameter(name) => format!("{name}=***"),
                 _ => param.to_owned(),
             })
             .collect();
-        redacted = format!("{base}{}", params.join("&"));
+        redacted = format!("{redacted}?{}", params.join("&"));
     }
     redacted
+}
+
+/// Whether a URL of `scheme` carries a token, not a user name, in a user part without a
+/// password (NATS: `nats://token@host`).
+fn token_scheme(scheme: &str) -> bool {
+    matches!(
+        scheme.to_ascii_lowercase().as_str(),
+        "nats" | "tls" | "ws" | "wss"
+    )
+}
+
+/// Whether a query parameter named `name` holds a secret.
+fn secret_parameter(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["password", "token", "secret", "jwt"]
+        .iter()
+        .any(|secret| name.contains(secret))
 }
 
 #[cfg(test)]
@@ -48,9 +98,23 @@ mod tests {
                 "postgres://db/x?user=app&password=secret&x=1",
                 "postgres://db/x?user=app&password=***&x=1",
             ),
+            (
+                "postgres://app@db/x?sslmode=verify-full&sslpassword=k3y&sslkey=/k.pem",
+                "postgres://app@db/x?sslmode=verify-full&sslpassword=***&sslkey=/k.pem",
+            ),
             ("sqlite://orders.db", "sqlite://orders.db"),
+            ("nats://s3cret@nats.internal:4222", "nats://***@nats.internal:4222"),
+            ("tls://s3cret@nats.internal:4222", "tls://***@nats.internal:4222"),
+            ("nats://user:pw@h:4222", "nats://user:***@h:4222"),
+            ("nats://h:4222?auth_token=t0k", "nats://h:4222?auth_token=***"),
+            (
+                "amqp://u:p1@a:5672/%2f, amqp://u:p2@b:5673/%2f",
+                "amqp://u:***@a:5672/%2f, amqp://u:***@b:5673/%2f",
+            ),
+            // An `@` in the path is not a user part.
+            ("amqp://h:5672/vhost@x", "amqp://h:5672/vhost@x"),
         ] {
-            assert_eq!(redact_url(url), redacted);
+            assert_eq!(redact_url(url), redacted, "{url}");
         }
     }
 }

@@ -281,19 +281,35 @@ async fn insert_rows<DB: Dialect>(
             .collect();
         let mut params = Vec::with_capacity(chunk.len() * 9);
         let mut rows = Vec::with_capacity(chunk.len());
-        for (message, headers) in chunk.iter().zip(&headers) {
-            let envelope = &message.envelope;
+        // The texts a message carries from its input (a correlation id with NUL, say) as the
+        // dialect can hold them (`keys`).
+        let texts: Vec<[std::borrow::Cow<'_, str>; 5]> = chunk
+            .iter()
+            .map(|message| {
+                let envelope = &message.envelope;
+                [
+                    envelope.message_id.as_deref().unwrap_or_default(),
+                    &message.exchange,
+                    &message.routing_key,
+                    envelope.correlation_id.as_deref().unwrap_or_default(),
+                    envelope.content_type.as_deref().unwrap_or_default(),
+                ]
+                .map(crate::keys::stored::<DB>)
+            })
+            .collect();
+        for ((message, headers), texts) in chunk.iter().zip(&headers).zip(&texts) {
+            let [id, exchange, routing_key, correlation_id, content_type] = texts;
             let first = params.len() + 1;
             params.extend([
-                Param::Text(envelope.message_id.as_deref().unwrap_or_default()),
+                Param::Text(id),
                 Param::Text(consumer),
                 Param::Text(run),
-                Param::Text(&message.exchange),
-                Param::Text(&message.routing_key),
-                Param::Bytes(&envelope.body),
+                Param::Text(exchange),
+                Param::Text(routing_key),
+                Param::Bytes(&message.envelope.body),
                 Param::Text(headers),
-                Param::Text(envelope.correlation_id.as_deref().unwrap_or_default()),
-                Param::Text(envelope.content_type.as_deref().unwrap_or_default()),
+                Param::Text(correlation_id),
+                Param::Text(content_type),
             ]);
             let placeholders: Vec<String> = (first..first + 9).map(DB::placeholder).collect();
             let now = DB::STATEMENTS.outbox.now;

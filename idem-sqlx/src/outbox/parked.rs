@@ -222,11 +222,11 @@ impl<DB: Dialect> SqlInbox<DB> {
                 let text = |column| DB::text(row, column);
                 Ok(ParkedRow {
                     seq: DB::int(row, "seq")?,
-                    message_id: text("message_id")?,
+                    message_id: text("message_id").map(crate::keys::shown::<DB>)?,
                     consumer: text("consumer")?,
                     key: text("key").map(crate::keys::shown::<DB>)?,
-                    exchange: text("exchange")?,
-                    routing_key: text("routing_key")?,
+                    exchange: text("exchange").map(crate::keys::shown::<DB>)?,
+                    routing_key: text("routing_key").map(crate::keys::shown::<DB>)?,
                     failure: text("failure")?,
                     parked_at_ms: DB::int(row, "parked_ms")?,
                     given_up_at_ms: DB::int_opt(row, "given_up_ms")?,

@@ -174,7 +174,11 @@ impl<DB: Dialect> SqlInbox<DB> {
             .remove
             .replace("{ids}", &placeholders.join(", "))
             .into();
-        let params: Vec<Param<'_>> = message_ids.iter().map(|id| Param::Text(id)).collect();
+        let stored: Vec<_> = message_ids
+            .iter()
+            .map(|id| crate::keys::stored::<DB>(id))
+            .collect();
+        let params: Vec<Param<'_>> = stored.iter().map(|id| Param::Text(id)).collect();
         let mut conn = self.pool.acquire().await.map_err(fail)?;
         let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit else {
             return DB::execute(&mut *conn, &statement, &params)
@@ -231,17 +235,14 @@ async fn isolate(
 
 /// The message of an outbox row.
 fn message<DB: Dialect>(row: &DB::Row) -> Result<Outgoing, sqlx::Error> {
+    let text = |column| DB::text(row, column).map(crate::keys::shown::<DB>);
     let mut envelope = Envelope::new(DB::bytes(row, "body")?);
-    envelope.message_id = Some(DB::text(row, "message_id")?);
-    envelope.correlation_id = Some(DB::text(row, "correlation_id")?).filter(|c| !c.is_empty());
-    envelope.content_type = Some(DB::text(row, "content_type")?).filter(|c| !c.is_empty());
+    envelope.message_id = Some(text("message_id")?);
+    envelope.correlation_id = Some(text("correlation_id")?).filter(|c| !c.is_empty());
+    envelope.content_type = Some(text("content_type")?).filter(|c| !c.is_empty());
     envelope.headers = headers_from_json(&DB::text(row, "headers")?)
         .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
-    let mut message = Outgoing::new(
-        DB::text(row, "exchange")?,
-        DB::text(row, "routing_key")?,
-        Vec::new(),
-    );
+    let mut message = Outgoing::new(text("exchange")?, text("routing_key")?, Vec::new());
     message.envelope = envelope;
     Ok(message)
 }
