@@ -147,15 +147,23 @@ fn a_nats_token_and_an_ssl_password_are_never_printed() {
         (output.status.success(), text)
     };
     let sqlite = tempfile::tempdir().unwrap();
-    let sqlite_url = sqlite.path().join("orders.db").to_string_lossy().into_owned();
+    let sqlite_url = sqlite
+        .path()
+        .join("orders.db")
+        .to_string_lossy()
+        .into_owned();
     let (nats_ok, nats_text) = run(&format!("nats://{token}@127.0.0.1:1"), &sqlite_url);
     assert!(!nats_ok, "a NATS server on port 1 was reached");
     assert!(nats_text.contains("nats://***@127.0.0.1:1"), "{nats_text}");
-    let database = format!("postgres://app@127.0.0.1:1/test?sslmode=prefer&sslpassword={ssl_password}");
+    let database =
+        format!("postgres://app@127.0.0.1:1/test?sslmode=prefer&sslpassword={ssl_password}");
     let (db_ok, db_text) = run(&common::bus::nats_url(), &database);
     assert!(!db_ok, "a database on port 1 was reached");
     assert!(db_text.contains("sslpassword=***"), "{db_text}");
     for (text, secret) in [(&nats_text, &token), (&db_text, &ssl_password)] {
-        assert!(!text.contains(secret.as_str()), "the output shows {secret}:\n{text}");
+        assert!(
+            !text.contains(secret.as_str()),
+            "the output shows {secret}:\n{text}"
+        );
     }
 }

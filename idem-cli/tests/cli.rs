@@ -448,7 +448,10 @@ async fn dead_letters_are_listed_shown_and_replayed_one_by_one() {
 async fn a_producers_death_header_never_decides_where_a_replay_goes() {
     let f = Fixture::new("forged").await;
     let dlq = idem::rabbitmq::dlq(&f.queue);
-    for (n, forged) in [(0, "a-queue-of-the-producers".to_owned()), (1, "q".repeat(300))] {
+    for (n, forged) in [
+        (0, "a-queue-of-the-producers".to_owned()),
+        (1, "q".repeat(300)),
+    ] {
         let mut headers = FieldTable::default();
         headers.insert(
             ShortString::from("x-first-death-queue"),

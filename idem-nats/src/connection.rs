@@ -163,7 +163,10 @@ mod tests {
     fn credentials_leave_the_urls() {
         assert_eq!(
             without_credentials("nats://s3cret@h:4222"),
-            ("nats://h:4222".to_owned(), Some(Credentials::Token("s3cret".into())))
+            (
+                "nats://h:4222".to_owned(),
+                Some(Credentials::Token("s3cret".into()))
+            )
         );
         assert_eq!(
             without_credentials("nats://u:p%40s+s@a:4222, nats://u:p%40s+s@b:4223"),

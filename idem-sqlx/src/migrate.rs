@@ -27,6 +27,14 @@ pub enum MigrateError {
         #[source]
         source: sqlx::Error,
     },
+    /// The server is not one this dialect runs on (MySQL, where only MariaDB is supported).
+    #[error("inbox table `{table}`: {reason}")]
+    Unsupported {
+        /// The inbox table.
+        table: String,
+        /// Which server it is, and what to use instead.
+        reason: String,
+    },
     /// The table was migrated by a newer idem.
     #[error(
         "inbox table `{table}` has schema version {found}, newer than the {SCHEMA_VERSION} this idem knows; upgrade idem"
@@ -76,6 +84,21 @@ pub(crate) async fn run<DB: Dialect>(
     let steps = DB::MIGRATION;
     let err = MigrateError::database;
     let mut conn = pool.acquire().await.map_err(err(table))?;
+    if let (Some(read), Some(supported)) = (steps.server_version, steps.server) {
+        let read: std::sync::Arc<str> = read.into();
+        let row = DB::fetch_optional(&mut *conn, &read, &[])
+            .await
+            .map_err(err(table))?;
+        let version = match row {
+            Some(row) => DB::text(&row, "version"),
+            None => Ok(String::new()),
+        }
+        .map_err(err(table))?;
+        supported(&version).map_err(|reason| MigrateError::Unsupported {
+            table: table.as_str().to_owned(),
+            reason,
+        })?;
+    }
     if let Some(prepare) = steps.prepare {
         DB::execute_raw(&mut *conn, prepare)
             .await

@@ -1,4 +1,6 @@
-//! The MySQL / MariaDB inbox (InnoDB).
+//! The MariaDB inbox (InnoDB), through sqlx's MySQL driver: MariaDB 10.6 or later. MySQL
+//! itself is refused when the inbox is migrated ([`MIN_MARIADB`]): these statements use
+//! MariaDB's collations and syntax, and only MariaDB is tested.
 //!
 //! A claim is `INSERT IGNORE`: on a duplicate key InnoDB takes a shared lock on the existing
 //! row, so a copy waits behind an uncommitted claim of the same key and then either finds the
@@ -120,8 +122,19 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
         &["CREATE INDEX IF NOT EXISTS parked_at ON `{outbox}_parked` (parked_at)"],
     ),
     // Version 12: parked rows are given up (outbox dead letters) once they kept being refused
-    // for the store's give-up time after they were staged.
-    (12, &[crate::outbox::parked::MYSQL_GIVE_UP]),
+    // for the store's give-up time after they were staged; and every text column that holds
+    // what a message or a handler made says `utf8mb4`, so that a database whose default is
+    // latin1 holds any text (idem's own ASCII columns, status and owner, keep theirs).
+    (
+        12,
+        &[
+            crate::outbox::parked::MYSQL_GIVE_UP,
+            "ALTER TABLE `{table}` MODIFY outcome LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+            "ALTER TABLE `{table}_dead_letters` MODIFY reason VARCHAR(64) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY detail TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY message_id TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin",
+            "ALTER TABLE `{outbox}` MODIFY headers LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY correlation_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY content_type VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+            "ALTER TABLE `{outbox}_parked` MODIFY headers LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY correlation_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY content_type VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY failure TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
+        ],
+    ),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
@@ -289,12 +302,46 @@ impl Dialect for MySql {
         version_table: VERSION_TABLE,
         read_version: READ_VERSION,
         write_version: WRITE_VERSION,
+        server_version: Some("SELECT VERSION() AS version"),
+        server: Some(mariadb_only),
     };
 
     /// Refuses keys the columns cannot hold (`INSERT IGNORE` would truncate them).
     fn check_request(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
         check_lengths(request)
     }
+}
+
+/// The oldest MariaDB whose SQL this dialect speaks (`FOR UPDATE SKIP LOCKED` and
+/// `JSON_TABLE` came in 10.6).
+pub const MIN_MARIADB: (u32, u32) = (10, 6);
+
+/// Refuses a server this dialect's statements do not run on: MySQL (its collations, index and
+/// `IF NOT EXISTS` syntax differ from MariaDB's, and idem is tested on MariaDB only), and a
+/// MariaDB older than [`MIN_MARIADB`]. `version` is what `SELECT VERSION()` answered.
+fn mariadb_only(version: &str) -> Result<(), String> {
+    if !version.contains("MariaDB") {
+        return Err(format!(
+            "the server is MySQL {version}: idem's `mysql` store runs on MariaDB {}.{} or later              only (MySQL is not supported); use MariaDB, PostgreSQL or SQLite",
+            MIN_MARIADB.0, MIN_MARIADB.1
+        ));
+    }
+    let mut parts = version.split(|c: char| !c.is_ascii_digit());
+    let major = parts
+        .next()
+        .and_then(|p| p.parse::<u32>().ok())
+        .unwrap_or(0);
+    let minor = parts
+        .next()
+        .and_then(|p| p.parse::<u32>().ok())
+        .unwrap_or(0);
+    if (major, minor) < MIN_MARIADB {
+        return Err(format!(
+            "the server is MariaDB {version}: idem needs MariaDB {}.{} or later",
+            MIN_MARIADB.0, MIN_MARIADB.1
+        ));
+    }
+    Ok(())
 }
 
 /// Refuses what the columns cannot hold (`INSERT IGNORE` would truncate it): a consumer name
@@ -322,4 +369,18 @@ fn check_lengths(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mariadb_only;
+
+    #[test]
+    fn only_mariadb_from_10_6() {
+        assert!(mariadb_only("10.11.19-MariaDB-0+deb12u1").is_ok());
+        assert!(mariadb_only("11.4.2-MariaDB").is_ok());
+        let mysql = mariadb_only("8.0.36").unwrap_err();
+        assert!(mysql.contains("MySQL is not supported"), "{mysql}");
+        assert!(mariadb_only("10.5.23-MariaDB").is_err());
+    }
 }

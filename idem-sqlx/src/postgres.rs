@@ -380,6 +380,8 @@ impl Dialect for Postgres {
         version_table: VERSION_TABLE,
         read_version: READ_VERSION,
         write_version: WRITE_VERSION,
+        server_version: None,
+        server: None,
     };
 
     /// Claims in one round trip; a row inserted by a transaction that committed while this one

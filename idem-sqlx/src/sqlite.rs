@@ -291,6 +291,8 @@ impl Dialect for Sqlite {
         version_table: VERSION_TABLE,
         read_version: READ_VERSION,
         write_version: WRITE_VERSION,
+        server_version: None,
+        server: None,
     };
     const NOW: &'static str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
     // Takes the write lock up front, so concurrent claims and migrations queue.

@@ -279,6 +279,11 @@ pub struct MigrationStatements {
     pub read_version: &'static str,
     /// Records a table's version (the table, the version).
     pub write_version: &'static str,
+    /// Reads the server's version (a text column `version`), for [`MigrationStatements::server`].
+    pub server_version: Option<&'static str>,
+    /// Refuses a server the dialect's statements do not run on, saying why and what to use;
+    /// given what [`MigrationStatements::server_version`] read.
+    pub server: Option<fn(&str) -> Result<(), String>>,
 }
 
 impl Statements {

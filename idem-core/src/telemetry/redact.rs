@@ -103,10 +103,19 @@ mod tests {
                 "postgres://app@db/x?sslmode=verify-full&sslpassword=***&sslkey=/k.pem",
             ),
             ("sqlite://orders.db", "sqlite://orders.db"),
-            ("nats://s3cret@nats.internal:4222", "nats://***@nats.internal:4222"),
-            ("tls://s3cret@nats.internal:4222", "tls://***@nats.internal:4222"),
+            (
+                "nats://s3cret@nats.internal:4222",
+                "nats://***@nats.internal:4222",
+            ),
+            (
+                "tls://s3cret@nats.internal:4222",
+                "tls://***@nats.internal:4222",
+            ),
             ("nats://user:pw@h:4222", "nats://user:***@h:4222"),
-            ("nats://h:4222?auth_token=t0k", "nats://h:4222?auth_token=***"),
+            (
+                "nats://h:4222?auth_token=t0k",
+                "nats://h:4222?auth_token=***",
+            ),
             (
                 "amqp://u:p1@a:5672/%2f, amqp://u:p2@b:5673/%2f",
                 "amqp://u:***@a:5672/%2f, amqp://u:***@b:5673/%2f",
