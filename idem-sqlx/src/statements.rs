@@ -283,8 +283,12 @@ pub struct MigrationStatements {
     pub server_version: Option<&'static str>,
     /// Refuses a server the dialect's statements do not run on, saying why and what to use;
     /// given what [`MigrationStatements::server_version`] read.
-    pub server: Option<fn(&str) -> Result<(), String>>,
+    pub server: Option<ServerCheck>,
 }
+
+/// Refuses a server a dialect does not run on (see [`MigrationStatements::server`]): given the
+/// server's version, why not and what to use instead.
+pub type ServerCheck = fn(&str) -> Result<(), String>;
 
 impl Statements {
     /// These statements for the inbox in `table`, with `now` as the current time.
