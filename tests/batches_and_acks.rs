@@ -344,3 +344,53 @@ async fn database_outage(function: Function) {
     f.assert_exactly_once(ORDERS, |_| 5).await;
     f.cleanup().await;
 }
+
+/// A batch one of whose keys another transaction holds (uncommitted, as a slow copy elsewhere
+/// does) waits for it a bounded time, then runs its members one by one: the nine others commit
+/// while the key is still held, and the held one is retried alone once it is let go, each order
+/// applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_held_elsewhere_holds_up_only_its_own_message_in_a_batch() {
+    use idem::store::{ClaimRequest, Fingerprint, InboxStore};
+    let f = fixture("held-key", RetryPolicy::default(), QueueType::Classic, None).await;
+    const ORDERS: usize = 10;
+    let held_key = f.key(4);
+    let store = idem::sql::PgInbox::new(f.pool.clone());
+    let fingerprint = Fingerprint::of(b"another copy");
+    let request = ClaimRequest {
+        consumer: CONSUMER,
+        key: &held_key,
+        fingerprint: &fingerprint,
+        attempt: 1,
+        retention: Duration::from_secs(60),
+    };
+    let mut holder = store.begin().await.unwrap();
+    store.claim(&mut holder, &request).await.unwrap();
+    for n in 0..ORDERS {
+        f.publish_order(n, 2).await;
+    }
+    let running = start(f.runtime_with_defaults().batch(ORDERS));
+    let others = || async {
+        let effects = f.effects().await;
+        effects.len() == ORDERS - 1 && !effects.contains_key(&f.key(4))
+    };
+    wait_until(
+        "the nine others applied while the key is held",
+        DEADLINE,
+        others,
+    )
+    .await;
+    store.rollback(holder).await;
+    wait_until("the held order applied once let go", DEADLINE, || async {
+        f.effects().await.len() == ORDERS
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(seen.dead_lettered, 0, "{seen:?}");
+    assert!(
+        seen.retried >= 1,
+        "the held one was retried alone: {seen:?}"
+    );
+    f.assert_exactly_once(ORDERS, |_| 2).await;
+    f.cleanup().await;
+}

@@ -531,6 +531,19 @@ mod killed {
             .build()
             .unwrap();
 
+        // A 2 s lease whose rows are kept 2 s: the sweeper could delete a key in progress.
+        let err = runtime(pool.clone(), "idem-test-ext")
+            .retention(Duration::from_secs(2))
+            .build()
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("holds its lease for 2s, but its inbox rows are kept only 2s")
+                && err.contains("raise the retention"),
+            "{err}"
+        );
+
         // A 2 s lease against a retry policy that gives up after 1 s of delays.
         let short = RetryPolicy::new(2, Duration::from_secs(1), 1, Duration::from_secs(1)).unwrap();
         let err = runtime(pool, "idem-test-ext")

@@ -1543,3 +1543,30 @@ async fn a_tx_without_a_transactional_layer_is_a_server_error_naming_the_fix() {
     assert!(body.contains("layer.handler(handler)"), "{body}");
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
+
+/// External mode: a retention no longer than the lease is refused when the layer is built (the
+/// sweeper could delete a key still in progress, and a retry would call the other services
+/// again); a longer one is taken.
+#[tokio::test]
+async fn an_external_layer_refuses_a_retention_within_its_lease() {
+    let (pool, _dir) = common::sqlite(1).await;
+    let store = || idem::sql::SqliteInbox::new(pool.clone());
+    let refused = idem::http::Idempotency::external(store(), "short-retention")
+        .identity(bearer)
+        .lease(Duration::from_secs(120))
+        .retention(Duration::from_secs(60))
+        .layer()
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        refused.contains("the retention (60s) must be longer than the lease (120s)"),
+        "{refused}"
+    );
+    idem::http::Idempotency::external(store(), "long-retention")
+        .identity(bearer)
+        .lease(Duration::from_secs(120))
+        .retention(Duration::from_secs(3600))
+        .layer()
+        .unwrap();
+}

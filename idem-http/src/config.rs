@@ -80,6 +80,20 @@ pub enum ConfigError {
         /// The setting.
         setting: &'static str,
     },
+    /// External mode: the retention is not longer than the lease, so the sweeper could delete a
+    /// key still `in_progress`, and a retry would run the handler (its calls to other services)
+    /// again.
+    #[error(
+        "idempotency layer `{operation}`: the retention ({retention:?}) must be longer than the lease ({lease:?}): a key still in progress could be swept and its handler run again; raise .retention(…) or shorten .lease(…)"
+    )]
+    RetentionWithinLease {
+        /// The layer's operation.
+        operation: String,
+        /// The retention.
+        retention: Duration,
+        /// The lease.
+        lease: Duration,
+    },
     /// The key length limit exceeds what the inbox stores.
     #[error(
         "idempotency layer `{operation}`: max_key_len {len} exceeds {max}, the longest key the inbox stores with its client prefix"
@@ -267,6 +281,13 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
             if zero {
                 return Err(ConfigError::Zero { operation, setting });
             }
+        }
+        if matches!(self.mode, HttpMode::External { .. }) && self.retention <= lease {
+            return Err(ConfigError::RetentionWithinLease {
+                operation,
+                retention: self.retention,
+                lease,
+            });
         }
         // The stored key is `<22 base64url characters>:<key>`.
         let max = idem_core::MAX_KEY_LEN - 23;

@@ -136,6 +136,9 @@ impl Settle for NatsSettle {
             copy.attempt = envelope.attempt.saturating_add(1);
             let msg_id = format!("{}.a{}", self.base_id(envelope), copy.attempt);
             let mut headers = envelope::headers(&copy, Some(&msg_id));
+            // JetStream delays each copy on its own: jittered, so that what failed together is
+            // not all tried again together.
+            let delay = idem_core::runtime::jittered(delay);
             let delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
             let due = now_ms().saturating_add(delay_ms);
             headers.insert(DUE_HEADER, HeaderValue::from(due));

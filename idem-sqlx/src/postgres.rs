@@ -194,6 +194,12 @@ const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 
 /// Each existing key is looked up on its own through the primary key (a `LATERAL` with
 /// `LIMIT 1`), so a generic plan cached while the table was small stays an index lookup per
 /// key however large the table grows.
+/// How long a batch's claim waits for a key another transaction holds (see `claim_batch`).
+pub const BATCH_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Sets [`BATCH_LOCK_WAIT`] for the rest of the transaction.
+const BOUND_LOCK_WAIT: &str = "SET LOCAL lock_timeout = '2s'";
+
 const CLAIM_BATCH: &str = r#"
 WITH claimed AS (
     INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
@@ -479,6 +485,13 @@ impl Dialect for Postgres {
             .iter()
             .map(|r| i32::try_from(r.attempt).unwrap_or(i32::MAX))
             .collect();
+        // A key another transaction holds is waited for at most BATCH_LOCK_WAIT: then the
+        // claim fails (55P03, transient), and the pass runs its members one by one, so that
+        // only the held one waits. Only the claim: the handlers' statements wait as they would.
+        sqlx::raw_sql(BOUND_LOCK_WAIT)
+            .execute(&mut *conn)
+            .await
+            .map_err(fail)?;
         let rows = sqlx::query(AssertSqlSafe(batch.claim.clone()))
             .bind(first.consumer)
             .bind(&keys)
@@ -486,6 +499,10 @@ impl Dialect for Postgres {
             .bind(&attempts)
             .bind(crate::config::secs(first.retention))
             .fetch_all(&mut *conn)
+            .await
+            .map_err(fail)?;
+        sqlx::raw_sql("SET LOCAL lock_timeout TO DEFAULT")
+            .execute(&mut *conn)
             .await
             .map_err(fail)?;
         // Only the keys that were not inserted come back: with their committed row, or with

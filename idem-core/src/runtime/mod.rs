@@ -25,7 +25,7 @@ pub use builder::{DEFAULT_POISON_LIMIT, RuntimeBuilder};
 pub use error::RuntimeError;
 pub use health::{Health, Readiness};
 pub use plan::MAX_PARTITIONS;
-pub use retry::{RetryPolicy, RetryPolicyError};
+pub use retry::{RetryPolicy, RetryPolicyError, jittered};
 pub use run::Runtime;
 pub use startup::DEFAULT_START_DEADLINE;
 pub use stats::{Snapshot, Stats};

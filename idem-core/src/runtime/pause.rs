@@ -8,6 +8,7 @@
 //! nothing is dead-lettered for the store's state. While paused, readiness is false and the
 //! gauge `idem_store_paused` is 1.
 
+use super::retry::jittered;
 use super::stats::Stats;
 use crate::future::BoxFuture;
 use crate::model::StoreError;
@@ -198,11 +199,6 @@ async fn probe_until_writable(pause: Arc<Pause>, mut stop: StopSignal) {
         }
         wait = (wait * 2).min(PROBE_LONGEST);
     }
-}
-
-/// `wait` less up to a quarter of it, at random.
-pub(crate) fn jittered(wait: Duration) -> Duration {
-    wait.mul_f64(1.0 - fastrand::f64() * 0.25)
 }
 
 #[cfg(test)]

@@ -91,6 +91,16 @@ impl RuntimeBuilder {
             ));
         }
         if let Mode::External { lease } = actor.registration.mode() {
+            if let Some(retention) = actor.registration.retention(&self.stores)
+                && retention <= lease
+            {
+                return Err(RuntimeError::setting(
+                    "retention",
+                    format!(
+                        "`{consumer}` holds its lease for {lease:?}, but its inbox rows are kept only {retention:?}: the sweeper could delete a key still in progress, and a retry would call the other services again; raise the retention (#[idempotent(retention = \"...\")] or RuntimeBuilder::retention) or shorten the lease"
+                    ),
+                ));
+            }
             let window: Duration = self.retry.delays().iter().sum();
             if lease >= window {
                 return Err(RuntimeError::setting(

@@ -7,8 +7,7 @@
 //! cannot write is not settled at all: it waits for the store ([`wait_for_store`]).
 
 use super::actor::Shared;
-use super::pause::jittered;
-use super::retry::RetryPolicy;
+use super::retry::{RetryPolicy, jittered};
 use super::stats::Stats;
 use crate::model::{
     DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, StoreError, Transient,

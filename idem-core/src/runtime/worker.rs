@@ -93,7 +93,7 @@ async fn stopped_within(delay: std::time::Duration, stop: &StopSignal) -> bool {
         return true;
     }
     tokio::select! {
-        _ = tokio::time::sleep(super::pause::jittered(delay)) => false,
+        _ = tokio::time::sleep(super::retry::jittered(delay)) => false,
         _ = stop.wait_for(|stopped| *stopped) => true,
     }
 }

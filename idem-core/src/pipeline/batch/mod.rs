@@ -185,6 +185,11 @@ impl<H: Handler> Batch<'_, H> {
                 outcomes[items[k].index] = None;
             }
             match ended {
+                Pass::OneByOne => {
+                    for k in members.into_iter().rev() {
+                        pending.push_front(vec![k]);
+                    }
+                }
                 Pass::Exclude(excluded, outcome) => {
                     outcomes[items[excluded].index] = Some(outcome);
                     let rest: Vec<usize> = members.into_iter().filter(|&k| k != excluded).collect();

@@ -42,6 +42,14 @@ impl<H: Handler> Batch<'_, H> {
         let store = self.store;
         let (mut tx, claims) = match run.claim(held).await {
             Ok(claimed) => claimed,
+            Err(e) if e.class() == ErrorClass::Transient && members.len() > 1 => {
+                tracing::info!(consumer = H::CONSUMER, members = members.len(), error = %e,
+                    "a batch's claim failed for now (a key held elsewhere?); running its members one by one");
+                for &k in members {
+                    run.outcomes[run.items[k].index] = None;
+                }
+                return Pass::OneByOne;
+            }
             Err(e) => return run.abort_store(e),
         };
         // The keys are ours; the handlers wait for the previous batch's commit.

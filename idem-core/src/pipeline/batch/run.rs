@@ -34,6 +34,10 @@ pub(super) enum Pass {
     /// transaction was rolled back, and the members are to run again in halves, so that the
     /// one that fails alone is found and settled alone.
     Split,
+    /// The claim of several members failed for now (a key another transaction holds, past the
+    /// store's bound on lock waits; a deadlock): the members are to run one by one, so that
+    /// only the one whose key is held waits, and is retried alone.
+    OneByOne,
 }
 
 /// What every pass of a batch works on.
