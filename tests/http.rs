@@ -1551,14 +1551,15 @@ async fn a_tx_without_a_transactional_layer_is_a_server_error_naming_the_fix() {
 async fn an_external_layer_refuses_a_retention_within_its_lease() {
     let (pool, _dir) = common::sqlite(1).await;
     let store = || idem::sql::SqliteInbox::new(pool.clone());
-    let refused = idem::http::Idempotency::external(store(), "short-retention")
+    let refused = match idem::http::Idempotency::external(store(), "short-retention")
         .identity(bearer)
         .lease(Duration::from_secs(120))
         .retention(Duration::from_secs(60))
         .layer()
-        .err()
-        .expect("refused")
-        .to_string();
+    {
+        Ok(_) => panic!("a retention within the lease was taken"),
+        Err(e) => e.to_string(),
+    };
     assert!(
         refused.contains("the retention (60s) must be longer than the lease (120s)"),
         "{refused}"
