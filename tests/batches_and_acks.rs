@@ -394,3 +394,38 @@ async fn a_key_held_elsewhere_holds_up_only_its_own_message_in_a_batch() {
     f.assert_exactly_once(ORDERS, |_| 2).await;
     f.cleanup().await;
 }
+
+/// The batch claim's bound on lock waits holds for the claim only: the transaction's own
+/// `lock_timeout` (here 7 s, set before the claim) is what the handlers' statements get after
+/// it.
+#[tokio::test]
+async fn the_batch_claims_bound_on_lock_waits_is_the_claims_only() {
+    use idem::store::{ClaimRequest, Fingerprint, InboxStore};
+    let pool = common::postgres(1).await;
+    let store = idem::sql::PgInbox::new(pool.clone());
+    store.migrate().await.unwrap();
+    let fingerprint = Fingerprint::of(b"{}");
+    let keys = [common::unique("bound-a"), common::unique("bound-b")];
+    let requests: Vec<ClaimRequest<'_>> = keys
+        .iter()
+        .map(|key| ClaimRequest {
+            consumer: "bound.test",
+            key,
+            fingerprint: &fingerprint,
+            attempt: 1,
+            retention: Duration::from_secs(60),
+        })
+        .collect();
+    let mut tx = store.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '7s'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    store.claim_batch(&mut tx, &requests).await.unwrap();
+    let after: String = sqlx::query_scalar("SHOW lock_timeout")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    store.rollback(tx).await;
+    assert_eq!(after, "7s");
+}

@@ -439,8 +439,9 @@ use idem::store::{Stores};
             /// never settled (here the run is dropped mid-handler, as a consumer that dies there
             /// leaves it), each counted in a transaction of its own. Runs that settled (transient
             /// failures) do not count; past the limit the message is refused as `poison` and
-            /// nothing runs; a fresh delivery of the key (a replay) still runs; a copy of a
-            /// completed key is a duplicate whatever its count.
+            /// nothing runs, and settling that refusal leaves the runs that died counted; a fresh
+            /// delivery of the key (a replay) still runs; a copy of a completed key is a duplicate
+            /// whatever its count.
             #[tokio::test]
             async fn only_runs_that_never_settled_count_toward_the_poison_limit() {
                 let f = fixture(2).await;
@@ -479,11 +480,15 @@ use idem::store::{Stores};
                 assert_eq!(effects(&f.pool, "record", &id).await, 0);
                 assert_eq!(inbox_rows(&f.pool, "record", &id).await, 0);
 
-                // Two more deaths, then a replay (a fresh delivery) completes the key: a redelivered
-                // copy of it is a duplicate, past the limit or not.
-                f.scripts.set(&id, vec![Step::SignalAndHang, Step::SignalAndHang]);
-                dies_in_handler().await;
-                dies_in_handler().await;
+                // Settling the refusal took back its own run only: the two deaths still count,
+                // and the next redelivery is refused too.
+                let fourth = record.invoke(&stores, &redelivered).await.unwrap();
+                assert!(
+                    matches!(&fourth, Outcome::Rejected(r) if r.reason == RejectReason::Poison),
+                    "{fourth:?}"
+                );
+                // A replay (a fresh delivery) completes the key: a redelivered copy of it is a
+                // duplicate, past the limit or not.
                 let replayed = record.invoke(&stores, &order(&id, &customer, 9)).await.unwrap();
                 assert_eq!(replayed.label(), "processed", "{replayed:?}");
                 let copy = record.invoke(&stores, &redelivered).await.unwrap();

@@ -171,6 +171,60 @@ async fn panics_are_retried_and_concurrent_copies_take_effect_once() {
     assert_eq!(transport.pending("mem-orders"), 0);
 }
 
+/// Writes to a second database that is down (as the handler's `?` on another pool gives):
+/// unavailable every time, while its own store writes.
+#[idempotent(store = Sqlite, queue = "mem-replica", consumer = "mem.replica", key = "order.order_id")]
+async fn to_replica(
+    _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    order: Order,
+) -> Result<(), HandlerError> {
+    match order.order_id.starts_with("down") {
+        true => Err(HandlerError::unavailable(
+            "the replica this handler writes to is down",
+        )),
+        false => Ok(()),
+    }
+}
+
+/// A message that fails as unavailable while its store's probe writes commit is not the store's
+/// fault: after three waits it is retried as a transient failure, spending its attempts, and
+/// dead-lettered as `retries-exhausted` when they run out; it never pauses the store for ever,
+/// and the message behind it is processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_keeps_failing_as_unavailable_while_the_store_writes_is_retried() {
+    let (_pool, _dir, inbox) = orders_inbox(2).await;
+    let transport = MemoryTransport::new();
+    let running = start(
+        Runtime::builder()
+            .transport(transport.clone())
+            .store(inbox)
+            .handlers(["mem.replica"])
+            .retry(
+                RetryPolicy::new(2, Duration::from_millis(20), 2, Duration::from_millis(20))
+                    .unwrap(),
+            ),
+    );
+    let stats = running.stats.clone();
+    transport.publish("mem-replica", message("down-1", false));
+    transport.publish("mem-replica", message("fine-1", false));
+    wait_until("both settled", Duration::from_secs(60), || async {
+        stats.snapshot().settled() == 2
+    })
+    .await;
+    running.shut_down().await;
+    let seen = stats.snapshot();
+    assert_eq!(
+        (seen.processed, seen.dead_lettered, seen.retried),
+        (1, 1, 1),
+        "{seen:?}"
+    );
+    assert_eq!(seen.unavailable, 6, "three waits per attempt: {seen:?}");
+    let dead = transport.dead_letters("mem-replica");
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].1.reason, "retries-exhausted");
+    assert!(dead[0].1.detail.contains("replica"), "{}", dead[0].1.detail);
+}
+
 #[tokio::test]
 async fn wrong_configuration_fails_at_start_saying_what_to_change() {
     let error = |builder: idem::RuntimeBuilder| builder.build().err().unwrap().to_string();

@@ -45,6 +45,7 @@
 pub mod fault;
 pub mod future;
 pub mod handler;
+pub mod jitter;
 pub mod model;
 pub mod outbox;
 pub mod pipeline;

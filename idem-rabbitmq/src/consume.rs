@@ -260,7 +260,7 @@ impl Consumer {
                 None => return Err(Lost::Cancelled),
             };
             let header_bytes = delivery.properties.headers().as_ref().map_or(0, table_size);
-            let delivery = self.enter(delivery, &acks, &queue);
+            let delivery = self.enter(delivery, &acks, &channel, &queue);
             let (body, limits) = (delivery.envelope.body.len(), &self.config);
             if body > limits.max_body {
                 let detail = format!(
@@ -323,7 +323,13 @@ impl Consumer {
     }
 
     /// One broker delivery as the runtime takes it: the envelope, and the handle that settles it.
-    fn enter(&self, delivery: lapin::message::Delivery, acks: &Acks, queue: &Arc<str>) -> Delivery {
+    fn enter(
+        &self,
+        delivery: lapin::message::Delivery,
+        acks: &Acks,
+        channel: &Arc<Channel>,
+        queue: &Arc<str>,
+    ) -> Delivery {
         let lapin::message::Delivery {
             delivery_tag,
             redelivered,
@@ -337,6 +343,7 @@ impl Consumer {
         let settle = Box::new(RabbitSettle {
             tag: delivery_tag,
             acks: acks.clone(),
+            channel: channel.clone(),
             copies: self.copies.clone(),
             properties,
             queue: queue.clone(),

@@ -33,6 +33,9 @@ use tokio::task::JoinHandle;
 pub(crate) struct RabbitSettle {
     pub(crate) tag: u64,
     pub(crate) acks: Acks,
+    /// The delivery's channel: a copy is published only while it is open, since the delivery
+    /// could not be acked after it and the broker would deliver it again beside the copy.
+    pub(crate) channel: Arc<Channel>,
     pub(crate) copies: Arc<crate::outbound::RabbitOutbound>,
     pub(crate) properties: BasicProperties,
     pub(crate) queue: Arc<str>,
@@ -41,6 +44,17 @@ pub(crate) struct RabbitSettle {
 
 impl RabbitSettle {
     /// Hands `op` to the channel's settlement task, which sends it in tag order.
+    /// Whether the delivery can still be settled on its channel; `Err` (and the delivery left
+    /// for the broker to redeliver) when its channel is gone.
+    fn on_open_channel(&self) -> Result<(), TransportError> {
+        match self.channel.status().connected() {
+            true => Ok(()),
+            false => Err(TransportError::Settle(
+                "the delivery's channel is closed; the broker redelivers it, so no copy is published".into(),
+            )),
+        }
+    }
+
     fn settle(mut self: Box<Self>, op: Op) -> Result<(), TransportError> {
         self.done = true;
         if self.acks.send(self.tag, op) {
@@ -67,6 +81,10 @@ impl Settle for RabbitSettle {
         delay: Duration,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
+            if let Err(e) = self.on_open_channel() {
+                let _ = self.settle(Op::Requeue);
+                return Err(e);
+            }
             if let Err(e) = self.publish_retry(envelope, delay).await {
                 // Not acked either: the broker redelivers the original.
                 let _ = self.settle(Op::Requeue);
@@ -93,6 +111,10 @@ impl Settle for RabbitSettle {
         // dead-letter queue, confirmed, and the delivery is acked. If that copy cannot be
         // published, the delivery is rejected as any other (moved without the headers).
         Box::pin(async move {
+            if let Err(e) = self.on_open_channel() {
+                let _ = self.settle(Op::Requeue);
+                return Err(e);
+            }
             match self.publish_dead_letter(envelope, reason).await {
                 Ok(()) => self.settle(Op::Ack),
                 Err(e) => {

@@ -7,6 +7,14 @@ pub const DEFAULT_TABLE: &str = "idem_inbox";
 
 pub use idem_core::store::DEFAULT_RETENTION;
 
+/// How long after it was staged an outbox row the broker keeps refusing is given up, unless the
+/// store says otherwise (`SqlInbox::outbox_give_up`): one day.
+pub const DEFAULT_GIVE_UP: Duration = Duration::from_secs(24 * 3600);
+
+/// The longest give-up time a store takes (`SqlInbox::outbox_give_up`): 100 years; a longer
+/// one is taken as this (the databases' interval arithmetic has bounds).
+pub const MAX_GIVE_UP: Duration = Duration::from_secs(100 * 366 * 86_400);
+
 /// A wrong inbox configuration, reported when the store is built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

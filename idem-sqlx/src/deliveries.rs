@@ -70,4 +70,21 @@ impl<DB: Dialect> SqlInbox<DB> {
         }
         tx.commit().await.map_err(fail)
     }
+
+    /// Removes the counts of `keys` for `consumer` whole (their keys are done), in one short
+    /// transaction.
+    pub(crate) async fn forget_deliveries_of(
+        &self,
+        consumer: &str,
+        keys: &[&str],
+    ) -> Result<(), StoreError> {
+        let fail = |e| store_error("forget deliveries", e);
+        let forget = &self.sql.admin.forget_deliveries;
+        let mut tx = self.begin_tx().await?;
+        for key in keys {
+            let params = [Param::Text(consumer), Param::Text(key)];
+            DB::execute(&mut *tx, forget, &params).await.map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)
+    }
 }

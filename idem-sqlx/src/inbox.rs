@@ -55,7 +55,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             sql,
             sweeping: Arc::default(),
             hold_for: crate::held::HOLD_FOR,
-            give_up: crate::outbox::parked::DEFAULT_GIVE_UP,
+            give_up: crate::config::DEFAULT_GIVE_UP,
         }
     }
 
@@ -81,11 +81,12 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 
     /// The same inbox giving up an outbox row that the broker still refuses `after` it was
-    /// staged (default [`crate::outbox::parked::DEFAULT_GIVE_UP`], one day): the relay stops
-    /// trying it, it stays parked as an outbox dead letter with its reason
-    /// (`idem outbox parked`), and `idem_outbox_given_up_total` counts it.
+    /// staged (default [`crate::config::DEFAULT_GIVE_UP`], one day; at most
+    /// [`crate::config::MAX_GIVE_UP`], which a longer one is taken as): the relay stops trying
+    /// it, it stays parked as an outbox dead letter with its reason (`idem outbox parked`), and
+    /// `idem_outbox_given_up_total` counts it.
     pub fn outbox_give_up(mut self, after: Duration) -> Self {
-        self.give_up = after;
+        self.give_up = after.min(crate::config::MAX_GIVE_UP);
         self
     }
 
@@ -335,6 +336,12 @@ impl<DB: Dialect> DeadLetterStore for SqlInbox<DB> {
         let stored: Vec<_> = keys.iter().map(|k| keys::stored::<DB>(k)).collect();
         let keys: Vec<&str> = stored.iter().map(|k| k.as_ref()).collect();
         self.settle_deliveries_of(consumer, &keys).await
+    }
+
+    async fn forget_deliveries(&self, consumer: &str, keys: &[&str]) -> Result<(), StoreError> {
+        let stored: Vec<_> = keys.iter().map(|k| keys::stored::<DB>(k)).collect();
+        let keys: Vec<&str> = stored.iter().map(|k| k.as_ref()).collect();
+        self.forget_deliveries_of(consumer, &keys).await
     }
 
     async fn uncount_delivery(&self, consumer: &str, key: &str) -> Result<(), StoreError> {

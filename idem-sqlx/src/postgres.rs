@@ -197,8 +197,11 @@ const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 
 /// How long a batch's claim waits for a key another transaction holds (see `claim_batch`).
 pub const BATCH_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Sets [`BATCH_LOCK_WAIT`] for the rest of the transaction.
-const BOUND_LOCK_WAIT: &str = "SET LOCAL lock_timeout = '2s'";
+/// Sets [`BATCH_LOCK_WAIT`] in the transaction, returning the setting it had (read before it
+/// is set: the set depends on the read).
+const BOUND_LOCK_WAIT: &str = "SELECT p.previous
+    FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS p,
+    LATERAL (SELECT set_config('lock_timeout', '2s', true) WHERE p.previous IS NOT NULL) AS s";
 
 const CLAIM_BATCH: &str = r#"
 WITH claimed AS (
@@ -487,9 +490,10 @@ impl Dialect for Postgres {
             .collect();
         // A key another transaction holds is waited for at most BATCH_LOCK_WAIT: then the
         // claim fails (55P03, transient), and the pass runs its members one by one, so that
-        // only the held one waits. Only the claim: the handlers' statements wait as they would.
-        sqlx::raw_sql(BOUND_LOCK_WAIT)
-            .execute(&mut *conn)
+        // only the held one waits. Only the claim: the handlers' statements then wait as the
+        // session's own setting says.
+        let previous: String = sqlx::query_scalar(BOUND_LOCK_WAIT)
+            .fetch_one(&mut *conn)
             .await
             .map_err(fail)?;
         let rows = sqlx::query(AssertSqlSafe(batch.claim.clone()))
@@ -501,7 +505,8 @@ impl Dialect for Postgres {
             .fetch_all(&mut *conn)
             .await
             .map_err(fail)?;
-        sqlx::raw_sql("SET LOCAL lock_timeout TO DEFAULT")
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(&previous)
             .execute(&mut *conn)
             .await
             .map_err(fail)?;

@@ -10,11 +10,12 @@ use std::fmt;
 /// A boxed error that can cross threads.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// Whether retrying the same message can succeed.
+/// Whether retrying the same message can succeed, or the store as a whole cannot write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum ErrorClass {
-    /// The message may succeed later: database unavailable, deadlock, serialization failure,
-    /// pool timeout. The runtime retries it.
+    /// This message may succeed later: a deadlock, a serialization failure, a lock wait or
+    /// statement timeout. The runtime retries it, spending an attempt.
     Transient,
     /// The message will never succeed as it is: bad payload, constraint violation, a
     /// handler's own refusal. The runtime dead-letters it.

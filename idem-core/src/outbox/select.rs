@@ -35,7 +35,7 @@ pub enum OutboxSelect {
 pub struct RelayReport {
     /// Rows published, confirmed and removed.
     pub published: u64,
-    /// Rows the broker could not route (or carry), counted as unroutable.
+    /// Rows the broker could not route, or carry (of those parked).
     pub unroutable: u64,
     /// Rows moved out of the relay's way because the broker refused them (a store that parks
     /// them tries them again later); an operator lists and releases them.

@@ -31,7 +31,7 @@ pub(crate) async fn process<H: Handler>(
     let (outcome, ran) = run::<H>(store, envelope, payload, &keyed, lease, limits).await;
     match (keyed.unsettled.is_some(), ran) {
         (false, _) => {}
-        (true, Ran::Settled) => settle_counts::<H>(store, &[keyed.key.as_str()]).await,
+        (true, Ran::Settled) => settle_counts::<H>(store, &[(keyed.key.as_str(), &outcome)]).await,
         // Another consumer holds the lease: this delivery's run did not start, so only its own
         // count is taken back; the runs before it that never settled still count.
         (true, Ran::HeldElsewhere) => {

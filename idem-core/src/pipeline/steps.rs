@@ -421,14 +421,31 @@ pub(crate) fn poison_verdict<H: Handler>(keyed: &Keyed, limit: Option<u32>) -> O
     )))
 }
 
-/// Takes back the poison limit's count of this run of each of `keys`: their deliveries settled
-/// (the runs before them that never settled still count). A failure is logged: a count left
-/// behind expires with its key.
-pub(crate) async fn settle_counts<H: Handler>(store: &H::Store, keys: &[&str]) {
-    if keys.is_empty() {
-        return;
+/// Settles the poison limit's counts of the runs that were counted, each with its outcome: the
+/// count of a key now done (processed, a duplicate or a conflict of a processed key, stale) is
+/// removed whole, since a copy of a done key is a duplicate whatever its count; any other run
+/// takes back its own count only (the runs before it that never settled still count). A
+/// failure is logged: a count left behind expires with its key.
+pub(crate) async fn settle_counts<H: Handler>(store: &H::Store, runs: &[(&str, &Outcome)]) {
+    let (done, settled): (Vec<_>, Vec<_>) = runs.iter().partition(|(_, outcome)| {
+        matches!(
+            outcome,
+            Outcome::Processed { .. }
+                | Outcome::Duplicate { .. }
+                | Outcome::Conflict { .. }
+                | Outcome::Stale(_)
+        )
+    });
+    let done: Vec<&str> = done.iter().map(|(key, _)| *key).collect();
+    let settled: Vec<&str> = settled.iter().map(|(key, _)| *key).collect();
+    if !done.is_empty()
+        && let Err(e) = store.forget_deliveries(H::CONSUMER, &done).await
+    {
+        tracing::warn!(consumer = H::CONSUMER, error = %e, keys = done.len(), "could not remove the poison limit's counts of keys now done");
     }
-    if let Err(e) = store.settle_deliveries(H::CONSUMER, keys).await {
-        tracing::warn!(consumer = H::CONSUMER, error = %e, keys = keys.len(), "could not remove the poison limit's counts of settled deliveries");
+    if !settled.is_empty()
+        && let Err(e) = store.settle_deliveries(H::CONSUMER, &settled).await
+    {
+        tracing::warn!(consumer = H::CONSUMER, error = %e, keys = settled.len(), "could not take back the poison limit's counts of settled deliveries");
     }
 }

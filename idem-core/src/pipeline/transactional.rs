@@ -35,7 +35,7 @@ pub(crate) async fn process<H: Handler>(
     count_start::<H>(store, envelope, &mut keyed, limits.retention, limits.poison).await;
     let outcome = run::<H>(store, envelope, payload, &keyed, limits, held).await;
     if keyed.unsettled.is_some() {
-        settle_counts::<H>(store, &[keyed.key.as_str()]).await;
+        settle_counts::<H>(store, &[(keyed.key.as_str(), &outcome)]).await;
     }
     outcome
 }

@@ -158,6 +158,8 @@ async fn handle(
     async {
         let mut pending = batch;
         let mut stages = Some(stages);
+        // How often the batch's waiting deliveries waited for their store and ran again.
+        let mut waits = 0;
         while !pending.is_empty() {
             let (envelopes, settles): (Vec<Envelope>, Vec<Box<dyn Settle>>) = pending
                 .into_iter()
@@ -175,20 +177,27 @@ async fn handle(
             };
             let mut waiting = Vec::new();
             let mut failure = None;
-            for ((outcome, envelope), settle) in outcomes.into_iter().zip(envelopes).zip(settles) {
+            for ((mut outcome, envelope), settle) in
+                outcomes.into_iter().zip(envelopes).zip(settles)
+            {
                 let span = telemetry::delivery_span(handler.consumer(), &envelope);
-                telemetry::record_outcome(&span, &outcome);
-                if let Outcome::Unavailable(unavailable) = outcome {
-                    failure = Some(unavailable);
-                    waiting.push(Delivery { envelope, settle });
-                    continue;
+                if let Outcome::Unavailable(unavailable) = &outcome {
+                    if waits < settle::STORE_WAITS {
+                        telemetry::record_outcome(&span, &outcome);
+                        failure = Some(unavailable.clone());
+                        waiting.push(Delivery { envelope, settle });
+                        continue;
+                    }
+                    outcome = settle::unavailable_again(unavailable);
                 }
+                telemetry::record_outcome(&span, &outcome);
                 settle::settle(&shared, &outcome, &envelope, settle, &stop)
                     .instrument(span)
                     .await;
             }
             pending = waiting;
             let Some(failure) = failure else { break };
+            waits += 1;
             if !settle::wait_for_store(&shared, &failure, pending.len(), &stop).await {
                 for delivery in pending {
                     settle::release(delivery).await;

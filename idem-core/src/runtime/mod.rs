@@ -19,13 +19,14 @@ mod stats;
 mod sweeper;
 mod worker;
 
+pub use crate::jitter::jittered;
 #[cfg_attr(not(feature = "testing"), allow(unused_imports))]
 pub(crate) use builder::given_state;
 pub use builder::{DEFAULT_POISON_LIMIT, RuntimeBuilder};
 pub use error::RuntimeError;
 pub use health::{Health, Readiness};
 pub use plan::MAX_PARTITIONS;
-pub use retry::{RetryPolicy, RetryPolicyError, jittered};
+pub use retry::{RetryPolicy, RetryPolicyError};
 pub use run::Runtime;
 pub use startup::DEFAULT_START_DEADLINE;
 pub use stats::{Snapshot, Stats};

@@ -8,14 +8,15 @@
 //! nothing is dead-lettered for the store's state. While paused, readiness is false and the
 //! gauge `idem_store_paused` is 1.
 
-use super::retry::jittered;
 use super::stats::Stats;
 use crate::future::BoxFuture;
+use crate::jitter::jittered;
 use crate::model::StoreError;
 use crate::pipeline::ErasedHandler;
 use crate::store::{StoreKind, Stores};
 use crate::telemetry;
 use crate::transport::StopSignal;
+use futures_util::FutureExt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -178,12 +179,16 @@ async fn probe_until_writable(pause: Arc<Pause>, mut stop: StopSignal) {
             _ = tokio::time::sleep(jittered(wait)) => {}
             _ = stop.wait_for(|stopped| *stopped) => return,
         }
-        match tokio::time::timeout(PROBE_TIMEOUT, (pause.probe)()).await {
-            Ok(Ok(())) => {
+        let probe = std::panic::AssertUnwindSafe((pause.probe)()).catch_unwind();
+        match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+            Ok(Ok(Ok(()))) => {
                 pause.resume();
                 return;
             }
-            Ok(Err(e)) => {
+            Ok(Err(_)) => {
+                tracing::error!(store = %pause.kind, "the store's probe panicked; probing again");
+            }
+            Ok(Ok(Err(e))) => {
                 tracing::debug!(store = %pause.kind, error = %e, retry_in = ?wait, "the store cannot write yet");
                 pause.state.send_if_modified(|state| match state {
                     Some(paused) => {

@@ -7,8 +7,9 @@
 //! cannot write is not settled at all: it waits for the store ([`wait_for_store`]).
 
 use super::actor::Shared;
-use super::retry::{RetryPolicy, jittered};
+use super::retry::RetryPolicy;
 use super::stats::Stats;
+use crate::jitter::jittered;
 use crate::model::{
     DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, StoreError, Transient,
 };
@@ -22,6 +23,9 @@ use std::time::Duration;
 const RECORD_FIRST: Duration = Duration::from_millis(10);
 /// The longest wait between two tries of a dead letter's record.
 const RECORD_LONGEST: Duration = Duration::from_secs(5);
+/// How many times a dead letter's record that fails transiently is tried in place before the
+/// message goes round again (about 8 s of tries).
+const RECORD_TRIES: u32 = 10;
 
 /// What to do with a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,6 +141,32 @@ pub(crate) async fn settle(
                     .await;
                     return;
                 }
+                Recorded::Later(e) => {
+                    // Not moved without its reason: delivered again later, and decided again.
+                    tracing::warn!(error = %e, tries = RECORD_TRIES, "the dead letter's record keeps failing; delivering it again later");
+                    Stats::add(&stats.retried);
+                    telemetry::message(consumer, "retried");
+                    let delay = shared
+                        .retry
+                        .delays()
+                        .first()
+                        .copied()
+                        .unwrap_or(RECORD_LONGEST);
+                    let settled = match shared.in_place {
+                        // An ordered partition has no delay queues: given back in its place.
+                        true => {
+                            tokio::time::sleep(jittered(delay)).await;
+                            settle.release().await
+                        }
+                        false => settle.retry(envelope, delay).await,
+                    };
+                    if let Err(e) = settled {
+                        Stats::add(&stats.settle_failures);
+                        telemetry::settle_failed(consumer);
+                        tracing::warn!(error = %e, "settling failed; the broker will redeliver");
+                    }
+                    return;
+                }
             };
             let label = match outcome {
                 Outcome::Conflict { .. } => {
@@ -169,19 +199,23 @@ enum Recorded {
     Refused(StoreError),
     /// The runtime stopped while the store could not write it.
     Stopped,
+    /// It failed transiently [`RECORD_TRIES`] times: the message goes round again instead.
+    Later(StoreError),
 }
 
 /// Writes `record` to the handler's store: again in place after a transient failure (backing
-/// off, with jitter), and after the store could not write, once it can again (the handler's
-/// consumption pauses meanwhile); until it is written, the store refuses it for good, or
-/// `stop` is raised.
+/// off, with jitter, [`RECORD_TRIES`] times at most), and after the store could not write, once
+/// it can again (the handler's consumption pauses meanwhile); until it is written, the store
+/// refuses it for good, it failed transiently too often, or `stop` is raised.
 async fn record_dead_letter(
     shared: &Shared,
     record: &DeadLetterRecord,
     stop: &StopSignal,
 ) -> Recorded {
     let mut wait = RECORD_FIRST;
+    let mut tries = 0;
     loop {
+        tries += 1;
         let failed = match shared
             .handler
             .record_dead_letter(&shared.stores, record)
@@ -199,6 +233,7 @@ async fn record_dead_letter(
                     return Recorded::Stopped;
                 }
             }
+            ErrorClass::Transient if tries >= RECORD_TRIES => return Recorded::Later(failed),
             ErrorClass::Transient => {
                 tracing::debug!(error = %failed, retry_in = ?wait, "the dead letter's record failed; writing it again");
                 let mut stopping = stop.clone();
@@ -210,6 +245,20 @@ async fn record_dead_letter(
             }
         }
     }
+}
+
+/// How many times a delivery waits for its store and runs again: one that still meets an
+/// unavailable store after as many probes committed fails for what it is (its handler writes
+/// to another database that is down, a table of its own is read-only or full), and is retried
+/// as a transient failure, spending an attempt, instead of pausing the store for ever.
+pub(crate) const STORE_WAITS: u32 = 3;
+
+/// The outcome of a delivery that met an unavailable store again after [`STORE_WAITS`] waits,
+/// each ended by a probe write that committed: a transient failure of the message.
+pub(crate) fn unavailable_again(failure: &Transient) -> Outcome {
+    tracing::warn!(key = failure.key.as_deref(), failure = %failure.message, waits = STORE_WAITS,
+        "the store writes again, but this message keeps failing as if it could not; retrying it as a transient failure");
+    Outcome::Retry(failure.clone())
 }
 
 /// `count` deliveries found their store unable to write (`failure`): pauses the store's

@@ -82,12 +82,14 @@ pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: Sto
     }
 }
 
-/// Whether a sweep left the sweeper behind: it ran out of statements with expired rows left,
-/// or the oldest expired row it left expired more than an interval ago (the inflow expires rows
-/// faster than paced sweeps delete them).
+/// Whether a sweep left the sweeper behind: it deleted rows, and ran out of statements with
+/// expired rows left, or left a row that expired more than an interval ago (the inflow expires
+/// rows faster than paced sweeps delete them). A sweep that deleted nothing is never behind: the
+/// rows left are held by another transaction (the delete skips locked rows), and sweeping again
+/// at once would only spin.
 fn behind(report: &crate::store::SweepReport, settings: &SweepSettings) -> bool {
     let capped = report.batches >= settings.max_batches && report.expired > 0;
-    capped || report.lag > settings.interval
+    report.deleted > 0 && (capped || report.lag > settings.interval)
 }
 
 #[cfg(test)]
@@ -97,9 +99,9 @@ mod tests {
     use std::sync::{Arc, Mutex};
     use tokio::sync::watch;
 
-    /// A sweeper behind twice (capped, then old rows left), then caught up: the two sweeps
-    /// after the behind ones come at once and unpaced, the one after catching up an interval
-    /// later and paced.
+    /// A sweeper behind twice (capped, then old rows left), then stuck on a row another
+    /// transaction holds: the two sweeps after the behind ones come at once and unpaced, the
+    /// next ones an interval apart and paced (a sweep that deleted nothing is not behind).
     #[tokio::test(start_paused = true)]
     async fn a_sweeper_behind_sweeps_back_to_back_and_paces_once_caught_up() {
         let settings = SweepSettings {
@@ -112,19 +114,24 @@ mod tests {
             SweepReport {
                 locked: true,
                 batches: 3,
+                deleted: 30,
                 expired: 500,
                 ..SweepReport::default()
             },
             SweepReport {
                 locked: true,
                 batches: 2,
+                deleted: 15,
                 expired: 5,
                 lag: Duration::from_secs(61),
                 ..SweepReport::default()
             },
+            // A row another transaction holds, long expired: nothing deleted, not behind.
             SweepReport {
                 locked: true,
                 batches: 1,
+                expired: 1,
+                lag: Duration::from_secs(300),
                 ..SweepReport::default()
             },
         ];
@@ -152,7 +159,7 @@ mod tests {
         let (stop, stopped) = watch::channel(false);
         let started = tokio::time::Instant::now();
         let task = tokio::spawn(run(sweeper, settings, stopped));
-        tokio::time::sleep(Duration::from_secs(90)).await;
+        tokio::time::sleep(Duration::from_secs(150)).await;
         let _ = stop.send(true);
         task.await.unwrap();
         let calls = calls.lock().unwrap().clone();
@@ -162,7 +169,7 @@ mod tests {
             .collect();
         assert_eq!(
             at,
-            [(9, 0), (0, 0), (0, 0), (9, 60)],
+            [(9, 0), (0, 0), (0, 0), (9, 60), (9, 120)],
             "pause and start of each sweep"
         );
     }

@@ -52,24 +52,31 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &m
     let handler = shared.handler;
     let span = telemetry::delivery_span(handler.consumer(), &envelope);
     async {
+        // How often this delivery waited for its store and ran again after a probe committed.
+        let mut waits = 0;
         loop {
             let permit = match &shared.permits {
                 Some(permits) => permits.acquire().await.ok(),
                 None => None,
             };
-            let outcome = match handler.process(&shared.stores, &envelope, held).await {
+            let mut outcome = match handler.process(&shared.stores, &envelope, held).await {
                 Ok(outcome) => outcome,
                 Err(failed) => settle::undispatched(shared, failed),
             };
             drop(permit);
-            telemetry::record_outcome(&tracing::Span::current(), &outcome);
             if let Outcome::Unavailable(failure) = &outcome {
-                if !settle::wait_for_store(shared, failure, 1, stop).await {
-                    settle::release(Delivery { envelope, settle }).await;
-                    return;
+                if waits < settle::STORE_WAITS {
+                    waits += 1;
+                    telemetry::record_outcome(&tracing::Span::current(), &outcome);
+                    if !settle::wait_for_store(shared, failure, 1, stop).await {
+                        settle::release(Delivery { envelope, settle }).await;
+                        return;
+                    }
+                    continue;
                 }
-                continue;
+                outcome = settle::unavailable_again(failure);
             }
+            telemetry::record_outcome(&tracing::Span::current(), &outcome);
             if let Some(delay) = settle::retried_in_place(shared, &outcome, &envelope) {
                 if stopped_within(delay, stop).await {
                     settle::release(Delivery { envelope, settle }).await;
@@ -93,7 +100,7 @@ async fn stopped_within(delay: std::time::Duration, stop: &StopSignal) -> bool {
         return true;
     }
     tokio::select! {
-        _ = tokio::time::sleep(super::retry::jittered(delay)) => false,
+        _ = tokio::time::sleep(crate::jitter::jittered(delay)) => false,
         _ = stop.wait_for(|stopped| *stopped) => true,
     }
 }

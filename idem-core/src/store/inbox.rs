@@ -160,7 +160,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// and commits.
     fn probe(&self) -> impl Future<Output = Result<(), StoreError>> + Send {
         async move {
-            let key = crate::store::owner_token();
+            let key = super::lease::owner_token();
             let fingerprint = Fingerprint::of(key.as_bytes());
             let request = ClaimRequest {
                 consumer: PROBE_CONSUMER,

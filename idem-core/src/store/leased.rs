@@ -30,6 +30,8 @@ pub struct LeasedRun<'a, S: ?Sized> {
     request: &'a ClaimRequest<'a>,
     owner: String,
     attempts: u32,
+    /// How long the lease lasts: how long a settlement waits for a store that cannot write.
+    lease: Duration,
 }
 
 impl<'a, S: LeaseStore + ?Sized> LeasedRun<'a, S> {
@@ -49,6 +51,7 @@ impl<'a, S: LeaseStore + ?Sized> LeasedRun<'a, S> {
                 request,
                 owner,
                 attempts,
+                lease,
             }),
             Admission::Refused(refusal) => Leasing::Refused(refusal),
         })
@@ -61,10 +64,12 @@ impl<'a, S: LeaseStore + ?Sized> LeasedRun<'a, S> {
     }
 
     /// Settles the lease as `end` with `output` ([`settle_lease`]: a transient failure is
-    /// retried in place). `false`: the lease expired while the run went on and another run
-    /// took the key over; nothing was written.
+    /// retried in place, and a store that cannot write is waited for, up to the lease).
+    /// `false`: the lease expired while the run went on and another run took the key over;
+    /// nothing was written.
     pub async fn settle(self, end: LeaseEnd, output: &StoredOutput) -> Result<bool, StoreError> {
-        settle_lease(self.store, self.request, &self.owner, end, output).await
+        let (request, owner) = (self.request, &self.owner);
+        settle_lease(self.store, request, owner, end, output, self.lease).await
     }
 
     /// Gives the lease up after a transient failure: the retry takes the key over at once.

@@ -101,6 +101,18 @@ pub trait DeadLetterStore: InboxStore {
         async { Ok(()) }
     }
 
+    /// Removes the counts of [`DeadLetterStore::count_delivery`] for `consumer`'s `keys` whole:
+    /// their keys are done (processed, or found processed), and a copy of a done key is a
+    /// duplicate whatever its count. In a transaction of its own. The default keeps no counts.
+    fn forget_deliveries(
+        &self,
+        consumer: &str,
+        keys: &[&str],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (consumer, keys);
+        async { Ok(()) }
+    }
+
     /// Takes back the count [`DeadLetterStore::count_delivery`] added for a delivery whose handler
     /// did not start after all (another consumer holds the key's lease), leaving the counts of
     /// earlier runs that never settled. In a transaction of its own. The default keeps no

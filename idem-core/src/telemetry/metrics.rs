@@ -56,6 +56,8 @@ pub const STORE_PAUSES: &str = "idem_store_pauses_total";
 pub const OUTBOX_PUBLISHED: &str = "idem_outbox_published_total";
 /// Outbox messages the broker could not route.
 pub const OUTBOX_UNROUTABLE: &str = "idem_outbox_unroutable_total";
+/// Outbox rows the broker refused, parked out of the relay's way.
+pub const OUTBOX_PARKED: &str = "idem_outbox_parked_total";
 /// Parked outbox rows given up (outbox dead letters).
 pub const OUTBOX_GIVEN_UP: &str = "idem_outbox_given_up_total";
 /// How long the oldest outbox row a relay pass took had waited.
@@ -157,6 +159,10 @@ pub fn describe() {
         "Outbox messages the broker could not route (kept and retried)"
     );
     describe_counter!(
+        OUTBOX_PARKED,
+        "Outbox rows the broker refused (unroutable, not carriable, nacked, a channel closed over them), parked"
+    );
+    describe_counter!(
         OUTBOX_GIVEN_UP,
         "Parked outbox rows the broker kept refusing, given up as outbox dead letters"
     );
@@ -194,6 +200,9 @@ pub(crate) fn relayed(store: &'static str, by: &'static str, report: &crate::out
     }
     if report.unroutable > 0 {
         metrics::counter!(OUTBOX_UNROUTABLE, "store" => store).increment(report.unroutable);
+    }
+    if report.parked > 0 {
+        metrics::counter!(OUTBOX_PARKED, "store" => store).increment(report.parked);
     }
     if report.given_up > 0 {
         metrics::counter!(OUTBOX_GIVEN_UP, "store" => store).increment(report.given_up);

@@ -29,6 +29,7 @@
 //! | `idem_reconnects_total` | counter | `queue`: lost connections or channels of its consumer |
 //! | `idem_outbox_published_total` | counter | `store`, `by`: `dispatch` (right after the commit) or `relay` |
 //! | `idem_outbox_unroutable_total` | counter | `store`: outbox messages the broker could not route (parked, tried again later) |
+//! | `idem_outbox_parked_total` | counter | `store`: outbox rows the broker refused (unroutable, not carriable, nacked, a channel closed over them), parked and tried again later |
 //! | `idem_outbox_given_up_total` | counter | `store`: parked outbox rows the broker kept refusing, given up as outbox dead letters (`idem outbox parked` lists them) |
 //! | `idem_outbox_lag_seconds` | gauge | `store`: how long the oldest row a relay pass took had waited |
 //! | `idem_outbox_staged_total` | counter | `consumer`: messages staged by handlers that committed (replies included) |

@@ -1,51 +1,62 @@
 //! Secrets kept out of logs and error messages.
 
 /// `url` with its secrets replaced by `***`, fit for logs and error messages: the password of
-/// the user part (`scheme://user:password@host`), the whole user part of a NATS URL (a token:
-/// `nats://token@host`), and query parameters that hold a secret (`password`, `sslpassword`,
-/// any name with `password`, `token`, `secret` or `jwt` in it). A list of URLs (`a, b`, as
-/// `AMQP_URL` may hold) has each of them redacted.
+/// the user part (`scheme://user:password@host`, whatever characters the password holds), the
+/// whole user part of a NATS URL (a token: `nats://token@host`), and query parameters that hold
+/// a secret (`password`, `sslpassword`, any name with `password`, `token`, `secret` or `jwt` in
+/// it). A list of URLs (`a, b`, as `AMQP_URL` may hold: split where a comma is followed by the
+/// next URL's scheme) has each of them redacted.
 pub fn redact_url(url: &str) -> String {
-    if url.contains(',') {
-        return url
-            .split(',')
-            .map(|part| {
-                let trimmed = part.trim_start();
-                let lead = &part[..part.len() - trimmed.len()];
-                format!("{lead}{}", redact_one(trimmed))
-            })
-            .collect::<Vec<_>>()
-            .join(",");
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for (at, _) in url.match_indices(',') {
+        if starts_with_scheme(url[at + 1..].trim_start()) {
+            parts.push(&url[start..at]);
+            start = at + 1;
+        }
     }
-    redact_one(url)
+    parts.push(&url[start..]);
+    parts
+        .into_iter()
+        .map(|part| {
+            let trimmed = part.trim_start();
+            let lead = &part[..part.len() - trimmed.len()];
+            format!("{lead}{}", redact_one(trimmed))
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
-/// [`redact_url`] of one URL.
+/// Whether `text` begins with a URL scheme and `://`.
+fn starts_with_scheme(text: &str) -> bool {
+    let Some((scheme, _)) = text.split_once("://") else {
+        return false;
+    };
+    let mut chars = scheme.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+}
+
+/// [`redact_url`] of one URL. The user part ends at the last `@` before the query: a password
+/// may hold `/` or `,` unencoded (an `@` in the path is then taken for the end of a user part,
+/// which shows less, never more).
 fn redact_one(url: &str) -> String {
     let (base, query) = match url.split_once('?') {
         Some((base, query)) => (base, Some(query)),
         None => (url, None),
     };
-    let mut redacted = match base.find("://") {
-        Some(scheme_end) => {
+    let mut redacted = match (base.find("://"), base.rfind('@')) {
+        (Some(scheme_end), Some(at)) if at > scheme_end => {
             let scheme = &base[..scheme_end];
-            let rest = &base[scheme_end + 3..];
-            // The user part ends at the last `@` before the path.
-            let authority_end = rest.find('/').unwrap_or(rest.len());
-            match rest[..authority_end].rfind('@') {
-                Some(at) => {
-                    let userinfo = &rest[..at];
-                    let hidden = match userinfo.split_once(':') {
-                        Some((user, _)) => format!("{user}:***"),
-                        None if token_scheme(scheme) => "***".to_owned(),
-                        None => userinfo.to_owned(),
-                    };
-                    format!("{scheme}://{hidden}{}", &rest[at..])
-                }
-                None => base.to_owned(),
-            }
+            let userinfo = &base[scheme_end + 3..at];
+            let hidden = match userinfo.split_once(':') {
+                Some((user, _)) => format!("{user}:***"),
+                None if token_scheme(scheme) => "***".to_owned(),
+                None => userinfo.to_owned(),
+            };
+            format!("{scheme}://{hidden}{}", &base[at..])
         }
-        None => base.to_owned(),
+        _ => base.to_owned(),
     };
     if let Some(query) = query {
         let params: Vec<String> = query
@@ -79,7 +90,7 @@ fn secret_parameter(name: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use crate::telemetry::redact::redact_url;
 
     #[test]
     fn passwords_are_redacted() {
@@ -120,8 +131,13 @@ mod tests {
                 "amqp://u:p1@a:5672/%2f, amqp://u:p2@b:5673/%2f",
                 "amqp://u:***@a:5672/%2f, amqp://u:***@b:5673/%2f",
             ),
-            // An `@` in the path is not a user part.
-            ("amqp://h:5672/vhost@x", "amqp://h:5672/vhost@x"),
+            // A password with `,` or `/` in it, unencoded.
+            ("postgres://app:pa,ss@db/x", "postgres://app:***@db/x"),
+            ("postgres://app:pa/ss@db/x", "postgres://app:***@db/x"),
+            (
+                "amqp://u:p,1@a:5672/%2f,amqp://u:p2@b:5673/%2f",
+                "amqp://u:***@a:5672/%2f,amqp://u:***@b:5673/%2f",
+            ),
         ] {
             assert_eq!(redact_url(url), redacted, "{url}");
         }

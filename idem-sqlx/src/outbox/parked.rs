@@ -16,6 +16,8 @@ use crate::inbox::SqlInbox;
 use idem_core::StoreError;
 use std::time::Duration;
 
+pub use crate::config::DEFAULT_GIVE_UP;
+
 /// How long a row stays parked before the relay tries it again.
 pub const PARK_RETRY: Duration = Duration::from_secs(30);
 
@@ -179,10 +181,6 @@ pub(crate) const MYSQL_GIVE_UP: &str =
 #[cfg(feature = "sqlite")]
 pub(crate) const SQLITE_GIVE_UP: &str =
     r#"ALTER TABLE "{outbox}_parked" ADD COLUMN given_up_at INTEGER"#;
-
-/// How long after it was staged a row that keeps being refused is given up, unless the store
-/// says otherwise ([`SqlInbox::outbox_give_up`]): one day.
-pub const DEFAULT_GIVE_UP: Duration = Duration::from_secs(24 * 3600);
 
 /// A parked outbox row, as an operator sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]

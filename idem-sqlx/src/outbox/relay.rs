@@ -126,7 +126,10 @@ impl<DB: Dialect> SqlInbox<DB> {
                 Ok(()) => done.push(*seq),
                 Err(e) if refused(&e) => {
                     tracing::warn!(seq, consumer, key, error = %e, "the broker refused an outbox row; parking it (`idem outbox parked`)");
-                    report.unroutable += u64::from(matches!(e, OutboundError::Unroutable { .. }));
+                    report.unroutable += u64::from(matches!(
+                        e,
+                        OutboundError::Unroutable { .. } | OutboundError::Invalid(_)
+                    ));
                     parked.push((*seq, e.to_string()));
                 }
                 Err(e) => {
@@ -211,8 +214,9 @@ fn refused(error: &OutboundError) -> bool {
 }
 
 /// After a pass whose publishes the broker rejected without naming the message at fault (it
-/// closed the channel, and every message sent beside it failed too): each of those messages is
-/// sent again alone, so that only the one at fault is refused (and parked) and the others go.
+/// closed the channel, and every message sent beside it failed too, this pass's or another's):
+/// each of those messages is sent again alone, so that only the one at fault is refused (and
+/// parked) and the others go.
 async fn isolate(
     publish: &dyn Outbound,
     messages: &[Outgoing],
@@ -221,7 +225,9 @@ async fn isolate(
     let rejected: Vec<usize> = (0..results.len())
         .filter(|&i| matches!(results[i], Err(OutboundError::Rejected(_))))
         .collect();
-    if rejected.len() < 2 {
+    // One alone is sent again too: the channel is shared with the dispatch and the relay's
+    // next pass, whose message may be the one that closed it.
+    if rejected.is_empty() {
         return;
     }
     tracing::info!(

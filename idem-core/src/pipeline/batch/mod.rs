@@ -29,7 +29,7 @@ mod run;
 mod set;
 
 use crate::handler::Handler;
-use crate::model::{Envelope, Outcome};
+use crate::model::{Envelope, Outcome, Transient};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{Limits, count_start, reply_again, settle_counts};
 use crate::store::InboxStore;
@@ -72,9 +72,16 @@ async fn one_by_one<H: Handler>(
 ) -> Vec<Outcome> {
     stages.wait_for_previous().await;
     let mut outcomes = Vec::with_capacity(envelopes.len());
-    for envelope in envelopes {
+    for (i, envelope) in envelopes.iter().enumerate() {
         let one = std::slice::from_ref(envelope);
-        outcomes.extend(together::<H>(store, one, Stages::default(), limits, held).await);
+        let outcome = together::<H>(store, one, Stages::default(), limits, held).await;
+        let unavailable = unavailable_of(&outcome);
+        outcomes.extend(outcome);
+        if let Some(failure) = unavailable {
+            // The store cannot write: the rest wait for it too, untried.
+            outcomes.extend(envelopes[i + 1..].iter().map(|_| waits(&failure, None)));
+            break;
+        }
     }
     stages.fire_committing();
     stages.fire_committed();
@@ -100,10 +107,10 @@ async fn together<H: Handler>(
         let (retention, limit) = (limits.retention, limits.poison);
         count_start::<H>(store, envelope, &mut item.keyed, retention, limit).await;
     }
-    let counted: Vec<String> = items
+    let counted: Vec<(usize, String)> = items
         .iter()
         .filter(|item| item.keyed.unsettled.is_some())
-        .map(|item| item.keyed.key.clone())
+        .map(|item| (item.index, item.keyed.key.clone()))
         .collect();
     if !items.is_empty() {
         let place = &mut Place {
@@ -121,9 +128,29 @@ async fn together<H: Handler>(
             .await;
     }
     let outcomes = finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes);
-    let settled: Vec<&str> = counted.iter().map(String::as_str).collect();
+    let settled: Vec<(&str, &Outcome)> = counted
+        .iter()
+        .map(|(index, key)| (key.as_str(), &outcomes[*index]))
+        .collect();
     settle_counts::<H>(store, &settled).await;
     reply_to_duplicates::<H>(envelopes, outcomes, limits).await
+}
+
+/// The store's unavailability among `outcomes`, if any.
+fn unavailable_of(outcomes: &[Outcome]) -> Option<Transient> {
+    outcomes.iter().find_map(|outcome| match outcome {
+        Outcome::Unavailable(failure) => Some(failure.clone()),
+        _ => None,
+    })
+}
+
+/// The outcome of a message that waits, untried, for the store that `failure` found unable to
+/// write.
+fn waits(failure: &Transient, key: Option<String>) -> Outcome {
+    Outcome::Unavailable(Transient {
+        message: failure.message.clone(),
+        key,
+    })
 }
 
 /// The outcomes, once every duplicate whose request names `reply_to` was sent its stored
@@ -178,6 +205,19 @@ impl<H: Handler> Batch<'_, H> {
                 place.stages.committed = committed;
             }
             if ended == Pass::Done {
+                // A store that cannot write: the members still to run wait for it, untried.
+                let failure = members
+                    .iter()
+                    .find_map(|&k| match &outcomes[items[k].index] {
+                        Some(Outcome::Unavailable(failure)) => Some(failure.clone()),
+                        _ => None,
+                    });
+                if let Some(failure) = failure {
+                    for k in pending.drain(..).flatten() {
+                        let key = Some(items[k].keyed.key.clone());
+                        outcomes[items[k].index] = Some(waits(&failure, key));
+                    }
+                }
                 continue;
             }
             // Rolled back: every member is judged again in the next pass.
