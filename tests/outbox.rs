@@ -741,6 +741,8 @@ macro_rules! outbox_suite {
                     age: Duration::ZERO,
                     limit: 1000,
                 };
+                // Older than zero at the database's clock, which counts milliseconds (SQLite).
+                tokio::time::sleep(Duration::from_millis(2)).await;
                 let report = inbox.relay(&select, outbound.as_ref()).await.unwrap();
                 assert_eq!(
                     (report.published, report.parked, report.failure.clone()),

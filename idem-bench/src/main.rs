@@ -15,6 +15,7 @@ mod outbox;
 mod parent;
 mod prefill;
 mod report;
+mod steady;
 mod with_idem;
 mod workload;
 
@@ -153,6 +154,9 @@ enum Command {
     /// The outbox: dispatch latency at a steady rate, and a relay draining a backlog against a
     /// raw publish-with-confirms loop.
     Outbox(outbox::OutboxBench),
+    /// idem's batch handler under a full inflow for minutes with a short retention, its
+    /// sweeper at work or not: throughput and the expired rows left.
+    SteadySweep(steady::SteadyBench),
 }
 
 /// `--broker`.
@@ -302,6 +306,7 @@ fn main() -> anyhow::Result<()> {
         }) => runtime.block_on(consume(&cli.bench, variant, &queue, expect, sweeping)),
         Some(Command::Http(http)) => runtime.block_on(http::run(http)),
         Some(Command::Outbox(outbox)) => runtime.block_on(outbox::run(outbox)),
+        Some(Command::SteadySweep(steady)) => runtime.block_on(steady::run(steady)),
     }
 }
 

@@ -17,7 +17,7 @@ pub const TABLE: &str = "bench_idem_inbox";
 /// When the handler first ran: the start of the measured interval. Runtime state; clones share
 /// it.
 #[derive(Clone, Default)]
-struct FirstCall(Arc<OnceLock<Instant>>);
+pub struct FirstCall(Arc<OnceLock<Instant>>);
 
 #[idempotent(store = Postgres, consumer = "bench.orders", queue = "bench-orders")]
 async fn place_order(

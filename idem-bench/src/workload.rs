@@ -338,6 +338,19 @@ pub async fn left_in_queue(url: &str, queue: &str) -> anyhow::Result<u32> {
     Ok(declared.message_count())
 }
 
+/// Empties `queue` (which must exist).
+pub async fn purge(url: &str, queue: &str) -> anyhow::Result<()> {
+    let connection =
+        lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_purge(ShortString::from(queue), Default::default())
+        .await
+        .context("the queue is gone")?;
+    let _ = connection.close(200, ShortString::from("purged")).await;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -162,19 +162,19 @@ impl Current {
         Ok(())
     }
 
-    /// Gives the channel up after a publish on it timed out: its connection is closed in the
-    /// background (dropping whatever lapin still buffers for it) and the next publish opens
-    /// another.
+    /// Gives the channel up after a publish on it timed out, or the broker closed it over a
+    /// publish: its connection is closed in the background (dropping whatever lapin still
+    /// buffers for it) and the next publish opens another.
     fn abandon(&self) {
         if self.abandoned.swap(true, Ordering::SeqCst) {
             return;
         }
-        tracing::warn!(
-            "a publish timed out; closing its connection, the next publish connects again"
+        tracing::info!(
+            "a publish timed out, or the broker closed its channel; closing its connection, the next publish connects again"
         );
         let connection = self.connection.clone();
         tokio::spawn(async move {
-            let close = connection.close(320, ShortString::from("publish timed out"));
+            let close = connection.close(320, ShortString::from("channel given up"));
             let _ = tokio::time::timeout(Duration::from_secs(5), close).await;
         });
     }
@@ -338,7 +338,15 @@ impl Publisher {
             current.abandon();
             return Err(PublishError::TimedOut(self.inner.config.publish_timeout));
         };
-        let confirm = confirm.map_err(broker)?;
+        let confirm = match confirm.map_err(broker) {
+            Ok(confirm) => confirm,
+            Err(e @ PublishError::Rejected(_)) => {
+                // The broker closed the channel: the next publish takes a fresh one.
+                current.abandon();
+                return Err(e);
+            }
+            Err(e) => return Err(e),
+        };
         match confirm {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable {
@@ -471,6 +479,13 @@ impl Publisher {
         let why = failed.unwrap_or_else(|| "the channel closed".to_owned());
         while results.len() < messages.len() {
             results.push(Err(not_sent(&why)));
+        }
+        if results
+            .iter()
+            .any(|r| matches!(r, Err(PublishError::Rejected(_))))
+        {
+            // The broker closed the channel over one of them: the next publish takes a fresh one.
+            current.abandon();
         }
         results
     }

@@ -222,20 +222,39 @@ async fn isolate(
     messages: &[Outgoing],
     results: &mut [Result<(), OutboundError>],
 ) {
-    let rejected: Vec<usize> = (0..results.len())
-        .filter(|&i| matches!(results[i], Err(OutboundError::Rejected(_))))
-        .collect();
     // One alone is sent again too: the channel is shared with the dispatch and the relay's
     // next pass, whose message may be the one that closed it.
-    if rejected.is_empty() {
+    if !results
+        .iter()
+        .any(|r| matches!(r, Err(OutboundError::Rejected(_))))
+    {
         return;
     }
+    // Those that failed as the channel closed under them, too.
+    let rejected: Vec<usize> = (0..results.len())
+        .filter(|&i| {
+            matches!(
+                results[i],
+                Err(OutboundError::Rejected(_) | OutboundError::Broker(_))
+            )
+        })
+        .collect();
     tracing::info!(
         rejected = rejected.len(),
         "the broker closed the channel over one of a pass's publishes; sending each alone"
     );
     for i in rejected {
-        results[i] = publish.publish(&messages[i]).await;
+        // One sent just after the broker closed the channel may go on it while it closes, and
+        // fail with it: sent again, on the channel the publisher opens next.
+        let mut pause = std::time::Duration::from_millis(20);
+        for _ in 0..4 {
+            results[i] = publish.publish(&messages[i]).await;
+            if !matches!(results[i], Err(OutboundError::Broker(_))) {
+                break;
+            }
+            tokio::time::sleep(pause).await;
+            pause *= 2;
+        }
     }
 }
 
