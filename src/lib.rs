@@ -46,7 +46,7 @@ pub mod store {
     pub use idem_core::outbox::{Dispatch, Relay, RelayFn};
     pub use idem_core::store::{
         Admission, DeadLetterStore, LeaseStore, LeasedRun, Leasing, OutboxStore, PROBE_CONSUMER,
-        Refusal, RuntimeStore, SETTLE_ATTEMPTS, SweepFn, SweepStore, Sweeper, owner_token,
+        Pace, Refusal, RuntimeStore, SETTLE_ATTEMPTS, SweepFn, SweepStore, Sweeper, owner_token,
         settle_lease,
     };
     pub use idem_core::{

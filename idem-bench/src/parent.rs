@@ -167,7 +167,8 @@ async fn sweep_alone(
     let started = std::time::Instant::now();
     let mut deleted = 0;
     loop {
-        let report = inbox.sweep_paced(1_000, 1_000, pause).await?;
+        let pace = idem::store::Pace::new(pause, std::time::Duration::MAX);
+        let report = inbox.sweep_paced(1_000, 1_000, pace).await?;
         deleted += report.deleted;
         if report.deleted < 1_000 * 1_000 {
             break;

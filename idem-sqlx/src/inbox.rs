@@ -8,7 +8,7 @@ use crate::error::{classify_error, store_error};
 use crate::keys;
 use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
-use idem_core::store::{DeadLetterStore, LeaseStore, OutboxStore, SweepStore};
+use idem_core::store::{DeadLetterStore, LeaseStore, OutboxStore, Pace, SweepStore};
 use idem_core::{
     Claim, ClaimRequest, DeadLetterRecord, ErrorClass, InboxStore, Lease, LeaseEnd, Outbound,
     OutboxSelect, Outgoing, RelayReport, StoreError, StoreKind, StoredOutput, SweepReport,
@@ -356,16 +356,16 @@ impl<DB: Dialect> DeadLetterStore for SqlInbox<DB> {
 
 impl<DB: Dialect> SweepStore for SqlInbox<DB> {
     async fn sweep(&self, batch: u32, max_batches: u32) -> Result<SweepReport, StoreError> {
-        self.sweep_expired(batch, max_batches, 0).await
+        self.sweep_expired(batch, max_batches, Pace::none()).await
     }
 
     async fn sweep_paced(
         &self,
         batch: u32,
         max_batches: u32,
-        pause: u32,
+        pace: Pace,
     ) -> Result<SweepReport, StoreError> {
-        self.sweep_expired(batch, max_batches, pause).await
+        self.sweep_expired(batch, max_batches, pace).await
     }
 }
 

@@ -8,18 +8,20 @@ use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use crate::session::LockedSession;
+use idem_core::store::Pace;
 use idem_core::{StoreError, SweepReport};
 use std::time::{Duration, Instant};
 
 impl<DB: Dialect> SqlInbox<DB> {
     /// Deletes expired rows in batches of at most `batch`, until none is left or `max_batches`
     /// ran, holding the sweeper lock; a sweeper that finds the lock taken does nothing. After
-    /// each full batch it pauses `pause` times as long as the batch took.
+    /// each full batch it pauses `pace.pause` times as long as the batch took, unless the oldest
+    /// expired row left expired more than `pace.behind_after` ago (it is behind).
     pub(crate) async fn sweep_expired(
         &self,
         batch: u32,
         max_batches: u32,
-        pause: u32,
+        pace: Pace,
     ) -> Result<SweepReport, StoreError> {
         let fail = |e| store_error("sweep", e);
         let sql = &self.sql.sweep;
@@ -50,7 +52,9 @@ impl<DB: Dialect> SqlInbox<DB> {
                 if deleted < u64::from(batch) {
                     break;
                 }
-                pace(&mut report, took, pause).await;
+                if pace.pause > 0 && paced::<DB>(conn, &sql.lag, pace.behind_after).await? {
+                    pause_for(&mut report, took, pace.pause).await;
+                }
             }
             // The poison limit's delivery counts, in batches of their own.
             for _ in 0..max_batches {
@@ -66,7 +70,9 @@ impl<DB: Dialect> SqlInbox<DB> {
                 if deleted < u64::from(batch) {
                     break;
                 }
-                pace(&mut report, took, pause).await;
+                if pace.pause > 0 && paced::<DB>(conn, &sql.lag, pace.behind_after).await? {
+                    pause_for(&mut report, took, pace.pause).await;
+                }
             }
             let lag_ms = DB::fetch_int(conn, &sql.lag, &[]).await.map_err(fail)?;
             report.lag = Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0));
@@ -91,9 +97,24 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 }
 
+/// Whether to pause before the next statement: some expired rows are left (`lag`: the age of
+/// the oldest, in milliseconds), and none expired more than `behind_after` ago (the sweeper has
+/// caught up). Behind, it deletes back to back; with none left, the next statement ends it.
+async fn paced<DB: Dialect>(
+    conn: &mut DB::Connection,
+    lag: &std::sync::Arc<str>,
+    behind_after: Duration,
+) -> Result<bool, StoreError> {
+    let lag_ms = DB::fetch_int(conn, lag, &[])
+        .await
+        .map_err(|e| store_error("sweep", e))?;
+    let lag = Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0));
+    Ok(!lag.is_zero() && lag <= behind_after)
+}
+
 /// Pauses `pause` times as long as the statement that `took` (the sweeper's duty cycle), and
 /// counts the pause in `report`.
-async fn pace(report: &mut SweepReport, took: Duration, pause: u32) {
+async fn pause_for(report: &mut SweepReport, took: Duration, pause: u32) {
     if pause == 0 {
         return;
     }

@@ -4,7 +4,7 @@
 //! expired more than an interval ago) it sweeps back to back without pausing, until it has
 //! caught up.
 
-use crate::store::Sweeper;
+use crate::store::{Pace, Sweeper};
 use crate::telemetry;
 use crate::transport::StopSignal;
 use std::time::Duration;
@@ -45,8 +45,11 @@ pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: Sto
     let store = sweeper.kind.label();
     let mut behind = false;
     loop {
-        let pause = if behind { 0 } else { settings.pause };
-        let sweep = (sweeper.sweep)(settings.batch, settings.max_batches, pause);
+        let pace = match behind {
+            true => Pace::none(),
+            false => Pace::new(settings.pause, settings.interval),
+        };
+        let sweep = (sweeper.sweep)(settings.batch, settings.max_batches, pace);
         let report = tokio::select! {
             report = sweep => report,
             _ = stop.wait_for(|stopped| *stopped) => return,
@@ -137,11 +140,11 @@ mod tests {
         ];
         let calls: Arc<Mutex<Vec<(u32, tokio::time::Instant)>>> = Arc::default();
         let seen = calls.clone();
-        let sweep: SweepFn = Arc::new(move |_, _, pause| {
+        let sweep: SweepFn = Arc::new(move |_, _, pace: Pace| {
             let seen = seen.clone();
             let n = {
                 let mut seen = seen.lock().unwrap();
-                seen.push((pause, tokio::time::Instant::now()));
+                seen.push((pace.pause, tokio::time::Instant::now()));
                 seen.len() - 1
             };
             let report = reports.get(n).copied().unwrap_or_default();

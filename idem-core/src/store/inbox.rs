@@ -90,6 +90,33 @@ pub enum Claim {
     },
 }
 
+/// How a sweep paces its deletes ([`SweepStore::sweep_paced`](super::SweepStore::sweep_paced)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Pace {
+    /// After each full batch, a pause this many times as long as the batch took.
+    pub pause: u32,
+    /// No pause while the oldest expired row left expired longer ago than this: the sweeper is
+    /// behind, and deletes back to back until it has caught up.
+    pub behind_after: Duration,
+}
+
+impl Pace {
+    /// Pauses `pause` times a batch's time, unless the oldest expired row left expired more than
+    /// `behind_after` ago.
+    pub fn new(pause: u32, behind_after: Duration) -> Self {
+        Self {
+            pause,
+            behind_after,
+        }
+    }
+
+    /// No pause.
+    pub fn none() -> Self {
+        Self::new(0, Duration::ZERO)
+    }
+}
+
 /// What one sweep of an inbox did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]

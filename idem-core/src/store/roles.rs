@@ -4,7 +4,7 @@
 //! [`RuntimeStore`] is all of them: what a runtime and the `#[idempotent]` handlers ask of a
 //! store.
 
-use super::inbox::{ClaimRequest, InboxStore, StoreKind, SweepReport};
+use super::inbox::{ClaimRequest, InboxStore, Pace, StoreKind, SweepReport};
 use super::lease::{Lease, LeaseEnd};
 use crate::model::{DeadLetterRecord, ErrorClass, Outgoing, StoreError, StoredOutput};
 use crate::outbox::{OutboxSelect, RelayReport};
@@ -155,17 +155,19 @@ pub trait SweepStore: InboxStore {
         async { Ok(SweepReport::default()) }
     }
 
-    /// As [`sweep`](Self::sweep), pausing after each batch `pause` times as long as the batch
-    /// took, so that deleting takes at most `1 / (pause + 1)` of the sweep's time and a
-    /// backlog of expired rows never takes the database from the consumers (the runtime's
-    /// sweeper pauses 9 times by default). The default ignores `pause`.
+    /// As [`sweep`](Self::sweep), pausing after each batch `pace.pause` times as long as the
+    /// batch took, so that deleting takes at most `1 / (pause + 1)` of the sweep's time and
+    /// expired rows never take the database from the consumers (the runtime's sweeper pauses 9
+    /// times by default) — while it keeps up: once the oldest expired row left expired more than
+    /// `pace.behind_after` ago, the inflow expires rows faster than paced deletes remove them,
+    /// and it deletes back to back until it has caught up. The default ignores `pace`.
     fn sweep_paced(
         &self,
         batch: u32,
         max_batches: u32,
-        pause: u32,
+        pace: Pace,
     ) -> impl Future<Output = Result<SweepReport, StoreError>> + Send {
-        let _ = pause;
+        let _ = pace;
         self.sweep(batch, max_batches)
     }
 }

@@ -1,7 +1,7 @@
 //! The set of inbox stores a runtime holds, one per store type, with their sweepers and the
 //! state its handlers ask for.
 
-use super::inbox::{InboxStore, StoreKind, SweepReport};
+use super::inbox::{InboxStore, Pace, StoreKind, SweepReport};
 use super::roles::RuntimeStore;
 use crate::future::BoxFuture;
 use crate::model::StoreError;
@@ -29,9 +29,10 @@ pub struct Stores {
     injected: Arc<std::sync::atomic::AtomicU32>,
 }
 
-/// One store's [`SweepStore::sweep_paced`](super::SweepStore::sweep_paced), type-erased: `(batch, max_batches, pause)`.
-pub type SweepFn =
-    Arc<dyn Fn(u32, u32, u32) -> BoxFuture<'static, Result<SweepReport, StoreError>> + Send + Sync>;
+/// One store's [`SweepStore::sweep_paced`](super::SweepStore::sweep_paced), type-erased: `(batch, max_batches, pace)`.
+pub type SweepFn = Arc<
+    dyn Fn(u32, u32, Pace) -> BoxFuture<'static, Result<SweepReport, StoreError>> + Send + Sync,
+>;
 
 /// A store's sweeper, as the runtime runs it.
 #[derive(Clone)]
@@ -58,9 +59,9 @@ impl Stores {
     pub fn insert<S: RuntimeStore>(&mut self, store: S) {
         let store = Arc::new(store);
         let sweeping = store.clone();
-        let sweep: SweepFn = Arc::new(move |batch, max_batches, pause| {
+        let sweep: SweepFn = Arc::new(move |batch, max_batches, pace| {
             let store = sweeping.clone();
-            Box::pin(async move { store.sweep_paced(batch, max_batches, pause).await })
+            Box::pin(async move { store.sweep_paced(batch, max_batches, pace).await })
         });
         self.sweepers.insert(
             TypeId::of::<S>(),
