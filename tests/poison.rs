@@ -382,13 +382,27 @@ async fn in_batch_mode_only_the_member_that_started_counts() {
     let waiting = |holder: i32| {
         let observer = observer.clone();
         async move {
-            sqlx::query_scalar::<_, i64>(
-                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            sqlx::query_scalar::<_, i32>(
+                "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
             )
             .bind(holder)
+            .fetch_all(&observer)
+            .await
+            .unwrap()
+        }
+    };
+    // Whether any of these sessions is still open.
+    let open = |pids: Vec<i32>| {
+        let observer = observer.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1)",
+            )
+            .bind(pids)
             .fetch_one(&observer)
             .await
             .unwrap()
+                > 0
         }
     };
     let dlq = idem::rabbitmq::dlq(&queue);
@@ -428,17 +442,27 @@ async fn in_batch_mode_only_the_member_that_started_counts() {
         common::wait_until(
             "the stuck order in its handler, or dead-lettered",
             Duration::from_secs(60),
-            || async move { waiting(holder).await >= 1 || broker::count(dlq_ref).await > 0 },
+            || async move { !waiting(holder).await.is_empty() || broker::count(dlq_ref).await > 0 },
         )
         .await;
         if broker::count(&dlq).await > 0 {
             break (lock, child);
         }
+        let blocked = waiting(holder).await;
         child.0.kill().unwrap();
         exited(&mut child.0, Duration::from_secs(30)).await;
-        // Let go: the killed session takes the row, finds its client gone and ends; the next
-        // round's lock waits for it.
+        // Let go: the killed session takes the row, finds its client gone and ends. Until it
+        // has, the next round could take it for the next consumer's waiting session.
         lock.rollback().await.unwrap();
+        common::wait_until(
+            "the killed consumer's session ended",
+            Duration::from_secs(30),
+            || {
+                let still = open(blocked.clone());
+                async move { !still.await }
+            },
+        )
+        .await;
         kills += 1;
     };
     assert_eq!(
