@@ -181,6 +181,15 @@ const EXISTING: &str = r#"SELECT FALSE AS claimed, fingerprint, outcome FROM "{t
 
 const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 AND key = $3"#;
 
+/// How long a batch's claim waits for a key another transaction holds (see `claim_batch`).
+pub const BATCH_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Sets [`BATCH_LOCK_WAIT`] in the transaction, returning the setting it had (read before it
+/// is set: the set depends on the read).
+const BOUND_LOCK_WAIT: &str = "SELECT p.previous
+    FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS p,
+    LATERAL (SELECT set_config('lock_timeout', '2s', true) WHERE p.previous IS NOT NULL) AS s";
+
 /// Claims a batch's keys in one statement, in the order of its arrays, which `claim_batch`
 /// below sorts by key: two batches sharing keys lock them in the same order, and the server
 /// sorts nothing (the insert takes the rows of `unnest` as they come; were a plan ever to
@@ -194,15 +203,6 @@ const COMPLETE: &str = r#"UPDATE "{table}" SET outcome = $1 WHERE consumer = $2 
 /// Each existing key is looked up on its own through the primary key (a `LATERAL` with
 /// `LIMIT 1`), so a generic plan cached while the table was small stays an index lookup per
 /// key however large the table grows.
-/// How long a batch's claim waits for a key another transaction holds (see `claim_batch`).
-pub const BATCH_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Sets [`BATCH_LOCK_WAIT`] in the transaction, returning the setting it had (read before it
-/// is set: the set depends on the read).
-const BOUND_LOCK_WAIT: &str = "SELECT p.previous
-    FROM (SELECT current_setting('lock_timeout') AS previous OFFSET 0) AS p,
-    LATERAL (SELECT set_config('lock_timeout', '2s', true) WHERE p.previous IS NOT NULL) AS s";
-
 const CLAIM_BATCH: &str = r#"
 WITH claimed AS (
     INSERT INTO "{table}" (consumer, key, fingerprint, status, attempts, created_at, completed_at, expires_at)
