@@ -53,9 +53,22 @@ fn setting(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// The consumer processes; whatever happens to the test, none outlives it.
-/// The consumer processes; each is killed when dropped.
+/// The consumer processes; each is killed when dropped, so none outlives the test.
 struct Children(Vec<Watched>);
+
+impl Children {
+    /// Stops them as an operator does (SIGTERM) and waits until they are gone.
+    fn stop(&mut self) {
+        for child in &mut self.0 {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+        }
+        for child in &mut self.0 {
+            let _ = child.child.wait();
+        }
+    }
+}
 
 /// A tiny xorshift generator: chaos that is different every run but needs no dependency.
 struct Rng(u64);
@@ -112,7 +125,22 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
     let (proxy, database_url) = common::proxy::postgres().await;
     let pool = common::postgres(4).await;
     let mut orders_per_customer: HashMap<String, i64> = HashMap::new();
-    let mut rng = Rng((u64::from(std::process::id()) * 0x9E37_79B9) | 1);
+    // IDEM_CHAOS_SEED=<n> replays a run's choices (its copies, kills and pauses); the run
+    // prints the seed it used.
+    let seed = std::env::var("IDEM_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            (u64::from(std::process::id()) << 32)
+                ^ u64::from(std::time::UNIX_EPOCH.elapsed().unwrap().subsec_nanos())
+        });
+    eprintln!(
+        "chaos ({}): seed {seed} (IDEM_CHAOS_SEED={seed} replays it)",
+        bus.name()
+    );
+    let mut rng = Rng(seed | 1);
+    // Each crash point aborts a process at its first chance in the run and says so here.
+    let report = tempfile::NamedTempFile::new().unwrap();
 
     // Topology as the consumers declare it, then the workload.
     bus.declare(&queue).await;
@@ -168,6 +196,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
                 "before_commit=0.003,after_commit=0.003,in_dead_letter=0.3,\
                  after_commit_before_dispatch=0.003,after_publish_before_mark=0.003",
             )
+            .env("IDEM_FAULT_REPORT", report.path())
             .env(
                 "RUST_LOG",
                 if logs.is_some() {
@@ -180,7 +209,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         Watched::spawn_logging("orders consume", &mut command, logs.as_deref())
     };
     let mut children = Children((0..processes).map(|_| spawn()).collect());
-    let (mut kills, mut faults) = (0, 0);
+    let (mut kills, mut faults, mut stops) = (0, 0, 0);
     let started = Instant::now();
     let stored = |pool: sqlx::PgPool, prefix: String| async move {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE order_id LIKE $1")
@@ -201,7 +230,19 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         .unwrap_or((0, -1))
     };
     let billed = format!("{queue}.billed");
-    let (mut cut, mut closed, mut restarted) = (false, false, false);
+    // Both hops: the orders and the events their outbox publishes to shipping.
+    let hops = [queue.as_str(), billed.as_str()];
+    // The consumers declare the second hop when they start.
+    common::wait_until(
+        "the consumers to declare the shipping queue",
+        Duration::from_secs(60),
+        || bus.declared(&billed),
+    )
+    .await;
+    let (mut broken, mut closed, mut restarted) = (0, false, false);
+    let mut cut = false;
+    // When the books first were complete: from then on only copies are left to settle.
+    let mut complete: Option<Instant> = None;
     loop {
         // Keep every slot running: count the faults (self-aborts), restart the dead.
         // A process that exited with a code (not a signal) did not crash on a fault: it
@@ -231,7 +272,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         let stored_now = stored(pool.clone(), queue.clone()).await;
         if !cut && stored_now >= orders as i64 / 3 {
             // The database goes away under load, and comes back.
-            proxy.cut();
+            broken = proxy.cut();
             tokio::time::sleep(Duration::from_secs(2)).await;
             proxy.restore();
             cut = true;
@@ -244,12 +285,34 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
             closed = bus.close_connections(&queue).await;
         }
         let (shipments, unpublished) = shipped(pool.clone(), queue.clone()).await;
-        if stored_now >= orders as i64
+        let left = bus.left(&hops).await;
+        let books = stored_now >= orders as i64
             && dead_now >= malformed
             && shipments >= orders as i64
-            && unpublished == 0
+            && unpublished == 0;
+        if !books {
+            complete = None;
+        } else if left > 0
+            && complete.get_or_insert_with(Instant::now).elapsed() > Duration::from_secs(120)
         {
-            break;
+            panic!(
+                "the books are complete, but {left} messages stayed in the queues for 120 s:\n{}",
+                bus.describe(&hops).await
+            );
+        }
+        if books && left == 0 {
+            // Judged only once no copy is left anywhere: the consumers stop, and what they
+            // held unacknowledged is back in its queue, where it must not be.
+            children.stop();
+            let left = bus.left(&hops).await;
+            if left == 0 {
+                break;
+            }
+            stops += 1;
+            eprintln!(
+                "chaos: {left} messages were still held when the consumers stopped; running them"
+            );
+            children = Children((0..processes).map(|_| spawn()).collect());
         }
         if started.elapsed() >= Duration::from_secs(600) {
             // Which of the four did not come, so that a failure says where to look.
@@ -258,7 +321,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
             panic!(
                 "chaos run did not converge in 600 s: orders stored {stored_now} of {orders}, \
                  dead letters {dead_now} of {malformed}, shipments {shipments} of {orders}, \
-                 outbox rows unpublished {unpublished}\n{whereabouts}"
+                 outbox rows unpublished {unpublished}, messages left in the queues {left}\n{whereabouts}"
             );
         }
         tokio::time::sleep(Duration::from_millis(200 + rng.below(600))).await;
@@ -268,21 +331,26 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         kills += 1;
         children.0[victim] = spawn();
     }
-    for child in &mut children.0 {
-        let _ = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status();
-    }
-    for child in &mut children.0 {
-        let _ = child.child.wait();
-    }
 
-    let per_order: Vec<(String, i64)> =
-        sqlx::query_as("SELECT order_id, 1::bigint FROM orders WHERE order_id LIKE $1")
-            .bind(format!("{queue}-%"))
+    // Exact sets: every order and shipment by id, every dead letter by id with its record.
+    let ids = |table: &'static str| {
+        let pool = pool.clone();
+        let prefix = format!("{queue}-%");
+        async move {
+            let mut ids: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                "SELECT order_id FROM {table} WHERE order_id LIKE $1 ORDER BY order_id"
+            )))
+            .bind(prefix)
             .fetch_all(&pool)
             .await
             .unwrap();
+            ids.sort();
+            ids
+        }
+    };
+    let mut expected_ids: Vec<String> = (0..orders).map(|n| format!("{queue}-{n}")).collect();
+    expected_ids.sort();
+    let (stored_ids, shipped_ids) = (ids("orders").await, ids("shipments").await);
     let balances: HashMap<String, i64> =
         sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
             .bind(format!("{queue}-c%"))
@@ -295,26 +363,25 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         .iter()
         .filter(|(c, cents)| balances.get(*c) != Some(cents))
         .count();
-    let dead = bus.dead_letters(&queue).await;
-    let dead_letters = dead.len();
     let records = idem::sql::PgInbox::new(pool.clone())
         .dead_letters(&queue)
         .await
         .unwrap();
-    let reasons = dead
+    let mut dead: Vec<(Option<String>, bool)> = bus
+        .dead_letters(&queue)
+        .await
         .iter()
-        .filter(|m| {
-            records
+        .map(|m| {
+            let recorded = records
                 .iter()
-                .any(|r| r.describes(m.message_id.as_deref(), &m.body))
+                .any(|r| r.reason == "decode" && r.describes(m.message_id.as_deref(), &m.body));
+            (m.message_id.clone(), recorded)
         })
-        .count();
-    let shipments: Vec<(String, i64)> =
-        sqlx::query_as("SELECT order_id, 1::bigint FROM shipments WHERE order_id LIKE $1")
-            .bind(format!("{queue}-%"))
-            .fetch_all(&pool)
-            .await
-            .unwrap();
+        .collect();
+    dead.sort();
+    let expected_dead: Vec<(Option<String>, bool)> = (0..malformed)
+        .map(|n| (Some(format!("{queue}-bad-{n}")), true))
+        .collect();
     let parcels: HashMap<String, i64> =
         sqlx::query_as("SELECT customer, n FROM parcels WHERE customer LIKE $1")
             .bind(format!("{queue}-c%"))
@@ -328,16 +395,22 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         .filter(|(c, n)| parcels.get(*c) != Some(n))
         .count();
     let (_, unpublished) = shipped(pool.clone(), queue.clone()).await;
-    let violations = orders.abs_diff(per_order.len())
-        + wrong_balances
-        + malformed.abs_diff(dead_letters)
-        + orders.abs_diff(shipments.len())
-        + wrong_parcels
-        + unpublished.unsigned_abs() as usize;
+    let left = bus.left(&hops).await;
+    // Each crash point fired, as the aborting processes reported.
+    let reported = std::fs::read_to_string(report.path()).unwrap_or_default();
+    let fired = |point: &str| reported.lines().filter(|l| *l == point).count();
+    let points = [
+        "before_commit",
+        "after_commit",
+        "in_dead_letter",
+        "after_commit_before_dispatch",
+        "after_publish_before_mark",
+    ];
+    let fired_per_point: Vec<(&str, usize)> = points.iter().map(|p| (*p, fired(p))).collect();
     eprintln!(
-        "chaos ({}{}): messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults}, \
-         database cut {cut}, connections closed {closed}, server restarted {restarted}, \
-         violations {violations} (orders stored {} of {orders}, wrong balances {wrong_balances}, shipments {} of {orders}, wrong parcels {wrong_parcels}, unpublished {unpublished}, dead letters {dead_letters}, recorded {reasons}), {:.1} s",
+        "chaos ({}{}): seed {seed}, messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults} {fired_per_point:?}, \
+         database connections cut {broken}, connections closed {closed}, server restarted {restarted}, stops before the end {stops}, \
+         orders stored {} of {orders}, wrong balances {wrong_balances}, shipments {} of {orders}, wrong parcels {wrong_parcels}, unpublished {unpublished}, messages left {left}, dead letters {}, {:.1} s",
         bus.name(),
         if env.is_empty() {
             String::new()
@@ -345,13 +418,42 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
             format!(", {env:?}")
         },
         deliveries - orders - malformed,
-        per_order.len(),
-        shipments.len(),
+        stored_ids.len(),
+        shipped_ids.len(),
+        dead.len(),
         started.elapsed().as_secs_f64()
     );
-    assert_eq!(violations, 0);
-    assert_eq!(reasons, dead_letters, "a dead letter without its record");
+    assert!(
+        stored_ids == expected_ids,
+        "the orders stored are not exactly the orders sent"
+    );
+    assert!(
+        shipped_ids == expected_ids,
+        "the orders shipped are not exactly the orders sent"
+    );
+    assert_eq!(
+        wrong_balances, 0,
+        "balances that are not the sum of their orders"
+    );
+    assert_eq!(
+        wrong_parcels, 0,
+        "parcel counts that are not the customer's orders"
+    );
+    assert_eq!(unpublished, 0, "outbox rows left unpublished");
+    assert_eq!(left, 0, "messages left in the queues");
+    assert_eq!(
+        dead, expected_dead,
+        "the dead letters are not exactly the malformed messages, each with its `decode` record"
+    );
     assert!(kills > 0, "nothing was killed; the run proves nothing");
+    for (point, n) in &fired_per_point {
+        assert!(*n > 0, "the crash point {point} never fired");
+    }
+    assert!(broken > 0, "cutting the database broke no connection");
+    assert!(
+        closed || !bus.can_close(),
+        "closing the consumers' broker connections closed none"
+    );
     assert!(
         restarted || !bus.can_restart(),
         "the broker's server was never restarted"

@@ -77,8 +77,15 @@ async fn a_broker_lost_under_load_fails_over_to_the_next_address() {
         f.effects().await.len() == ORDERS
     })
     .await;
+    f.wait_drained().await;
     let seen = running.shut_down().await;
     assert_eq!(seen.dead_lettered, 0);
+    // Every copy settled; a delivery whose ack the cut lost came again, as a duplicate.
+    let deliveries = (0..ORDERS).map(|n| n % 2 + 1).sum::<usize>() as u64;
+    assert!(
+        seen.processed + seen.duplicates >= deliveries,
+        "{seen:?}: fewer settled than the {deliveries} copies sent"
+    );
     f.assert_exactly_once(ORDERS, |_| 4).await;
     f.cleanup().await;
 }
@@ -209,7 +216,13 @@ async fn a_broker_that_never_answers_is_given_up_for_the_next() {
         f.effects().await.len() == 20
     })
     .await;
-    running.shut_down().await;
+    f.wait_drained().await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.duplicates, seen.dead_lettered),
+        (20, 0, 0),
+        "each of the 20 orders processed once, nothing else"
+    );
     f.assert_exactly_once(20, |_| 2).await;
     hold.abort();
     f.cleanup().await;

@@ -593,8 +593,7 @@ async fn the_orders_example_runs_on_nats_with_exact_books_even_after_a_killed_ru
 /// effect once; without it the start fails, naming the server and the certificate it refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn over_tls_orders_take_effect_once_and_an_unknown_ca_is_refused() {
-    if !common::on_path("nats-server") {
-        eprintln!("skipped: a TLS server of the test's own needs nats-server on the PATH");
+    if !common::own_servers::can_start("nats-server", "a TLS server of the test's own") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

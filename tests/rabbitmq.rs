@@ -440,10 +440,7 @@ async fn a_message_the_client_cannot_parse_is_dead_lettered_and_the_queue_moves_
 async fn over_tls_a_message_the_client_cannot_parse_is_dead_lettered_too() {
     use common::raw_amqp::{RawProperties, RawPublisher};
     use common::tls_node::TlsNode;
-    if !common::tls_node::can_start_nodes() {
-        eprintln!(
-            "skipped: starting a TLS node of the test's own needs rabbitmq-server on the PATH"
-        );
+    if !common::own_servers::can_start("rabbitmq-server", "a TLS node of the test's own") {
         return;
     }
     let node = tokio::task::spawn_blocking(TlsNode::start).await.unwrap();

@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+#[path = "../../tests/common/own_servers.rs"]
+mod own_servers;
 #[path = "../../tests/common/tls_node.rs"]
 mod tls_node;
 
@@ -592,11 +594,10 @@ fn a_wrong_broker_timeout_says_what_to_change() {
     }
 }
 
-/// A RabbitMQ node of the test's own (stopped when dropped), or `None`, said, when this
-/// machine cannot start one.
+/// A RabbitMQ node of the test's own (stopped when dropped); a machine that cannot start one
+/// fails the test, or, with the opt-out of [`own_servers`], skips it: `None`.
 async fn own_node() -> Option<tls_node::TlsNode> {
-    if !tls_node::can_start_nodes() {
-        eprintln!("skipped: starting a node of the test's own needs rabbitmq-server on the PATH");
+    if !own_servers::can_start("rabbitmq-server", "a RabbitMQ node of the test's own") {
         return None;
     }
     let node = tokio::task::spawn_blocking(tls_node::TlsNode::start).await;

@@ -1,6 +1,12 @@
 //! Fault injection for crash tests (feature `fault-injection`): `IDEM_FAULT` names crash points
 //! and probabilities, `IDEM_FAULT="before_commit=0.02,after_commit=0.02,in_dead_letter=0.1"`,
 //! and the process aborts there. Without the feature none of this is compiled.
+//!
+//! A run that must prove its faults fired names a file in `IDEM_FAULT_REPORT`: each abort
+//! appends its point's name there first (one line), and a configured point that no process has
+//! aborted at yet (none listed in the file) aborts at its first chance, whatever its
+//! probability. The processes of a run share the file, so each point fires at least once per
+//! run.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -61,7 +67,21 @@ fn faults() -> &'static Faults {
     })
 }
 
-/// Aborts the process at `point` with the configured probability.
+impl Point {
+    /// Its name in `IDEM_FAULT` and in the report.
+    pub fn name(self) -> &'static str {
+        match self {
+            Point::BeforeCommit => "before_commit",
+            Point::AfterCommit => "after_commit",
+            Point::InDeadLetter => "in_dead_letter",
+            Point::AfterCommitBeforeDispatch => "after_commit_before_dispatch",
+            Point::AfterPublishBeforeMark => "after_publish_before_mark",
+        }
+    }
+}
+
+/// Aborts the process at `point` with the configured probability (or at once, the first time
+/// the run reaches it, with `IDEM_FAULT_REPORT`).
 pub fn maybe_crash(point: Point) {
     let p = match point {
         Point::BeforeCommit => faults().before_commit,
@@ -70,8 +90,26 @@ pub fn maybe_crash(point: Point) {
         Point::AfterCommitBeforeDispatch => faults().after_commit_before_dispatch,
         Point::AfterPublishBeforeMark => faults().after_publish_before_mark,
     };
-    if p > 0.0 && random() < p {
+    if p <= 0.0 {
+        return;
+    }
+    let report = std::env::var_os("IDEM_FAULT_REPORT");
+    let first = report.as_ref().is_some_and(|file| {
+        std::fs::read_to_string(file).map_or(true, |seen| !seen.lines().any(|l| l == point.name()))
+    });
+    if first || random() < p {
         tracing::error!(?point, "fault injection: aborting the process");
+        if let Some(file) = report {
+            use std::io::Write as _;
+            let appended = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(file)
+                .and_then(|mut f| f.write_all(format!("{}\n", point.name()).as_bytes()));
+            if let Err(e) = appended {
+                tracing::error!(error = %e, "fault injection: the report cannot be written");
+            }
+        }
         std::process::abort();
     }
 }

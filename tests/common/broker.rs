@@ -263,12 +263,21 @@ pub fn close_connections(name: &str) -> usize {
 }
 
 /// How many messages are ready in `queue` (a passive declare; not counting unacked ones).
+/// A queue that does not exist fails the test: it is not an empty one.
 pub async fn count(queue: &str) -> usize {
     count_on(&amqp_url(), queue).await
 }
 
 /// [`count`] on the broker(s) at `url`.
 pub async fn count_on(url: &str, queue: &str) -> usize {
+    match try_count_on(url, queue).await {
+        Ok(n) => n,
+        Err(e) => panic!("counting the messages of `{queue}`: {e}"),
+    }
+}
+
+/// [`count_on`], or the broker's refusal (the queue does not exist, say).
+pub async fn try_count_on(url: &str, queue: &str) -> Result<usize, lapin::Error> {
     use lapin::options::QueueDeclareOptions;
     use lapin::types::FieldTable;
     let connection = connect_to(url).await;
@@ -284,7 +293,7 @@ pub async fn count_on(url: &str, queue: &str) -> usize {
         )
         .await;
     close(connection).await;
-    declared.map_or(0, |q| q.message_count() as usize)
+    declared.map(|q| q.message_count() as usize)
 }
 
 /// Whether `queue` exists (a passive declare).
@@ -304,18 +313,28 @@ pub async fn exists(queue: &str) -> bool {
     declared.is_ok()
 }
 
-/// How many deliveries of `queue` are unacknowledged, from the broker (`rabbitmqctl`).
+/// How many deliveries of `queue` are unacknowledged, from the broker (`rabbitmqctl`). A
+/// failed `rabbitmqctl`, or a queue it does not list, fails the test.
 pub fn unacked(queue: &str) -> usize {
     let listed = super::rabbitmqctl()
         .args(["list_queues", "-q", "name", "messages_unacknowledged"])
         .output()
         .expect("rabbitmqctl");
-    String::from_utf8_lossy(&listed.stdout)
+    assert!(
+        listed.status.success(),
+        "`rabbitmqctl list_queues` failed: {}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let text = String::from_utf8_lossy(&listed.stdout);
+    let found = text
         .lines()
         .filter_map(|l| l.split_once('\t'))
-        .find(|(name, _)| *name == queue)
-        .and_then(|(_, n)| n.trim().parse().ok())
-        .unwrap_or(0)
+        .find(|(name, _)| *name == queue);
+    match found.map(|(_, n)| n.trim().parse()) {
+        Some(Ok(n)) => n,
+        Some(Err(e)) => panic!("`rabbitmqctl list_queues` gave `{queue}` an unreadable count: {e}"),
+        None => panic!("`rabbitmqctl list_queues` does not list `{queue}`"),
+    }
 }
 
 /// Deletes `exchange` (an ordered handler's, after its partition queues).

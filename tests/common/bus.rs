@@ -75,7 +75,8 @@ impl Bus {
     }
 
     /// NATS: a server of the run's own, which [`Bus::restart_server`] kills and starts again
-    /// (the test server, never restarted, when `nats-server` is not on the PATH).
+    /// (without `nats-server` on the PATH the test fails; only with the opt-out of
+    /// [`super::own_servers`] does it run on the test server, never restarted).
     pub async fn nats_of_its_own() -> Self {
         match NatsNode::start().await {
             Some(node) => Self::nats_at(node.url(), Some(node)).await,
@@ -245,16 +246,12 @@ impl Bus {
         }
     }
 
-    /// How many dead letters `queue` has.
+    /// How many dead letters `queue` has; a dead-letter queue or stream that does not exist
+    /// fails the test.
     pub async fn dead(&self, queue: &str) -> usize {
         match self {
             Self::Rabbit { urls, .. } => broker::count_on(urls, &idem::rabbitmq::dlq(queue)).await,
-            Self::Nats(nats) => match nats.js.get_stream(dlq_stream(queue)).await {
-                Ok(mut stream) => stream.info().await.map_or(0, |i| {
-                    usize::try_from(i.state.messages).unwrap_or(usize::MAX)
-                }),
-                Err(_) => 0,
-            },
+            Self::Nats(nats) => nats.messages(&dlq_stream(queue)).await,
         }
     }
 
@@ -271,10 +268,15 @@ impl Bus {
                 })
                 .collect(),
             Self::Nats(nats) => {
-                let Ok(mut stream) = nats.js.get_stream(dlq_stream(queue)).await else {
-                    return Vec::new();
+                let name = dlq_stream(queue);
+                let mut stream = match nats.js.get_stream(&name).await {
+                    Ok(stream) => stream,
+                    Err(e) => panic!("reading the dead-letter stream `{name}`: {e}"),
                 };
-                let last = stream.info().await.map_or(0, |i| i.state.last_sequence);
+                let last = match stream.info().await {
+                    Ok(info) => info.state.last_sequence,
+                    Err(e) => panic!("reading the dead-letter stream `{name}`: {e}"),
+                };
                 let mut letters = Vec::new();
                 for sequence in 1..=last {
                     if let Ok(message) = stream.get_raw_message(sequence).await {
@@ -292,16 +294,98 @@ impl Bus {
         }
     }
 
+    /// Whether `queue`'s dead-letter queue (or stream) exists: the consumers declared it.
+    pub async fn declared(&self, queue: &str) -> bool {
+        match self {
+            Self::Rabbit { urls, .. } => broker::try_count_on(urls, &idem::rabbitmq::dlq(queue))
+                .await
+                .is_ok(),
+            Self::Nats(nats) => nats.js.get_stream(dlq_stream(queue)).await.is_ok(),
+        }
+    }
+
+    /// How many messages `queues` and their retry queues (the default policy's) hold: on
+    /// RabbitMQ those ready (unacknowledged ones are counted once their consumer is gone); on
+    /// NATS those not yet acknowledged (work-queue streams keep a message until its ack). A
+    /// queue that does not exist fails the test.
+    pub async fn left(&self, queues: &[&str]) -> usize {
+        let delays = RetryPolicy::default().delays();
+        let mut left = 0;
+        for queue in queues {
+            match self {
+                Self::Rabbit { urls, .. } => {
+                    left += broker::count_on(urls, queue).await;
+                    for delay in &delays {
+                        left += broker::count_on(urls, &idem::rabbitmq::retry_queue(queue, *delay))
+                            .await;
+                    }
+                }
+                Self::Nats(nats) => {
+                    let stream = stream(queue);
+                    left += nats.messages(&stream).await;
+                    left += nats.messages(&format!("{stream}_RETRY")).await;
+                }
+            }
+        }
+        left
+    }
+
+    /// What holds the messages [`Bus::left`] counts, for a failure's message: on NATS each
+    /// stream's state and its consumers' positions.
+    pub async fn describe(&self, queues: &[&str]) -> String {
+        let Self::Nats(nats) = self else {
+            return String::new();
+        };
+        let mut out = String::new();
+        for queue in queues {
+            let base = stream(queue);
+            for name in [base.clone(), format!("{base}_RETRY")] {
+                let Ok(mut s) = nats.js.get_stream(&name).await else {
+                    out.push_str(&format!("{name}: gone\n"));
+                    continue;
+                };
+                if let Ok(info) = s.info().await {
+                    out.push_str(&format!(
+                        "{name}: {} messages, sequences {}..={}\n",
+                        info.state.messages, info.state.first_sequence, info.state.last_sequence
+                    ));
+                }
+                let names: Vec<String> = {
+                    use futures_util::TryStreamExt;
+                    s.consumer_names().try_collect().await.unwrap_or_default()
+                };
+                for consumer in names {
+                    let info = s
+                        .consumer_info(&consumer)
+                        .await
+                        .map(|i| {
+                            format!(
+                                "pending {}, ack pending {}, delivered up to {}, ack floor {}, redelivered {}",
+                                i.num_pending,
+                                i.num_ack_pending,
+                                i.delivered.stream_sequence,
+                                i.ack_floor.stream_sequence,
+                                i.num_redelivered
+                            )
+                        })
+                        .unwrap_or_else(|e| e.to_string());
+                    out.push_str(&format!("  consumer {consumer}: {info}\n"));
+                }
+            }
+        }
+        out
+    }
+
     /// Takes the consumers' connections away: RabbitMQ closes those of `queue`; the NATS
     /// proxy drops every connection for two seconds. Whether any was closed.
     pub async fn close_connections(&self, queue: &str) -> bool {
         match self {
             Self::Rabbit { .. } => broker::close_connections(queue) > 0,
             Self::Nats(nats) => {
-                nats.proxy.cut();
+                let broken = nats.proxy.cut();
                 tokio::time::sleep(Duration::from_secs(2)).await;
                 nats.proxy.restore();
-                true
+                broken > 0
             }
         }
     }
@@ -333,7 +417,27 @@ impl Bus {
     }
 }
 
+impl Nats {
+    /// How many messages the stream `name` holds (on a work-queue stream, those not yet
+    /// acknowledged); a stream that does not exist fails the test.
+    async fn messages(&self, name: &str) -> usize {
+        let info = match self.js.get_stream(name).await {
+            Ok(mut stream) => stream.info().await.map(|i| i.state.messages),
+            Err(e) => panic!("reading the stream `{name}`: {e}"),
+        };
+        match info {
+            Ok(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            Err(e) => panic!("reading the stream `{name}`: {e}"),
+        }
+    }
+}
+
+/// The stream of `queue` on NATS.
+fn stream(queue: &str) -> String {
+    format!("IDEM_{}", queue.replace('.', "_"))
+}
+
 /// The dead-letter stream of `queue` on NATS.
 fn dlq_stream(queue: &str) -> String {
-    format!("IDEM_{}_DLQ", queue.replace('.', "_"))
+    format!("{}_DLQ", stream(queue))
 }

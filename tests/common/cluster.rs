@@ -32,11 +32,11 @@ fn script(args: &[&str]) -> String {
 }
 
 impl Cluster {
-    /// The cluster with all three nodes running (started and joined if they are not), or
-    /// `None`, said on stderr, when this machine cannot start RabbitMQ nodes of its own.
+    /// The cluster with all three nodes running (started and joined if they are not). A
+    /// machine that cannot start RabbitMQ nodes fails the test, or, with the opt-out of
+    /// [`super::own_servers`], skips it: `None`.
     pub async fn up() -> Option<Cluster> {
-        if !super::tls_node::can_start_nodes() {
-            eprintln!("skipped: starting RabbitMQ nodes needs rabbitmq-server on the PATH");
+        if !super::own_servers::can_start("rabbitmq-server", "the 3-node RabbitMQ cluster") {
             return None;
         }
         let held = IN_USE.lock().await;
@@ -91,6 +91,37 @@ impl Cluster {
             .trim()
             .to_owned();
         (1..=3).find(|n| leader == format!("idem-cluster-{n}@localhost"))
+    }
+
+    /// How many messages, ready and unacknowledged, the queues whose names `matches` says
+    /// hold, as node `asked` lists them; a line it cannot read fails the test.
+    pub fn held(&self, asked: usize, matches: impl Fn(&str) -> bool) -> usize {
+        let listed = self.ctl(
+            asked,
+            &[
+                "list_queues",
+                "-q",
+                "--no-table-headers",
+                "name",
+                "messages",
+            ],
+        );
+        listed
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                let (name, n) = l
+                    .split_once('\t')
+                    .unwrap_or_else(|| panic!("rabbitmqctl list_queues printed `{l}`"));
+                let n: usize = n
+                    .trim()
+                    .parse()
+                    .unwrap_or_else(|e| panic!("rabbitmqctl list_queues printed `{l}`: {e}"));
+                (name.to_owned(), n)
+            })
+            .filter(|(name, _)| matches(name))
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// The nodes (1 to 3) that hold a replica of quorum queue `queue`.

@@ -36,11 +36,7 @@ fn broker_tool(variable: &str, program: &str) -> std::process::Command {
     command
 }
 
-/// Whether `program` is on the `PATH`.
-pub fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(program).is_file()))
-}
+pub use own_servers::on_path;
 
 /// The PostgreSQL the tests use: `DATABASE_URL`, or the development machine's server.
 pub fn postgres_url() -> String {
@@ -231,6 +227,7 @@ pub mod charges;
 pub mod cluster;
 pub mod faulty_orders;
 pub mod nats_node;
+pub mod own_servers;
 pub mod preflight;
 pub mod proxy;
 pub mod raw_amqp;

@@ -14,10 +14,10 @@ pub struct NatsNode {
 }
 
 impl NatsNode {
-    /// A server of the test's own, listening with JetStream ready; `None` when `nats-server`
-    /// is not on the PATH.
+    /// A server of the test's own, listening with JetStream ready. Without `nats-server` on
+    /// the PATH the test fails, or, with the opt-out of [`super::own_servers`], `None`.
     pub async fn start() -> Option<Self> {
-        if !super::on_path("nats-server") {
+        if !super::own_servers::can_start("nats-server", "a NATS server of the test's own") {
             return None;
         }
         let node = Self {

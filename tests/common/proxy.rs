@@ -101,12 +101,15 @@ impl Proxy {
         self.refused.load(Ordering::SeqCst)
     }
 
-    /// Breaks every open connection and refuses new ones.
-    pub fn cut(&self) {
+    /// Breaks every open connection and refuses new ones; how many it broke.
+    pub fn cut(&self) -> usize {
         self.open.store(false, Ordering::SeqCst);
+        let mut broken = 0;
         for pipe in self.pipes.lock().unwrap().drain(..) {
+            broken += usize::from(!pipe.is_finished());
             pipe.abort();
         }
+        broken
     }
 
     /// Accepts connections again.

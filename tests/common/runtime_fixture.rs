@@ -379,6 +379,25 @@ impl Fixture {
         assert_eq!(self.balances().await, expected);
     }
 
+    /// Waits until no message of this fixture's queue is left on the broker: none ready in
+    /// the queue or its retry queues, none unacknowledged. A run is judged only then, so that
+    /// late copies and redeliveries are judged too.
+    pub async fn wait_drained(&self) {
+        let delays = self.policy.delays();
+        crate::common::wait_until(
+            "every copy settled (the queue and its retry queues empty, nothing unacked)",
+            Duration::from_secs(120),
+            || async {
+                let mut left = broker::count(&self.queue).await + broker::unacked(&self.queue);
+                for delay in &delays {
+                    left += broker::count(&idem::rabbitmq::retry_queue(&self.queue, *delay)).await;
+                }
+                left == 0
+            },
+        )
+        .await;
+    }
+
     /// The dead-letter records of this fixture's queue, oldest first.
     pub async fn dead_letters(&self) -> Vec<idem::sql::DeadLetterRow> {
         PgInbox::new(self.pool.clone())

@@ -22,15 +22,6 @@ pub struct TlsNode {
     dir: tempfile::TempDir,
 }
 
-/// Whether this machine can start RabbitMQ nodes of its own (`rabbitmq-server` on the `PATH`);
-/// without it the tests that need a TLS node of their own say they are skipped (with the
-/// broker in Docker, for example).
-pub fn can_start_nodes() -> bool {
-    std::env::var_os("PATH").is_some_and(|path| {
-        std::env::split_paths(&path).any(|dir| dir.join("rabbitmq-server").is_file())
-    })
-}
-
 /// A port nothing listens on now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
