@@ -6,19 +6,25 @@
 //! the removal of its outbox row; every killed process is restarted. Once a third of the
 //! orders is stored the database is cut off for two seconds (a proxy in front of it drops
 //! every connection), and once two thirds are, the broker closes the consumers' connections.
-//! Afterwards every unique order is stored exactly once, every balance is exact, every order
-//! is shipped exactly once, each customer's parcels count that customer's orders, no outbox
-//! row is left unpublished, and every malformed message is in the dead-letter queue exactly
-//! once.
+//! Afterwards the orders stored and shipped are exactly those sent (by id), every balance is
+//! exact, each customer's parcels count that customer's orders, no outbox row is left
+//! unpublished, and the dead letters are exactly the malformed messages, each with its record.
 //!
 //! It runs on the machine's broker with classic queues, once more with the orders booked by the
 //! batch handler (`ORDERS_BATCH_HANDLER=1`, batches of 50), once more on the 3-node
 //! cluster of `scripts/rabbitmq-cluster` with quorum queues replicated on every node, the
 //! consumers given every node's address, and once more on NATS JetStream, where the consumers
 //! reach the server through a proxy that drops every connection for two seconds instead of
-//! the broker closing them. On NATS the run has a server of its own (when `nats-server` is on
+//! the broker closing them. On NATS the run has a server of its own (`nats-server` must be on
 //! the PATH), which it kills with SIGKILL and starts again on its store once half the orders
 //! are stored.
+//!
+//! A run is judged only once every queue (or stream) of both hops is empty, retry queues
+//! included, and its consumers stopped: late copies and redeliveries, the ones most likely to
+//! race a killed original, are judged too. Each crash point must have fired (the aborting
+//! processes write their point to `IDEM_FAULT_REPORT`), the database cut must have broken
+//! connections and the connection kill closed some. The run prints its seed;
+//! `IDEM_CHAOS_SEED=<seed>` replays its choices.
 //!
 //! An order's or a shipment's message in a dead-letter queue fails the run at once; that and a
 //! run that does not converge say where the missing orders and shipments are; with
