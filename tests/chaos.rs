@@ -215,7 +215,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         Watched::spawn_logging("orders consume", &mut command, logs.as_deref())
     };
     let mut children = Children((0..processes).map(|_| spawn()).collect());
-    let (mut kills, mut faults, mut stops) = (0, 0, 0);
+    let (mut kills, mut faults, mut stops, mut unreachable_at_start) = (0, 0, 0, 0);
     let started = Instant::now();
     let stored = |pool: sqlx::PgPool, prefix: String| async move {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders WHERE order_id LIKE $1")
@@ -258,6 +258,12 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
                 match status.signal() {
                     Some(6) => faults += 1,
                     Some(_) => {}
+                    // Started while the broker was away (its server restarting, the proxy
+                    // cut): the example stops at once, naming it, and a supervisor starts it
+                    // again, as here.
+                    None if child.stderr_tail(20).contains("cannot reach the broker") => {
+                        unreachable_at_start += 1;
+                    }
                     None => child.assert_running(),
                 }
                 *child = spawn();
@@ -415,7 +421,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
     let fired_per_point: Vec<(&str, usize)> = points.iter().map(|p| (*p, fired(p))).collect();
     eprintln!(
         "chaos ({}{}): seed {seed}, messages {deliveries}, duplicates {}, malformed {malformed}, processes {processes}, kills {kills}, faults {faults} {fired_per_point:?}, \
-         database connections cut {broken}, connections closed {closed}, server restarted {restarted}, stops before the end {stops}, \
+         database connections cut {broken}, connections closed {closed}, server restarted {restarted}, stops before the end {stops}, started while the broker was away {unreachable_at_start}, \
          orders stored {} of {orders}, wrong balances {wrong_balances}, shipments {} of {orders}, wrong parcels {wrong_parcels}, unpublished {unpublished}, messages left {left}, dead letters {}, {:.1} s",
         bus.name(),
         if env.is_empty() {

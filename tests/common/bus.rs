@@ -306,8 +306,11 @@ impl Bus {
 
     /// How many messages `queues` and their retry queues (the default policy's) hold: on
     /// RabbitMQ those ready (unacknowledged ones are counted once their consumer is gone); on
-    /// NATS those not yet acknowledged (work-queue streams keep a message until its ack). A
-    /// queue that does not exist fails the test.
+    /// NATS those their consumers have still to deliver or have delivered unacknowledged. (A
+    /// work-queue stream removes a message at its ack, but a server killed with SIGKILL can
+    /// come back with messages its consumer had acknowledged: below the consumer's ack floor,
+    /// they are never delivered again, and [`Bus::describe`] shows them.) A queue that does
+    /// not exist fails the test.
     pub async fn left(&self, queues: &[&str]) -> usize {
         let delays = RetryPolicy::default().delays();
         let mut left = 0;
@@ -322,8 +325,8 @@ impl Bus {
                 }
                 Self::Nats(nats) => {
                     let stream = stream(queue);
-                    left += nats.messages(&stream).await;
-                    left += nats.messages(&format!("{stream}_RETRY")).await;
+                    left += nats.owed(&stream).await;
+                    left += nats.owed(&format!("{stream}_RETRY")).await;
                 }
             }
         }
@@ -418,6 +421,29 @@ impl Bus {
 }
 
 impl Nats {
+    /// What the consumers of the stream `name` have still to deliver or to see acknowledged;
+    /// a stream without a consumer, or one that does not exist, fails the test.
+    async fn owed(&self, name: &str) -> usize {
+        use futures_util::TryStreamExt;
+        let stream = match self.js.get_stream(name).await {
+            Ok(stream) => stream,
+            Err(e) => panic!("reading the stream `{name}`: {e}"),
+        };
+        let consumers: Vec<String> = match stream.consumer_names().try_collect().await {
+            Ok(names) => names,
+            Err(e) => panic!("listing the consumers of `{name}`: {e}"),
+        };
+        assert!(!consumers.is_empty(), "the stream `{name}` has no consumer");
+        let mut owed = 0;
+        for consumer in consumers {
+            match stream.consumer_info(&consumer).await {
+                Ok(info) => owed += info.num_pending as usize + info.num_ack_pending,
+                Err(e) => panic!("reading the consumer `{consumer}` of `{name}`: {e}"),
+            }
+        }
+        owed
+    }
+
     /// How many messages the stream `name` holds (on a work-queue stream, those not yet
     /// acknowledged); a stream that does not exist fails the test.
     async fn messages(&self, name: &str) -> usize {
