@@ -86,7 +86,10 @@ impl Alarm {
             .args(["list_connections", "-q", "-s", "client_properties", "state"])
             .output()
             .expect("rabbitmqctl");
-        assert!(listed.status.success(), "rabbitmqctl list_connections: {listed:?}");
+        assert!(
+            listed.status.success(),
+            "rabbitmqctl list_connections: {listed:?}"
+        );
         String::from_utf8_lossy(&listed.stdout)
             .lines()
             .filter(|l| l.contains(name))
@@ -241,7 +244,10 @@ async fn under_a_memory_alarm_consumption_pauses_and_resumes_with_nothing_lost()
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(staged, last, "the paused runtime's events are not all in its outbox");
+    assert_eq!(
+        staged, last,
+        "the paused runtime's events are not all in its outbox"
+    );
     let waiting = broker::count(&queue).await;
     assert!(waiting > 0, "no order left in the queue, {last} applied");
     // The bounds of the dispatch: 1,024 runs publishing from memory, 1,024 queued, four

@@ -70,7 +70,10 @@ async fn mysql_setup(
 /// process list shows every statement in flight.) The other tests of the suite run claims too,
 /// so this may count a few of theirs: the copies then overlap a little less, and still must
 /// yield one effect.
-async fn mysql_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::MySql>, _: &sqlx::MySqlPool) -> i64 {
+async fn mysql_lock_waiters(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    _: &sqlx::MySqlPool,
+) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM information_schema.PROCESSLIST
          WHERE info LIKE 'INSERT IGNORE INTO `idem_inbox`%' AND id <> CONNECTION_ID()",
@@ -132,8 +135,13 @@ async fn pg_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, _: &sql
 /// it waits for it: with this transaction holding the lock (`BEGIN IMMEDIATE`), every other
 /// connection taken from the pool belongs to a copy whose `BEGIN IMMEDIATE` queues behind this
 /// one (the tests' copies take a connection only to claim).
-async fn sqlite_lock_waiters(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>, pool: &sqlx::SqlitePool) -> i64 {
-    let taken = pool.size().saturating_sub(u32::try_from(pool.num_idle()).unwrap_or(u32::MAX));
+async fn sqlite_lock_waiters(
+    _: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    pool: &sqlx::SqlitePool,
+) -> i64 {
+    let taken = pool
+        .size()
+        .saturating_sub(u32::try_from(pool.num_idle()).unwrap_or(u32::MAX));
     i64::from(taken) - 1
 }
 

@@ -359,7 +359,9 @@ async fn a_mariadb_table_of_version_8_is_migrated_to_9_without_losing_a_row() {
     inbox.commit(tx).await.unwrap();
     let outbox_rows = || async {
         sqlx::query_as::<_, (String, String, String, Vec<u8>, String)>(sqlx::AssertSqlSafe(
-            format!("SELECT message_id, consumer, `key`, body, headers FROM `{outbox}` ORDER BY seq"),
+            format!(
+                "SELECT message_id, consumer, `key`, body, headers FROM `{outbox}` ORDER BY seq"
+            ),
         ))
         .fetch_all(&own.pool)
         .await

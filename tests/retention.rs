@@ -474,7 +474,11 @@ async fn a_million_rows_are_swept_without_blocking_claims_beyond_one_batch() {
             .fetch_one(&pool)
             .await
             .unwrap();
-    assert_eq!(left, i64::from(claims) + 100, "only the new claims are left");
+    assert_eq!(
+        left,
+        i64::from(claims) + 100,
+        "only the new claims are left"
+    );
     println!(
         "swept {} rows in {} batches in {took:?} ({:.0} rows/s; filled in {filled:?}); longest batch {:?}; \
          {claims} claims meanwhile, slowest {slowest:?} ({alone:?} without a sweep)",

@@ -162,8 +162,8 @@ pub async fn charge(
     amount_cents: i64,
     extra: &[(&str, String)],
 ) -> std::io::Result<Answer> {
-    let body = serde_json::json!({ "amount_cents": amount_cents, "reference": reference })
-        .to_string();
+    let body =
+        serde_json::json!({ "amount_cents": amount_cents, "reference": reference }).to_string();
     let mut request = format!(
         "POST /charges HTTP/1.1\r\nHost: charges\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
         body.len()
