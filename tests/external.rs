@@ -393,6 +393,7 @@ mod killed {
             .handlers(["ext.pay"])
             .handler_queue("ext.pay", queue)
             .retry(policy())
+            // Two workers: the redelivered copy and its retries may run beside each other.
             .concurrency(2)
     }
 

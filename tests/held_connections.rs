@@ -78,6 +78,8 @@ async fn setup(
         .handlers(["note_backend"])
         .handler_queue(CONSUMER, &queue)
         .concurrency(concurrency)
+        // One delivery ahead (the default is 32): a worker's transactions run one after the
+        // other, message by message, which is what the connections they use are judged by.
         .prefetch(1);
     (queue, builder, backends)
 }

@@ -218,6 +218,8 @@ pub struct Fixture {
     pub script: Script,
 }
 
+/// Retries 200 ms, 400 ms, 800 ms, 1.6 s apart: the default policy (1 s, 4 s, 16 s, 60 s)
+/// would make a test that meets a retry wait seconds to minutes for it.
 pub fn fast_retries() -> RetryPolicy {
     RetryPolicy::new(5, Duration::from_millis(200), 2, Duration::from_secs(2)).unwrap()
 }
@@ -289,6 +291,9 @@ impl Fixture {
 
     /// The runtime with the consumer's function `function`.
     fn runtime_of(&self, function: &str, pool: sqlx::PgPool) -> RuntimeBuilder {
+        // Four workers and 16 deliveries ahead (not the defaults): enough in flight at once for
+        // the tests' concurrency cases, few enough that a test's handful of orders and what it
+        // holds back stay easy to follow.
         self.defaults_of(function, pool).concurrency(4).prefetch(16)
     }
 
