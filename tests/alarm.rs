@@ -78,6 +78,26 @@ impl Alarm {
         alarm
     }
 
+    /// The broker's state of each connection whose name contains `name` (`running`,
+    /// `blocking`: an alarm is in effect and it has not published since; `blocked`: it tried
+    /// to publish under the alarm and the broker holds it).
+    fn states_of(name: &str) -> Vec<String> {
+        let listed = common::rabbitmqctl()
+            .args(["list_connections", "-q", "-s", "client_properties", "state"])
+            .output()
+            .expect("rabbitmqctl");
+        assert!(
+            listed.status.success(),
+            "rabbitmqctl list_connections: {listed:?}"
+        );
+        String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter(|l| l.contains(name))
+            .filter_map(|l| l.rsplit('\t').next())
+            .map(|state| state.trim().to_owned())
+            .collect()
+    }
+
     fn in_effect() -> bool {
         let alarms = common::rabbitmqctl()
             .args(["eval", "rabbit_alarm:get_alarms()."])
@@ -176,16 +196,30 @@ async fn under_a_memory_alarm_consumption_pauses_and_resumes_with_nothing_lost()
     );
 
     let consumer = idem::registry::find("alarm::bill").unwrap().consumer();
+    // Its connections are named after the queue: `{queue}:publisher` is the one its relay
+    // publishes on.
+    let runtime_config = RabbitConfig::new(amqp_url()).connection_name(&queue);
+    let publishing = format!("{queue}:publisher");
     let running = start(
         idem::Runtime::builder()
-            .transport(RabbitTransport::new(RabbitConfig::new(amqp_url())))
+            .transport(RabbitTransport::new(runtime_config))
             .store(inbox.clone())
             .state(Target(billed.clone()))
             .handlers([consumer])
             .handler_queue(consumer, &queue),
     );
 
-    // Consumption pauses: the count of applied orders stops moving, short of the end.
+    // The runtime's relay tried to publish and the broker holds its connection: the alarm, as
+    // the broker reports it, is what stands in the runtime's way (a slow machine leaves it
+    // `running`).
+    common::wait_until(
+        "the broker to block the runtime's publisher",
+        Duration::from_secs(60),
+        || async { Alarm::states_of(&publishing) == ["blocked"] },
+    )
+    .await;
+    // Consumption pauses: the count of applied orders stops moving, short of the end, while
+    // the broker blocks the publisher.
     let deadline = Instant::now() + Duration::from_secs(60);
     let (mut last, mut still) = (-1, 0);
     while still < 3 {
@@ -198,6 +232,24 @@ async fn under_a_memory_alarm_consumption_pauses_and_resumes_with_nothing_lost()
             (now, 0)
         };
     }
+    assert_eq!(
+        Alarm::states_of(&publishing),
+        ["blocked"],
+        "the publisher was not blocked throughout the pause"
+    );
+    // Every applied order staged its event, and every one of them waits in the outbox: none
+    // got out, none was lost. The queue still holds orders: the runtime stopped taking them,
+    // they did not run out.
+    let staged: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_alarm_outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        staged, last,
+        "the paused runtime's events are not all in its outbox"
+    );
+    let waiting = broker::count(&queue).await;
+    assert!(waiting > 0, "no order left in the queue, {last} applied");
     // The bounds of the dispatch: 1,024 runs publishing from memory, 1,024 queued, four
     // passes of up to 256 runs, and what the workers and the prefetch hold.
     assert!(
@@ -217,6 +269,13 @@ async fn under_a_memory_alarm_consumption_pauses_and_resumes_with_nothing_lost()
     eprintln!("paused at {last} of {ORDERS} orders applied");
 
     drop(alarm);
+    // Once the alarm is lifted the broker lets the publisher go, and consumption resumes.
+    common::wait_until(
+        "the broker to unblock the runtime's publisher",
+        Duration::from_secs(60),
+        || async { Alarm::states_of(&publishing) == ["running"] },
+    )
+    .await;
     common::wait_until("every order applied", Duration::from_secs(120), || async {
         applied(&pool).await == ORDERS as i64
     })

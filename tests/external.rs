@@ -1,7 +1,8 @@
 //! External mode (`mode = "external"`) against a real HTTP payment service that charges at most
 //! once per idempotency key: concurrent copies, a lease that expires mid-call and is taken over,
 //! permanent and transient failures, and a consumer process killed with SIGKILL after the call
-//! but before the row was completed. The figure each test asserts: charges per key = 1.
+//! but before the row was completed. The figure each test asserts: charges per payment = 1,
+//! counted by the service whatever idempotency key a call carried.
 //!
 //! PostgreSQL and MariaDB run the same suite; the kill test runs the whole runtime on RabbitMQ.
 
@@ -87,6 +88,7 @@ async fn pay(
     let answer = charges::charge(
         provider.addr,
         ctx.idempotency_key(),
+        &payment.payment_id,
         payment.amount_cents,
         &extra,
     )
@@ -391,6 +393,7 @@ mod killed {
             .handlers(["ext.pay"])
             .handler_queue("ext.pay", queue)
             .retry(policy())
+            // Two workers: the redelivered copy and its retries may run beside each other.
             .concurrency(2)
     }
 
@@ -485,7 +488,7 @@ mod killed {
         assert_eq!(
             (charges::calls(&id), charges::charges(&id)),
             (2, 1),
-            "charges per key"
+            "calls under the key, charges for the payment"
         );
         broker::delete_topology(&queue, &policy().delays()).await;
     }

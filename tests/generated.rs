@@ -4,7 +4,11 @@
 //! RabbitMQ, on PostgreSQL, MariaDB and SQLite, one message at a time and in batches. Every
 //! message with a valid key is applied exactly once, its copies included; every message whose
 //! key is invalid (empty, longer than 512 bytes) is dead-lettered once with its record; and the
-//! queue drains. The seed is printed; `IDEM_PROPTEST_SEED=<n>` replays one.
+//! queue drains. Each case also holds near-identical siblings of its keys (two keys that differ
+//! only by a trailing space, a trailing NUL, the case of a letter, or the Unicode normalization
+//! of a character), and each kind is asserted to occur. Dead letters are known by their message
+//! id and reason, in the queue and in the store's records. The seed is printed;
+//! `IDEM_PROPTEST_SEED=<n>` replays one.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -22,7 +26,7 @@ use lapin::types::{
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 /// Generated cases per test, and messages per case.
@@ -172,21 +176,83 @@ fn seed() -> u64 {
         })
 }
 
-/// `CASES` lists of `MESSAGES` messages, from `seed`, with no valid key twice across them.
-fn generate(seed: u64) -> Vec<Vec<Message>> {
+/// The kinds of near-identical sibling keys: a pair of suffixes put after one base, each pair
+/// two keys that differ only in the way the kind names.
+const SIBLINGS: [(&str, &str, &str); 4] = [
+    ("a trailing space", "x", "x "),
+    ("a trailing NUL", "y", "y\0"),
+    ("the case of a letter", "a", "A"),
+    ("Unicode normalization", "\u{e9}", "e\u{301}"),
+];
+
+/// Adds to `case`, after each of its first valid messages, a pair of siblings of one kind
+/// (rotating through [`SIBLINGS`]) made from a prefix of its key, unless `keys` holds either;
+/// counts the pairs added per kind.
+fn add_siblings(
+    case: &mut Vec<Message>,
+    keys: &mut HashSet<String>,
+    kinds: &mut BTreeMap<&'static str, usize>,
+) {
+    let mut at = 0;
+    let mut added = 0;
+    while at < case.len() && added < 2 * SIBLINGS.len() {
+        if !case[at].valid {
+            at += 1;
+            continue;
+        }
+        let (kind, one, other) = SIBLINGS[added % SIBLINGS.len()];
+        // A base that leaves room for either suffix within 512 bytes.
+        let base = cut(case[at].body.key.chars().collect(), 500);
+        let pair = [format!("{base}{one}"), format!("{base}{other}")];
+        if pair.iter().any(|k| keys.contains(k)) {
+            at += 1;
+            continue;
+        }
+        let siblings: Vec<Message> = pair
+            .into_iter()
+            .enumerate()
+            .map(|(n, key)| {
+                keys.insert(key.clone());
+                let mut sibling = case[at].clone();
+                sibling.body.payload = format!("{} sibling {n}", sibling.body.payload);
+                sibling.body.key = key;
+                sibling
+            })
+            .collect();
+        case.splice(at + 1..at + 1, siblings);
+        *kinds.entry(kind).or_default() += 1;
+        added += 1;
+        at += 3;
+    }
+}
+
+/// `CASES` lists of `MESSAGES` messages, from `seed`, with no valid key twice across them,
+/// siblings added (see [`add_siblings`]); and how many pairs of each kind of sibling.
+fn generate(seed: u64) -> (Vec<Vec<Message>>, BTreeMap<&'static str, usize>) {
     let mut bytes = [0u8; 32];
     bytes[..8].copy_from_slice(&seed.to_le_bytes());
     let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &bytes);
     let mut runner = TestRunner::new_with_rng(Config::default(), rng);
     let strategy = prop::collection::vec(message(), MESSAGES);
     let mut keys = HashSet::new();
-    (0..CASES)
+    let mut kinds = BTreeMap::new();
+    let cases = (0..CASES)
         .map(|_| {
             let mut case = strategy.new_tree(&mut runner).unwrap().current();
             case.retain(|m| !m.valid || keys.insert(m.body.key.clone()));
+            add_siblings(&mut case, &mut keys, &mut kinds);
             case
         })
-        .collect()
+        .collect();
+    (cases, kinds)
+}
+
+/// The message id `publish` gives the message at `index` of the run: the generated one (cut to
+/// fit) with the index after it, so that every message is known by its id.
+fn message_id(message: &Message, index: usize) -> String {
+    let id = message.message_id.clone().unwrap_or_default();
+    let suffix = format!("#{index}");
+    format!("{}{suffix}", cut(id.chars().collect(), 255 - suffix.len()))
 }
 
 /// Publishes every message of `case`, and each valid one's copies after it, to `queue`, with
@@ -198,9 +264,7 @@ async fn publish(channel: &lapin::Channel, queue: &str, case: &[Message], first:
         for (name, value) in &message.headers {
             headers.insert(ShortString::from(name.as_str()), value.clone());
         }
-        let id = message.message_id.clone().unwrap_or_default();
-        let suffix = format!("#{}", first + n);
-        let id = format!("{}{suffix}", cut(id.chars().collect(), 255 - suffix.len()));
+        let id = message_id(message, first + n);
         let mut properties = BasicProperties::default()
             .with_message_id(ShortString::from(id))
             .with_delivery_mode(2)
@@ -260,19 +324,29 @@ macro_rules! suite {
             async fn run(batch: bool) {
                 let seed = seed();
                 eprintln!("IDEM_PROPTEST_SEED={seed}");
-                let cases = generate(seed);
+                let (cases, siblings) = generate(seed);
                 let all = cases.iter().flatten();
                 let nul = all.clone().filter(|m| m.body.key.contains('\0')).count();
                 let long = all.clone().filter(|m| m.valid && m.body.key.len() > 500).count();
                 let invalid = all.clone().filter(|m| !m.valid).count();
-                let headers: usize = all.map(|m| m.headers.len()).sum();
-                eprintln!("{} messages: {nul} keys with NUL, {long} valid keys over 500 bytes, {invalid} invalid keys, {headers} headers", CASES * MESSAGES);
+                let headers: usize = all.clone().map(|m| m.headers.len()).sum();
+                eprintln!("{} messages: {nul} keys with NUL, {long} valid keys over 500 bytes, {invalid} invalid keys, {headers} headers, siblings {siblings:?}", all.count());
+                // Every class the run is meant to reach, reached (IDEM_PROPTEST_SEED replays a
+                // run that missed one).
+                for (class, count) in [("keys with NUL", nul), ("valid keys over 500 bytes", long), ("invalid keys", invalid), ("headers", headers)] {
+                    assert!(count > 0, "no {class} generated (IDEM_PROPTEST_SEED={seed})");
+                }
+                for (kind, ..) in SIBLINGS {
+                    assert!(siblings.get(kind).copied().unwrap_or(0) > 0, "no siblings differing by {kind} (IDEM_PROPTEST_SEED={seed})");
+                }
                 let (pool, _dir) = $pool;
                 let mode = if batch { "b" } else { "m" };
                 let table = format!("idem_gen_{}_{mode}", stringify!($module));
                 let effects = format!("{table}_effects");
                 let inbox = <$inbox>::new(pool.clone()).table(&table).unwrap();
                 inbox.migrate().await.unwrap();
+                // The store's dead-letter records, read as the operator's tools read them.
+                let records_of = <$inbox>::new(pool.clone()).table(&table).unwrap();
                 for statement in [
                     format!("CREATE TABLE IF NOT EXISTS {effects} (k {})", $bytes),
                     format!("DELETE FROM {effects}"),
@@ -306,13 +380,22 @@ macro_rules! suite {
                     .await
                     .unwrap();
                 let dlq = idem::rabbitmq::dlq(&queue);
-                let (mut applied, mut dead, mut first) = (0usize, 0usize, 0usize);
+                let (mut applied, mut first) = (0usize, 0usize);
+                // The dead letters expected so far: the message ids of the invalid keys.
+                let mut dead_ids: Vec<String> = Vec::new();
                 for case in &cases {
                     publish(&channel, &queue, case, first).await;
+                    let case_dead: Vec<String> = case
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, m)| !m.valid)
+                        .map(|(n, m)| message_id(m, first + n))
+                        .collect();
                     first += case.len();
                     applied += case.iter().filter(|m| m.valid).count();
-                    dead += case.iter().filter(|m| !m.valid).count();
-                    let (pool, effects, queue, dlq) = (&pool, &effects, &queue, &dlq);
+                    let dead = case_dead.len();
+                    dead_ids.extend(case_dead.iter().cloned());
+                    let (pool, effects, queue, dlq, records_of) = (&pool, &effects, &queue, &dlq, &records_of);
                     common::wait_until("the case settled", DEADLINE, || async move {
                         let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
                             "SELECT count(*) FROM {effects}"
@@ -345,14 +428,31 @@ macro_rules! suite {
                     assert!(twice.is_empty(), "applied more than once: {twice:?} (IDEM_PROPTEST_SEED={seed})");
                     let got: HashSet<Vec<u8>> = counts.into_iter().map(|(k, _)| k).collect();
                     assert_eq!(got, expected, "IDEM_PROPTEST_SEED={seed}");
-                    assert_eq!(broker::count(dlq).await, dead, "IDEM_PROPTEST_SEED={seed}");
-                    let records: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                        "SELECT count(*) FROM {table}_dead_letters"
-                    )))
-                    .fetch_one(pool)
-                    .await
-                    .unwrap();
-                    assert_eq!(records as usize, dead, "one record per dead letter (IDEM_PROPTEST_SEED={seed})");
+                    // The dead letters of this case, each once, known by their ids; and the
+                    // store's record of every one so far, with its reason.
+                    let mut letters: Vec<String> = broker::drain(dlq)
+                        .await
+                        .iter()
+                        .map(|m| m.message_id().unwrap_or_default())
+                        .collect();
+                    letters.sort();
+                    let mut expected_letters = case_dead.clone();
+                    expected_letters.sort();
+                    assert_eq!(letters, expected_letters, "the dead letters (IDEM_PROPTEST_SEED={seed})");
+                    let mut records: Vec<(Option<String>, String)> = records_of
+                        .dead_letters(queue)
+                        .await
+                        .unwrap()
+                        .into_iter()
+                        .map(|r| (r.message_id, r.reason))
+                        .collect();
+                    records.sort();
+                    let mut expected_records: Vec<(Option<String>, String)> = dead_ids
+                        .iter()
+                        .map(|id| (Some(id.clone()), "missing-key".to_owned()))
+                        .collect();
+                    expected_records.sort();
+                    assert_eq!(records, expected_records, "one record per dead letter, with its reason (IDEM_PROPTEST_SEED={seed})");
                 }
                 broker::close(connection).await;
                 running.shut_down().await;

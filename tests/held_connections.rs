@@ -17,7 +17,7 @@ use idem::{HandlerError, RetryPolicy, Runtime, RuntimeBuilder, idempotent};
 use serde::Deserialize;
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const CONSUMER: &str = "held.probe";
 
@@ -26,13 +26,19 @@ struct Probe {
     id: String,
 }
 
-/// The server processes (`pg_backend_pid()`) the handler's transactions ran in, in order.
+/// The server processes (`pg_backend_pid()`) the handler's transactions ran in, in order, each
+/// with the time the handler ran.
 #[derive(Clone, Default)]
-struct Backends(Arc<Mutex<Vec<i32>>>);
+struct Backends(Arc<Mutex<Vec<(i32, Instant)>>>);
 
 impl Backends {
     fn all(&self) -> Vec<i32> {
-        self.0.lock().unwrap().clone()
+        self.0.lock().unwrap().iter().map(|(pid, _)| *pid).collect()
+    }
+
+    /// When the handler ran, message by message.
+    fn times(&self) -> Vec<Instant> {
+        self.0.lock().unwrap().iter().map(|(_, at)| *at).collect()
     }
 }
 
@@ -46,7 +52,7 @@ async fn note_backend(
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut **tx)
         .await?;
-    backends.0.lock().unwrap().push(pid);
+    backends.0.lock().unwrap().push((pid, Instant::now()));
     Ok(())
 }
 
@@ -72,6 +78,8 @@ async fn setup(
         .handlers(["note_backend"])
         .handler_queue(CONSUMER, &queue)
         .concurrency(concurrency)
+        // One delivery ahead (the default is 32): a worker's transactions run one after the
+        // other, message by message, which is what the connections they use are judged by.
         .prefetch(1);
     (queue, builder, backends)
 }
@@ -166,11 +174,14 @@ async fn a_kept_connection_goes_back_after_its_time_and_zero_keeps_none() {
     let inbox = PgInbox::new(common::postgres(6).await).hold_connections(Duration::ZERO);
     let (queue, builder, backends) = setup("hold-none", inbox, 1).await;
     publish_probes(&queue, 0..12).await;
+    let starting = Instant::now();
     let running = start(builder);
     wait_until("every message settled", DEADLINE, || async {
         running.now().settled() >= 12
     })
     .await;
+    // Start-up and twelve messages, on this machine, now.
+    let twelve = starting.elapsed();
     running.shut_down().await;
     let used: BTreeSet<i32> = backends.all().into_iter().collect();
     assert!(
@@ -179,18 +190,32 @@ async fn a_kept_connection_goes_back_after_its_time_and_zero_keeps_none() {
     );
     broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
 
-    // Kept for 300 ms: a message after that runs on another connection.
-    let inbox =
-        PgInbox::new(common::postgres(6).await).hold_connections(Duration::from_millis(300));
+    // Kept for `hold`, twice what start-up and twelve messages took above (300 ms at least):
+    // the first two messages, waiting before the runtime starts, run well within it, and a
+    // message after it runs on another connection.
+    let hold = (twelve * 2).max(Duration::from_millis(300));
+    let inbox = PgInbox::new(common::postgres(6).await).hold_connections(hold);
     let (queue, builder, backends) = setup("hold-short", inbox, 1).await;
-    let running = start(builder);
     publish_probes(&queue, 0..2).await;
+    let starting = Instant::now();
+    let running = start(builder);
     wait_until("the first messages settled", DEADLINE, || async {
         running.now().settled() >= 2
     })
     .await;
-    // The time the connection is kept for passes (what is tested, not a synchronisation).
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let times = backends.times();
+    // The worker took its connection after `starting`, and the second message's transaction
+    // began before its handler ran: within `hold` of the take, so on the kept connection.
+    assert!(
+        times[1] - starting < hold,
+        "the second message ran {:?} after start-up began, past the {hold:?} hold: \
+         the test cannot tell keeping from not",
+        times[1] - starting
+    );
+    // The worker took the connection before the first message's handler ran: once `hold` has
+    // passed since then, the connection has been kept for its time (what is tested, not a
+    // synchronisation).
+    tokio::time::sleep_until((times[0] + hold).into()).await;
     publish_probes(&queue, 2..3).await;
     wait_until("the last message settled", DEADLINE, || async {
         running.now().settled() >= 3
@@ -201,7 +226,7 @@ async fn a_kept_connection_goes_back_after_its_time_and_zero_keeps_none() {
     assert_eq!(pids[0], pids[1], "two messages in a row changed connection");
     assert_ne!(
         pids[1], pids[2],
-        "the connection was kept past its time: {pids:?}"
+        "the connection was kept past its time ({hold:?}): {pids:?}"
     );
     broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
 }

@@ -70,7 +70,10 @@ async fn mysql_setup(
 /// process list shows every statement in flight.) The other tests of the suite run claims too,
 /// so this may count a few of theirs: the copies then overlap a little less, and still must
 /// yield one effect.
-async fn mysql_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::MySql>) -> i64 {
+async fn mysql_lock_waiters(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    _: &sqlx::MySqlPool,
+) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM information_schema.PROCESSLIST
          WHERE info LIKE 'INSERT IGNORE INTO `idem_inbox`%' AND id <> CONNECTION_ID()",
@@ -118,7 +121,7 @@ async fn sqlite_setup(
 }
 
 /// How many transactions wait on a lock this transaction holds.
-async fn pg_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> i64 {
+async fn pg_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, _: &sqlx::PgPool) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted
          AND transactionid = (txid_current() % 4294967296)::text::xid",
@@ -128,14 +131,27 @@ async fn pg_lock_waiters(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>) -> i64 
     .expect("pg_locks")
 }
 
-/// SQLite waiters queue on the file lock, which nothing shows; carry on at once.
-async fn sqlite_lock_waiters(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>) -> i64 {
-    i64::MAX
+/// SQLite shows no queue on its write lock, but a writer holds a connection of the pool while
+/// it waits for it: with this transaction holding the lock (`BEGIN IMMEDIATE`), every other
+/// connection taken from the pool belongs to a copy whose `BEGIN IMMEDIATE` queues behind this
+/// one (the tests' copies take a connection only to claim).
+async fn sqlite_lock_waiters(
+    _: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    pool: &sqlx::SqlitePool,
+) -> i64 {
+    let taken = pool
+        .size()
+        .saturating_sub(u32::try_from(pool.num_idle()).unwrap_or(u32::MAX));
+    i64::from(taken) - 1
 }
 
 /// How many sessions wait for a lock inside a statement on the inbox `table`.
 /// (The activity view is read once per transaction unless its snapshot is cleared.)
-async fn pg_claims_waiting(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, table: &str) -> i64 {
+async fn pg_claims_waiting(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    _: &sqlx::PgPool,
+    table: &str,
+) -> i64 {
     sqlx::query("SELECT pg_stat_clear_snapshot()")
         .execute(&mut **tx)
         .await
@@ -151,7 +167,11 @@ async fn pg_claims_waiting(tx: &mut sqlx::Transaction<'_, sqlx::Postgres>, table
 }
 
 /// How many sessions are inside a claim on the inbox `table` (see [`mysql_lock_waiters`]).
-async fn mysql_claims_waiting(tx: &mut sqlx::Transaction<'_, sqlx::MySql>, table: &str) -> i64 {
+async fn mysql_claims_waiting(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    _: &sqlx::MySqlPool,
+    table: &str,
+) -> i64 {
     sqlx::query_scalar(
         "SELECT count(*) FROM information_schema.PROCESSLIST
          WHERE info LIKE CONCAT('INSERT IGNORE INTO `', ?, '`%') AND id <> CONNECTION_ID()",
@@ -162,9 +182,14 @@ async fn mysql_claims_waiting(tx: &mut sqlx::Transaction<'_, sqlx::MySql>, table
     .expect("PROCESSLIST")
 }
 
-/// SQLite writers queue on the file lock, which nothing shows; carry on at once.
-async fn sqlite_claims_waiting(_: &mut sqlx::Transaction<'_, sqlx::Sqlite>, _: &str) -> i64 {
-    i64::MAX
+/// SQLite writers queue on the file lock, which nothing shows: the connections other claims
+/// hold while they wait for it (see [`sqlite_lock_waiters`]).
+async fn sqlite_claims_waiting(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    pool: &sqlx::SqlitePool,
+    _: &str,
+) -> i64 {
+    sqlite_lock_waiters(tx, pool).await
 }
 
 macro_rules! inbox_suite {
@@ -214,6 +239,8 @@ use idem::store::{Stores};
 
             #[derive(Default)]
             struct Scripted {
+                /// The fixture's pool, whose connections in use show SQLite's waiting writers.
+                pool: Option<Pool>,
                 steps: HashMap<String, VecDeque<Step>>,
                 /// Keys whose handler has written and now hangs.
                 signalled: BTreeSet<String>,
@@ -222,6 +249,10 @@ use idem::store::{Stores};
             impl Scripts {
                 fn set(&self, key: &str, steps: Vec<Step>) {
                     self.0.lock().unwrap().steps.insert(key.to_owned(), steps.into());
+                }
+
+                fn pool(&self) -> Pool {
+                    self.0.lock().unwrap().pool.clone().expect("the fixture's pool")
                 }
 
                 fn next_step(&self, key: &str) -> Option<Step> {
@@ -262,17 +293,17 @@ use idem::store::{Stores};
                     .await
             }
 
-            async fn await_lock_waiters(tx: &mut Tx<'_>, n: i64) {
+            async fn await_lock_waiters(tx: &mut Tx<'_>, pool: &Pool, n: i64) {
                 let deadline = std::time::Instant::now() + Duration::from_secs(20);
-                while super::$lock_waiters(tx).await < n {
+                while super::$lock_waiters(tx, pool).await < n {
                     assert!(std::time::Instant::now() < deadline, "{n} copies never queued behind the claim");
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
             }
 
-            async fn await_claims_waiting(tx: &mut Tx<'_>, table: &str, n: i64) {
+            async fn await_claims_waiting(tx: &mut Tx<'_>, pool: &Pool, table: &str, n: i64) {
                 let deadline = std::time::Instant::now() + Duration::from_secs(20);
-                while super::$claims_waiting(tx, table).await < n {
+                while super::$claims_waiting(tx, pool, table).await < n {
                     assert!(std::time::Instant::now() < deadline, "{n} claims never waited on {table}");
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
@@ -289,10 +320,10 @@ use idem::store::{Stores};
                     Some(Step::ViolateConstraint) => {
                         sqlx::query(super::$sql.insert_balance).bind(&order.customer).execute(&mut **tx).await?;
                     }
-                    Some(Step::AwaitLockWaiters(n)) => await_lock_waiters(tx, n).await,
-                    Some(Step::AwaitClaimsWaiting(table, n)) => await_claims_waiting(tx, &table, n).await,
+                    Some(Step::AwaitLockWaiters(n)) => await_lock_waiters(tx, &scripts.pool(), n).await,
+                    Some(Step::AwaitClaimsWaiting(table, n)) => await_claims_waiting(tx, &scripts.pool(), &table, n).await,
                     Some(Step::AwaitLockWaitersThenFail(n)) => {
-                        await_lock_waiters(tx, n).await;
+                        await_lock_waiters(tx, &scripts.pool(), n).await;
                         return Err(HandlerError::permanent("scripted permanent failure"));
                     }
                     Some(Step::SignalAndHang) => {
@@ -344,7 +375,13 @@ use idem::store::{Stores};
                 let (pool, dir) = super::$setup(connections, path).await;
                 let inbox = <$inbox>::new(pool.clone());
                 inbox.migrate().await.expect("migrate");
+                // Every connection back in the pool before a test counts those taken.
+                wait_until("the pool's connections to be idle", Duration::from_secs(10), || async {
+                    pool.num_idle() == pool.size() as usize
+                })
+                .await;
                 let scripts = Scripts::default();
+                scripts.0.lock().unwrap().pool = Some(pool.clone());
                 Fixture { pool, stores: Stores::new().with(inbox).with_state(scripts.clone()), scripts, _dir: dir }
             }
 
@@ -1225,7 +1262,17 @@ async fn a_version_1_table_is_upgraded_in_place() {
     .await
     .unwrap();
     let inbox = idem::sql::SqliteInbox::new(pool.clone());
-    inbox.check().await.unwrap_err(); // the probe wants the lease columns
+    // The probe reads what later versions added (the first it meets: version 3's delivery
+    // counts), and fails for good, naming the table.
+    let refused = inbox.check().await.unwrap_err();
+    assert!(
+        refused.class() == idem::ErrorClass::Permanent
+            && refused.to_string().contains("inbox table `idem_inbox`")
+            && refused
+                .to_string()
+                .contains("no such table: idem_inbox_deliveries"),
+        "{refused}"
+    );
     inbox.migrate().await.unwrap();
     inbox.check().await.unwrap();
     let version: i64 = sqlx::query_scalar(

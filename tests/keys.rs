@@ -253,11 +253,13 @@ impl OwnTables {
                 .await
                 .unwrap();
         }
-        let outbox = format!("DROP TABLE IF EXISTS `{}`", self.outbox());
-        sqlx::query(sqlx::AssertSqlSafe(outbox))
-            .execute(&self.pool)
-            .await
-            .unwrap();
+        for outbox in [self.outbox(), format!("{}_parked", self.outbox())] {
+            let drop = format!("DROP TABLE IF EXISTS `{outbox}`");
+            sqlx::query(sqlx::AssertSqlSafe(drop))
+                .execute(&self.pool)
+                .await
+                .unwrap();
+        }
         sqlx::query("DELETE FROM idem_schema_version WHERE inbox_table = ?")
             .bind(table)
             .execute(&self.pool)
@@ -329,6 +331,44 @@ async fn a_mariadb_table_of_version_8_is_migrated_to_9_without_losing_a_row() {
         .unwrap();
     inbox.rollback(tx).await;
     assert!(matches!(claim, Claim::Existing { .. }), "{claim:?}");
+    // A row under the same key in each of the other tables version 9 alters: the poison
+    // limit's count, a dead-letter record (with text beyond ASCII) and a staged message.
+    assert_eq!(
+        inbox
+            .count_delivery(&request("c", "k", &old))
+            .await
+            .unwrap(),
+        1
+    );
+    let envelope = idem::Envelope::new("refusé ✓").with_message_id("k");
+    let letter = DeadLetter::new("handler", "refusé ✓", "c", Some("k".to_owned()), 1);
+    inbox
+        .record_dead_letter(&DeadLetterRecord::new(&letter, &envelope, "keys-v8-dlq"))
+        .await
+        .unwrap();
+    let recorded = inbox.dead_letter("c", "k").await.unwrap();
+    assert!(recorded.is_some());
+    let staged = idem::Outgoing::to_queue("keys-v8-billed", "billé ✓")
+        .unwrap()
+        .with_message_id("k-billed");
+    let mut tx = inbox.begin().await.unwrap();
+    inbox
+        .stage_rows(&mut tx, "c", "k", std::slice::from_ref(&staged))
+        .await
+        .unwrap();
+    inbox.commit(tx).await.unwrap();
+    let outbox_rows = || async {
+        sqlx::query_as::<_, (String, String, String, Vec<u8>, String)>(sqlx::AssertSqlSafe(
+            format!(
+                "SELECT message_id, consumer, `key`, body, headers FROM `{outbox}` ORDER BY seq"
+            ),
+        ))
+        .fetch_all(&own.pool)
+        .await
+        .unwrap()
+    };
+    let outbox_before = outbox_rows().await;
+    assert_eq!(outbox_before.len(), 1, "{outbox_before:?}");
 
     inbox.migrate().await.unwrap();
     let version: i32 =
@@ -361,5 +401,28 @@ async fn a_mariadb_table_of_version_8_is_migrated_to_9_without_losing_a_row() {
         Claim::Claimed
     );
     inbox.rollback(tx).await;
+    // The other tables' rows stayed, each whole and still found by its key.
+    assert_eq!(
+        inbox
+            .count_delivery(&request("c", "k", &old))
+            .await
+            .unwrap(),
+        2,
+        "the delivery count was lost"
+    );
+    assert_eq!(
+        inbox
+            .count_delivery(&request("c", "k ", &padded))
+            .await
+            .unwrap(),
+        1,
+        "'k ' counted as 'k'"
+    );
+    assert_eq!(
+        inbox.dead_letter("c", "k").await.unwrap(),
+        recorded,
+        "the dead-letter record"
+    );
+    assert_eq!(outbox_rows().await, outbox_before, "the staged message");
     own.drop().await;
 }

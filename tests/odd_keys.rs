@@ -94,6 +94,26 @@ impl Db {
         }
     }
 
+    /// The store's dead-letter records of `queue`: message id and reason.
+    async fn dead_letters(&self, queue: &str) -> Vec<(Option<String>, String)> {
+        let records = match self {
+            Self::Postgres(schema) => idem::sql::PgInbox::new(schema.pool.clone())
+                .dead_letters(queue)
+                .await
+                .unwrap(),
+            Self::MariaDb { pool, .. } => idem::sql::MySqlInbox::new(pool.clone())
+                .dead_letters(queue)
+                .await
+                .unwrap(),
+        };
+        let mut records: Vec<_> = records
+            .into_iter()
+            .map(|r| (r.message_id, r.reason))
+            .collect();
+        records.sort();
+        records
+    }
+
     async fn drop(self) {
         match self {
             Self::Postgres(schema) => schema.drop().await,
@@ -110,8 +130,15 @@ impl Db {
 
 /// One probe: 100 good orders of 1 cent around the odd orders (id, cents) `odd` makes from the
 /// probe's queue name, consumed by `orders consume` on `db` (in batches of `batch` when given);
-/// the first `dead` of the odd ones are expected in the dead-letter queue, the others applied.
-async fn probe(db: Db, batch: Option<&str>, odd: fn(&str) -> Vec<(String, i64)>, dead: usize) {
+/// the first `dead` of the odd ones are expected in the dead-letter queue, each once, with its
+/// record and `reason`; the others applied.
+async fn probe(
+    db: Db,
+    batch: Option<&str>,
+    odd: fn(&str) -> Vec<(String, i64)>,
+    dead: usize,
+    reason: &str,
+) {
     let queue = unique("idem-odd");
     let odd = odd(&queue);
     let customer = format!("{queue}-c");
@@ -151,10 +178,29 @@ async fn probe(db: Db, batch: Option<&str>, odd: fn(&str) -> Vec<(String, i64)>,
     .await;
     drop(consumer);
     let (orders, cents) = db.books(&queue, &customer).await;
-    let dead_letters = broker::count(&dlq).await;
+    let mut dead_letters: Vec<Option<String>> = broker::drain(&dlq)
+        .await
+        .iter()
+        .map(broker::Got::message_id)
+        .collect();
+    dead_letters.sort();
+    let mut expected: Vec<Option<String>> = odd
+        .iter()
+        .take(dead)
+        .map(|(id, _)| Some(id.clone()))
+        .collect();
+    expected.sort();
+    assert_eq!(
+        dead_letters, expected,
+        "the odd ones dead-lettered, once each"
+    );
+    let records: Vec<(Option<String>, String)> = expected
+        .iter()
+        .map(|id| (id.clone(), reason.to_owned()))
+        .collect();
+    assert_eq!(db.dead_letters(&queue).await, records, "their records");
     let expected_cents = 100 + odd.iter().map(|(_, c)| c).sum::<i64>()
         - odd.iter().take(dead).map(|(_, c)| c).sum::<i64>();
-    assert_eq!(dead_letters, dead, "dead-lettered once each");
     assert_eq!(orders as usize, 100 + odd.len() - dead, "applied once each");
     assert_eq!(cents, expected_cents, "every balance exact");
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
@@ -178,22 +224,39 @@ fn long_and_padded_orders(queue: &str) -> Vec<(String, i64)> {
     ]
 }
 
+/// The reason of a message the example's own table refuses: its handler failed for good.
+const REFUSED: &str = "handler";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_a_nul_key_is_dead_lettered_alone() {
-    probe(Db::postgres().await, None, nul_order, 1).await;
+    probe(Db::postgres().await, None, nul_order, 1, REFUSED).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_postgres_in_batches_a_nul_key_is_dead_lettered_alone() {
-    probe(Db::postgres().await, Some("50"), nul_order, 1).await;
+    probe(Db::postgres().await, Some("50"), nul_order, 1, REFUSED).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mariadb_long_and_padded_keys_are_applied() {
-    probe(Db::mariadb().await, None, long_and_padded_orders, 0).await;
+    probe(
+        Db::mariadb().await,
+        None,
+        long_and_padded_orders,
+        0,
+        REFUSED,
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mariadb_in_batches_long_and_padded_keys_are_applied() {
-    probe(Db::mariadb().await, Some("50"), long_and_padded_orders, 0).await;
+    probe(
+        Db::mariadb().await,
+        Some("50"),
+        long_and_padded_orders,
+        0,
+        REFUSED,
+    )
+    .await;
 }

@@ -199,6 +199,8 @@ async fn a_message_that_keeps_failing_as_unavailable_while_the_store_writes_is_r
             .transport(transport.clone())
             .store(inbox)
             .handlers(["mem.replica"])
+            // Two attempts 20 ms apart (the default is five, from 1 s): the message runs out of
+            // attempts while the test waits.
             .retry(
                 RetryPolicy::new(2, Duration::from_millis(20), 2, Duration::from_millis(20))
                     .unwrap(),
@@ -473,6 +475,8 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
             .store(inbox)
             .state(calls.clone())
             .handlers(["mem.notify"])
+            // Quick retries (the default waits 1 s, 4 s, …): a batch member retried comes back
+            // while the test waits.
             .retry(
                 RetryPolicy::new(6, Duration::from_millis(50), 2, Duration::from_millis(800))
                     .unwrap(),

@@ -319,6 +319,8 @@ mod runtime {
         let (pool, _) = super::pg_setup(8, None).await;
         PgInbox::new(pool.clone()).migrate().await.unwrap();
         let queue = unique("idem-test-versions");
+        // Retries from 100 ms (the default waits 1 s, then 4 s): a retried update comes back
+        // while the test waits, not minutes later.
         let policy =
             RetryPolicy::new(5, Duration::from_millis(100), 2, Duration::from_secs(1)).unwrap();
         let rabbit = RabbitConfig::new(amqp_url()).connection_name(format!("idem-test:{queue}"));
@@ -335,6 +337,8 @@ mod runtime {
                 .handlers(["versions.status"])
                 .handler_queue("versions.status", &queue)
                 .retry(policy.clone())
+                // Eight workers: versions of one entity run at once, so that the late and
+                // overtaken ones really race the newer ones.
                 .concurrency(8),
         );
         let publisher = broker::publisher().await;

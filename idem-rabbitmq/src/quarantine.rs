@@ -336,6 +336,112 @@ mod judged {
             })
     }
 
+    /// Message ids of the classes that lie either side of "lapin parses it": valid UTF-8
+    /// (ASCII, multi-byte, with a NUL) and ids one step from it (a multi-byte character cut
+    /// short, an overlong encoding, a surrogate, one byte of a valid id made invalid), and
+    /// random bytes; each with the name of its class.
+    fn message_id() -> impl Strategy<Value = (&'static str, Vec<u8>)> {
+        let text = "[a-z0-9 ]{0,12}";
+        prop_oneof![
+            "[ -~]{1,39}".prop_map(|s| ("ascii", s.into_bytes())),
+            "[a-zé€😀]{1,9}".prop_map(|s| ("multi-byte", s.into_bytes())),
+            (text, text).prop_map(|(a, b)| ("with a NUL", format!("{a}\0{b}").into_bytes())),
+            (text, prop::sample::select(vec!["é", "€", "😀"])).prop_map(|(a, c)| {
+                let mut id = format!("{a}{c}").into_bytes();
+                id.pop();
+                ("cut short", id)
+            }),
+            (text, text).prop_map(|(a, b)| {
+                (
+                    "overlong",
+                    [a.as_bytes(), &[0xC0, 0xAF], b.as_bytes()].concat(),
+                )
+            }),
+            (text, text).prop_map(|(a, b)| {
+                (
+                    "surrogate",
+                    [a.as_bytes(), &[0xED, 0xA0, 0x80], b.as_bytes()].concat(),
+                )
+            }),
+            ("[a-z]{1,20}", any::<prop::sample::Index>(), 0x80u8..=0xFF).prop_map(
+                |(a, at, byte)| {
+                    let mut id = a.into_bytes();
+                    let at = at.index(id.len());
+                    id[at] = byte;
+                    ("one byte made invalid", id)
+                }
+            ),
+            prop::collection::vec(any::<u8>(), 1..40).prop_map(|id| ("random", id)),
+        ]
+    }
+
+    /// Deliveries whose message ids are drawn from every class beside the line lapin draws
+    /// (see [`message_id`]): exactly the ones that are not UTF-8 are refused, and every class
+    /// is reached, refused and passed ones both, over the run.
+    #[test]
+    fn ids_either_side_of_utf8_are_judged_and_every_class_is_reached() {
+        use proptest::test_runner::{Config, TestRunner};
+        use std::collections::BTreeMap;
+        let seen: std::sync::Mutex<BTreeMap<&str, u32>> = Default::default();
+        let (refused_seen, passed_seen) = (
+            std::sync::atomic::AtomicU32::new(0),
+            std::sync::atomic::AtomicU32::new(0),
+        );
+        let mut runner = TestRunner::new(Config::with_cases(256));
+        let ids = proptest::collection::vec(message_id(), 1..12);
+        runner
+            .run(&(ids, 1usize..700), |(ids, chunk)| {
+                let mut judge = Judge::default();
+                let mut expected = Vec::new();
+                for (n, (class, id)) in ids.iter().enumerate() {
+                    let tag = n as u64 + 1;
+                    let body = format!("body {n}").into_bytes();
+                    if std::str::from_utf8(id).is_err() {
+                        expected.push((tag, Fingerprint::of(&body)));
+                    }
+                    for frame in delivery(tag, id, &body, chunk) {
+                        judge.frame(&frame);
+                    }
+                    *seen.lock().unwrap().entry(class).or_default() += 1;
+                }
+                prop_assert_eq!(judge.seen() as usize, ids.len());
+                let refused: Vec<_> = judge
+                    .refused
+                    .iter()
+                    .map(|r| (r.tag, r.fingerprint))
+                    .collect();
+                refused_seen.fetch_add(refused.len() as u32, std::sync::atomic::Ordering::Relaxed);
+                passed_seen.fetch_add(
+                    (ids.len() - refused.len()) as u32,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+                prop_assert_eq!(refused, expected);
+                Ok(())
+            })
+            .unwrap();
+        let seen = seen.into_inner().unwrap();
+        for class in [
+            "ascii",
+            "multi-byte",
+            "with a NUL",
+            "cut short",
+            "overlong",
+            "surrogate",
+            "one byte made invalid",
+            "random",
+        ] {
+            assert!(
+                seen.get(class).copied().unwrap_or(0) >= 20,
+                "{class} too rare: {seen:?}"
+            );
+        }
+        let (refused, passed) = (refused_seen.into_inner(), passed_seen.into_inner());
+        assert!(
+            refused >= 100 && passed >= 100,
+            "{refused} refused, {passed} passed"
+        );
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
 

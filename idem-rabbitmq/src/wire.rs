@@ -338,7 +338,9 @@ mod tests {
             .write_all(&frame(BODY, &[7u8; 4096 - 7]))
             .await
             .unwrap();
-        assert!(raw.read().await.is_err());
+        let error = raw.read().await.err().unwrap();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+        assert!(error.to_string().contains("frame_max"), "{error}");
     }
 
     #[test]
@@ -346,6 +348,199 @@ mod tests {
         assert_eq!(negotiated_frame_max(0), MAX_FRAME);
         assert_eq!(negotiated_frame_max(4096), 4096);
         assert_eq!(negotiated_frame_max(u32::MAX), MAX_FRAME);
+    }
+
+    /// How a valid frame is damaged before the broker sends it.
+    #[derive(Debug, Clone)]
+    enum Damage {
+        None,
+        /// Announced one byte longer than frame_max allows.
+        JustOver,
+        /// Announced as this many bytes, whatever it holds.
+        Size(u32),
+        /// Its end marker replaced by this byte.
+        End(u8),
+        /// Cut short by this many bytes, the stream ending there.
+        Cut(usize),
+    }
+
+    /// A valid frame: its kind, channel, payload, and whether it is made `connection.close`.
+    type Valid = (u8, u16, Vec<u8>, bool);
+
+    fn valid_frame() -> impl proptest::strategy::Strategy<Value = Valid> {
+        use proptest::prelude::*;
+        (
+            prop_oneof![Just(METHOD), Just(HEADER), Just(BODY), any::<u8>()],
+            any::<u16>(),
+            proptest::collection::vec(any::<u8>(), 0..4096),
+            proptest::bool::weighted(0.05),
+        )
+    }
+
+    fn damage() -> impl proptest::strategy::Strategy<Value = Damage> {
+        use proptest::prelude::*;
+        prop_oneof![
+            6 => Just(Damage::None),
+            1 => Just(Damage::JustOver),
+            1 => any::<u32>().prop_map(Damage::Size),
+            1 => (0u32..64).prop_map(Damage::Size),
+            1 => any::<u8>()
+                .prop_filter("not the end marker", |b| *b != FRAME_END)
+                .prop_map(Damage::End),
+            1 => (1usize..16).prop_map(Damage::Cut),
+        ]
+    }
+
+    /// Valid frames of up to frame_max, some damaged (the announced size, the end marker, the
+    /// stream cut short): each valid frame before the first damage is read as it was sent, the
+    /// damage is refused for what it is, and every check of the reader is reached over the run
+    /// (each kind of outcome counted and asserted, not left to random bytes).
+    #[test]
+    fn damaged_frames_are_refused_for_what_they_are_and_every_check_is_reached() {
+        use proptest::test_runner::{Config, TestRunner};
+        use std::collections::BTreeMap;
+        use std::sync::Mutex;
+        let seen: Mutex<BTreeMap<&str, u32>> = Mutex::default();
+        let cases = proptest::collection::vec((valid_frame(), damage()), 1..5);
+        let mut runner = TestRunner::new(Config::with_cases(512));
+        runner
+            .run(&(cases, 16u32..4096), |(frames, frame_max)| {
+                let outcome = read_damaged(frames, frame_max);
+                *seen.lock().unwrap().entry(outcome).or_default() += 1;
+                Ok(())
+            })
+            .unwrap();
+        let seen = seen.into_inner().unwrap();
+        for outcome in [
+            "whole",
+            "connection.close",
+            "one byte over frame_max",
+            "announced over frame_max",
+            "resized within frame_max",
+            "end marker replaced",
+            "cut short",
+        ] {
+            assert!(
+                seen.get(outcome).copied().unwrap_or(0) >= 5,
+                "{outcome} reached too rarely: {seen:?}"
+            );
+        }
+        println!("{seen:?}");
+    }
+
+    /// Sends `frames`, damaged as each says, to a reader of `frame_max`; checks what it reads
+    /// and says which outcome the first damage (or none) met.
+    fn read_damaged(frames: Vec<(Valid, Damage)>, frame_max: u32) -> &'static str {
+        let largest = (frame_max - FRAME_OVERHEAD) as usize;
+        let mut sent = Vec::new();
+        let mut originals = Vec::new();
+        let mut first_damage = None;
+        for (i, ((kind, channel, mut payload, closes), damage)) in frames.into_iter().enumerate() {
+            payload.truncate(largest);
+            let kind = if closes && payload.len() >= 4 {
+                payload[..4].copy_from_slice(&[0, 10, 0, 50]);
+                METHOD
+            } else {
+                kind
+            };
+            let original = Frame {
+                kind,
+                channel,
+                payload,
+            };
+            let mut bytes = original.bytes();
+            let mut cut = false;
+            match &damage {
+                Damage::None => {}
+                Damage::JustOver => {
+                    bytes[3..7].copy_from_slice(&(frame_max - FRAME_OVERHEAD + 1).to_be_bytes());
+                }
+                Damage::Size(size) => bytes[3..7].copy_from_slice(&size.to_be_bytes()),
+                Damage::End(byte) => *bytes.last_mut().unwrap() = *byte,
+                Damage::Cut(n) => {
+                    bytes.truncate(bytes.len().saturating_sub(*n));
+                    cut = true;
+                }
+            }
+            let harmless = match damage {
+                Damage::None => true,
+                Damage::Size(size) => size as usize == original.payload.len(),
+                _ => false,
+            };
+            if first_damage.is_none() && !harmless {
+                first_damage = Some((i, damage));
+            }
+            sent.extend_from_slice(&bytes);
+            originals.push(original);
+            if cut {
+                break;
+            }
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let (mut raw, mut broker) = connected(frame_max);
+            broker.write_all(&sent).await.unwrap();
+            drop(broker);
+            let intact = first_damage.as_ref().map_or(originals.len(), |(i, _)| *i);
+            for original in &originals[..intact] {
+                let read = raw.read().await;
+                if original.method() == Some((10, 50)) {
+                    let error = read.err().unwrap();
+                    assert!(
+                        error.to_string().contains("closed the connection"),
+                        "{error}"
+                    );
+                    return "connection.close";
+                }
+                let frame = read.unwrap();
+                assert_eq!(
+                    (frame.kind, frame.channel, &frame.payload),
+                    (original.kind, original.channel, &original.payload)
+                );
+            }
+            let read = raw.read().await;
+            if let Ok(frame) = &read {
+                assert!(frame.payload.len() <= largest);
+            }
+            let Some((_, damage)) = first_damage else {
+                let error = read.err().unwrap();
+                assert_eq!(error.kind(), io::ErrorKind::UnexpectedEof, "{error}");
+                return "whole";
+            };
+            let oversized = |error: io::Error| {
+                assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{error}");
+                assert!(error.to_string().contains("frame_max"), "{error}");
+            };
+            match damage {
+                Damage::None => unreachable!("a frame without damage is read"),
+                Damage::JustOver => {
+                    oversized(read.err().unwrap());
+                    "one byte over frame_max"
+                }
+                Damage::Size(size) if size as usize > largest => {
+                    oversized(read.err().unwrap());
+                    "announced over frame_max"
+                }
+                // Another size within bounds reads other bytes as the frame: refused for its
+                // end marker, cut short, or (by chance) read, but bounded.
+                Damage::Size(_) => "resized within frame_max",
+                Damage::End(_) => {
+                    let error = read.err().unwrap();
+                    assert_eq!(error.kind(), io::ErrorKind::InvalidData, "{error}");
+                    assert!(error.to_string().contains("end marker"), "{error}");
+                    "end marker replaced"
+                }
+                Damage::Cut(_) => {
+                    let error = read.err().unwrap();
+                    assert_eq!(error.kind(), io::ErrorKind::UnexpectedEof, "{error}");
+                    "cut short"
+                }
+            }
+        })
     }
 
     proptest::proptest! {

@@ -1,6 +1,8 @@
 //! A real HTTP payment service for the external-mode tests: it charges at most once per
 //! `Idempotency-Key` (a repeated key gets the first charge back) and counts every call, so a
-//! test can tell calls (retries, takeovers) from charges made.
+//! test can tell calls (retries, takeovers) from charges made. Charges are also counted per
+//! payment (the `reference` of the request's body), whatever key they came with: a caller
+//! that sent one payment under two keys shows two charges.
 //!
 //! The server runs on a thread of its own, so it outlives any one test's runtime; the tests of
 //! one binary share it (their keys are unique), and a child process reaches it through
@@ -19,6 +21,8 @@ struct Ledger {
     calls: HashMap<String, u32>,
     /// The charge made per key.
     charges: HashMap<String, String>,
+    /// Charges made per payment reference, under whichever keys.
+    charged: HashMap<String, u32>,
     /// Charges made in all (a second charge for one key would show here).
     made: u32,
 }
@@ -65,9 +69,10 @@ pub fn calls(key: &str) -> u32 {
     ledger(|l| l.calls.get(key).copied().unwrap_or(0))
 }
 
-/// Charges made with `key`: 0 or 1, unless the service were broken.
-pub fn charges(key: &str) -> u32 {
-    ledger(|l| u32::from(l.charges.contains_key(key)))
+/// Charges made for the payment `reference`, under any key: more than 1 is a double charge
+/// (the caller sent one payment under two keys).
+pub fn charges(reference: &str) -> u32 {
+    ledger(|l| l.charged.get(reference).copied().unwrap_or(0))
 }
 
 /// Charges made in all.
@@ -104,9 +109,9 @@ async fn serve(stream: TcpStream) {
         return;
     }
     let key = headers.get("idempotency-key").cloned().unwrap_or_default();
-    let amount = serde_json::from_slice::<serde_json::Value>(&body)
-        .ok()
-        .and_then(|v| v["amount_cents"].as_i64());
+    let body = serde_json::from_slice::<serde_json::Value>(&body).unwrap_or_default();
+    let amount = body["amount_cents"].as_i64();
+    let reference = body["reference"].as_str().unwrap_or_default().to_owned();
     if let Some(ms) = headers.get("x-delay-ms").and_then(|v| v.parse().ok()) {
         tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
     }
@@ -127,6 +132,7 @@ async fn serve(stream: TcpStream) {
             return (200, id.clone());
         }
         l.made += 1;
+        *l.charged.entry(reference).or_insert(0) += 1;
         let id = format!("ch_{}", l.made);
         l.charges.insert(key.clone(), id.clone());
         (201, id)
@@ -147,14 +153,17 @@ pub struct Answer {
     pub body: String,
 }
 
-/// Asks the service at `addr` to charge `amount_cents` under `key`, with extra request headers.
+/// Asks the service at `addr` to charge `amount_cents` for the payment `reference` under
+/// `key`, with extra request headers.
 pub async fn charge(
     addr: SocketAddr,
     key: &str,
+    reference: &str,
     amount_cents: i64,
     extra: &[(&str, String)],
 ) -> std::io::Result<Answer> {
-    let body = serde_json::json!({ "amount_cents": amount_cents }).to_string();
+    let body =
+        serde_json::json!({ "amount_cents": amount_cents, "reference": reference }).to_string();
     let mut request = format!(
         "POST /charges HTTP/1.1\r\nHost: charges\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
         body.len()

@@ -49,6 +49,8 @@ struct Scripted {
     steps: BTreeMap<String, Vec<Step>>,
     /// The attempts each key was seen with.
     attempts: BTreeMap<String, Vec<u32>>,
+    /// When the handler saw each key, attempt by attempt.
+    seen_at: BTreeMap<String, Vec<std::time::Instant>>,
     started: Vec<String>,
     released: Vec<String>,
 }
@@ -67,6 +69,13 @@ impl Script {
     /// The attempts the handler saw `key` with.
     pub fn attempts(&self, key: &str) -> Vec<u32> {
         self.lock().attempts.get(key).cloned().unwrap_or_default()
+    }
+
+    /// The time between the handler's consecutive runs of `key`: a retry delay is measured
+    /// per attempt (each gap at least its delay), not as a total that start-up alone can fill.
+    pub fn gaps(&self, key: &str) -> Vec<Duration> {
+        let seen = self.lock().seen_at.get(key).cloned().unwrap_or_default();
+        seen.windows(2).map(|w| w[1] - w[0]).collect()
     }
 
     /// Whether the handler started a waiting step for `key`.
@@ -91,12 +100,19 @@ async fn record(
     script: &Script,
     ctx: &Context<'_>,
 ) -> Result<(), HandlerError> {
-    script
-        .lock()
-        .attempts
-        .entry(order.order_id.clone())
-        .or_default()
-        .push(ctx.attempt());
+    {
+        let mut scripted = script.lock();
+        scripted
+            .attempts
+            .entry(order.order_id.clone())
+            .or_default()
+            .push(ctx.attempt());
+        scripted
+            .seen_at
+            .entry(order.order_id.clone())
+            .or_default()
+            .push(std::time::Instant::now());
+    }
     sqlx::query("INSERT INTO idem_rt_effects (key, customer, amount_cents) VALUES ($1, $2, $3)")
         .bind(&order.order_id)
         .bind(&order.customer)
@@ -202,6 +218,8 @@ pub struct Fixture {
     pub script: Script,
 }
 
+/// Retries 200 ms, 400 ms, 800 ms, 1.6 s apart: the default policy (1 s, 4 s, 16 s, 60 s)
+/// would make a test that meets a retry wait seconds to minutes for it.
 pub fn fast_retries() -> RetryPolicy {
     RetryPolicy::new(5, Duration::from_millis(200), 2, Duration::from_secs(2)).unwrap()
 }
@@ -273,6 +291,9 @@ impl Fixture {
 
     /// The runtime with the consumer's function `function`.
     fn runtime_of(&self, function: &str, pool: sqlx::PgPool) -> RuntimeBuilder {
+        // Four workers and 16 deliveries ahead (not the defaults): enough in flight at once for
+        // the tests' concurrency cases, few enough that a test's handful of orders and what it
+        // holds back stay easy to follow.
         self.defaults_of(function, pool).concurrency(4).prefetch(16)
     }
 
