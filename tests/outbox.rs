@@ -1094,7 +1094,12 @@ async fn crash_between_hops(point: &str) {
     .await;
     // The copies a relay published again arrive after the shipment they repeat: the judgement
     // waits for both hops to hold nothing, ready or unacknowledged, retry queues included.
-    let hops = [drained::hop(&queue), drained::hop(&billed)].concat();
+    let delays = idem::RetryPolicy::default().delays();
+    let hops = [
+        drained::hop(&queue, &delays),
+        drained::hop(&billed, &delays),
+    ]
+    .concat();
     drained::wait_drained("both hops", &hops, DEADLINE).await;
     let outcomes = shipping_outcomes(&metrics).await;
     let _ = Command::new("kill")

@@ -15,15 +15,14 @@ pub struct Depth {
     pub unacked: usize,
 }
 
-/// The queues of one hop: `queue` and its retry queues (the default retry delays). Its
+/// The queues of one hop: `queue` and its retry queues, one per delay of `delays`. Its
 /// dead-letter queue is not among them: a dead letter stays there, and is judged by reading it.
-pub fn hop(queue: &str) -> Vec<String> {
+pub fn hop(queue: &str, delays: &[Duration]) -> Vec<String> {
     std::iter::once(queue.to_owned())
         .chain(
-            idem::RetryPolicy::default()
-                .delays()
-                .into_iter()
-                .map(|delay| idem::rabbitmq::retry_queue(queue, delay)),
+            delays
+                .iter()
+                .map(|delay| idem::rabbitmq::retry_queue(queue, *delay)),
         )
         .collect()
 }
