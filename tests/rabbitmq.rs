@@ -664,11 +664,19 @@ async fn a_database_outage_pauses_the_queue_without_losing_messages() {
         f.effects().await.len() == ORDERS
     })
     .await;
+    // Judged once the queue and its retry queues hold nothing, ready or unacknowledged.
+    let hop = drained::hop(&f.queue, &f.policy.delays());
+    drained::wait_drained("the orders' hop", &hop, DEADLINE).await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.dead_lettered, seen.retried),
         (0, 0),
         "no attempt spent on the outage: {seen:?}"
+    );
+    assert_eq!(
+        seen.processed + seen.duplicates + seen.dead_lettered,
+        ORDERS as u64,
+        "each delivery settled once: {seen:?}"
     );
     assert!(seen.unavailable >= 1, "{seen:?}");
     f.assert_exactly_once(ORDERS, |_| 5).await;
