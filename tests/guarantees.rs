@@ -199,12 +199,16 @@ impl World {
         self.bus.publish(&self.orders, &message, copy).await;
     }
 
-    /// `(handler, id, cents, attempt)` of every applied order, in order.
-    async fn applied(&self) -> Vec<(String, String, i64, i64)> {
-        sqlx::query_as("SELECT handler, id, cents, attempt FROM applied ORDER BY handler, id")
-            .fetch_all(&self.pool)
-            .await
-            .unwrap()
+    /// `(handler, id, cents, attempt)` of every application of an order, sorted. The table has
+    /// no unique key: an order applied twice is there twice.
+    async fn applied(&self) -> Vec<Applied> {
+        let mut applied: Vec<Applied> =
+            sqlx::query_as("SELECT handler, id, cents, attempt FROM applied")
+                .fetch_all(&self.pool)
+                .await
+                .unwrap();
+        applied.sort_unstable();
+        applied
     }
 
     async fn cleanup(self) {
@@ -212,6 +216,35 @@ impl World {
             self.bus.delete_with(queue, &policy().delays()).await;
         }
     }
+}
+
+/// One application of an order: `(handler, id, cents, attempt)`.
+type Applied = (String, String, i64, i64);
+
+/// What `handler` must have applied: each of `orders` (id, cents) once, at attempt 1; sorted
+/// as [`World::applied`] returns them.
+fn each_once(handler: &str, orders: impl IntoIterator<Item = (String, i64)>) -> Vec<Applied> {
+    let mut expected: Vec<Applied> = orders
+        .into_iter()
+        .map(|(id, cents)| (handler.to_owned(), id, cents, 1))
+        .collect();
+    expected.sort_unstable();
+    expected
+}
+
+/// A runtime started in the background, with its health: [`idem::Health::is_consuming`] says
+/// when it has started its consumers.
+fn start_watched(
+    builder: RuntimeBuilder,
+) -> (common::running::Running, std::sync::Arc<idem::Health>) {
+    let runtime = builder.build().unwrap();
+    let health = runtime.health();
+    let stats = runtime.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(runtime.run_until(async {
+        let _ = stopped.await;
+    }));
+    (common::running::Running { stop, task, stats }, health)
 }
 
 /// Runs each test on RabbitMQ and on NATS JetStream.
@@ -268,26 +301,31 @@ async fn copies_take_effect_once(bus: Bus) {
         (seen.processed, seen.duplicates, seen.dead_lettered),
         (40, published - 40, 0)
     );
-    let applied = w.applied().await;
-    assert_eq!(applied.len(), 40, "{applied:?}");
+    let orders = (0..40).map(|n| (format!("o-{n}"), n));
+    assert_eq!(w.applied().await, each_once("orders", orders));
     w.cleanup().await;
 }
 
 /// Two runtimes on two connection pools consume the same queue at once, and every order comes
 /// in three copies: the inbox's unique key settles each order once, whichever runtime gets
-/// which copy.
+/// which copy; both runtimes apply some.
 async fn copies_in_two_runtimes_at_once_take_effect_once(bus: Bus) {
     let w = World::new(bus, "two").await;
+    // The same database file, through connections of the second runtime's own.
+    let other_pool = common::sqlite_at(&w._dir.path().join("idem.db"), 4).await;
+    // Both consume before the first copy is published: neither can take every copy alone.
+    let (first, first_health) = start_watched(w.runtime());
+    let (second, second_health) = start_watched(w.runtime_on(&other_pool));
+    wait_until("both runtimes consuming", DEADLINE, || async {
+        first_health.is_consuming() && second_health.is_consuming()
+    })
+    .await;
     for n in 0..60 {
         for copy in 0..3 {
             w.publish(&order(&format!("c-{n}"), n), copy).await;
         }
     }
     w.bus.confirm().await;
-    // The same database file, through connections of the second runtime's own.
-    let other_pool = common::sqlite_at(&w._dir.path().join("idem.db"), 4).await;
-    let first = start(w.runtime());
-    let second = start(w.runtime_on(&other_pool));
     wait_until("every copy settled", DEADLINE, || async {
         first.now().settled() + second.now().settled() >= 180
     })
@@ -296,8 +334,12 @@ async fn copies_in_two_runtimes_at_once_take_effect_once(bus: Bus) {
     assert_eq!(a.processed + b.processed, 60, "{a:?} {b:?}");
     assert_eq!(a.duplicates + b.duplicates, 120, "{a:?} {b:?}");
     assert_eq!(a.dead_lettered + b.dead_lettered, 0);
-    let applied = w.applied().await;
-    assert_eq!(applied.len(), 60, "{applied:?}");
+    assert!(
+        a.processed > 0 && b.processed > 0,
+        "both runtimes applied orders: {a:?} {b:?}"
+    );
+    let orders = (0..60).map(|n| (format!("c-{n}"), n));
+    assert_eq!(w.applied().await, each_once("orders", orders));
     w.cleanup().await;
 }
 
@@ -413,9 +455,10 @@ async fn the_outbox_takes_each_event_to_the_next_hop_once(bus: Bus) {
     .await;
     let seen = running.shut_down().await;
     assert_eq!((seen.processed, seen.dead_lettered), (20, 0), "{seen:?}");
-    let applied = w.applied().await;
-    let shipped = applied.iter().filter(|a| a.0 == "shipping").count();
-    assert_eq!(shipped, 10, "{applied:?}");
+    let orders = || (0..10).map(|n| (format!("s-{n}"), n));
+    let mut expected = each_once("orders", orders());
+    expected.extend(each_once("shipping", orders()));
+    assert_eq!(w.applied().await, expected, "each order and its event once");
     let unpublished: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_outbox")
         .fetch_one(&w.pool)
         .await
@@ -450,11 +493,15 @@ async fn in_batch_mode_copies_take_effect_once_and_a_failure_is_retried(bus: Bus
     assert_eq!((seen.processed, seen.dead_lettered), (60, 0));
     assert!(seen.retried >= 1, "{seen:?}");
     assert_eq!(seen.duplicates, published - 60, "{seen:?}");
-    let applied = w.applied().await;
-    assert_eq!(applied.len(), 60, "{applied:?}");
-    let retried: Vec<_> = applied.iter().filter(|a| a.1 == "b-8").collect();
-    assert_eq!(retried.len(), 1);
-    assert_eq!(retried[0].3, 2, "the failed order applied as attempt 2");
+    // The failed order applied once, as attempt 2; every other once, as attempt 1.
+    let mut expected = each_once("orders", (0..60).map(|n| (format!("b-{n}"), n)));
+    for applied in &mut expected {
+        if applied.1 == "b-8" {
+            applied.3 = 2;
+        }
+    }
+    expected.sort_unstable();
+    assert_eq!(w.applied().await, expected);
     w.cleanup().await;
 }
 

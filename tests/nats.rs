@@ -154,14 +154,21 @@ impl World {
         ack.duplicate
     }
 
-    /// `(handler, id, cents, attempt, message_id)` of every applied order, in order.
+    /// `(handler, id, cents, attempt, message_id)` of every application of an order, sorted.
+    /// The table has no unique key: an order applied twice is there twice.
     async fn applied(&self) -> Vec<(String, String, i64, i64, Option<String>)> {
-        sqlx::query_as(
-            "SELECT handler, id, cents, attempt, message_id FROM nats_applied ORDER BY handler, id",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .unwrap()
+        let mut applied: Vec<_> =
+            sqlx::query_as("SELECT handler, id, cents, attempt, message_id FROM nats_applied")
+                .fetch_all(&self.pool)
+                .await
+                .unwrap();
+        applied.sort_unstable();
+        applied
+    }
+
+    /// `(handler, id)` of every application of an order, sorted.
+    async fn applied_ids(&self) -> Vec<(String, String)> {
+        applied_ids(&self.pool).await
     }
 
     async fn cleanup(self) {
@@ -176,6 +183,24 @@ impl World {
             }
         }
     }
+}
+
+/// `(handler, id)` of every application of an order in `pool`, sorted.
+async fn applied_ids(pool: &SqlitePool) -> Vec<(String, String)> {
+    let mut applied: Vec<(String, String)> = sqlx::query_as("SELECT handler, id FROM nats_applied")
+        .fetch_all(pool)
+        .await
+        .unwrap();
+    applied.sort_unstable();
+    applied
+}
+
+/// Each of `ids` applied once by `handler`, sorted as [`applied_ids`] returns them.
+fn each_once(handler: &str, ids: impl IntoIterator<Item = String>) -> Vec<(String, String)> {
+    let mut expected: Vec<(String, String)> =
+        ids.into_iter().map(|id| (handler.to_owned(), id)).collect();
+    expected.sort_unstable();
+    expected
 }
 
 /// A runtime of the orders handler alone, on `queue`, through `transport`, on `pool`.
@@ -342,9 +367,16 @@ async fn the_outbox_publishes_through_jetstream_with_its_message_ids() {
     .await;
     let seen = running.shut_down().await;
     assert_eq!((seen.processed, seen.dead_lettered), (20, 0));
+    let ids = || (0..10).map(|n| format!("s-{n}"));
+    let mut expected = each_once("orders", ids());
+    expected.extend(each_once("shipping", ids()));
+    assert_eq!(
+        w.applied_ids().await,
+        expected,
+        "each order and its event once"
+    );
     let applied = w.applied().await;
-    let shipped: Vec<_> = applied.iter().filter(|a| a.0 == "shipping").collect();
-    assert_eq!(shipped.len(), 10);
+    let shipped = applied.iter().filter(|a| a.0 == "shipping");
     for (_, id, _, _, message_id) in shipped {
         // The outbox's deterministic id travelled as `Nats-Msg-Id`.
         let expected = idem::outbox::outbox_message_id("nats.orders", id, 0);
@@ -395,8 +427,11 @@ async fn a_connection_cut_under_load_loses_nothing_and_doubles_nothing() {
     .await;
     let seen = running.shut_down().await;
     assert_eq!((seen.processed, seen.dead_lettered), (300, 0));
-    let applied = w.applied().await;
-    assert_eq!(applied.len(), 300, "an order applied twice or lost");
+    assert_eq!(
+        w.applied_ids().await,
+        each_once("orders", (0..300).map(|n| format!("c-{n}"))),
+        "an order applied twice or lost"
+    );
     let name = format!("IDEM_{}", w.orders);
     let js = w.js.clone();
     wait_until("the work queue emptied", DEADLINE, || {
@@ -477,7 +512,10 @@ async fn streams_deleted_under_the_consumer_are_declared_again() {
     .await;
     let seen = running.shut_down().await;
     assert_eq!((seen.processed, seen.dead_lettered), (2, 0));
-    assert_eq!(w.applied().await.len(), 2);
+    assert_eq!(
+        w.applied_ids().await,
+        each_once("orders", ["d-1".to_owned(), "d-2".to_owned()])
+    );
     w.cleanup().await;
 }
 
@@ -551,10 +589,12 @@ async fn the_orders_example_runs_on_nats_with_exact_books_even_after_a_killed_ru
         );
         for line in [
             "balances             exact",
+            "ledger               exact  (2000 rows: one per order booked)",
             "parcels              exact",
+            "shipment log         exact  (2000 rows: one per order shipped)",
             "outbox unpublished         0",
         ] {
-            assert!(stdout.contains(line), "{stdout}");
+            assert!(stdout.lines().any(|l| l == line), "no `{line}` in {stdout}");
         }
     };
     exact(&demo().output().unwrap());
@@ -565,7 +605,7 @@ async fn the_orders_example_runs_on_nats_with_exact_books_even_after_a_killed_ru
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM orders")
             .fetch_one(&pool)
             .await
-            .unwrap_or(0)
+            .unwrap()
     };
     let before = stored().await;
     let mut killed = watched::Watched::spawn("orders", &mut demo());
@@ -578,6 +618,30 @@ async fn the_orders_example_runs_on_nats_with_exact_books_even_after_a_killed_ru
     .await;
     drop(killed); // SIGKILL
     exact(&demo().output().unwrap());
+    // Across the three runs, the killed one included (its orders half done, its outbox rows
+    // left to the next run's relay), no order was booked or shipped twice, and every order
+    // stored has exactly one ledger row.
+    for (log, query) in [
+        ("ledger", "SELECT order_id FROM ledger"),
+        ("shipment_log", "SELECT order_id FROM shipment_log"),
+    ] {
+        let mut logged: Vec<String> = sqlx::query_scalar(query).fetch_all(&pool).await.unwrap();
+        logged.sort_unstable();
+        let total = logged.len();
+        logged.dedup();
+        assert_eq!(logged.len(), total, "{log}: an order twice");
+    }
+    let mut booked: Vec<String> = sqlx::query_scalar("SELECT order_id FROM ledger")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let mut stored_orders: Vec<String> = sqlx::query_scalar("SELECT order_id FROM orders")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    booked.sort_unstable();
+    stored_orders.sort_unstable();
+    assert_eq!(booked, stored_orders, "every stored order booked once");
 
     let transport = NatsTransport::new(NatsConfig::new(nats_url()));
     let exchange = format!("{queue}.status");
@@ -665,9 +729,8 @@ async fn over_tls_orders_take_effect_once_and_an_unknown_ca_is_refused() {
     .await;
     let seen = running.shut_down().await;
     assert_eq!((seen.processed, seen.dead_lettered), (20, 0));
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM nats_applied")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(applied, 20);
+    assert_eq!(
+        applied_ids(&pool).await,
+        each_once("orders", (0..20).map(|n| format!("tls-{n}")))
+    );
 }

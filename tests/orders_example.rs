@@ -28,6 +28,21 @@ use std::time::Duration;
 
 const STATUSES: [&str; 5] = ["placed", "paid", "packed", "shipped", "delivered"];
 
+/// The lines of a demo's report that say its books are exact: the balances, the ledger and the
+/// shipment log (no unique key: an order booked or shipped twice shows there) and the parcels.
+const EXACT: [&str; 4] = [
+    "balances             exact",
+    "ledger               exact  (400 rows: one per order booked)",
+    "parcels              exact",
+    "shipment log         exact  (400 rows: one per order shipped)",
+];
+
+fn assert_exact(report: &str) {
+    for line in EXACT {
+        assert!(report.lines().any(|l| l == line), "no `{line}` in {report}");
+    }
+}
+
 fn demo(queue: &str, transport: &str, database: &str) -> String {
     demo_with(queue, transport, database, &[])
 }
@@ -67,7 +82,7 @@ async fn the_demo_applies_every_status_update_once_in_order() {
             line.contains("orders 100, 4 partitions of") && line.ends_with("in order: exact)"),
             "{transport}: {line}"
         );
-        assert!(report.contains("balances             exact"), "{report}");
+        assert_exact(&report);
         if transport == "rabbitmq" {
             for index in 0..4 {
                 let partition = Partition::queue_name(&format!("{queue}.status"), index);
@@ -94,7 +109,7 @@ async fn the_batch_handler_keeps_the_same_books_on_every_database() {
             &database,
             &[("ORDERS_BATCH_HANDLER", "1")],
         );
-        assert!(report.contains("balances             exact"), "{report}");
+        assert_exact(&report);
         assert!(
             report.contains("orders stored            400  (expected 400)"),
             "{report}"
@@ -135,6 +150,19 @@ async fn orders_booked_one_at_a_time_are_duplicates_to_the_batch_handler() {
             .await
             .unwrap()
     };
+    // One ledger row per booking: an order booked twice is there twice.
+    let ledger = || async {
+        let mut ids: Vec<String> =
+            sqlx::query_scalar("SELECT order_id FROM ledger WHERE order_id LIKE $1")
+                .bind(format!("{queue}-%"))
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        ids.sort_unstable();
+        ids
+    };
+    let mut every_order: Vec<String> = (0..300).map(|n| format!("{queue}-{n}")).collect();
+    every_order.sort_unstable();
     publish_all().await;
     let consumer = |batch_handler: &str| {
         KillOnDrop(
@@ -157,6 +185,7 @@ async fn orders_booked_one_at_a_time_are_duplicates_to_the_batch_handler() {
     })
     .await;
     drop(single);
+    assert_eq!(ledger().await, every_order, "each order booked once");
     publish_all().await;
     let batched = consumer("1");
     wait_until("the copies consumed", DEADLINE, || async {
@@ -170,8 +199,9 @@ async fn orders_booked_one_at_a_time_are_duplicates_to_the_batch_handler() {
         Some((1..=300).sum::<i64>()),
         "every amount booked once"
     );
-    // Had the batch handler its own key space, each copy would have reached it (and failed
-    // on the orders' primary key).
+    // Had the batch handler its own key space, each copy would have reached it and been
+    // booked again: the ledger would hold it twice.
+    assert_eq!(ledger().await, every_order, "each order booked once");
     assert_eq!(broker::count(&idem::rabbitmq::dlq(&queue)).await, 0);
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
 }

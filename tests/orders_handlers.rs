@@ -29,7 +29,7 @@ async fn pool_in_own_schema() -> common::OwnSchema {
 }
 
 /// Copies sent at once run on separate connections of the pool: the database's unique key lets
-/// one through, and the balance is booked once; a lost ack's redelivery is a duplicate.
+/// one through, and the balance and the ledger are booked once; a lost ack's redelivery is a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn on_a_postgres_pool_copies_at_once_book_an_order_once() {
     let schema = pool_in_own_schema().await;
@@ -57,5 +57,10 @@ async fn on_a_postgres_pool_copies_at_once_book_an_order_once() {
         .await
         .unwrap();
     assert_eq!(cents, 40);
+    let ledger: Vec<String> = sqlx::query_scalar("SELECT order_id FROM ledger")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(ledger, ["pg-1"], "one booking of the order");
     schema.drop().await;
 }

@@ -11,6 +11,8 @@
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
 mod common;
+#[path = "common/drained.rs"]
+mod drained;
 
 use idem::transport::{Outbound, OutboundError};
 use idem::{BoxError, Outgoing, idempotent};
@@ -947,10 +949,44 @@ async fn a_process_dying_between_commit_and_dispatch_leaves_its_event_to_another
 }
 
 /// The same with the process dying after the broker confirmed the event, before its row was
-/// removed: another relay publishes it again, with the same id, and shipping skips the copy.
+/// removed: another relay publishes it again, with the same id, and shipping skips the copy
+/// (counted as a duplicate; a copy under a new id would be shipped again, or dead-lettered).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_process_dying_between_publish_and_mark_has_its_event_published_again_with_its_id() {
     crash_between_hops("after_publish_before_mark").await;
+}
+
+/// Shipping's outcomes (`idem_messages_total{consumer="shipping"}`) from the metrics that a
+/// process serves at `addr`; fails if it does not answer.
+async fn shipping_outcomes(addr: &str) -> HashMap<String, f64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("the metrics at {addr}: {e}"));
+    let request = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let mut outcomes = HashMap::new();
+    for line in response.lines() {
+        let Some(labels) = line.strip_prefix("idem_messages_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = labels.split_once("} ") else {
+            continue;
+        };
+        if !labels.contains(r#"consumer="shipping""#) {
+            continue;
+        }
+        let outcome = labels
+            .split(',')
+            .find_map(|l| l.strip_prefix(r#"outcome=""#))
+            .and_then(|o| o.strip_suffix('"'))
+            .unwrap_or_else(|| panic!("no outcome in {line}"));
+        outcomes.insert(outcome.to_owned(), value.trim().parse().unwrap());
+    }
+    outcomes
 }
 
 async fn crash_between_hops(point: &str) {
@@ -1027,7 +1063,21 @@ async fn crash_between_hops(point: &str) {
         assert!(left >= 1, "the published event's row is left in the outbox");
     }
 
-    let mut second = consume("");
+    // The second process serves its metrics: shipping's outcomes are counted there.
+    let metrics = format!("127.0.0.1:{}", common::tls_node::free_port());
+    let mut second = common::KillOnDrop(
+        Command::new(&binary)
+            .args(["consume", "--metrics-addr", &metrics])
+            .env("AMQP_URL", broker::amqp_url())
+            .env("DATABASE_URL", &schema.url)
+            .env("ORDERS_QUEUE", &queue)
+            .env("ORDERS_CONCURRENCY", "1")
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     common::wait_until(
         "every order shipped and the outbox drained",
         DEADLINE,
@@ -1037,29 +1087,64 @@ async fn crash_between_hops(point: &str) {
                     .bind(format!("{queue}-%"))
                     .fetch_one(&pool)
                     .await
-                    .unwrap_or(0);
+                    .unwrap();
             shipped == 20 && outbox(pool.clone(), queue.clone()).await == 0
         },
     )
     .await;
+    // The copies a relay published again arrive after the shipment they repeat: the judgement
+    // waits for both hops to hold nothing, ready or unacknowledged, retry queues included.
+    let delays = idem::RetryPolicy::default().delays();
+    let hops = [
+        drained::hop(&queue, &delays),
+        drained::hop(&billed, &delays),
+    ]
+    .concat();
+    drained::wait_drained("both hops", &hops, DEADLINE).await;
+    let outcomes = shipping_outcomes(&metrics).await;
     let _ = Command::new("kill")
-        .args(["-TERM", &second.id().to_string()])
+        .args(["-TERM", &second.0.id().to_string()])
         .status();
-    let _ = second.wait();
+    let _ = second.0.wait();
 
-    // Shipping's dedup keys are the events' message ids: each derived from its order's key.
-    let keys: Vec<String> = sqlx::query_scalar(
-        "SELECT key FROM idem_inbox WHERE consumer = 'shipping' AND key = ANY($1)",
-    )
-    .bind(
-        ids.iter()
-            .map(|id| idem::outbox::outbox_message_id("orders", id, 0))
-            .collect::<Vec<_>>(),
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    assert_eq!(keys.len(), 20, "every event carried its derived id");
+    // Nothing dead-lettered on either hop: a copy under a new id would have been shipped again
+    // or refused there (`drain` fails on a queue that does not exist).
+    for dlq in [idem::rabbitmq::dlq(&queue), idem::rabbitmq::dlq(&billed)] {
+        let dead: Vec<_> = broker::drain(&dlq)
+            .await
+            .iter()
+            .map(|d| (d.message_id(), d.header(idem::rabbitmq::REASON_HEADER)))
+            .collect();
+        assert!(dead.is_empty(), "dead letters in {dlq}: {dead:?}");
+    }
+    // Shipping's dedup keys are the events' message ids: each derived from its order's key,
+    // and no other (the schema is this test's own: every shipping key is this run's).
+    let mut keys: Vec<String> =
+        sqlx::query_scalar("SELECT key FROM idem_inbox WHERE consumer = 'shipping'")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    keys.sort_unstable();
+    let mut derived: Vec<String> = ids
+        .iter()
+        .map(|id| idem::outbox::outbox_message_id("orders", id, 0))
+        .collect();
+    derived.sort_unstable();
+    assert_eq!(
+        keys, derived,
+        "every event carried its derived id, and only it"
+    );
+    // The logs have no unique key: an order booked or shipped twice would be there twice.
+    let mut expected = ids.clone();
+    expected.sort_unstable();
+    for (log, query) in [
+        ("ledger", "SELECT order_id FROM ledger"),
+        ("shipment_log", "SELECT order_id FROM shipment_log"),
+    ] {
+        let mut logged: Vec<String> = sqlx::query_scalar(query).fetch_all(&pool).await.unwrap();
+        logged.sort_unstable();
+        assert_eq!(logged, expected, "{log}: every order once");
+    }
     let parcels: Vec<(String, i64)> =
         sqlx::query_as("SELECT customer, n FROM parcels WHERE customer LIKE $1 ORDER BY customer")
             .bind(format!("{queue}-c%"))
@@ -1070,6 +1155,23 @@ async fn crash_between_hops(point: &str) {
         .map(|c| (format!("{queue}-c{c}"), if c < 2 { 7 } else { 6 }))
         .collect();
     assert_eq!(parcels, expected, "each order shipped once");
+    // Shipping refused nothing in the second process (a copy under a new id that reached a
+    // stored shipment would have been a conflict or a rejection).
+    for refused in ["conflict", "rejected", "dead_lettered", "stale"] {
+        assert_eq!(
+            outcomes.get(refused).copied().unwrap_or(0.0),
+            0.0,
+            "shipping's outcomes in the second process: {outcomes:?}"
+        );
+    }
+    if point == "after_publish_before_mark" {
+        // The event was published twice with one id (by the process that died, then by the
+        // second one's relay): whichever copy came second was skipped.
+        assert!(
+            outcomes.get("duplicate").copied().unwrap_or(0.0) >= 1.0,
+            "shipping skipped the copy: {outcomes:?}"
+        );
+    }
     broker::delete_topology(&queue, &idem::RetryPolicy::default().delays()).await;
     broker::delete_topology(&billed, &idem::RetryPolicy::default().delays()).await;
     schema.drop().await;

@@ -5,6 +5,8 @@
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
 mod common;
+#[path = "common/drained.rs"]
+mod drained;
 #[path = "common/runtime_fixture.rs"]
 mod runtime_fixture;
 
@@ -33,10 +35,13 @@ async fn duplicates_published_on_purpose_take_effect_once() {
         running.now().settled() >= published
     })
     .await;
+    let hop = drained::hop(&f.queue, &f.policy.delays());
+    drained::wait_drained("the orders' hop", &hop, DEADLINE).await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.processed, seen.duplicates, seen.dead_lettered),
-        (150, published - 150, 0)
+        (150, published - 150, 0),
+        "processed + duplicates + dead-lettered = deliveries"
     );
     f.assert_exactly_once(150, |n| 10 + n as i64).await;
     assert!(
@@ -62,14 +67,32 @@ async fn three_competing_runtimes_take_effect_once() {
         runtimes.iter().map(|r| r.now().settled()).sum::<u64>() >= published
     })
     .await;
+    // Judged once the queue and its retry queues hold nothing, ready or unacknowledged.
+    drained::wait_drained(
+        "the orders' hop",
+        &drained::hop(&f.queue, &f.policy.delays()),
+        DEADLINE,
+    )
+    .await;
     let mut busy = 0;
+    let (mut processed, mut duplicates, mut dead) = (0, 0, 0);
     for running in runtimes {
         let seen = running.shut_down().await;
         busy += u32::from(seen.processed > 0);
+        (processed, duplicates, dead) = (
+            processed + seen.processed,
+            duplicates + seen.duplicates,
+            dead + seen.dead_lettered,
+        );
     }
     assert!(
         busy >= 2,
         "the work was not shared: only {busy} runtime(s) processed anything"
+    );
+    assert_eq!(
+        (processed, duplicates, dead),
+        (200, published - 200, 0),
+        "every delivery settled once: processed + duplicates + dead-lettered = deliveries"
     );
     f.assert_exactly_once(200, |_| 1).await;
     f.cleanup().await;
@@ -274,6 +297,10 @@ async fn a_delivery_lost_with_its_connection_is_not_a_failed_attempt() {
         seen.processed + seen.dead_lettered >= 1
     })
     .await;
+    // A copy left behind (a retry copy the lost settlement sent after all) comes later: judged
+    // once the queue and its retry queues hold nothing.
+    let hop = drained::hop(&f.queue, &f.policy.delays());
+    drained::wait_drained("the orders' hop", &hop, DEADLINE).await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.processed, seen.dead_lettered),
@@ -317,11 +344,33 @@ async fn a_broker_connection_closed_under_load_loses_and_doubles_nothing() {
         f.effects().await.len() == ORDERS
     })
     .await;
-    running.shut_down().await;
+    // The deliveries the close gave back come again after their orders were applied: judged
+    // once the queue and its retry queues hold nothing, ready or unacknowledged.
+    drained::wait_drained(
+        "the orders' hop",
+        &drained::hop(&f.queue, &f.policy.delays()),
+        DEADLINE,
+    )
+    .await;
+    let seen = running.shut_down().await;
     f.assert_exactly_once(ORDERS, |_| 3).await;
-    // Whatever is left in the queue can only be copies already applied.
-    let left = broker::drain(&f.queue).await;
-    assert!(left.len() < ORDERS, "{} messages left", left.len());
+    // Every copy settled (those whose ack the close lost came back, as duplicates); none
+    // dead-lettered.
+    let published = (0..ORDERS).map(|n| n as u64 % 2 + 1).sum::<u64>();
+    assert_eq!(
+        (seen.processed, seen.dead_lettered),
+        (ORDERS as u64, 0),
+        "{seen:?}"
+    );
+    assert!(
+        seen.settled() >= published,
+        "{seen:?}: {published} published"
+    );
+    assert!(
+        broker::drain(&idem::rabbitmq::dlq(&f.queue))
+            .await
+            .is_empty()
+    );
     f.cleanup().await;
 }
 
@@ -619,11 +668,19 @@ async fn a_database_outage_pauses_the_queue_without_losing_messages() {
         f.effects().await.len() == ORDERS
     })
     .await;
+    // Judged once the queue and its retry queues hold nothing, ready or unacknowledged.
+    let hop = drained::hop(&f.queue, &f.policy.delays());
+    drained::wait_drained("the orders' hop", &hop, DEADLINE).await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.dead_lettered, seen.retried),
         (0, 0),
         "no attempt spent on the outage: {seen:?}"
+    );
+    assert_eq!(
+        seen.processed + seen.duplicates + seen.dead_lettered,
+        ORDERS as u64,
+        "each delivery settled once: {seen:?}"
     );
     assert!(seen.unavailable >= 1, "{seen:?}");
     f.assert_exactly_once(ORDERS, |_| 5).await;
@@ -743,16 +800,32 @@ async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
             "the message was not redelivered"
         );
     }
+    let dlq = idem::rabbitmq::dlq(&f.queue);
     wait_until(
         "the over-delivered message in the DLQ",
         DEADLINE,
-        || async {
-            !broker::drain(&idem::rabbitmq::dlq(&f.queue))
-                .await
-                .is_empty()
-        },
+        || async { broker::count(&dlq).await > 0 },
     )
     .await;
+    // The broker dead-lettered it for its delivery limit (it carries no reason of idem's: idem
+    // never saw it), and nothing else.
+    let dead: Vec<_> = broker::drain(&dlq)
+        .await
+        .iter()
+        .map(|d| {
+            let reason = d.header("x-first-death-reason");
+            (
+                d.message_id(),
+                reason,
+                d.header(idem::rabbitmq::REASON_HEADER),
+            )
+        })
+        .collect();
+    assert_eq!(
+        dead,
+        [(Some(f.key(0)), Some("delivery_limit".to_owned()), None)],
+        "the over-delivered message, once, for its delivery limit"
+    );
 
     // A message given back once arrives flagged redelivered but as attempt 1 still (nothing
     // failed: x-delivery-count does not use up the retry policy); duplicates take effect once.
@@ -765,8 +838,24 @@ async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
         running.now().settled() >= 3
     })
     .await;
+    drained::wait_drained(
+        "the orders' hop",
+        &drained::hop(&f.queue, &f.policy.delays()),
+        DEADLINE,
+    )
+    .await;
     let seen = running.shut_down().await;
-    assert_eq!((seen.processed, seen.duplicates), (2, 1));
+    assert_eq!(
+        (seen.processed, seen.duplicates, seen.dead_lettered),
+        (2, 1, 0),
+        "three deliveries: processed + duplicates + dead-lettered"
+    );
+    let dead: Vec<_> = broker::drain(&dlq)
+        .await
+        .iter()
+        .map(Got::message_id)
+        .collect();
+    assert!(dead.is_empty(), "dead-lettered: {dead:?}");
     assert_eq!(
         f.script.attempts(&f.key(1)),
         [1],

@@ -1,8 +1,8 @@
 //! The order handler as a batch handler (`ORDERS_BATCH_HANDLER=1`), once per database: the same
 //! books as `handlers.rs`, written set-based. It receives only the new orders of a batch
 //! (copies and orders booked before are settled by idem without it) and writes them with one
-//! multi-row insert and one upsert of each customer's total, in the transaction that holds
-//! their inbox rows. It shares the consumer `orders` and its key source (the message id) with
+//! multi-row insert into `orders` and one into `ledger` and one upsert of each customer's
+//! total, in the transaction that holds their inbox rows. It shares the consumer `orders` and its key source (the message id) with
 //! the one-order handlers, and so their inbox rows: switching between the two never books an
 //! order twice. Each order's `OrderBilled` event is staged with one multi-row insert, stamped
 //! by that order's context (`ctx.item(i)`): the same message ids as the one-order handlers.
@@ -53,6 +53,16 @@ pub async fn place_orders_batch_postgres(
     let amounts: Vec<i64> = orders.iter().map(|o| o.amount_cents).collect();
     sqlx::query(
         "INSERT INTO orders (order_id, customer, amount_cents)
+         SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])
+         ON CONFLICT (order_id) DO NOTHING",
+    )
+    .bind(&ids)
+    .bind(&customers)
+    .bind(&amounts)
+    .execute(&mut **tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO ledger (order_id, customer, cents)
          SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])",
     )
     .bind(&ids)
@@ -88,7 +98,16 @@ pub async fn place_orders_batch_mysql(
                 .push_bind(&order.customer)
                 .push_bind(order.amount_cents);
         });
+        insert.push(" ON DUPLICATE KEY UPDATE order_id = order_id");
         insert.build().execute(&mut **tx).await?;
+        let mut record =
+            QueryBuilder::<MySql>::new("INSERT INTO ledger (order_id, customer, cents) ");
+        record.push_values(chunk, |mut row, order| {
+            row.push_bind(&order.order_id)
+                .push_bind(&order.customer)
+                .push_bind(order.amount_cents);
+        });
+        record.build().execute(&mut **tx).await?;
     }
     let totals: Vec<(&str, i64)> = totals(&orders).into_iter().collect();
     for chunk in totals.chunks(ROWS_PER_STATEMENT) {
@@ -117,7 +136,16 @@ pub async fn place_orders_batch_sqlite(
                 .push_bind(&order.customer)
                 .push_bind(order.amount_cents);
         });
+        insert.push(" ON CONFLICT (order_id) DO NOTHING");
         insert.build().execute(&mut **tx).await?;
+        let mut record =
+            QueryBuilder::<Sqlite>::new("INSERT INTO ledger (order_id, customer, cents) ");
+        record.push_values(chunk, |mut row, order| {
+            row.push_bind(&order.order_id)
+                .push_bind(&order.customer)
+                .push_bind(order.amount_cents);
+        });
+        record.build().execute(&mut **tx).await?;
     }
     let totals: Vec<(&str, i64)> = totals(&orders).into_iter().collect();
     for chunk in totals.chunks(ROWS_PER_STATEMENT) {

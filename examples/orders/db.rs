@@ -181,11 +181,36 @@ impl Db {
     }
 }
 
+impl Db {
+    /// The ledger's rows of the orders whose id starts with `order_prefix`, as (order id,
+    /// cents), sorted: one per booking of an order, so an order booked twice is there twice.
+    pub async fn ledger(&self, order_prefix: &str) -> anyhow::Result<Vec<(String, i64)>> {
+        const LEDGER: &str = "SELECT order_id, cents FROM ledger WHERE order_id LIKE $1";
+        const MYSQL_LEDGER: &str = "SELECT order_id, cents FROM ledger WHERE order_id LIKE ?";
+        let orders = format!("{order_prefix}%");
+        let mut rows: Vec<(String, i64)> = match self {
+            Self::Sqlite(pool) => sqlx::query_as(LEDGER).bind(&orders).fetch_all(pool).await?,
+            Self::Postgres(pool) => sqlx::query_as(LEDGER).bind(&orders).fetch_all(pool).await?,
+            Self::MySql(pool) => {
+                sqlx::query_as(MYSQL_LEDGER)
+                    .bind(&orders)
+                    .fetch_all(pool)
+                    .await?
+            }
+        };
+        rows.sort_unstable();
+        Ok(rows)
+    }
+}
+
 /// The second hop's books: shipments, parcels per customer, outbox rows not yet published.
 #[derive(Debug, Default)]
 pub struct Shipping {
     /// Shipments of orders whose id starts with the prefix.
     pub shipments: i64,
+    /// The shipment log's order ids starting with the prefix, sorted: one per shipment made,
+    /// so an order shipped twice is there twice.
+    pub log: Vec<String>,
     /// Per customer starting with the prefix: parcels counted.
     pub parcels: std::collections::BTreeMap<String, i64>,
     /// Outbox rows whose run key starts with the order prefix, not yet published.
@@ -206,6 +231,8 @@ impl Db {
         const MYSQL_SHIPMENTS: &str = "SELECT count(*) FROM shipments WHERE order_id LIKE ?";
         const MYSQL_PARCELS: &str = "SELECT customer, n FROM parcels WHERE customer LIKE ?";
         const MYSQL_OUTBOX: &str = "SELECT count(*) FROM idem_outbox WHERE `key` LIKE ?";
+        const LOG: &str = "SELECT order_id FROM shipment_log WHERE order_id LIKE $1";
+        const MYSQL_LOG: &str = "SELECT order_id FROM shipment_log WHERE order_id LIKE ?";
         let (customers, orders) = (format!("{customer_prefix}%"), format!("{order_prefix}%"));
         let (shipments, parcels, unpublished): (i64, Vec<(String, i64)>, i64) = match self {
             Self::Sqlite(pool) => (
@@ -251,8 +278,30 @@ impl Db {
                     .await?,
             ),
         };
+        let mut log: Vec<String> = match self {
+            Self::Sqlite(pool) => {
+                sqlx::query_scalar(LOG)
+                    .bind(&orders)
+                    .fetch_all(pool)
+                    .await?
+            }
+            Self::Postgres(pool) => {
+                sqlx::query_scalar(LOG)
+                    .bind(&orders)
+                    .fetch_all(pool)
+                    .await?
+            }
+            Self::MySql(pool) => {
+                sqlx::query_scalar(MYSQL_LOG)
+                    .bind(&orders)
+                    .fetch_all(pool)
+                    .await?
+            }
+        };
+        log.sort_unstable();
         Ok(Shipping {
             shipments,
+            log,
             parcels: parcels.into_iter().collect(),
             unpublished,
         })

@@ -68,6 +68,8 @@ struct Workload {
     expected: BTreeMap<String, i64>,
     /// Orders per customer: the parcels shipping must count.
     expected_parcels: BTreeMap<String, i64>,
+    /// Every order once, with its amount, sorted: the ledger's rows.
+    expected_ledger: Vec<(String, i64)>,
     orders: usize,
     customer_prefix: String,
     order_prefix: String,
@@ -123,6 +125,7 @@ impl Workload {
         let (customer_prefix, order_prefix) = (format!("customer-{run}-"), format!("order-{run}-"));
         let mut expected = BTreeMap::new();
         let mut expected_parcels = BTreeMap::new();
+        let mut expected_ledger = Vec::new();
         let mut bursts = Vec::new();
         let status_orders: Vec<String> = (0..options.orders)
             .step_by(4)
@@ -137,6 +140,7 @@ impl Workload {
             };
             *expected.entry(order.customer.clone()).or_default() += order.amount_cents;
             *expected_parcels.entry(order.customer.clone()).or_default() += 1;
+            expected_ledger.push((order.order_id.clone(), order.amount_cents));
             // Copies published back to back reach different workers at the same time.
             let mut burst = vec![order_message(&order)];
             while rng.chance(options.dup_rate) {
@@ -169,6 +173,10 @@ impl Workload {
             reused_id: order_message(&reused),
             expected,
             expected_parcels,
+            expected_ledger: {
+                expected_ledger.sort_unstable();
+                expected_ledger
+            },
             orders: options.orders,
             customer_prefix,
             order_prefix,
@@ -358,6 +366,18 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     let exact =
         wrong == 0 && stored_orders == workload.orders as i64 && stored_cents == expected_cents;
     let statuses_wrong = statuses_off(&workload, &db.statuses(&workload.order_prefix).await?);
+    // The ledger and the shipment log have no unique key: an order booked or shipped twice
+    // would be there twice, one never booked or shipped missing.
+    let ledger = Off::of(
+        &workload.expected_ledger,
+        &db.ledger(&workload.order_prefix).await?,
+    );
+    let expected_shipped: Vec<String> = workload
+        .expected_ledger
+        .iter()
+        .map(|(order, _)| order.clone())
+        .collect();
+    let shipment_log = Off::of(&expected_shipped, &shipping.log);
 
     println!(
         "transport            {transport_name}, queue {}",
@@ -399,6 +419,10 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
             format!("WRONG ({wrong} customers off)")
         }
     );
+    println!(
+        "ledger               {ledger}  ({} rows: one per order booked)",
+        ledger.rows
+    );
     let parcels_wrong = workload
         .expected_parcels
         .iter()
@@ -419,14 +443,81 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
             format!("WRONG ({parcels_wrong} customers off)")
         }
     );
+    println!(
+        "shipment log         {shipment_log}  ({} rows: one per order shipped)",
+        shipment_log.rows
+    );
     println!("outbox unpublished   {:>7}", shipping.unpublished);
     anyhow::ensure!(exact, "the books do not add up");
+    anyhow::ensure!(
+        ledger.exact(),
+        "the ledger is not every order once: {ledger}"
+    );
     anyhow::ensure!(shipped, "the shipping books do not add up");
+    anyhow::ensure!(
+        shipment_log.exact(),
+        "the shipment log is not every order once: {shipment_log}"
+    );
     anyhow::ensure!(
         statuses_wrong == 0,
         "the status updates were not applied once each in order"
     );
     Ok(())
+}
+
+/// How a log without a unique key differs from what it must hold: every expected row once.
+struct Off {
+    /// Rows found.
+    rows: usize,
+    /// Expected rows found more than once (each counted once).
+    doubled: usize,
+    /// Expected rows not found.
+    missing: usize,
+    /// Rows found that were not expected.
+    strange: usize,
+}
+
+impl Off {
+    /// Compares `found` with `expected` (each row once) as multisets.
+    fn of<T: Ord>(expected: &[T], found: &[T]) -> Self {
+        let mut seen: BTreeMap<&T, usize> = BTreeMap::new();
+        for row in found {
+            *seen.entry(row).or_default() += 1;
+        }
+        let mut off = Self {
+            rows: found.len(),
+            doubled: 0,
+            missing: 0,
+            strange: 0,
+        };
+        for row in expected {
+            match seen.remove(row) {
+                None => off.missing += 1,
+                Some(1) => {}
+                Some(_) => off.doubled += 1,
+            }
+        }
+        off.strange = seen.len();
+        off
+    }
+
+    fn exact(&self) -> bool {
+        self.doubled == 0 && self.missing == 0 && self.strange == 0
+    }
+}
+
+impl std::fmt::Display for Off {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.exact() {
+            f.write_str("exact")
+        } else {
+            write!(
+                f,
+                "WRONG ({} twice or more, {} missing, {} unexpected)",
+                self.doubled, self.missing, self.strange
+            )
+        }
+    }
 }
 
 /// The orders of `workload` whose status updates are not all applied once, in order.

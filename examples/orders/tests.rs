@@ -48,6 +48,14 @@ async fn orders(pool: &SqlitePool) -> i64 {
         .expect("count")
 }
 
+/// The ledger's order ids, sorted: one row per booking of an order.
+async fn ledger(pool: &SqlitePool) -> Vec<String> {
+    sqlx::query_scalar("SELECT order_id FROM ledger ORDER BY order_id")
+        .fetch_all(pool)
+        .await
+        .expect("ledger")
+}
+
 fn labels(outcomes: &[idem::Outcome]) -> Vec<&'static str> {
     outcomes.iter().map(idem::Outcome::label).collect()
 }
@@ -64,6 +72,7 @@ async fn copies_and_a_lost_ack_book_an_order_once() {
     let again = harness.redeliver("orders", &placed).await.unwrap();
     assert_eq!(again.label(), "duplicate");
     assert_eq!((orders(&pool).await, balance(&pool, "ada").await), (1, 250));
+    assert_eq!(ledger(&pool).await, ["o-1"], "booked once");
     assert!(harness.dead_letters().is_empty());
 }
 
@@ -78,6 +87,7 @@ async fn reordered_orders_add_up_the_same() {
     let outcomes = harness.send_all("orders", sent).await.unwrap();
     assert_eq!(labels(&outcomes), ["processed"; 3]);
     assert_eq!(balance(&pool, "bo").await, 6);
+    assert_eq!(ledger(&pool).await, ["o-1", "o-2", "o-3"]);
 }
 
 #[tokio::test]
@@ -90,6 +100,11 @@ async fn a_transient_database_error_is_retried_and_applied_once() {
         .unwrap();
     assert_eq!(labels(&attempts), ["retry", "retry", "processed"]);
     assert_eq!((orders(&pool).await, balance(&pool, "cy").await), (1, 90));
+    assert_eq!(
+        ledger(&pool).await,
+        ["o-9"],
+        "the retries rolled back, the last run booked"
+    );
 }
 
 #[tokio::test]
@@ -106,6 +121,7 @@ async fn retries_run_out_into_a_dead_letter() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].dead_letter.reason, "retries-exhausted");
     assert_eq!(orders(&pool).await, 0);
+    assert!(ledger(&pool).await.is_empty());
 }
 
 #[tokio::test]
@@ -135,6 +151,7 @@ async fn a_reused_id_and_a_malformed_message_are_dead_lettered_with_reasons() {
         ]
     );
     assert_eq!(balance(&pool, "ed").await, 70);
+    assert_eq!(ledger(&pool).await, ["o-7"], "the reused id never booked");
 }
 
 fn status(order_id: &str, status: &str, version: i64) -> idem::Envelope {
