@@ -362,7 +362,18 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
     };
     let mut expected_ids: Vec<String> = (0..orders).map(|n| format!("{queue}-{n}")).collect();
     expected_ids.sort();
+    // The books' rows are written once per order id whatever happens; the ledger and the
+    // shipment log have no unique key, so a second application shows there as a second row.
     let (stored_ids, shipped_ids) = (ids("orders").await, ids("shipments").await);
+    let (ledger_ids, logged_ids) = (ids("ledger").await, ids("shipment_log").await);
+    let ledger_cents: i64 = sqlx::query_scalar::<_, Option<i64>>(
+        "SELECT sum(cents)::int8 FROM ledger WHERE order_id LIKE $1",
+    )
+    .bind(format!("{queue}-%"))
+    .fetch_one(&pool)
+    .await
+    .unwrap()
+    .unwrap_or(0);
     let balances: HashMap<String, i64> =
         sqlx::query_as("SELECT customer, cents FROM balances WHERE customer LIKE $1")
             .bind(format!("{queue}-c%"))
@@ -442,6 +453,19 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
     assert!(
         shipped_ids == expected_ids,
         "the orders shipped are not exactly the orders sent"
+    );
+    assert!(
+        ledger_ids == expected_ids,
+        "the ledger does not hold each order exactly once"
+    );
+    assert!(
+        logged_ids == expected_ids,
+        "the shipment log does not hold each order exactly once"
+    );
+    assert_eq!(
+        ledger_cents,
+        expected.values().sum::<i64>(),
+        "the ledger's amounts are not the orders'"
     );
     assert_eq!(
         wrong_balances, 0,

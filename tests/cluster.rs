@@ -45,8 +45,8 @@ async fn shipped(pool: &sqlx::PgPool, queue: &str) -> usize {
         .unwrap_or(0) as usize
 }
 
-/// The order ids of this run in `table` (`orders` or `shipments`), each once: the tables key
-/// them, so a second application would have failed, not doubled a row.
+/// The order ids of this run in `table`, which must hold each once (`orders` and `shipments`
+/// key them; the `ledger` and the `shipment_log` do not, so a double application shows there).
 async fn ids(pool: &sqlx::PgPool, table: &str, queue: &str) -> std::collections::BTreeSet<String> {
     let ids: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT order_id FROM {table} WHERE order_id LIKE $1"
@@ -228,6 +228,17 @@ async fn survive(disruption: Disruption) {
         ids(&pool, "shipments", &queue).await,
         expected_ids,
         "every order shipped once"
+    );
+    // No unique key there: a second application would show as a second row.
+    assert_eq!(
+        ids(&pool, "ledger", &queue).await,
+        expected_ids,
+        "every order booked once"
+    );
+    assert_eq!(
+        ids(&pool, "shipment_log", &queue).await,
+        expected_ids,
+        "every order logged shipped once"
     );
     assert_eq!(balances, expected, "every order's amount added once");
     assert_eq!(

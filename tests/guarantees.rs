@@ -48,8 +48,16 @@ async fn guarantees_orders(
     order: Order,
     ctx: &Context<'_>,
 ) -> Result<(), HandlerError> {
+    if let Some(once) = order.fail.as_deref().filter(|f| f.starts_with("once")) {
+        ATTEMPTS
+            .lock()
+            .unwrap()
+            .push((once.to_owned(), ctx.attempt(), std::time::Instant::now()));
+    }
     match order.fail.as_deref() {
-        Some("once") if ctx.attempt() == 1 => return Err(HandlerError::transient("not yet")),
+        Some(f) if f.starts_with("once") && ctx.attempt() == 1 => {
+            return Err(HandlerError::transient("not yet"));
+        }
         Some("always") => return Err(HandlerError::permanent("no such customer")),
         _ => {}
     }
@@ -93,6 +101,10 @@ struct Update {
 }
 
 /// The updates that already failed once.
+/// When each attempt of an order that fails once (`fail: "once…"`, named per test) began.
+static ATTEMPTS: std::sync::Mutex<Vec<(String, u32, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
+
 static FAILED_ONCE: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 
 /// Applies an order's status updates, refusing (for good) one that does not follow the last
@@ -383,7 +395,7 @@ async fn the_same_key_with_another_payload_is_dead_lettered_as_a_conflict(bus: B
 async fn failures_are_retried_or_dead_lettered_once_with_their_reasons(bus: Bus) {
     let w = World::new(bus, "fail").await;
     let once = Order {
-        fail: Some("once".to_owned()),
+        fail: Some(format!("once {}", w.orders)),
         ..order("t-1", 7)
     };
     let always = Order {
@@ -396,7 +408,6 @@ async fn failures_are_retried_or_dead_lettered_once_with_their_reasons(bus: Bus)
     let bad: &[u8] = b"\xff\x00{not json";
     w.publish_body("bad-1", bad.to_vec(), 0).await;
     w.bus.confirm().await;
-    let started = std::time::Instant::now();
     let running = start(w.runtime());
     wait_until("all three settled", DEADLINE, || async {
         let now = running.now();
@@ -409,8 +420,25 @@ async fn failures_are_retried_or_dead_lettered_once_with_their_reasons(bus: Bus)
         (1, 1, 2)
     );
     // The retry waited out the policy's first delay (300 ms, less up to a quarter of jitter
-    // where the broker delays each copy on its own) and ran as attempt 2.
-    assert!(started.elapsed() >= Duration::from_millis(225));
+    // where the broker delays each copy on its own) and ran as attempt 2: measured between
+    // the two attempts' starts, not from the runtime's start.
+    let attempts: Vec<(u32, std::time::Instant)> = ATTEMPTS
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(name, ..)| Some(name) == once.fail.as_ref())
+        .map(|(_, attempt, at)| (*attempt, *at))
+        .collect();
+    assert_eq!(
+        attempts.iter().map(|(a, _)| *a).collect::<Vec<_>>(),
+        [1, 2],
+        "one failed attempt, then one retry"
+    );
+    let gap = attempts[1].1 - attempts[0].1;
+    assert!(
+        gap >= Duration::from_millis(225),
+        "the retry came {gap:?} after the first attempt"
+    );
     assert_eq!(w.applied().await, [("orders".into(), "t-1".into(), 7, 2)]);
     let mut letters = w.bus.dead_letters(&w.orders).await;
     assert_eq!(letters.len(), 2, "each dead-lettered once");

@@ -1,8 +1,5 @@
 //! Queue depths read strictly from the broker, for runs that judge exactly-once only once every
 //! hop is drained: a queue that is missing, or a `rabbitmqctl` that fails, is an error, never 0.
-//!
-//! Not a module of `common` (whose `mod.rs` another change owns): a test includes it with
-//! `#[path = "common/drained.rs"] mod drained;` beside `mod common;`.
 
 #![allow(dead_code)] // each test binary uses part of the helpers
 

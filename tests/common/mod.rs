@@ -225,6 +225,7 @@ pub mod broker;
 pub mod bus;
 pub mod charges;
 pub mod cluster;
+pub mod drained;
 pub mod faulty_orders;
 pub mod nats_node;
 pub mod own_servers;

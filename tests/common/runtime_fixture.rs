@@ -392,7 +392,14 @@ impl Fixture {
             doubled.is_empty(),
             "keys not applied exactly once: {doubled:?}"
         );
-        assert_eq!(effects.len(), n, "orders applied");
+        let mut applied: Vec<&String> = effects.keys().collect();
+        applied.sort();
+        let mut expected_keys: Vec<String> = (0..n).map(|i| self.key(i)).collect();
+        expected_keys.sort();
+        assert!(
+            applied.iter().copied().eq(expected_keys.iter()),
+            "the keys applied are not exactly the {n} orders sent: {applied:?}"
+        );
         let mut expected: HashMap<String, i64> = HashMap::new();
         for i in 0..n {
             *expected.entry(self.customer(i)).or_default() += amount(i);
@@ -404,19 +411,9 @@ impl Fixture {
     /// the queue or its retry queues, none unacknowledged. A run is judged only then, so that
     /// late copies and redeliveries are judged too.
     pub async fn wait_drained(&self) {
-        let delays = self.policy.delays();
-        crate::common::wait_until(
-            "every copy settled (the queue and its retry queues empty, nothing unacked)",
-            Duration::from_secs(120),
-            || async {
-                let mut left = broker::count(&self.queue).await + broker::unacked(&self.queue);
-                for delay in &delays {
-                    left += broker::count(&idem::rabbitmq::retry_queue(&self.queue, *delay)).await;
-                }
-                left == 0
-            },
-        )
-        .await;
+        let hop = crate::common::drained::hop(&self.queue, &self.policy.delays());
+        crate::common::drained::wait_drained("the queue's hop", &hop, Duration::from_secs(120))
+            .await;
     }
 
     /// The dead-letter records of this fixture's queue, oldest first.
