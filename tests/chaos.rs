@@ -1,7 +1,7 @@
 //! Chaos: several `orders consume` processes (built with `fault-injection`) drain 600 orders
 //! with duplicates and malformed messages through both hops of the example (orders,
 //! then the `OrderBilled` events their outbox publishes to shipping), while processes are
-//! killed with SIGKILL at random and abort themselves before and after commits, half-way
+//! killed with SIGKILL at random (each after 3 s of life at least) and abort themselves before and after commits, half-way
 //! through dead-lettering, between a commit and its outbox dispatch and between a publish and
 //! the removal of its outbox row; every killed process is restarted. Once a third of the
 //! orders is stored the database is cut off for two seconds (a proxy in front of it drops
@@ -115,6 +115,9 @@ async fn on_a_cluster_with_quorum_queues() {
 async fn on_nats_jetstream() {
     chaos(Bus::nats_of_its_own().await, &[]).await;
 }
+
+/// How long a consumer runs at least before the run may kill it (see the kill in `chaos`).
+const MIN_LIFE: Duration = Duration::from_secs(3);
 
 /// Held by the chaos run under way: the runs take turns (see the top of the file).
 static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -340,7 +343,17 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
             );
         }
         tokio::time::sleep(Duration::from_millis(200 + rng.below(600))).await;
-        let victim = rng.below(children.0.len() as u64) as usize;
+        // The victim is one that has had the time to start and settle something: killing
+        // processes still starting kills whatever message they were given, again and again,
+        // until the poison limit rightly refuses it (a supervisor's restart backoff spares
+        // production that). Each process lives at least `MIN_LIFE`.
+        let grown: Vec<usize> = (0..children.0.len())
+            .filter(|i| children.0[*i].age() >= MIN_LIFE)
+            .collect();
+        if grown.is_empty() {
+            continue;
+        }
+        let victim = grown[rng.below(grown.len() as u64) as usize];
         children.0[victim].child.kill().unwrap(); // SIGKILL
         children.0[victim].child.wait().unwrap();
         kills += 1;

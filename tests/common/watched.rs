@@ -12,6 +12,7 @@ pub struct Watched {
     pub child: Child,
     name: String,
     stderr: PathBuf,
+    started: Instant,
     _dir: tempfile::TempDir,
 }
 
@@ -43,8 +44,14 @@ impl Watched {
             child,
             name: name.to_owned(),
             stderr,
+            started: Instant::now(),
             _dir: dir,
         }
+    }
+
+    /// How long ago it was started.
+    pub fn age(&self) -> Duration {
+        self.started.elapsed()
     }
 
     /// The process id.
