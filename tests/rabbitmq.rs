@@ -33,8 +33,7 @@ async fn duplicates_published_on_purpose_take_effect_once() {
         running.now().settled() >= published
     })
     .await;
-    let hop = common::drained::hop(&f.queue, &f.policy.delays());
-    common::drained::wait_drained("the orders' hop", &hop, DEADLINE).await;
+    f.wait_drained().await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.processed, seen.duplicates, seen.dead_lettered),
@@ -66,12 +65,7 @@ async fn three_competing_runtimes_take_effect_once() {
     })
     .await;
     // Judged once the queue and its retry queues hold nothing, ready or unacknowledged.
-    common::drained::wait_drained(
-        "the orders' hop",
-        &common::drained::hop(&f.queue, &f.policy.delays()),
-        DEADLINE,
-    )
-    .await;
+    f.wait_drained().await;
     let mut busy = 0;
     let (mut processed, mut duplicates, mut dead) = (0, 0, 0);
     for running in runtimes {
@@ -300,8 +294,7 @@ async fn a_delivery_lost_with_its_connection_is_not_a_failed_attempt() {
     .await;
     // A copy left behind (a retry copy the lost settlement sent after all) comes later: judged
     // once the queue and its retry queues hold nothing.
-    let hop = common::drained::hop(&f.queue, &f.policy.delays());
-    common::drained::wait_drained("the orders' hop", &hop, DEADLINE).await;
+    f.wait_drained().await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.processed, seen.dead_lettered),
@@ -347,12 +340,7 @@ async fn a_broker_connection_closed_under_load_loses_and_doubles_nothing() {
     .await;
     // The deliveries the close gave back come again after their orders were applied: judged
     // once the queue and its retry queues hold nothing, ready or unacknowledged.
-    common::drained::wait_drained(
-        "the orders' hop",
-        &common::drained::hop(&f.queue, &f.policy.delays()),
-        DEADLINE,
-    )
-    .await;
+    f.wait_drained().await;
     let seen = running.shut_down().await;
     f.assert_exactly_once(ORDERS, |_| 3).await;
     // Every copy settled (those whose ack the close lost came back, as duplicates); none
@@ -670,8 +658,7 @@ async fn a_database_outage_pauses_the_queue_without_losing_messages() {
     })
     .await;
     // Judged once the queue and its retry queues hold nothing, ready or unacknowledged.
-    let hop = common::drained::hop(&f.queue, &f.policy.delays());
-    common::drained::wait_drained("the orders' hop", &hop, DEADLINE).await;
+    f.wait_drained().await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.dead_lettered, seen.retried),
@@ -839,12 +826,7 @@ async fn quorum_queues_deduplicate_and_enforce_the_delivery_limit() {
         running.now().settled() >= 3
     })
     .await;
-    common::drained::wait_drained(
-        "the orders' hop",
-        &common::drained::hop(&f.queue, &f.policy.delays()),
-        DEADLINE,
-    )
-    .await;
+    f.wait_drained().await;
     let seen = running.shut_down().await;
     assert_eq!(
         (seen.processed, seen.duplicates, seen.dead_lettered),
