@@ -290,6 +290,60 @@ async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
     transport.delete_queue(&queue).await.unwrap();
 }
 
+/// A runtime asked to stop while a handler longer than the ack wait runs keeps telling
+/// JetStream the delivery is in progress until it settles: a second process consuming the
+/// queue is not handed the message meanwhile. (The signals stopped with the consumer, and the
+/// second process ran it again a second after the stop.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_running_at_shutdown_is_still_told_in_progress() {
+    let js = jetstream_or_fail().await;
+    let (pool, _db) = database().await;
+    let transport =
+        NatsTransport::new(NatsConfig::new(nats_url()).ack_wait(Duration::from_secs(1)));
+    let queue = unique("nats-stopping");
+    transport
+        .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
+        .await
+        .unwrap();
+    let mut slow = order("slow-2", 1);
+    slow.fail = Some("slow".to_owned());
+    let message = idem::Envelope::new(serde_json::to_vec(&slow).unwrap()).with_message_id("slow-2");
+    transport.publish(&queue, &message, None).await.unwrap();
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(format!("IDEM_{queue}"))
+        .await
+        .unwrap()
+        .get_consumer("nats_orders")
+        .await
+        .unwrap();
+    let first = start(orders_alone(&transport, &pool, &queue));
+    wait_until("the first process holding the order", DEADLINE, || {
+        let mut consumer = consumer.clone();
+        async move {
+            let info = consumer.info().await.unwrap().clone();
+            info.num_ack_pending == 1 && info.num_pending == 0
+        }
+    })
+    .await;
+    // A second process on the queue, with a connection of its own, pulling.
+    let other = NatsTransport::new(NatsConfig::new(nats_url()).ack_wait(Duration::from_secs(1)));
+    let second = start(orders_alone(&other, &pool, &queue));
+    let seen = first.shut_down().await;
+    assert_eq!(seen.processed, 1, "{seen:?}");
+    let delivered = consumer.info().await.unwrap().delivered.consumer_sequence;
+    let other_seen = second.shut_down().await;
+    assert_eq!(
+        delivered, 1,
+        "the message was delivered again while its handler ran at shutdown"
+    );
+    assert_eq!(other_seen.settled(), 0, "{other_seen:?}");
+    assert_eq!(
+        applied_ids(&pool).await,
+        each_once("orders", ["slow-2".to_owned()])
+    );
+    transport.delete_queue(&queue).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_dead_letter_carries_its_reason_detail_and_source_queue_in_headers() {
     let w = World::new("fail").await;
@@ -520,6 +574,337 @@ async fn streams_deleted_under_the_consumer_are_declared_again() {
         w.applied_ids().await,
         each_once("orders", ["d-1".to_owned(), "d-2".to_owned()])
     );
+    w.cleanup().await;
+}
+
+/// The dead-letter stream of `w`'s orders queue: `(sequence, reason, order id)` of each letter
+/// it holds, oldest first.
+async fn letters(w: &World) -> Vec<(u64, String, String)> {
+    let mut dlq =
+        w.js.get_stream(format!("IDEM_{}_DLQ", w.orders))
+            .await
+            .unwrap();
+    let state = dlq.info().await.unwrap().state.clone();
+    let mut found = Vec::new();
+    for sequence in state.first_sequence..=state.last_sequence {
+        let Ok(letter) = dlq.get_raw_message(sequence).await else {
+            continue;
+        };
+        let reason = letter
+            .headers
+            .get("Idem-Dead-Letter-Reason")
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default();
+        let body: serde_json::Value = serde_json::from_slice(&letter.payload).unwrap_or_default();
+        let id = body["id"].as_str().unwrap_or_default().to_owned();
+        found.push((sequence, reason, id));
+    }
+    found
+}
+
+/// A producer that reuses a message id for two payloads (two JetStream ids), both failing
+/// transiently on their first attempt: each retry copy is named after the delivery it settles,
+/// not after the message id, so JetStream keeps both. One is applied; the other is
+/// dead-lettered as the conflict it is. (Named after the message id, the second copy was
+/// dropped as a duplicate of the first, and the payload was nowhere.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_payloads_under_one_message_id_both_retried_end_applied_and_in_conflict() {
+    let w = World::new("reused").await;
+    for (nats_id, cents) in [("r-a", 1), ("r-b", 2)] {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", nats_id);
+        headers.insert("Idem-Message-Id", "r-1");
+        let once = Order {
+            fail: Some("once".to_owned()),
+            ..order("r-1", cents)
+        };
+        let body = serde_json::to_vec(&once).unwrap();
+        w.js.publish_with_headers(w.orders.clone(), headers, body.into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let running = start(w.runtime());
+    wait_until("one applied and one in conflict", DEADLINE, || async {
+        let now = running.now();
+        now.processed == 1 && now.conflicts == 1
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (
+            seen.retried,
+            seen.processed,
+            seen.conflicts,
+            seen.dead_lettered
+        ),
+        (2, 1, 1, 1)
+    );
+    assert_eq!(
+        w.applied_ids().await,
+        each_once("orders", ["r-1".to_owned()])
+    );
+    let letters = letters(&w).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(
+        (letters[0].1.as_str(), letters[0].2.as_str()),
+        ("conflict", "r-1")
+    );
+    w.cleanup().await;
+}
+
+/// A dead letter replayed and dead-lettered again within JetStream's duplicate window: the
+/// second dead letter is named after its own delivery, so the stream keeps it. (Named after
+/// the message id, it was dropped as a duplicate of the first, which the replay had removed:
+/// the store held a record and the stream nothing.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_replayed_and_dead_lettered_again_is_in_the_stream() {
+    let w = World::new("again").await;
+    let always = Order {
+        fail: Some("always".to_owned()),
+        ..order("g-1", 7)
+    };
+    w.publish("g-1", &always).await;
+    let running = start(w.runtime());
+    wait_until("dead-lettered", DEADLINE, || async {
+        running.now().dead_lettered == 1
+    })
+    .await;
+    let first = letters(&w).await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    let reader = w.transport.dead_letters(&w.orders).await.unwrap();
+    let letter = reader.next().await.unwrap().unwrap();
+    reader.replay(&letter, &w.orders).await.unwrap();
+    reader.remove(&letter).await.unwrap();
+    reader.close().await;
+    wait_until("dead-lettered again", DEADLINE, || async {
+        running.now().dead_lettered == 2
+    })
+    .await;
+    running.shut_down().await;
+    let second = letters(&w).await;
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert!(second[0].0 > first[0].0, "{first:?} then {second:?}");
+    assert_eq!(
+        (second[0].1.as_str(), second[0].2.as_str()),
+        ("handler", "g-1")
+    );
+    assert!(w.applied_ids().await.is_empty());
+    w.cleanup().await;
+}
+
+/// The dead-letter stream deleted under a running consumer, then a malformed message: the
+/// failed dead-letter publish declares the stream again and gives the delivery back with a
+/// delay, so the letter lands after one failed settlement. (Before, the stream was never
+/// declared again and the delivery came back at once, tens of thousands of times a minute.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_stream_deleted_under_the_consumer_is_declared_again() {
+    let w = World::new("nodlq").await;
+    let running = start(w.runtime());
+    w.publish("n-1", &order("n-1", 1)).await;
+    wait_until("the first order", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    w.js.delete_stream(format!("IDEM_{}_DLQ", w.orders))
+        .await
+        .unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "bad-1");
+    w.js.publish_with_headers(w.orders.clone(), headers, b"{not json".to_vec().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let dlq = format!("IDEM_{}_DLQ", w.orders);
+    wait_until(
+        "the dead letter in a stream declared again",
+        DEADLINE,
+        || async {
+            match w.js.get_stream(&dlq).await {
+                Ok(mut stream) => stream.info().await.is_ok_and(|i| i.state.messages == 1),
+                Err(_) => false,
+            }
+        },
+    )
+    .await;
+    let seen = running.shut_down().await;
+    // The first dead-letter publish failed; the delivery came back once and its letter landed.
+    assert_eq!(
+        (seen.settle_failures, seen.dead_lettered),
+        (1, 2),
+        "{seen:?}"
+    );
+    let letters = letters(&w).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].1, "decode");
+    w.cleanup().await;
+}
+
+/// The outbox's `publish_all` of more messages than the client lets a context await at once
+/// (5,000) finishes, every message confirmed and in the stream. (It sent them all before it
+/// awaited any confirm, and the 5,001st send waited for ever.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_outbox_publishes_more_messages_at_once_than_the_client_awaits() {
+    let w = World::new("many").await;
+    let messages: Vec<Outgoing> = (0..6_000)
+        .map(|n| Outgoing::to_queue(w.shipping.as_str(), &order(&format!("m-{n}"), n)).unwrap())
+        .collect();
+    let outbound = w.transport.outbound().unwrap();
+    let results = tokio::time::timeout(DEADLINE, outbound.publish_all(&messages))
+        .await
+        .expect("publish_all of 6,000 messages did not finish");
+    assert_eq!(results.len(), 6_000);
+    assert!(results.iter().all(Result::is_ok));
+    let mut stream =
+        w.js.get_stream(format!("IDEM_{}", w.shipping))
+            .await
+            .unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 6_000);
+    w.cleanup().await;
+}
+
+/// Settings that drifted from what idem declares: a stream kept in memory, or a work stream
+/// with an age limit, is refused, naming the setting and the fix; a durable consumer whose ack
+/// wait and delivery limit were changed by hand is updated back (a delivery limit strands
+/// the message JetStream stops delivering; an ack wait the in-progress signals are not paced
+/// for redelivers running handlers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn drifted_stream_settings_are_refused_and_a_drifted_consumer_is_updated() {
+    use async_nats::jetstream::consumer::{AckPolicy, pull};
+    use async_nats::jetstream::stream::{Config, RetentionPolicy, StorageType};
+    let js = jetstream_or_fail().await;
+    let transport = NatsTransport::new(NatsConfig::new(nats_url()));
+    let (memory, aged) = (unique("nats-memory"), unique("nats-aged"));
+    for (queue, storage, max_age) in [
+        (&memory, StorageType::Memory, Duration::ZERO),
+        (&aged, StorageType::File, Duration::from_secs(3600)),
+    ] {
+        js.create_stream(Config {
+            name: format!("IDEM_{queue}"),
+            subjects: vec![queue.clone()],
+            retention: RetentionPolicy::WorkQueue,
+            storage,
+            max_age,
+            ..Config::default()
+        })
+        .await
+        .unwrap();
+    }
+    let refused = |queue: &str| {
+        let transport = transport.clone();
+        let queue = queue.to_owned();
+        async move {
+            transport
+                .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
+                .await
+                .unwrap_err()
+                .to_string()
+        }
+    };
+    let why = refused(&memory).await;
+    assert!(
+        why.contains("storage is Memory") && why.contains("delete the stream"),
+        "{why}"
+    );
+    let why = refused(&aged).await;
+    assert!(
+        why.contains("max_age is 3600s") && why.contains("max_age 0"),
+        "{why}"
+    );
+
+    let queue = unique("nats-drift");
+    let spec = QueueSpec::new(queue.as_str(), "nats.orders");
+    transport
+        .declare(std::slice::from_ref(&spec))
+        .await
+        .unwrap();
+    let stream = js.get_stream(format!("IDEM_{queue}")).await.unwrap();
+    let by_hand = pull::Config {
+        durable_name: Some("nats_orders".to_owned()),
+        filter_subject: queue.clone(),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: Duration::from_secs(2),
+        max_deliver: 3,
+        max_ack_pending: 10_000,
+        ..pull::Config::default()
+    };
+    let mut changed = stream.create_consumer(by_hand).await.unwrap();
+    let info = changed.info().await.unwrap().config.clone();
+    assert_eq!(
+        (info.ack_wait, info.max_deliver),
+        (Duration::from_secs(2), 3)
+    );
+    transport
+        .declare(std::slice::from_ref(&spec))
+        .await
+        .unwrap();
+    let info = changed.info().await.unwrap().config.clone();
+    assert_eq!(
+        (info.ack_wait, info.max_deliver),
+        (idem::nats::DEFAULT_ACK_WAIT, -1)
+    );
+    for queue in [&memory, &aged, &queue] {
+        transport.delete_queue(queue).await.unwrap();
+    }
+}
+
+/// A dead-letter stream that refuses the letter (full, discarding new messages): the delivery
+/// comes back after a delay that doubles with each delivery, not at once, and its letter lands
+/// once there is room. Over 3 s the delays (250 ms, 500 ms, 1 s, 2 s) allow at most 5 failed
+/// settlements; given back at once, it failed thousands of times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_the_stream_refuses_is_tried_again_with_growing_delays() {
+    use async_nats::jetstream::stream::{Config, DiscardPolicy};
+    let w = World::new("fulldlq").await;
+    let dlq = format!("IDEM_{}_DLQ", w.orders);
+    w.js.delete_stream(&dlq).await.unwrap();
+    let full =
+        w.js.create_stream(Config {
+            name: dlq.clone(),
+            subjects: vec![format!("{}.dlq", w.orders)],
+            max_messages: 1,
+            discard: DiscardPolicy::New,
+            ..Config::default()
+        })
+        .await
+        .unwrap();
+    w.js.publish(format!("{}.dlq", w.orders), "filler".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "bad-2");
+    w.js.publish_with_headers(w.orders.clone(), headers, b"{not json".to_vec().into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let running = start(w.runtime());
+    wait_until("the first refused dead letter", DEADLINE, || async {
+        running.now().settle_failures >= 1
+    })
+    .await;
+    let window = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let failed = running.now().settle_failures;
+    assert!(
+        failed <= 5,
+        "{failed} failed settlements within {:?} of the first",
+        window.elapsed()
+    );
+    full.purge().await.unwrap();
+    wait_until("the letter in the stream", DEADLINE, || {
+        let mut full = full.clone();
+        async move { full.info().await.is_ok_and(|i| i.state.messages == 1) }
+    })
+    .await;
+    running.shut_down().await;
+    let letters = letters(&w).await;
+    assert_eq!(letters.len(), 1, "{letters:?}");
+    assert_eq!(letters[0].1, "decode");
     w.cleanup().await;
 }
 

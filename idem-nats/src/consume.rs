@@ -38,13 +38,13 @@ impl Consumer {
     /// unsettled when a session fails are redelivered by JetStream once their ack wait ends.
     pub(crate) async fn run(mut self) {
         let config = self.shared.config.clone();
-        let _ticker = AbortOnDrop(tokio::spawn({
-            let (unsettled, shared) = (self.unsettled.clone(), self.shared.clone());
-            async move {
-                unsettled.tell(shared, config.ack_wait / 3).await;
-                Ok(())
-            }
-        }));
+        // Not ended with the consumer: handlers still running at shutdown are told in progress
+        // until they settle.
+        tokio::spawn(self.unsettled.clone().tell(
+            self.shared.clone(),
+            config.ack_wait / 3,
+            self.stop.clone(),
+        ));
         let mut backoff = config.reconnect_min;
         while !*self.stop.borrow() {
             let ended = self.session().await;
@@ -69,6 +69,7 @@ impl Consumer {
         let js = self.shared.jetstream().await?;
         let (names, _) = topology::declare(&js, &self.spec, self.shared.config.ack_wait).await?;
         let stream = js.get_stream(&names.stream).await?;
+        let incarnation = crate::settle::incarnation(&stream);
         let consumer: PullConsumer = stream.get_consumer(&durable(&self.spec.consumer)).await?;
         let mut messages = consumer
             .stream()
@@ -121,6 +122,8 @@ impl Consumer {
                 names: names.clone(),
                 body: message.payload,
                 sequence,
+                incarnation,
+                delivered,
                 _unsettled: tracked,
             };
             let permit = tokio::select! {

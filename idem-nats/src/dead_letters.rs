@@ -12,6 +12,7 @@ use async_nats::HeaderMap;
 use async_nats::header::HeaderValue;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::context::PublishErrorKind;
+use idem_core::transport::{CopyId, CopyPurpose, DeliveryOrigin};
 use idem_core::{BoxFuture, DeadLetterReader, HeldLetter, OutboundError, TransportError};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -33,8 +34,9 @@ pub(crate) struct NatsDeadLetters {
     names: Names,
     /// The next sequence to read.
     next: AtomicU64,
-    /// The headers of each letter read, by sequence, for its copy.
-    read: Mutex<HashMap<u64, HeaderMap>>,
+    /// The headers of each letter read, by sequence, and the incarnation of the stream it was
+    /// read from, for its copy.
+    read: Mutex<HashMap<u64, (HeaderMap, i128)>>,
 }
 
 fn topology(names: &Names, action: &'static str, e: impl std::fmt::Display) -> TransportError {
@@ -98,14 +100,16 @@ impl DeadLetterReader for NatsDeadLetters {
                     continue;
                 };
                 let letter = letter(sequence, &message.headers, message.payload.to_vec());
+                let incarnation = crate::settle::incarnation(&stream);
                 let mut read = self.read.lock().unwrap_or_else(|e| e.into_inner());
-                read.insert(sequence, message.headers);
+                read.insert(sequence, (message.headers, incarnation));
                 return Ok(Some(letter));
             }
         })
     }
 
-    /// Published to `queue`'s subject with `Nats-Msg-Id` = `<message id>.replay<sequence>`,
+    /// Published to `queue`'s subject with a `Nats-Msg-Id` naming the letter's place in the
+    /// dead-letter stream ([`CopyId`]: each replay of each letter is a copy of its own),
     /// confirmed.
     fn replay<'a>(
         &'a self,
@@ -113,7 +117,7 @@ impl DeadLetterReader for NatsDeadLetters {
         queue: &'a str,
     ) -> BoxFuture<'a, Result<(), OutboundError>> {
         Box::pin(async move {
-            let headers = {
+            let (headers, incarnation) = {
                 let read = self.read.lock().unwrap_or_else(|e| e.into_inner());
                 read.get(&letter.tag).cloned()
             }
@@ -128,14 +132,15 @@ impl DeadLetterReader for NatsDeadLetters {
                     copy.append(name.clone(), value.clone());
                 }
             }
-            let base = letter
-                .message_id
-                .clone()
-                .unwrap_or_else(|| format!("{}#{}", self.names.dlq_stream, letter.tag));
             if let Some(id) = &letter.message_id {
                 copy.insert(MESSAGE_ID_HEADER, HeaderValue::from_lossy(id));
             }
-            let msg_id = format!("{base}.replay{}", letter.tag);
+            let origin = DeliveryOrigin {
+                source: &self.names.dlq_stream,
+                incarnation,
+                position: letter.tag,
+            };
+            let msg_id = CopyId::new(origin, CopyPurpose::Replay).to_string();
             copy.insert(MSG_ID_HEADER, HeaderValue::from_lossy(&msg_id));
             let failed = |e: async_nats::jetstream::context::PublishError| match e.kind() {
                 PublishErrorKind::StreamNotFound => OutboundError::Unroutable {

@@ -8,8 +8,11 @@
 
 use crate::connection::Shared;
 use crate::envelope;
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
 use idem_core::{BoxFuture, Outbound, OutboundError, Outgoing};
+
+/// How many messages [`NatsOutbound::publish_all`] has sent and not seen confirmed, at most.
+const IN_FLIGHT: usize = 1024;
 
 /// The outbox's publisher on a [`crate::NatsTransport`]'s connection.
 pub(crate) struct NatsOutbound {
@@ -56,7 +59,9 @@ impl Outbound for NatsOutbound {
         })
     }
 
-    /// Sends every message before it waits for their confirms, in order.
+    /// Sends the messages in order, waiting for their confirms as it goes: at most
+    /// [`IN_FLIGHT`] unconfirmed at a time, so that any number of messages finishes (the
+    /// client's context refuses to send beyond the confirms it awaits).
     fn publish_all<'a>(
         &'a self,
         messages: &'a [Outgoing],
@@ -72,22 +77,33 @@ impl Outbound for NatsOutbound {
                         .collect();
                 }
             };
-            let mut pending = Vec::with_capacity(messages.len());
+            let mut results: Vec<Result<(), OutboundError>> = Vec::with_capacity(messages.len());
+            let mut pending = std::collections::VecDeque::with_capacity(IN_FLIGHT);
+            // Confirms are awaited oldest first, so `results` fills in the messages' order.
+            async fn confirm(
+                (message, sent): (&Outgoing, Result<PublishAckFuture, PublishError>),
+            ) -> Result<(), OutboundError> {
+                match sent {
+                    Ok(ack) => ack.await.map(drop).map_err(|e| failed(message, e)),
+                    Err(e) => Err(failed(message, e)),
+                }
+            }
             for message in messages {
+                if pending.len() == IN_FLIGHT
+                    && let Some(oldest) = pending.pop_front()
+                {
+                    results.push(confirm(oldest).await);
+                }
                 let envelope = &message.envelope;
                 let headers = envelope::headers(envelope, envelope.message_id.as_deref());
                 let body = bytes::Bytes::copy_from_slice(&envelope.body);
-                pending.push(
-                    js.publish_with_headers(self.subject(message), headers, body)
-                        .await,
-                );
+                let sent = js
+                    .publish_with_headers(self.subject(message), headers, body)
+                    .await;
+                pending.push_back((message, sent));
             }
-            let mut results = Vec::with_capacity(messages.len());
-            for (message, sent) in messages.iter().zip(pending) {
-                results.push(match sent {
-                    Ok(ack) => ack.await.map(drop).map_err(|e| failed(message, e)),
-                    Err(e) => Err(failed(message, e)),
-                });
+            for sent in pending {
+                results.push(confirm(sent).await);
             }
             results
         })

@@ -1,10 +1,11 @@
 //! In-progress signals: while a delivery is unsettled, JetStream is told so every third of the
 //! ack wait, so that a long handler is not redelivered while it runs. One ticker per queue
 //! consumer speaks for all of its unsettled deliveries; a delivery is among them from the
-//! moment it is pulled until its settlement is dropped.
+//! moment it is pulled until its settlement is dropped, also after the consumer stopped.
 
 use crate::connection::Shared;
 use async_nats::Subject;
+use idem_core::StopSignal;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -46,8 +47,9 @@ impl Unsettled {
     }
 
     /// Tells JetStream every `every` that each unsettled delivery is in progress, through the
-    /// connection while it is open; runs until aborted.
-    pub(crate) async fn tell(self, shared: Shared, every: Duration) {
+    /// connection while it is open; until `stop` is raised and nothing is left unsettled (the
+    /// handlers still running at shutdown are spoken for until they settle).
+    pub(crate) async fn tell(self, shared: Shared, every: Duration, stop: StopSignal) {
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {
             tick.tick().await;
@@ -59,6 +61,9 @@ impl Unsettled {
                 .values()
                 .cloned()
                 .collect();
+            if replies.is_empty() && *stop.borrow() {
+                return;
+            }
             let Some(client) = shared.opened() else {
                 continue;
             };

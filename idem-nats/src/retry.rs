@@ -1,6 +1,7 @@
 //! The retry forwarder of one queue: it reads the queue's retry stream and, once a copy is due,
 //! publishes it into the queue (confirmed, with the copy's own `Nats-Msg-Id`) and acks it; a
-//! copy not yet due is given back with a delay until it is. One runs in each process that
+//! copy not yet due is given back with a delay until it is. An ack that is not confirmed is
+//! logged, not fatal: the copy forwarded again carries the same id. One runs in each process that
 //! consumes the queue; they share the retry stream's durable consumer.
 
 use crate::envelope::DUE_HEADER;
@@ -38,7 +39,16 @@ pub(crate) async fn forward(js: Context, names: Names) -> Result<(), BoxError> {
                 .await
         };
         match published.await {
-            Ok(_) => crate::settle::confirm_ack(&js.client(), message.reply.as_ref()).await?,
+            Ok(_) => {
+                // An ack JetStream did not confirm leaves the copy to be forwarded again: under
+                // the same `Nats-Msg-Id`, dropped within the duplicate window, else a duplicate
+                // the inbox skips. Not a reason to end the queue's session.
+                if let Err(e) =
+                    crate::settle::confirm_ack(&js.client(), message.reply.as_ref()).await
+                {
+                    tracing::warn!(queue = %names.subject, error = %e, "a forwarded retry copy's ack was not confirmed; it may be forwarded again");
+                }
+            }
             Err(e) => {
                 tracing::warn!(queue = %names.subject, error = %e, "a due retry copy was not published; it is tried again");
                 message

@@ -2,8 +2,10 @@
 //! confirms it); a retry publishes a copy to the queue's retry stream with the next attempt
 //! and its due time, confirmed, then acks the original; a dead letter is published to the
 //! dead-letter stream, confirmed, then acked; a release is a negative ack, for redelivery now.
-//! A crash between a copy's publish and the ack leaves both; the copy's `Nats-Msg-Id` makes
-//! JetStream drop a second copy, and the inbox makes a second run a duplicate.
+//! A crash between a copy's publish and the ack leaves both; the copy's `Nats-Msg-Id` names the
+//! delivery it settles ([`CopyId`]), so JetStream drops the second copy of that settlement, and
+//! the inbox makes a second run a duplicate. A later delivery of the same message (a replay, a
+//! producer's second payload under one message id) names its copies after itself.
 //!
 //! Until it is settled, JetStream is told the delivery is in progress every third of the ack
 //! wait ([`crate::progress`]), so a long handler is not redelivered while it runs; and an ack the
@@ -14,8 +16,10 @@ use crate::envelope::{self, DUE_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, SOU
 use crate::names::Names;
 use async_nats::Subject;
 use async_nats::header::HeaderValue;
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{AckKind, Context, message::Acker};
 use bytes::Bytes;
+use idem_core::transport::{CopyId, CopyPurpose, DeliveryOrigin};
 use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -31,8 +35,12 @@ pub(crate) struct NatsSettle {
     /// The queue's names, shared by its deliveries.
     pub(crate) names: std::sync::Arc<Names>,
     pub(crate) body: Bytes,
-    /// The delivery's sequence in its stream: its name when it has no message id.
+    /// The delivery's sequence in its stream.
     pub(crate) sequence: u64,
+    /// Which incarnation of the stream delivered it ([`incarnation`]).
+    pub(crate) incarnation: i128,
+    /// How many times JetStream has delivered it (1 the first time).
+    pub(crate) delivered: i64,
     /// Among the unsettled deliveries JetStream is told are in progress, until dropped.
     pub(crate) _unsettled: crate::progress::Tracked,
 }
@@ -86,17 +94,38 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// The incarnation of `stream`: its creation time in nanoseconds since the Unix epoch, so that
+/// a stream deleted and declared again does not name copies as its predecessor did.
+pub(crate) fn incarnation(stream: &async_nats::jetstream::stream::Stream) -> i128 {
+    SystemTime::from(stream.cached_info().created)
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i128::try_from(d.as_nanos()).unwrap_or(i128::MAX))
+}
+
+/// How long a delivery whose settlement could not be published waits before it is delivered
+/// again: doubling with each delivery from 250 ms, at most 30 s.
+fn settle_backoff(delivered: i64) -> Duration {
+    let doublings = u32::try_from(delivered.saturating_sub(1).clamp(0, 7)).unwrap_or(7);
+    (Duration::from_millis(250) * 2u32.pow(doublings)).min(Duration::from_secs(30))
+}
+
 impl NatsSettle {
-    /// The id copies of this delivery are named after: its message id, else its sequence.
-    fn base_id(&self, envelope: &Envelope) -> String {
-        envelope
-            .message_id
-            .clone()
-            .unwrap_or_else(|| format!("{}#{}", self.names.stream, self.sequence))
+    /// The JetStream id of the copy that settles this delivery for `purpose`: named after the
+    /// delivery (stream, incarnation, sequence), never after the message id, which a replay or
+    /// a producer reusing ids shares with other deliveries ([`CopyId`]).
+    fn copy_id(&self, purpose: CopyPurpose) -> String {
+        let origin = DeliveryOrigin {
+            source: &self.names.stream,
+            incarnation: self.incarnation,
+            position: self.sequence,
+        };
+        CopyId::new(origin, purpose).to_string()
     }
 
     /// Publishes `headers` and the body to `subject` and waits for JetStream's confirm; then
-    /// acks this delivery. A failed publish gives the delivery back for redelivery now.
+    /// acks this delivery. A failed publish gives the delivery back, to be delivered again after
+    /// a wait that grows with its deliveries ([`settle_backoff`]); a stream deleted under the
+    /// queue is declared again first.
     async fn move_to(
         self,
         subject: &str,
@@ -109,8 +138,22 @@ impl NatsSettle {
                 .await
         };
         if let Err(e) = published.await {
-            let _ = self.acker.ack_with(AckKind::Nak(None)).await;
-            return Err(settle_error(format!("publishing to `{subject}`: {e}")));
+            if e.kind() == PublishErrorKind::StreamNotFound {
+                match crate::topology::settlement_stream(&self.js, &self.names, subject).await {
+                    Ok(()) => tracing::warn!(
+                        subject,
+                        "the stream for `{subject}` was gone; declared again"
+                    ),
+                    Err(declared) => {
+                        tracing::warn!(subject, error = %declared, "the stream for `{subject}` is gone and could not be declared again")
+                    }
+                }
+            }
+            let wait = settle_backoff(self.delivered);
+            let _ = self.acker.ack_with(AckKind::Nak(Some(wait))).await;
+            return Err(settle_error(format!(
+                "publishing to `{subject}`: {e}; delivered again in {wait:?}"
+            )));
         }
         // Half-way: the copy is out, the original not yet acked.
         #[cfg(feature = "fault-injection")]
@@ -134,7 +177,7 @@ impl Settle for NatsSettle {
         Box::pin(async move {
             let mut copy = envelope.clone();
             copy.attempt = envelope.attempt.saturating_add(1);
-            let msg_id = format!("{}.a{}", self.base_id(envelope), copy.attempt);
+            let msg_id = self.copy_id(CopyPurpose::Retry);
             let mut headers = envelope::headers(&copy, Some(&msg_id));
             // JetStream delays each copy on its own: jittered, so that what failed together is
             // not all tried again together.
@@ -153,7 +196,7 @@ impl Settle for NatsSettle {
         reason: &'a DeadLetter,
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
-            let msg_id = format!("{}.dlq", self.base_id(envelope));
+            let msg_id = self.copy_id(CopyPurpose::DeadLetter);
             let mut headers = envelope::headers(envelope, Some(&msg_id));
             headers.insert(REASON_HEADER, HeaderValue::from_lossy(&reason.reason));
             let detail: String = reason.detail.chars().take(1024).collect();

@@ -70,6 +70,34 @@ pub(crate) async fn declare(
     Ok((names, config))
 }
 
+/// Declares again the retry or dead-letter stream of `names` that `subject` goes to, after it
+/// was deleted under the queue. (The retry forwarder's consumer, lost with its stream, ends the
+/// session, and the next one declares it.)
+pub(crate) async fn settlement_stream(
+    js: &Context,
+    names: &Names,
+    subject: &str,
+) -> Result<(), TransportError> {
+    if subject == names.dlq_subject {
+        stream(
+            js,
+            &names.dlq_stream,
+            &names.dlq_subject,
+            RetentionPolicy::Limits,
+        )
+        .await?;
+    } else {
+        stream(
+            js,
+            &names.retry_stream,
+            &names.retry_subject,
+            RetentionPolicy::WorkQueue,
+        )
+        .await?;
+    }
+    Ok(())
+}
+
 /// The durable pull consumer `name` of `subject`: explicit acks, redelivered without limit
 /// (idem's poison limit decides), from the first message.
 pub(crate) fn consumer_config(name: &str, subject: &str, ack_wait: Duration) -> pull::Config {
@@ -105,6 +133,9 @@ async fn stream(
         .await
         .map_err(|e| topology(name, "declaring the stream", e))?;
     let existing = &stream.cached_info().config;
+    if let Some(why) = drift(existing, retention) {
+        return Err(topology(name, "checking the existing stream", why));
+    }
     if existing.retention != retention {
         return Err(topology(
             name,
@@ -128,8 +159,42 @@ async fn stream(
     Ok(stream)
 }
 
+/// What in an existing stream's settings `existing` would strand or lose idem's messages, with
+/// the fix: a stream in memory (lost with the server), and on a work or retry stream an age
+/// limit or a size limit that discards old messages (messages removed before they are
+/// handled).
+fn drift(existing: &Config, retention: RetentionPolicy) -> Option<String> {
+    if existing.storage != jetstream::stream::StorageType::File {
+        return Some(format!(
+            "its storage is {:?}; idem needs File storage (a server restart loses what memory holds): delete the stream or use another queue name",
+            existing.storage
+        ));
+    }
+    if retention != RetentionPolicy::WorkQueue {
+        return None;
+    }
+    if !existing.max_age.is_zero() {
+        return Some(format!(
+            "its max_age is {:?}; messages older than that would be removed unhandled: remove the limit (max_age 0) or delete the stream",
+            existing.max_age
+        ));
+    }
+    let limited = existing.max_messages > 0
+        || existing.max_bytes > 0
+        || existing.max_messages_per_subject > 0;
+    if limited && existing.discard == jetstream::stream::DiscardPolicy::Old {
+        return Some(format!(
+            "it keeps at most {} messages or {} bytes and discards old ones when full; messages would be removed unhandled: remove the limits or set discard to New",
+            existing.max_messages, existing.max_bytes
+        ));
+    }
+    None
+}
+
 /// The durable consumer of `config` on `stream`, created if absent; an existing one must filter
-/// the same subject with explicit acks.
+/// the same subject with explicit acks. One whose ack wait or delivery limit drifted from
+/// `config` (an ack wait the in-progress signals are not paced for; a delivery limit that
+/// strands a message JetStream stops delivering) is updated to `config`.
 async fn consumer(
     stream: &Stream,
     name: &str,
@@ -140,7 +205,34 @@ async fn consumer(
         .get_or_create_consumer::<pull::Config>(&durable, config.clone())
         .await
         .map_err(|e| topology(name, "declaring the durable consumer", e))?;
-    let existing = &consumer.cached_info().config;
+    let drifted = |existing: &jetstream::consumer::Config| {
+        existing.ack_wait != config.ack_wait || existing.max_deliver != config.max_deliver
+    };
+    let mut existing = consumer.cached_info().config.clone();
+    if drifted(&existing) {
+        let before = existing.clone();
+        // The server takes a changed ack wait and delivery limit as an update of the durable.
+        let mut update = existing;
+        update.ack_wait = config.ack_wait;
+        update.max_deliver = config.max_deliver;
+        let updated = stream
+            .create_consumer(update)
+            .await
+            .map_err(|e| topology(name, "updating the durable consumer", e))?;
+        existing = updated.cached_info().config.clone();
+        if drifted(&existing) {
+            return Err(topology(
+                name,
+                "checking the existing consumer",
+                format!(
+                    "consumer `{durable}` has ack wait {:?} and max_deliver {}; idem needs {:?} and {} and the server did not take the update: delete the consumer",
+                    before.ack_wait, before.max_deliver, config.ack_wait, config.max_deliver
+                ),
+            ));
+        }
+        tracing::warn!(consumer = %durable, ack_wait = ?config.ack_wait, "a durable consumer's ack wait or delivery limit had drifted; updated (was {:?}, max_deliver {})", before.ack_wait, before.max_deliver);
+    }
+    let existing = &existing;
     if existing.filter_subject != config.filter_subject
         || existing.ack_policy != AckPolicy::Explicit
         || existing.max_ack_pending != config.max_ack_pending

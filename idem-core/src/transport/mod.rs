@@ -1,10 +1,12 @@
 //! Transports: the contract between the runtime and a message broker ([`Transport`],
-//! [`Settle`]), an operator's reader of dead letters ([`DeadLetterReader`]), what a transport that acknowledges cumulatively settles through
-//! ([`Watermark`]), how an ordered partition's messages are spread over its lanes ([`lane_of`]),
-//! and an in-memory transport for tests and demos ([`MemoryTransport`]). The RabbitMQ
-//! transport is in idem-rabbitmq.
+//! [`Settle`]), the ids of the copies a settlement publishes ([`CopyId`]), an operator's reader
+//! of dead letters ([`DeadLetterReader`]), what a transport that acknowledges cumulatively
+//! settles through ([`Watermark`]), how an ordered partition's messages are spread over its
+//! lanes ([`lane_of`]), and an in-memory transport for tests and demos ([`MemoryTransport`]).
+//! The RabbitMQ and NATS transports are in idem-rabbitmq and idem-nats.
 
 pub mod contract;
+pub mod copies;
 pub mod dead_letters;
 pub mod demand;
 pub mod error;
@@ -14,6 +16,7 @@ pub mod outbound;
 pub mod watermark;
 
 pub use contract::{DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport};
+pub use copies::{CopyId, CopyPurpose, DeliveryOrigin};
 pub use dead_letters::{DeadLetterReader, HeldLetter};
 pub use demand::{Demand, Gathering, Wants};
 pub use error::TransportError;
