@@ -113,6 +113,7 @@ static FAILED_ONCE: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::n
 async fn guarantees_status(
     tx: &mut Transaction<'_, sqlx::Sqlite>,
     update: Update,
+    ctx: &Context<'_>,
 ) -> Result<(), HandlerError> {
     if update.fail_once {
         let mut failed = FAILED_ONCE.lock().unwrap();
@@ -131,9 +132,10 @@ async fn guarantees_status(
             update.seq, update.order
         )));
     }
-    sqlx::query("INSERT INTO status (order_id, seq) VALUES (?, ?)")
+    sqlx::query("INSERT INTO status (order_id, seq, routing_key) VALUES (?, ?, ?)")
         .bind(&update.order)
         .bind(update.seq)
+        .bind(ctx.envelope().routing_key.as_deref())
         .execute(&mut **tx)
         .await?;
     Ok(())
@@ -159,7 +161,7 @@ impl World {
         SqliteInbox::new(pool.clone()).migrate().await.unwrap();
         for table in [
             "CREATE TABLE applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL)",
-            "CREATE TABLE status (order_id TEXT NOT NULL, seq INTEGER NOT NULL)",
+            "CREATE TABLE status (order_id TEXT NOT NULL, seq INTEGER NOT NULL, routing_key TEXT)",
         ] {
             sqlx::query(table).execute(&pool).await.unwrap();
         }
@@ -535,7 +537,7 @@ async fn in_batch_mode_copies_take_effect_once_and_a_failure_is_retried(bus: Bus
 
 /// An ordered handler on two partitions, consumed by two runtimes at once: every order's ten
 /// status updates apply in publish order (an update out of order would be dead-lettered), with
-/// transient failures retried in place.
+/// transient failures retried in place, and each delivery's routing key is its order's key.
 async fn ordered_updates_apply_in_publish_order_across_two_runtimes(bus: Bus) {
     let w = World::new(bus, "ordered").await;
     let source = unique("g-status");
@@ -602,6 +604,19 @@ async fn ordered_updates_apply_in_publish_order_across_two_runtimes(bus: Bus) {
             .collect();
         assert_eq!(seqs, (1..=10).collect::<Vec<_>>(), "{key}");
     }
+    // Each delivery's routing key is the key it was published with (its order), not the
+    // partition it came through.
+    let keyed: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT order_id, routing_key FROM status WHERE routing_key IS NOT order_id",
+    )
+    .fetch_all(&w.pool)
+    .await
+    .unwrap();
+    assert!(
+        keyed.is_empty(),
+        "routing keys that are not the order: {:?}",
+        &keyed[..keyed.len().min(3)]
+    );
     for spec in &partitions {
         w.bus.delete_with(&spec.queue, &policy().delays()).await;
     }

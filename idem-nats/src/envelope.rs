@@ -1,7 +1,8 @@
 //! Mapping between JetStream messages and idem envelopes. The envelope's properties travel as
 //! headers: `Nats-Msg-Id` (JetStream's duplicate window), `Idem-Message-Id` where the two differ
-//! (a retry copy), `Idem-Correlation-Id`, `Content-Type`, `Idem-Reply-To` and `Idem-Attempt`;
-//! every other header is the user's, as text.
+//! (a retry copy), `Idem-Correlation-Id`, `Content-Type`, `Idem-Reply-To`, `Idem-Attempt` and
+//! `Idem-Routing-Key` (a delivery's routing key, where it is not its subject); every other
+//! header is the user's, as text.
 
 use async_nats::HeaderMap;
 use async_nats::header::{HeaderName, HeaderValue as NatsValue};
@@ -28,6 +29,9 @@ pub const REASON_HEADER: &str = "Idem-Dead-Letter-Reason";
 pub const REASON_DETAIL_HEADER: &str = "Idem-Dead-Letter-Detail";
 /// The queue a dead letter came from.
 pub const SOURCE_QUEUE_HEADER: &str = "Idem-Source-Queue";
+/// The routing key a message was published with, where its subject is another (a partition of
+/// an ordered handler's source: `<source>.p<i>`, published with the key that chose it).
+pub const ROUTING_KEY_HEADER: &str = "Idem-Routing-Key";
 
 /// Headers that carry the envelope's own properties, or JetStream's, not the user's.
 const OWN: &[&str] = &[
@@ -37,6 +41,7 @@ const OWN: &[&str] = &[
     REPLY_TO_HEADER,
     ATTEMPT_HEADER,
     DUE_HEADER,
+    ROUTING_KEY_HEADER,
 ];
 
 /// The envelope of a JetStream message on `subject` with `headers` and `body`, delivered for
@@ -60,7 +65,7 @@ pub(crate) fn envelope(
         .max(1);
     let mut envelope = Envelope::new(body)
         .with_attempt(attempt)
-        .with_routing_key(subject);
+        .with_routing_key(text(ROUTING_KEY_HEADER).unwrap_or_else(|| subject.to_owned()));
     // A retry copy's `Nats-Msg-Id` is its own; its message id, if it has one, is in
     // `Idem-Message-Id`.
     envelope.message_id = match copy {
@@ -115,6 +120,7 @@ pub(crate) fn headers(envelope: &Envelope, msg_id: Option<&str>) -> HeaderMap {
     set(CORRELATION_ID_HEADER, envelope.correlation_id.as_deref());
     set(CONTENT_TYPE_HEADER, envelope.content_type.as_deref());
     set(REPLY_TO_HEADER, envelope.reply_to.as_deref());
+    set(ROUTING_KEY_HEADER, envelope.routing_key.as_deref());
     if envelope.attempt > 1 {
         set(ATTEMPT_HEADER, Some(&envelope.attempt.to_string()));
     }
@@ -162,6 +168,15 @@ mod tests {
         assert_eq!(got.headers.get("tenant"), Some(&HeaderValue::from("acme")));
         assert_eq!(got.headers.get("weight"), Some(&HeaderValue::from("3")));
         assert_eq!(got.headers.len(), 2, "{:?}", got.headers);
+        assert_eq!(got.routing_key.as_deref(), Some("orders"));
+        let keyed = sent.with_routing_key("customer-7");
+        let got = envelope(
+            "orders.p1",
+            Some(&super::headers(&keyed, None)),
+            Vec::new(),
+            1,
+        );
+        assert_eq!(got.routing_key.as_deref(), Some("customer-7"));
         assert!(!got.redelivered);
         assert!(envelope("orders", None, Vec::new(), 2).redelivered);
     }

@@ -30,6 +30,21 @@ impl NatsOutbound {
     }
 }
 
+/// The headers of `message`: its envelope's, with `Nats-Msg-Id` = its message id, and its
+/// routing key where its subject is not the routing key (an exchange's message), so that the
+/// delivery's routing key is the one it was published with, as on RabbitMQ.
+fn headers(message: &Outgoing) -> async_nats::HeaderMap {
+    let envelope = &message.envelope;
+    let mut headers = envelope::headers(envelope, envelope.message_id.as_deref());
+    if !message.exchange.is_empty() {
+        headers.insert(
+            envelope::ROUTING_KEY_HEADER,
+            async_nats::header::HeaderValue::from_lossy(&message.routing_key),
+        );
+    }
+    headers
+}
+
 fn failed(message: &Outgoing, e: async_nats::jetstream::context::PublishError) -> OutboundError {
     match e.kind() {
         PublishErrorKind::StreamNotFound => OutboundError::Unroutable {
@@ -48,9 +63,8 @@ impl Outbound for NatsOutbound {
                 .jetstream()
                 .await
                 .map_err(|e| OutboundError::Broker(e.into()))?;
-            let envelope = &message.envelope;
-            let headers = envelope::headers(envelope, envelope.message_id.as_deref());
-            let body = bytes::Bytes::copy_from_slice(&envelope.body);
+            let headers = headers(message);
+            let body = bytes::Bytes::copy_from_slice(&message.envelope.body);
             let ack = js
                 .publish_with_headers(self.subject(message), headers, body)
                 .await
@@ -94,9 +108,8 @@ impl Outbound for NatsOutbound {
                 {
                     results.push(confirm(oldest).await);
                 }
-                let envelope = &message.envelope;
-                let headers = envelope::headers(envelope, envelope.message_id.as_deref());
-                let body = bytes::Bytes::copy_from_slice(&envelope.body);
+                let headers = headers(message);
+                let body = bytes::Bytes::copy_from_slice(&message.envelope.body);
                 let sent = js
                     .publish_with_headers(self.subject(message), headers, body)
                     .await;
