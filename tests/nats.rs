@@ -249,24 +249,53 @@ async fn jetstream_drops_a_copy_with_an_id_it_took_and_the_queue_ends_empty() {
     w.cleanup().await;
 }
 
+/// A queue of its own, on a transport with an ack wait of 1 s, holding one order whose handler
+/// takes 3.5 s.
+struct Slow {
+    js: JetStream,
+    pool: SqlitePool,
+    _db: tempfile::TempDir,
+    transport: NatsTransport,
+    queue: String,
+}
+
+impl Slow {
+    async fn published(name: &str, id: &str) -> Self {
+        let js = jetstream_or_fail().await;
+        let (pool, _db) = database().await;
+        let transport =
+            NatsTransport::new(NatsConfig::new(nats_url()).ack_wait(Duration::from_secs(1)));
+        let queue = unique(name);
+        transport
+            .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
+            .await
+            .unwrap();
+        let mut slow = order(id, 1);
+        slow.fail = Some("slow".to_owned());
+        let message = idem::Envelope::new(serde_json::to_vec(&slow).unwrap()).with_message_id(id);
+        transport.publish(&queue, &message, None).await.unwrap();
+        Self {
+            js,
+            pool,
+            _db,
+            transport,
+            queue,
+        }
+    }
+}
+
 /// A handler that runs longer than the ack wait is not redelivered while it runs: JetStream is
 /// told the delivery is in progress. With an ack wait of 1 s, a handler of 3.5 s would
 /// otherwise see its message delivered again three times.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
-    let js = jetstream_or_fail().await;
-    let (pool, _db) = database().await;
-    let transport =
-        NatsTransport::new(NatsConfig::new(nats_url()).ack_wait(Duration::from_secs(1)));
-    let queue = unique("nats-slow");
-    transport
-        .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
-        .await
-        .unwrap();
-    let mut slow = order("slow-1", 1);
-    slow.fail = Some("slow".to_owned());
-    let message = idem::Envelope::new(serde_json::to_vec(&slow).unwrap()).with_message_id("slow-1");
-    transport.publish(&queue, &message, None).await.unwrap();
+    let Slow {
+        js,
+        pool,
+        _db,
+        transport,
+        queue,
+    } = Slow::published("nats-slow", "slow-1").await;
     let running = start(orders_alone(&transport, &pool, &queue));
     wait_until("the slow order applied", DEADLINE, || async {
         running.now().processed >= 1
@@ -296,19 +325,13 @@ async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
 /// second process ran it again a second after the stop.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_running_at_shutdown_is_still_told_in_progress() {
-    let js = jetstream_or_fail().await;
-    let (pool, _db) = database().await;
-    let transport =
-        NatsTransport::new(NatsConfig::new(nats_url()).ack_wait(Duration::from_secs(1)));
-    let queue = unique("nats-stopping");
-    transport
-        .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
-        .await
-        .unwrap();
-    let mut slow = order("slow-2", 1);
-    slow.fail = Some("slow".to_owned());
-    let message = idem::Envelope::new(serde_json::to_vec(&slow).unwrap()).with_message_id("slow-2");
-    transport.publish(&queue, &message, None).await.unwrap();
+    let Slow {
+        js,
+        pool,
+        _db,
+        transport,
+        queue,
+    } = Slow::published("nats-stopping", "slow-2").await;
     let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
         .get_stream(format!("IDEM_{queue}"))
         .await
@@ -906,6 +929,66 @@ async fn a_dead_letter_the_stream_refuses_is_tried_again_with_growing_delays() {
     assert_eq!(letters.len(), 1, "{letters:?}");
     assert_eq!(letters[0].1, "decode");
     w.cleanup().await;
+}
+
+/// An ordered handler's partition count lives on the server: a producer that declared no
+/// partitions (a process of its own, as a service that only publishes is) routes each key to
+/// the partition the consumers read; and a process that declares another count for the source
+/// is refused, naming both. (The producer sent to `<source>.<key>`, which no stream holds, and
+/// two counts split a key over two partitions.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_producer_routes_a_key_to_the_partition_the_server_records() {
+    use idem::transport::lane_of;
+    let js = jetstream_or_fail().await;
+    let source = unique("nats-parts");
+    let consumers = NatsTransport::new(NatsConfig::new(nats_url()));
+    consumers
+        .declare(&QueueSpec::partitions(&source, "nats.orders", 4))
+        .await
+        .unwrap();
+    let producer = NatsTransport::new(NatsConfig::new(nats_url()));
+    let keys: Vec<String> = (0..20).map(|n| format!("customer-{n}")).collect();
+    let messages: Vec<Outgoing> = keys
+        .iter()
+        .map(|key| Outgoing::json(&source, key, &order(key, 1)).unwrap())
+        .collect();
+    for sent in producer.outbound().unwrap().publish_all(&messages).await {
+        sent.unwrap();
+    }
+    for index in 0..4 {
+        let expected = keys
+            .iter()
+            .filter(|key| lane_of(Some(key.as_str()), 4) == index)
+            .count();
+        let mut stream = js
+            .get_stream(format!("IDEM_{source}_p{index}"))
+            .await
+            .unwrap();
+        let held = stream.info().await.unwrap().state.messages;
+        assert_eq!(held, expected as u64, "partition {index}");
+    }
+    assert_eq!(
+        producer.route(&source, "customer-3").await.unwrap(),
+        format!("{source}.p{}", lane_of(Some("customer-3"), 4))
+    );
+    let other = NatsTransport::new(NatsConfig::new(nats_url()));
+    let why = other
+        .declare(&QueueSpec::partitions(&source, "nats.orders", 8))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        why.contains("records 4 partitions") && why.contains("declares 8"),
+        "{why}"
+    );
+    for index in 0..4 {
+        consumers
+            .delete_queue(&format!("{source}.p{index}"))
+            .await
+            .unwrap();
+    }
+    assert!(consumers.delete_source(&source).await.unwrap());
+    assert!(!consumers.delete_source(&source).await.unwrap());
 }
 
 #[tokio::test]

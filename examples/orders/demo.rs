@@ -603,7 +603,8 @@ async fn clear_queues(settings: &Settings, exchange: &str, billed: &str) -> anyh
 }
 
 /// As [`clear_queues`], on NATS: deletes the streams of the demo's queues and status
-/// partitions (with their retry and dead-letter streams).
+/// partitions (with their retry and dead-letter streams), and the partition count the server
+/// recorded.
 async fn clear_streams(
     transport: &NatsTransport,
     settings: &Settings,
@@ -618,6 +619,8 @@ async fn clear_streams(
     for queue in &queues {
         removed += transport.delete_queue(queue).await?;
     }
+    // The status partitions' count the server recorded: this run may use another.
+    transport.delete_source(exchange).await?;
     if removed > 0 {
         println!(
             "cleared the demo's streams first: {removed} messages an earlier run left in `{}`, `{billed}` and `{exchange}.p*` (and their retry and dead-letter streams)",

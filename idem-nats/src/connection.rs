@@ -7,6 +7,7 @@ use idem_core::transport::lane_of;
 use idem_core::{Partition, TransportError};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 use tokio::sync::OnceCell;
 
 /// The environment variable the examples and tests read the server's URL from.
@@ -60,9 +61,16 @@ pub(crate) struct Shared {
     pub(crate) config: NatsConfig,
     connection: Arc<OnceCell<async_nats::Client>>,
     consuming: Arc<Mutex<HashSet<String>>>,
-    /// Ordered handlers' sources and their partition counts, as declared.
+    /// Ordered handlers' sources and their partition counts, as declared or read from the
+    /// server.
     partitioned: Arc<Mutex<HashMap<String, usize>>>,
+    /// Exchanges the server recorded no partition count for, and when it was asked.
+    unpartitioned: Arc<Mutex<HashMap<String, Instant>>>,
 }
+
+/// How long a producer takes an exchange for one that is not partitioned before it asks the
+/// server again.
+const UNPARTITIONED_FOR: Duration = Duration::from_secs(10);
 
 impl Shared {
     pub(crate) fn new(config: NatsConfig) -> Self {
@@ -71,6 +79,7 @@ impl Shared {
             connection: Arc::default(),
             consuming: Arc::default(),
             partitioned: Arc::default(),
+            unpartitioned: Arc::default(),
         }
     }
 
@@ -133,6 +142,49 @@ impl Shared {
             Some(count) => Partition::queue_name(exchange, lane_of(Some(routing_key), count)),
             None => format!("{exchange}.{routing_key}"),
         }
+    }
+
+    /// The subject a message for `exchange` with `routing_key` goes to, with the partition
+    /// count of an ordered handler's source read from the server (through `js`) when this
+    /// process declared none: the same subject every producer computes.
+    pub(crate) async fn route(
+        &self,
+        js: &Context,
+        exchange: &str,
+        routing_key: &str,
+    ) -> Result<String, TransportError> {
+        if exchange.is_empty() || self.known(exchange) {
+            return Ok(self.subject(exchange, routing_key));
+        }
+        match crate::partitions::read(js, exchange).await? {
+            Some(count) => {
+                let mut partitioned = self.partitioned.lock().unwrap_or_else(|e| e.into_inner());
+                partitioned.insert(exchange.to_owned(), count);
+            }
+            None => {
+                let mut unpartitioned =
+                    self.unpartitioned.lock().unwrap_or_else(|e| e.into_inner());
+                unpartitioned.insert(exchange.to_owned(), Instant::now());
+            }
+        }
+        Ok(self.subject(exchange, routing_key))
+    }
+
+    /// Whether `exchange`'s partitioning is known: declared, read, or read as none lately.
+    fn known(&self, exchange: &str) -> bool {
+        if self
+            .partitioned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(exchange)
+        {
+            return true;
+        }
+        self.unpartitioned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(exchange)
+            .is_some_and(|asked| asked.elapsed() < UNPARTITIONED_FOR)
     }
 
     /// Records that `partition`'s source is spread over its count of partitions.

@@ -37,6 +37,7 @@ mod dead_letters;
 mod envelope;
 mod names;
 mod outbound;
+mod partitions;
 mod progress;
 mod retry;
 mod settle;

@@ -8,7 +8,8 @@
 
 use crate::connection::Shared;
 use crate::envelope;
-use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
+use async_nats::jetstream::Context;
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use idem_core::{BoxFuture, Outbound, OutboundError, Outgoing};
 
 /// How many messages [`NatsOutbound::publish_all`] has sent and not seen confirmed, at most.
@@ -24,9 +25,13 @@ impl NatsOutbound {
         Self { shared }
     }
 
-    /// The subject of `message` ([`crate::NatsTransport::subject`]).
-    fn subject(&self, message: &Outgoing) -> String {
-        self.shared.subject(&message.exchange, &message.routing_key)
+    /// The subject of `message`, with an ordered handler's partition count as the server
+    /// records it ([`crate::NatsTransport::route`]).
+    async fn subject(&self, js: &Context, message: &Outgoing) -> Result<String, OutboundError> {
+        self.shared
+            .route(js, &message.exchange, &message.routing_key)
+            .await
+            .map_err(|e| OutboundError::Broker(e.into()))
     }
 }
 
@@ -63,10 +68,11 @@ impl Outbound for NatsOutbound {
                 .jetstream()
                 .await
                 .map_err(|e| OutboundError::Broker(e.into()))?;
+            let subject = self.subject(&js, message).await?;
             let headers = headers(message);
             let body = bytes::Bytes::copy_from_slice(&message.envelope.body);
             let ack = js
-                .publish_with_headers(self.subject(message), headers, body)
+                .publish_with_headers(subject, headers, body)
                 .await
                 .map_err(|e| failed(message, e))?;
             ack.await.map(drop).map_err(|e| failed(message, e))
@@ -95,12 +101,9 @@ impl Outbound for NatsOutbound {
             let mut pending = std::collections::VecDeque::with_capacity(IN_FLIGHT);
             // Confirms are awaited oldest first, so `results` fills in the messages' order.
             async fn confirm(
-                (message, sent): (&Outgoing, Result<PublishAckFuture, PublishError>),
+                (message, sent): (&Outgoing, Result<PublishAckFuture, OutboundError>),
             ) -> Result<(), OutboundError> {
-                match sent {
-                    Ok(ack) => ack.await.map(drop).map_err(|e| failed(message, e)),
-                    Err(e) => Err(failed(message, e)),
-                }
+                sent?.await.map(drop).map_err(|e| failed(message, e))
             }
             for message in messages {
                 if pending.len() == IN_FLIGHT
@@ -108,11 +111,19 @@ impl Outbound for NatsOutbound {
                 {
                     results.push(confirm(oldest).await);
                 }
+                let subject = match self.subject(&js, message).await {
+                    Ok(subject) => subject,
+                    Err(e) => {
+                        pending.push_back((message, Err(e)));
+                        continue;
+                    }
+                };
                 let headers = headers(message);
                 let body = bytes::Bytes::copy_from_slice(&message.envelope.body);
                 let sent = js
-                    .publish_with_headers(self.subject(message), headers, body)
-                    .await;
+                    .publish_with_headers(subject, headers, body)
+                    .await
+                    .map_err(|e| failed(message, e));
                 pending.push_back((message, sent));
             }
             for sent in pending {

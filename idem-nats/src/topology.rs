@@ -33,6 +33,9 @@ pub(crate) async fn declare(
     ack_wait: Duration,
 ) -> Result<(Names, pull::Config), TransportError> {
     let names = crate::names::of(&spec.queue)?;
+    if let Some(partition) = &spec.partition {
+        crate::partitions::declare(js, &partition.source, partition.count).await?;
+    }
     let main = stream(
         js,
         &names.stream,
@@ -40,20 +43,8 @@ pub(crate) async fn declare(
         RetentionPolicy::WorkQueue,
     )
     .await?;
-    stream(
-        js,
-        &names.retry_stream,
-        &names.retry_subject,
-        RetentionPolicy::WorkQueue,
-    )
-    .await?;
-    stream(
-        js,
-        &names.dlq_stream,
-        &names.dlq_subject,
-        RetentionPolicy::Limits,
-    )
-    .await?;
+    settlement_stream(js, &names, &names.retry_subject).await?;
+    settlement_stream(js, &names, &names.dlq_subject).await?;
     let mut config = consumer_config(&durable(&spec.consumer), &names.subject, ack_wait);
     if spec.partition.is_some() {
         // One partition of an ordered handler: one message in flight at a time, across every
@@ -70,9 +61,9 @@ pub(crate) async fn declare(
     Ok((names, config))
 }
 
-/// Declares again the retry or dead-letter stream of `names` that `subject` goes to, after it
-/// was deleted under the queue. (The retry forwarder's consumer, lost with its stream, ends the
-/// session, and the next one declares it.)
+/// Declares the retry or dead-letter stream of `names` that `subject` goes to: with the queue,
+/// and again after it was deleted under the queue. (The retry forwarder's consumer, lost with
+/// its stream, ends the session, and the next one declares it.)
 pub(crate) async fn settlement_stream(
     js: &Context,
     names: &Names,

@@ -38,8 +38,20 @@ impl NatsTransport {
     /// key names (no exchange); the partition of the routing key (an ordered handler's source
     /// this transport declared, as `<source>.p<lane_of(key)>`); else
     /// `<exchange>.<routing_key>`.
+    ///
+    /// A process that declared no partitions of `exchange` computes `<exchange>.<routing_key>`
+    /// here; [`NatsTransport::route`] asks the server for the count.
     pub fn subject(&self, exchange: &str, routing_key: &str) -> String {
         self.shared.subject(exchange, routing_key)
+    }
+
+    /// The subject a message for `exchange` with `routing_key` goes to, as
+    /// [`NatsTransport::subject`], with an ordered handler's partition count read from the
+    /// server when this process declared none: every producer routes a key to the partition
+    /// its consumers read (the outbox routes this way).
+    pub async fn route(&self, exchange: &str, routing_key: &str) -> Result<String, TransportError> {
+        let js = self.shared.jetstream().await?;
+        self.shared.route(&js, exchange, routing_key).await
     }
 
     /// Publishes `envelope` to `subject` ([`NatsTransport::subject`] names a queue's or a
@@ -101,6 +113,17 @@ impl NatsTransport {
             removed += held;
         }
         Ok(removed)
+    }
+}
+
+impl NatsTransport {
+    /// Deletes the partition count the server records for the ordered handler's source
+    /// `source` ([`NatsTransport::route`]), once its partitions' queues are deleted
+    /// ([`NatsTransport::delete_queue`]); whether there was one. For demos and tests that start
+    /// afresh, and to change a source's count.
+    pub async fn delete_source(&self, source: &str) -> Result<bool, TransportError> {
+        let js = self.shared.jetstream().await?;
+        crate::partitions::delete(&js, source).await
     }
 }
 

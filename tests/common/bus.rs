@@ -399,11 +399,14 @@ impl Bus {
             .await;
     }
 
-    /// Deletes an ordered handler's source (on RabbitMQ its exchange; on NATS its partitions
-    /// are queues, deleted as such).
+    /// Deletes an ordered handler's source (on RabbitMQ its exchange; on NATS the partition
+    /// count the server records: its partitions are queues, deleted as such).
     pub async fn delete_source(&self, source: &str) {
-        if let Self::Rabbit { urls, .. } = self {
-            broker::delete_on(urls, &[], &[source.to_owned()]).await;
+        match self {
+            Self::Rabbit { urls, .. } => broker::delete_on(urls, &[], &[source.to_owned()]).await,
+            Self::Nats(nats) => {
+                nats.transport.delete_source(source).await.unwrap();
+            }
         }
     }
 
