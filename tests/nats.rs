@@ -141,9 +141,15 @@ impl World {
     /// Publishes `order` to the orders queue as JetStream message `nats_id`; whether JetStream
     /// took it as a duplicate of an earlier one.
     async fn publish(&self, nats_id: &str, order: &Order) -> bool {
+        self.publish_bytes(nats_id, serde_json::to_vec(order).unwrap())
+            .await
+    }
+
+    /// Publishes `body` as it is to the orders queue as JetStream message `nats_id`; whether
+    /// JetStream took it as a duplicate of an earlier one.
+    async fn publish_bytes(&self, nats_id: &str, body: Vec<u8>) -> bool {
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", nats_id);
-        let body = serde_json::to_vec(order).unwrap();
         let ack = self
             .js
             .publish_with_headers(self.orders.clone(), headers, body.into())
@@ -376,14 +382,8 @@ async fn a_dead_letter_carries_its_reason_detail_and_source_queue_in_headers() {
     };
     w.publish("p-1", &always).await;
     // Bytes that are not JSON, nor UTF-8, with a NUL: dead-lettered as undecodable.
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "bad-1");
-    let bad: &[u8] = b"\xff\x00{not json";
-    w.js.publish_with_headers(w.orders.clone(), headers, bad.to_vec().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    w.publish_bytes("bad-1", b"\xff\x00{not json".to_vec())
+        .await;
     let running = start(w.runtime());
     wait_until("both dead-lettered", DEADLINE, || async {
         running.now().dead_lettered == 2
@@ -733,13 +733,7 @@ async fn a_dead_letter_stream_deleted_under_the_consumer_is_declared_again() {
     w.js.delete_stream(format!("IDEM_{}_DLQ", w.orders))
         .await
         .unwrap();
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "bad-1");
-    w.js.publish_with_headers(w.orders.clone(), headers, b"{not json".to_vec().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    w.publish_bytes("bad-1", b"{not json".to_vec()).await;
     let dlq = format!("IDEM_{}_DLQ", w.orders);
     wait_until(
         "the dead letter in a stream declared again",
@@ -898,13 +892,7 @@ async fn a_dead_letter_the_stream_refuses_is_tried_again_with_growing_delays() {
         .unwrap()
         .await
         .unwrap();
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "bad-2");
-    w.js.publish_with_headers(w.orders.clone(), headers, b"{not json".to_vec().into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    w.publish_bytes("bad-2", b"{not json".to_vec()).await;
     let running = start(w.runtime());
     wait_until("the first refused dead letter", DEADLINE, || async {
         running.now().settle_failures >= 1
