@@ -279,9 +279,17 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         if dead_now > malformed || billed_dead > 0 {
             let whereabouts =
                 common::whereabouts::report(&pool, &queue, bus.on_machine_rabbitmq()).await;
+            let letters: Vec<String> = bus
+                .dead_letters(&queue)
+                .await
+                .iter()
+                .map(|l| format!("{:?} {:?} {:?}", l.message_id, l.reason, l.copy))
+                .collect();
             panic!(
                 "dead-lettered: {dead_now} orders' messages (only the {malformed} malformed \
-                 ones belong there) and {billed_dead} shipments' messages\n{whereabouts}"
+                 ones belong there) and {billed_dead} shipments' messages\n{whereabouts}\n\
+                 the orders' dead letters (message id, reason, copy):\n{}",
+                letters.join("\n")
             );
         }
         let stored_now = stored(pool.clone(), queue.clone()).await;

@@ -5,7 +5,9 @@
 //!   queue moves on;
 //! - deliveries that were never handed to a handler (waiting behind a stuck one in a killed
 //!   process, or given back at a graceful stop) never count, however often that happens;
-//! - a redelivered copy of a completed key is a duplicate, whatever its count.
+//! - a redelivered copy of a completed key is a duplicate, whatever its count;
+//! - on NATS, a message whose consumer died after publishing its dead letter is in the
+//!   dead-letter stream once, however late it comes back.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -21,17 +23,95 @@ use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
-    poison_ends_in_the_dlq(Bus::rabbit(&amqp_url(), QueueType::Classic).await).await;
+    poison_ends_in_the_dlq(Bus::rabbit(&amqp_url(), QueueType::Classic).await, &[]).await;
 }
 
 /// The same on NATS JetStream, where a killed consumer's delivery comes back once its ack wait
-/// has passed.
+/// has passed. The ack wait is 2 s instead of the default 10 s: what is checked is how many
+/// redeliveries count, not how long JetStream waits before each, and six waits of 10 s made
+/// this the suite's slowest test.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_nats_a_message_that_kills_its_consumer_ends_in_the_dlq_as_poison() {
-    poison_ends_in_the_dlq(Bus::nats().await).await;
+    poison_ends_in_the_dlq(Bus::nats().await, &[("ORDERS_ACK_WAIT_SECS", "2")]).await;
 }
 
-async fn poison_ends_in_the_dlq(bus: Bus) {
+/// On NATS, a message whose consumer died between publishing its dead letter and acking it,
+/// delivered again after the duplicate window its dead-letter stream had, is in that stream
+/// once. The window is set to 1 s before the run, standing for the server's default of 2
+/// minutes having passed (the fleet was down, the server restarted): the consumer widens it
+/// to a day, and the copy its successor publishes under the same `Nats-Msg-Id` is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_nats_a_dead_letter_delivered_again_late_lands_once() {
+    let bus = Bus::nats().await;
+    let binary = common::faulty_orders::build();
+    let queue = common::unique("idem-late-dlq");
+    let dir = tempfile::tempdir().unwrap();
+    let database = dir.path().join("orders.db");
+    bus.declare(&queue).await;
+    let short = Duration::from_secs(1);
+    assert_eq!(bus.dead_letter_window(&queue, Some(short)).await, short);
+    let id = format!("{queue}-malformed");
+    bus.publish(
+        &queue,
+        &idem::Envelope::new("not json").with_message_id(&id),
+        0,
+    )
+    .await;
+    let consume = |fault: &str| {
+        let mut command = Command::new(&binary);
+        bus.point(&mut command);
+        command
+            .arg("consume")
+            .env("DATABASE_URL", &database)
+            .env("ORDERS_QUEUE", &queue)
+            .env("IDEM_FAULT", fault)
+            .env("ORDERS_ACK_WAIT_SECS", "2")
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    // The first consumer publishes the dead letter, then dies before its ack.
+    let mut first = consume("in_dead_letter=1");
+    exited(&mut first, Duration::from_secs(60)).await;
+    assert_eq!(
+        first.wait().unwrap().signal(),
+        Some(6),
+        "died in dead-lettering"
+    );
+    assert_eq!(bus.dead(&queue).await, 1, "the dead letter was published");
+    assert_eq!(
+        bus.dead_letter_window(&queue, None).await,
+        idem::nats::DEAD_LETTER_DUPLICATE_WINDOW,
+        "the consumer widened the window"
+    );
+    // Its successor gets the message again once the ack wait has passed, later than the 1 s
+    // the window had, dead-letters it again and acks it.
+    let second = common::KillOnDrop(consume(""));
+    let bus_ref = &bus;
+    let queue_ref = &queue;
+    common::wait_until(
+        "the message settled",
+        Duration::from_secs(60),
+        || async move { bus_ref.left(&[queue_ref]).await == 0 },
+    )
+    .await;
+    drop(second);
+    let letters = bus.dead_letters(&queue).await;
+    assert_eq!(
+        letters
+            .iter()
+            .map(|l| l.message_id.clone())
+            .collect::<Vec<_>>(),
+        [Some(id)],
+        "dead-lettered once: {:?}",
+        letters.iter().map(|l| &l.copy).collect::<Vec<_>>()
+    );
+    bus.delete(&queue).await;
+}
+
+async fn poison_ends_in_the_dlq(bus: Bus, env: &[(&str, &str)]) {
     let binary = common::faulty_orders::build();
     let queue = common::unique("idem-poison");
     let dir = tempfile::tempdir().unwrap();
@@ -53,6 +133,7 @@ async fn poison_ends_in_the_dlq(bus: Bus) {
             .env("DATABASE_URL", &database)
             .env("ORDERS_QUEUE", &queue)
             .env("IDEM_FAULT", fault)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "error")
             .stdout(Stdio::null())
             .stderr(Stdio::null())

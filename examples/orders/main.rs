@@ -124,6 +124,10 @@ struct Settings {
     /// (the runtime's `start_deadline`), in seconds.
     #[arg(long, env = "ORDERS_START_DEADLINE_SECS", default_value_t = idem::DEFAULT_START_DEADLINE.as_secs(), global = true)]
     start_deadline_secs: u64,
+    /// NATS only: how long JetStream waits for a delivery's settlement before it delivers it
+    /// again, in seconds (a consumer that died on a message held it until then).
+    #[arg(long, env = "ORDERS_ACK_WAIT_SECS", default_value_t = idem::nats::DEFAULT_ACK_WAIT.as_secs(), global = true)]
+    ack_wait_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -156,7 +160,9 @@ impl Settings {
             (None, false) => return None,
         };
         match self.transport {
-            TransportKind::Auto | TransportKind::Nats => Some(NatsConfig::new(url)),
+            TransportKind::Auto | TransportKind::Nats => Some(
+                NatsConfig::new(url).ack_wait(std::time::Duration::from_secs(self.ack_wait_secs)),
+            ),
             TransportKind::Rabbitmq | TransportKind::Memory => None,
         }
     }
@@ -188,6 +194,10 @@ async fn main() -> anyhow::Result<()> {
     anyhow::ensure!(
         cli.settings.concurrency > 0,
         "ORDERS_CONCURRENCY must be at least 1"
+    );
+    anyhow::ensure!(
+        cli.settings.ack_wait_secs > 0,
+        "ORDERS_ACK_WAIT_SECS must be at least 1"
     );
     cli.settings.status_partitions = status_partitions(&cli.settings).await?;
     let settings = &cli.settings;

@@ -14,6 +14,13 @@ use std::time::Duration;
 /// The durable consumer of a queue's retry stream, shared by every process.
 pub(crate) const RETRY_CONSUMER: &str = "idem-retry";
 
+/// The duplicate window of a dead-letter stream: a delivery whose process died between
+/// publishing its dead letter and acking it, delivered again within this time (the fleet was
+/// down, the server restarted), is dead-lettered again under the same `Nats-Msg-Id`, and
+/// JetStream drops that copy. The server's default of 2 minutes let a later one land twice.
+/// JetStream keeps one id per dead letter of the window, and dead letters are few.
+pub const DEAD_LETTER_DUPLICATE_WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
+
 fn topology(
     queue: &str,
     action: &'static str,
@@ -70,13 +77,14 @@ pub(crate) async fn settlement_stream(
     subject: &str,
 ) -> Result<(), TransportError> {
     if subject == names.dlq_subject {
-        stream(
+        let stream = stream(
             js,
             &names.dlq_stream,
             &names.dlq_subject,
             RetentionPolicy::Limits,
         )
         .await?;
+        dead_letter_window(js, stream).await?;
     } else {
         stream(
             js,
@@ -86,6 +94,28 @@ pub(crate) async fn settlement_stream(
         )
         .await?;
     }
+    Ok(())
+}
+
+/// Widens the duplicate window of the dead-letter stream `stream` to
+/// [`DEAD_LETTER_DUPLICATE_WINDOW`] (at most its age limit, which JetStream requires), where it
+/// is shorter: as the server's default of 2 minutes is.
+async fn dead_letter_window(js: &Context, stream: Stream) -> Result<(), TransportError> {
+    let existing = &stream.cached_info().config;
+    let mut wanted = DEAD_LETTER_DUPLICATE_WINDOW;
+    if !existing.max_age.is_zero() {
+        wanted = wanted.min(existing.max_age);
+    }
+    if existing.duplicate_window >= wanted {
+        return Ok(());
+    }
+    let was = existing.duplicate_window;
+    let mut update = existing.clone();
+    update.duplicate_window = wanted;
+    js.update_stream(update)
+        .await
+        .map_err(|e| topology(&existing.name, "widening the duplicate window", e))?;
+    tracing::info!(stream = %existing.name, window = ?wanted, was = ?was, "widened the dead-letter stream's duplicate window");
     Ok(())
 }
 

@@ -40,6 +40,9 @@ pub struct Letter {
     /// The reason code, where the transport puts it on the message (always on NATS; on
     /// RabbitMQ only when the store could not record it).
     pub reason: Option<String>,
+    /// Where the broker names the copy apart from its message (NATS: its `Nats-Msg-Id` and the
+    /// time the stream stored it), for a failing run's report.
+    pub copy: Option<String>,
 }
 
 pub enum Bus {
@@ -265,6 +268,7 @@ impl Bus {
                     message_id: got.message_id(),
                     reason: got.header(idem::rabbitmq::REASON_HEADER),
                     body: got.body,
+                    copy: None,
                 })
                 .collect(),
             Self::Nats(nats) => {
@@ -286,12 +290,32 @@ impl Bus {
                             message_id: header("Idem-Message-Id").or_else(|| header("Nats-Msg-Id")),
                             reason: header(idem::nats::REASON_HEADER),
                             body: message.payload.to_vec(),
+                            copy: Some(format!(
+                                "{} stored {} as {sequence}",
+                                header("Nats-Msg-Id").unwrap_or_default(),
+                                message.time
+                            )),
                         });
                     }
                 }
                 letters
             }
         }
+    }
+
+    /// NATS: the duplicate window of `queue`'s dead-letter stream, after setting it to `set`
+    /// when given.
+    pub async fn dead_letter_window(&self, queue: &str, set: Option<Duration>) -> Duration {
+        let Self::Nats(nats) = self else {
+            panic!("a dead-letter stream's duplicate window is JetStream's");
+        };
+        let mut stream = nats.js.get_stream(dlq_stream(queue)).await.unwrap();
+        let mut config = stream.info().await.unwrap().config.clone();
+        if let Some(window) = set {
+            config.duplicate_window = window;
+            config = nats.js.update_stream(config).await.unwrap().config;
+        }
+        config.duplicate_window
     }
 
     /// Whether `queue`'s dead-letter queue (or stream) exists: the consumers declared it.
