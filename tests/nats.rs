@@ -1,7 +1,7 @@
 //! What is JetStream's own in the runtime on NATS (`idem::nats`), against a real server and a
 //! real SQLite inbox: JetStream's duplicate window, in-progress signals, dead letters with
 //! their reason in headers, the outbox's ids as `Nats-Msg-Id`, a connection cut, streams
-//! deleted under the consumer, TLS, a start without a server and the orders demo. The
+//! deleted under the consumer (and acks that must not cross their re-creation), TLS, a start without a server and the orders demo. The
 //! guarantees both brokers share are tested once for both in `tests/guarantees.rs`. NATS must
 //! listen on `NATS_URL` (default `nats://127.0.0.1:4222`) with JetStream enabled.
 
@@ -27,7 +27,7 @@ struct Order {
     id: String,
     cents: i64,
     /// `once`: fails transiently on its first attempt; `always`: fails for good; `slow`: takes
-    /// 3.5 s.
+    /// 3.5 s; `slower`: 8 s.
     fail: Option<String>,
     /// A queue to send the order on to, through the outbox.
     forward_to: Option<String>,
@@ -43,6 +43,7 @@ async fn nats_orders(
         Some("once") if ctx.attempt() == 1 => return Err(HandlerError::transient("not yet")),
         Some("always") => return Err(HandlerError::permanent("no such customer")),
         Some("slow") => tokio::time::sleep(Duration::from_millis(3500)).await,
+        Some("slower") => tokio::time::sleep(Duration::from_secs(8)).await,
         _ => {}
     }
     sqlx::query(
@@ -596,6 +597,83 @@ async fn streams_deleted_under_the_consumer_are_declared_again() {
     assert_eq!(
         w.applied_ids().await,
         each_once("orders", ["d-1".to_owned(), "d-2".to_owned()])
+    );
+    w.cleanup().await;
+}
+
+/// The work stream is deleted while a delivery of it is in its handler, and declared again by
+/// the consumer; a new message (sequence 1 again) is in its handler when the first one
+/// commits. The first one's ack, which names only the stream, the durable and sequences, is
+/// not sent: JetStream would take it for the new message's and remove that one unhandled.
+/// Both are applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_ack_from_a_stream_since_deleted_does_not_remove_a_new_message() {
+    let w = World::new("recreated").await;
+    let stream = format!("IDEM_{}", w.orders);
+    let running = start(w.runtime());
+    let slow = |id: &str, fail: &str| Order {
+        fail: Some(fail.to_owned()),
+        ..order(id, 1)
+    };
+    w.publish("old-1", &slow("old-1", "slow")).await;
+    let pending = || async {
+        let Ok(stream) = w.js.get_stream(&stream).await else {
+            return None;
+        };
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer("nats_orders").await.ok()?;
+        let info = consumer.info().await.ok()?;
+        Some((info.num_ack_pending, info.ack_floor.stream_sequence))
+    };
+    wait_until("the first order in its handler", DEADLINE, || async {
+        pending().await == Some((1, 0))
+    })
+    .await;
+    w.js.delete_stream(&stream).await.unwrap();
+    // Published until the stream is back: a publish to a subject no stream holds is refused.
+    wait_until("the stream declared again", DEADLINE, || async {
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", "new-1");
+        let body = serde_json::to_vec(&slow("new-1", "slower")).unwrap();
+        match w
+            .js
+            .publish_with_headers(w.orders.clone(), headers, body.into())
+            .await
+        {
+            Ok(ack) => ack.await.is_ok(),
+            Err(_) => false,
+        }
+    })
+    .await;
+    let world = &w;
+    let applied = move |id: &'static str| async move {
+        world
+            .applied_ids()
+            .await
+            .contains(&("orders".to_owned(), id.to_owned()))
+    };
+    wait_until("the first order applied", DEADLINE, || applied("old-1")).await;
+    // Until the new message is applied, the new durable's ack floor stays at 0: read before
+    // the books, so that an ack of its own (after its commit) is not taken for a foreign one.
+    while !applied("new-1").await {
+        let seen = pending().await;
+        if seen.is_some_and(|(_, floor)| floor > 0) {
+            assert!(
+                applied("new-1").await,
+                "the new message was acked ({seen:?}: ack pending, ack floor) before its handler committed"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_until("the new order settled", DEADLINE, || async {
+        pending().await == Some((0, 1))
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (2, 0));
+    assert_eq!(
+        w.applied_ids().await,
+        each_once("orders", ["new-1".to_owned(), "old-1".to_owned()])
     );
     w.cleanup().await;
 }

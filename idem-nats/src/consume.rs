@@ -7,7 +7,7 @@
 use crate::connection::Shared;
 use crate::names::durable;
 use crate::progress::Unsettled;
-use crate::settle::NatsSettle;
+use crate::settle::{NatsSettle, Reading};
 use crate::{envelope, retry, topology};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
@@ -31,6 +31,8 @@ pub(crate) struct Consumer {
     pub(crate) stop: StopSignal,
     /// Its unsettled deliveries, told in progress by one ticker across sessions.
     pub(crate) unsettled: Unsettled,
+    /// Which incarnation of the queue's stream the running session reads.
+    pub(crate) reading: Reading,
 }
 
 impl Consumer {
@@ -48,6 +50,7 @@ impl Consumer {
         let mut backoff = config.reconnect_min;
         while !*self.stop.borrow() {
             let ended = self.session().await;
+            self.reading.clear();
             self.shared.set_consuming(&self.spec.queue, false);
             idem_core::telemetry::broker_connected(&self.spec.queue, false);
             match ended {
@@ -70,6 +73,7 @@ impl Consumer {
         let (names, _) = topology::declare(&js, &self.spec, self.shared.config.ack_wait).await?;
         let stream = js.get_stream(&names.stream).await?;
         let incarnation = crate::settle::incarnation(&stream);
+        self.reading.set(incarnation);
         let consumer: PullConsumer = stream.get_consumer(&durable(&self.spec.consumer)).await?;
         let mut messages = consumer
             .stream()
@@ -123,6 +127,7 @@ impl Consumer {
                 body: message.payload,
                 sequence,
                 incarnation,
+                reading: self.reading.clone(),
                 delivered,
                 _unsettled: tracked,
             };

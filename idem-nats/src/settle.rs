@@ -10,7 +10,8 @@
 //! Until it is settled, JetStream is told the delivery is in progress every third of the ack
 //! wait ([`crate::progress`]), so a long handler is not redelivered while it runs; and an ack the
 //! connection lost is sent again for a while, since JetStream takes it as long as it has not
-//! redelivered the message.
+//! redelivered the message. No ack or negative ack crosses a re-creation of the stream
+//! ([`Reading`]).
 
 use crate::envelope::{self, DUE_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER};
 use crate::names::Names;
@@ -21,6 +22,8 @@ use async_nats::jetstream::{AckKind, Context, message::Acker};
 use bytes::Bytes;
 use idem_core::transport::{CopyId, CopyPurpose, DeliveryOrigin};
 use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// How long an ack is sent again when the connection fails under it.
@@ -39,6 +42,8 @@ pub(crate) struct NatsSettle {
     pub(crate) sequence: u64,
     /// Which incarnation of the stream delivered it ([`incarnation`]).
     pub(crate) incarnation: i128,
+    /// Which one the queue's session reads now.
+    pub(crate) reading: Reading,
     /// How many times JetStream has delivered it (1 the first time).
     pub(crate) delivered: i64,
     /// Among the unsettled deliveries JetStream is told are in progress, until dropped.
@@ -63,13 +68,69 @@ pub(crate) async fn confirm_ack(
 /// How long one confirmed ack waits for JetStream's answer.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Acks with JetStream's confirm ([`confirm_ack`]), again for a while when it fails.
-async fn double_ack(js: &Context, reply: Option<&Subject>) -> Result<(), TransportError> {
+/// Which incarnation of a queue's stream ([`incarnation`]) its consumer's session reads: set
+/// while a session runs, 0 between sessions; shared by the queue's deliveries. An ack names
+/// only the stream, the durable and sequences, and JetStream 2.9 takes one sent after the
+/// stream was deleted and declared again for the new stream's message with that sequence,
+/// which it removes unhandled; so a delivery is acked (or given back) only while a session
+/// reads the stream that delivered it.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Reading(Arc<AtomicI64>);
+
+/// Whether a delivery's stream is the one its queue's session reads.
+enum Source {
+    Read,
+    /// Between sessions: not known yet.
+    Unknown,
+    /// Deleted and declared again since: the delivery's message went with it.
+    Replaced,
+}
+
+impl Reading {
+    /// A session reads `incarnation`.
+    pub(crate) fn set(&self, incarnation: i128) {
+        let value = i64::try_from(incarnation).unwrap_or(i64::MAX);
+        self.0.store(value, Ordering::SeqCst);
+    }
+
+    /// No session runs.
+    pub(crate) fn clear(&self) {
+        self.0.store(0, Ordering::SeqCst);
+    }
+
+    fn of(&self, incarnation: i128) -> Source {
+        match self.0.load(Ordering::SeqCst) {
+            0 => Source::Unknown,
+            read if i128::from(read) == incarnation => Source::Read,
+            _ => Source::Replaced,
+        }
+    }
+}
+
+/// Acks with JetStream's confirm ([`confirm_ack`]), again for a while when it fails or no
+/// session reads the queue's stream; not at all once the stream that delivered it was
+/// replaced ([`Reading`]).
+async fn double_ack(
+    js: &Context,
+    reply: Option<&Subject>,
+    reading: &Reading,
+    incarnation: i128,
+) -> Result<(), TransportError> {
     let client = js.client();
     let deadline = tokio::time::Instant::now() + ACK_PATIENCE;
     let mut pause = Duration::from_millis(50);
     loop {
-        match confirm_ack(&client, reply).await {
+        let acked = match reading.of(incarnation) {
+            Source::Read => confirm_ack(&client, reply).await,
+            Source::Unknown => Err("no session reads the queue's stream yet".into()),
+            Source::Replaced => {
+                tracing::warn!(
+                    "not acked: the stream that delivered it was deleted and declared again, and the ack would remove the new stream's message with its sequence"
+                );
+                return Ok(());
+            }
+        };
+        match acked {
             Ok(()) => return Ok(()),
             Err(e) if tokio::time::Instant::now() + pause > deadline => {
                 return Err(settle_error(e));
@@ -150,7 +211,7 @@ impl NatsSettle {
                 }
             }
             let wait = settle_backoff(self.delivered);
-            let _ = self.acker.ack_with(AckKind::Nak(Some(wait))).await;
+            self.give_back(Some(wait)).await;
             return Err(settle_error(format!(
                 "publishing to `{subject}`: {e}; delivered again in {wait:?}"
             )));
@@ -160,13 +221,35 @@ impl NatsSettle {
         if subject == self.names.dlq_subject {
             idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
         }
-        double_ack(&self.js, self.reply.as_ref()).await
+        double_ack(
+            &self.js,
+            self.reply.as_ref(),
+            &self.reading,
+            self.incarnation,
+        )
+        .await
+    }
+
+    /// A negative ack (redelivered after `delay`, else at once), while a session reads the
+    /// stream that delivered it; else none: JetStream redelivers once the ack wait ends.
+    async fn give_back(&self, delay: Option<Duration>) {
+        if matches!(self.reading.of(self.incarnation), Source::Read) {
+            let _ = self.acker.ack_with(AckKind::Nak(delay)).await;
+        }
     }
 }
 
 impl Settle for NatsSettle {
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move { double_ack(&self.js, self.reply.as_ref()).await })
+        Box::pin(async move {
+            double_ack(
+                &self.js,
+                self.reply.as_ref(),
+                &self.reading,
+                self.incarnation,
+            )
+            .await
+        })
     }
 
     fn retry<'a>(
@@ -212,6 +295,9 @@ impl Settle for NatsSettle {
 
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
         Box::pin(async move {
+            if !matches!(self.reading.of(self.incarnation), Source::Read) {
+                return Ok(());
+            }
             self.acker
                 .ack_with(AckKind::Nak(None))
                 .await

@@ -155,6 +155,7 @@ impl Transport for NatsTransport {
             mailbox,
             stop,
             unsettled: Default::default(),
+            reading: Default::default(),
         };
         Box::pin(consumer.run())
     }
