@@ -1057,6 +1057,70 @@ async fn every_producer_routes_a_key_to_the_partition_the_server_records() {
     assert!(!consumers.delete_source(&source).await.unwrap());
 }
 
+/// JetStream that does not answer at start-up (a server still recovering its store, a cluster
+/// electing a leader): the start waits for it, up to the start deadline, instead of failing at
+/// the first request that timed out. A server of the test's own runs without JetStream, its
+/// API taken by a client of the test's that never answers; once a declaration has timed out
+/// and been tried again, the server starts again with JetStream on the same port, and an order
+/// published then is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_start_waits_for_jetstream_that_does_not_answer_yet() {
+    use futures_util::StreamExt;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let Some(node) = common::nats_node::NatsNode::start_without_jetstream().await else {
+        return;
+    };
+    let silent = async_nats::connect(node.url()).await.unwrap();
+    let mut requests = silent.subscribe("$JS.API.>").await.unwrap();
+    silent.flush().await.unwrap();
+    let seen = Arc::new(AtomicUsize::new(0));
+    let counted = seen.clone();
+    let counting = tokio::spawn(async move {
+        while requests.next().await.is_some() {
+            counted.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    let (pool, _dir) = database().await;
+    let queue = unique("nats-unanswered");
+    let transport = NatsTransport::new(NatsConfig::new(node.url()));
+    let running = start(orders_alone(&transport, &pool, &queue));
+    wait_until("a declaration tried again", DEADLINE, || async {
+        seen.load(Ordering::SeqCst) >= 2 || running.task.is_finished()
+    })
+    .await;
+    if running.task.is_finished() {
+        panic!("the start gave up: {:?}", running.task.await.unwrap());
+    }
+    counting.abort();
+    drop(silent);
+    node.restart_with_jetstream().await;
+    let js = async_nats::jetstream::new(async_nats::connect(node.url()).await.unwrap());
+    let stream = format!("IDEM_{queue}");
+    wait_until("the queue declared", DEADLINE, || async {
+        js.get_stream(&stream).await.is_ok()
+    })
+    .await;
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", "late-1");
+    let body = serde_json::to_vec(&order("late-1", 1)).unwrap();
+    js.publish_with_headers(queue.clone(), headers, body.into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_until("the order applied", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (1, 0));
+    assert_eq!(
+        applied_ids(&pool).await,
+        each_once("orders", ["late-1".to_owned()])
+    );
+}
+
 #[tokio::test]
 async fn a_start_without_a_server_fails_naming_the_url_and_its_variable() {
     let transport = NatsTransport::new(

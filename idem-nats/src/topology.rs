@@ -21,16 +21,73 @@ pub(crate) const RETRY_CONSUMER: &str = "idem-retry";
 /// JetStream keeps one id per dead letter of the window, and dead letters are few.
 pub const DEAD_LETTER_DUPLICATE_WINDOW: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// The failure of `action` on `queue`: [`TransportError::NotAnswering`] when JetStream did not
+/// answer ([`not_answering`]), which start-up waits out, else a refusal.
 fn topology(
     queue: &str,
     action: &'static str,
     source: impl Into<idem_core::model::BoxError>,
 ) -> TransportError {
-    TransportError::Topology {
-        queue: queue.to_owned(),
-        action,
-        source: source.into(),
+    let source = source.into();
+    let queue = queue.to_owned();
+    if not_answering(&*source) {
+        return TransportError::NotAnswering {
+            queue,
+            action,
+            source,
+        };
     }
+    TransportError::Topology {
+        queue,
+        action,
+        source,
+    }
+}
+
+/// Whether `error` (or an error it wraps) says JetStream did not answer: a request timed out,
+/// nobody answers JetStream's API yet, or the server is temporarily unavailable (503).
+fn not_answering(error: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context::{
+        CreateStreamError, CreateStreamErrorKind, GetStreamError, GetStreamErrorKind, RequestError,
+        RequestErrorKind,
+    };
+    use async_nats::jetstream::stream::{ConsumerError, ConsumerErrorKind};
+    let unavailable = |e: &async_nats::jetstream::Error| e.code() == 503;
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let answered = if let Some(e) = e.downcast_ref::<CreateStreamError>() {
+            match e.kind() {
+                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => {
+                    false
+                }
+                CreateStreamErrorKind::JetStream(e) => !unavailable(&e),
+                _ => true,
+            }
+        } else if let Some(e) = e.downcast_ref::<GetStreamError>() {
+            match e.kind() {
+                GetStreamErrorKind::JetStream(e) => !unavailable(&e),
+                _ => true,
+            }
+        } else if let Some(e) = e.downcast_ref::<ConsumerError>() {
+            match e.kind() {
+                ConsumerErrorKind::TimedOut => false,
+                ConsumerErrorKind::JetStream(e) => !unavailable(&e),
+                _ => true,
+            }
+        } else if let Some(e) = e.downcast_ref::<RequestError>() {
+            !matches!(
+                e.kind(),
+                RequestErrorKind::TimedOut | RequestErrorKind::NoResponders
+            )
+        } else {
+            true
+        };
+        if !answered {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// Declares the streams of `spec`'s queue and its handler's durable consumer.

@@ -11,12 +11,24 @@ pub struct NatsNode {
     pub port: u16,
     store: tempfile::TempDir,
     server: std::sync::Mutex<Option<Child>>,
+    /// Whether it runs with JetStream.
+    jetstream: std::sync::atomic::AtomicBool,
 }
 
 impl NatsNode {
     /// A server of the test's own, listening with JetStream ready. Without `nats-server` on
     /// the PATH the test fails, or, with the opt-out of [`super::own_servers`], `None`.
     pub async fn start() -> Option<Self> {
+        Self::start_with(true).await
+    }
+
+    /// As [`NatsNode::start`], without JetStream: nobody answers its API until
+    /// [`NatsNode::restart_with_jetstream`].
+    pub async fn start_without_jetstream() -> Option<Self> {
+        Self::start_with(false).await
+    }
+
+    async fn start_with(jetstream: bool) -> Option<Self> {
         if !super::own_servers::can_start("nats-server", "a NATS server of the test's own") {
             return None;
         }
@@ -24,9 +36,19 @@ impl NatsNode {
             port: free_port(),
             store: tempfile::tempdir().unwrap(),
             server: std::sync::Mutex::new(None),
+            jetstream: std::sync::atomic::AtomicBool::new(jetstream),
         };
         node.spawn().await;
         Some(node)
+    }
+
+    /// Stops the server (SIGKILL) and starts it again on the same port and store, with
+    /// JetStream.
+    pub async fn restart_with_jetstream(&self) {
+        self.kill();
+        self.jetstream
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.spawn().await;
     }
 
     /// Its URL.
@@ -51,9 +73,13 @@ impl NatsNode {
 
     async fn spawn(&self) {
         let store = self.store.path().display().to_string();
-        let server = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js"])
-            .args(["-sd", &store])
+        let jetstream = self.jetstream.load(std::sync::atomic::Ordering::SeqCst);
+        let mut command = Command::new("nats-server");
+        command.args(["-a", "127.0.0.1", "-p", &self.port.to_string()]);
+        if jetstream {
+            command.args(["-js", "-sd", &store]);
+        }
+        let server = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -66,6 +92,9 @@ impl NatsNode {
             let ready = async {
                 use async_nats::jetstream::context::GetStreamErrorKind;
                 let client = async_nats::connect(self.url()).await.ok()?;
+                if !jetstream {
+                    return Some(());
+                }
                 // JetStream's own answer, even "no such stream", says it is up.
                 match async_nats::jetstream::new(client)
                     .get_stream("READINESS_PROBE")

@@ -1,5 +1,6 @@
 //! Start-up: every handler's store checked and the topology declared, each waited for with
-//! backoff while it fails in a way that passes (a database or broker that is restarting), up to
+//! backoff while it fails in a way that passes (a database or broker that is restarting, or
+//! one that does not answer yet), up to
 //! the runtime's start deadline ([`crate::RuntimeBuilder::start_deadline`]). A failure that
 //! waiting will not mend (a table never migrated, topology the broker refuses) ends the start at
 //! once.
@@ -41,7 +42,12 @@ impl Runtime {
                 ErrorClass::Permanent => RuntimeError::Store { consumer, error },
             })?;
         }
-        let connection = |e: &TransportError| matches!(e, TransportError::Connection { .. });
+        let connection = |e: &TransportError| {
+            matches!(
+                e,
+                TransportError::Connection { .. } | TransportError::NotAnswering { .. }
+            )
+        };
         patiently(deadline, "the broker", connection, || {
             self.transport.declare(specs)
         })

@@ -30,6 +30,20 @@ pub enum TransportError {
         #[source]
         source: BoxError,
     },
+    /// The broker took the connection but did not answer in time, or not yet (JetStream still
+    /// recovering its store, a cluster without a leader): waiting may mend it.
+    #[error(
+        "topology of `{queue}`, {action}: the broker did not answer ({source}); it may still be starting or without a leader"
+    )]
+    NotAnswering {
+        /// The queue or exchange concerned.
+        queue: String,
+        /// What was being done.
+        action: &'static str,
+        /// What the client said.
+        #[source]
+        source: BoxError,
+    },
     /// A settlement could not be sent (the channel is gone); the broker redelivers.
     #[error("settle: {0}")]
     Settle(#[source] BoxError),
