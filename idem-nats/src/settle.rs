@@ -72,15 +72,16 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// while a session runs, 0 between sessions; shared by the queue's deliveries. An ack names
 /// only the stream, the durable and sequences, and JetStream 2.9 takes one sent after the
 /// stream was deleted and declared again for the new stream's message with that sequence,
-/// which it removes unhandled; so a delivery is acked (or given back) only while a session
-/// reads the stream that delivered it.
+/// which it removes unhandled; so a delivery is acked (or given back) only while the stream
+/// that delivered it is the queue's: as the session reads it, or, between sessions, as the
+/// server says.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Reading(Arc<AtomicI64>);
 
 /// Whether a delivery's stream is the one its queue's session reads.
 enum Source {
     Read,
-    /// Between sessions: not known yet.
+    /// Between sessions: the server is asked.
     Unknown,
     /// Deleted and declared again since: the delivery's message went with it.
     Replaced,
@@ -103,43 +104,6 @@ impl Reading {
             0 => Source::Unknown,
             read if i128::from(read) == incarnation => Source::Read,
             _ => Source::Replaced,
-        }
-    }
-}
-
-/// Acks with JetStream's confirm ([`confirm_ack`]), again for a while when it fails or no
-/// session reads the queue's stream; not at all once the stream that delivered it was
-/// replaced ([`Reading`]).
-async fn double_ack(
-    js: &Context,
-    reply: Option<&Subject>,
-    reading: &Reading,
-    incarnation: i128,
-) -> Result<(), TransportError> {
-    let client = js.client();
-    let deadline = tokio::time::Instant::now() + ACK_PATIENCE;
-    let mut pause = Duration::from_millis(50);
-    loop {
-        let acked = match reading.of(incarnation) {
-            Source::Read => confirm_ack(&client, reply).await,
-            Source::Unknown => Err("no session reads the queue's stream yet".into()),
-            Source::Replaced => {
-                tracing::warn!(
-                    "not acked: the stream that delivered it was deleted and declared again, and the ack would remove the new stream's message with its sequence"
-                );
-                return Ok(());
-            }
-        };
-        match acked {
-            Ok(()) => return Ok(()),
-            Err(e) if tokio::time::Instant::now() + pause > deadline => {
-                return Err(settle_error(e));
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "an ack was not confirmed; sending it again");
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(1));
-            }
         }
     }
 }
@@ -221,19 +185,59 @@ impl NatsSettle {
         if subject == self.names.dlq_subject {
             idem_core::fault::maybe_crash(idem_core::fault::Point::InDeadLetter);
         }
-        double_ack(
-            &self.js,
-            self.reply.as_ref(),
-            &self.reading,
-            self.incarnation,
-        )
-        .await
+        self.double_ack().await
     }
 
-    /// A negative ack (redelivered after `delay`, else at once), while a session reads the
-    /// stream that delivered it; else none: JetStream redelivers once the ack wait ends.
+    /// Whether the stream that delivered this is the queue's stream now: as the session
+    /// reads it, or, between sessions, as the server says.
+    async fn source(&self) -> Result<Source, async_nats::Error> {
+        match self.reading.of(self.incarnation) {
+            Source::Unknown => {
+                let stream = self.js.get_stream(&self.names.stream).await?;
+                Ok(match incarnation(&stream) == self.incarnation {
+                    true => Source::Read,
+                    false => Source::Replaced,
+                })
+            }
+            known => Ok(known),
+        }
+    }
+
+    /// Acks with JetStream's confirm ([`confirm_ack`]), again for a while when it fails; not
+    /// at all once the stream that delivered it was replaced ([`Reading`]).
+    async fn double_ack(&self) -> Result<(), TransportError> {
+        let client = self.js.client();
+        let deadline = tokio::time::Instant::now() + ACK_PATIENCE;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            let acked = match self.source().await {
+                Ok(Source::Replaced) => {
+                    tracing::warn!(
+                        "not acked: the stream that delivered it was deleted and declared again, and the ack would remove the new stream's message with its sequence"
+                    );
+                    return Ok(());
+                }
+                Ok(_) => confirm_ack(&client, self.reply.as_ref()).await,
+                Err(e) => Err(e),
+            };
+            match acked {
+                Ok(()) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() + pause > deadline => {
+                    return Err(settle_error(e));
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "an ack was not confirmed; sending it again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
+    }
+
+    /// A negative ack (redelivered after `delay`, else at once), unless the stream that
+    /// delivered it was replaced: JetStream redelivers once the ack wait ends.
     async fn give_back(&self, delay: Option<Duration>) {
-        if matches!(self.reading.of(self.incarnation), Source::Read) {
+        if !matches!(self.source().await, Ok(Source::Replaced)) {
             let _ = self.acker.ack_with(AckKind::Nak(delay)).await;
         }
     }
@@ -241,15 +245,7 @@ impl NatsSettle {
 
 impl Settle for NatsSettle {
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move {
-            double_ack(
-                &self.js,
-                self.reply.as_ref(),
-                &self.reading,
-                self.incarnation,
-            )
-            .await
-        })
+        Box::pin(async move { self.double_ack().await })
     }
 
     fn retry<'a>(
@@ -295,7 +291,7 @@ impl Settle for NatsSettle {
 
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
         Box::pin(async move {
-            if !matches!(self.reading.of(self.incarnation), Source::Read) {
+            if matches!(self.source().await, Ok(Source::Replaced)) {
                 return Ok(());
             }
             self.acker
