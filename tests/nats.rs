@@ -161,6 +161,26 @@ impl World {
         ack.duplicate
     }
 
+    /// Publishes `order` as JetStream message `nats_id` again and again until the orders
+    /// queue's stream takes it: after the stream was deleted, until the consumer declared it
+    /// again (a publish to a subject no stream holds is refused).
+    async fn publish_once_declared(&self, nats_id: &str, order: &Order) {
+        wait_until("the stream declared again", DEADLINE, || async {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", nats_id);
+            let body = serde_json::to_vec(order).unwrap();
+            match self
+                .js
+                .publish_with_headers(self.orders.clone(), headers, body.into())
+                .await
+            {
+                Ok(ack) => ack.await.is_ok(),
+                Err(_) => false,
+            }
+        })
+        .await;
+    }
+
     /// `(handler, id, cents, attempt, message_id)` of every application of an order, sorted.
     /// The table has no unique key: an order applied twice is there twice.
     async fn applied(&self) -> Vec<(String, String, i64, i64, Option<String>)> {
@@ -573,21 +593,7 @@ async fn streams_deleted_under_the_consumer_are_declared_again() {
     w.js.delete_stream(format!("IDEM_{}", w.orders))
         .await
         .unwrap();
-    // Published until the stream is back: a publish to a subject no stream holds is refused.
-    wait_until("the stream declared again", DEADLINE, || async {
-        let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", "d-2");
-        let body = serde_json::to_vec(&order("d-2", 2)).unwrap();
-        match w
-            .js
-            .publish_with_headers(w.orders.clone(), headers, body.into())
-            .await
-        {
-            Ok(ack) => ack.await.is_ok(),
-            Err(_) => false,
-        }
-    })
-    .await;
+    w.publish_once_declared("d-2", &order("d-2", 2)).await;
     wait_until("the second order", DEADLINE, || async {
         running.now().processed == 2
     })
@@ -630,21 +636,8 @@ async fn an_ack_from_a_stream_since_deleted_does_not_remove_a_new_message() {
     })
     .await;
     w.js.delete_stream(&stream).await.unwrap();
-    // Published until the stream is back: a publish to a subject no stream holds is refused.
-    wait_until("the stream declared again", DEADLINE, || async {
-        let mut headers = HeaderMap::new();
-        headers.insert("Nats-Msg-Id", "new-1");
-        let body = serde_json::to_vec(&slow("new-1", "slower")).unwrap();
-        match w
-            .js
-            .publish_with_headers(w.orders.clone(), headers, body.into())
-            .await
-        {
-            Ok(ack) => ack.await.is_ok(),
-            Err(_) => false,
-        }
-    })
-    .await;
+    w.publish_once_declared("new-1", &slow("new-1", "slower"))
+        .await;
     let world = &w;
     let applied = move |id: &'static str| async move {
         world

@@ -58,19 +58,14 @@ async fn on_nats_a_dead_letter_delivered_again_late_lands_once() {
     )
     .await;
     let consume = |fault: &str| {
-        let mut command = Command::new(&binary);
-        bus.point(&mut command);
-        command
-            .arg("consume")
-            .env("DATABASE_URL", &database)
-            .env("ORDERS_QUEUE", &queue)
-            .env("IDEM_FAULT", fault)
-            .env("ORDERS_ACK_WAIT_SECS", "2")
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
+        consume_faulty(
+            &binary,
+            &bus,
+            &queue,
+            &database,
+            fault,
+            &[("ORDERS_ACK_WAIT_SECS", "2")],
+        )
     };
     // The first consumer publishes the dead letter, then dies before its ack.
     let mut first = consume("in_dead_letter=1");
@@ -125,21 +120,7 @@ async fn poison_ends_in_the_dlq(bus: Bus, env: &[(&str, &str)]) {
     let poison = format!("{queue}-poison");
     bus.publish(&queue, &order(&poison), 0).await;
     bus.confirm().await;
-    let consume = |fault: &str| {
-        let mut command = Command::new(&binary);
-        bus.point(&mut command);
-        command
-            .arg("consume")
-            .env("DATABASE_URL", &database)
-            .env("ORDERS_QUEUE", &queue)
-            .env("IDEM_FAULT", fault)
-            .envs(env.iter().copied())
-            .env("RUST_LOG", "error")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let consume = |fault: &str| consume_faulty(&binary, &bus, &queue, &database, fault, env);
     let started = Instant::now();
     let mut crashes = 0;
     // Every commit aborts the process: each run dies on the message, until it is refused.
@@ -220,6 +201,31 @@ async fn poison_ends_in_the_dlq(bus: Bus, env: &[(&str, &str)]) {
         "the poison message never committed"
     );
     bus.delete(&queue).await;
+}
+
+/// `binary` (the orders example with fault injection) consuming `queue` on `bus`, its tables and
+/// inbox at `database`, with faults `fault` and the settings `env`.
+fn consume_faulty(
+    binary: &std::path::Path,
+    bus: &Bus,
+    queue: &str,
+    database: &std::path::Path,
+    fault: &str,
+    env: &[(&str, &str)],
+) -> Child {
+    let mut command = Command::new(binary);
+    bus.point(&mut command);
+    command
+        .arg("consume")
+        .env("DATABASE_URL", database)
+        .env("ORDERS_QUEUE", queue)
+        .env("IDEM_FAULT", fault)
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
 }
 
 /// The orders example's `consume` on `queue`, its tables and inbox at `database`, one worker.
