@@ -3,8 +3,8 @@
 //! gathers), run it in one transaction and settle its deliveries after the commit. While one
 //! batch executes, the broker delivers the next one into its client's buffer; while it
 //! commits, the next one is gathered, begins and claims its keys (its handlers wait for the
-//! commit). Each batch in flight runs on a database connection the worker keeps between
-//! batches.
+//! commit). A worker keeps two database connections: each batch runs on the one the batch
+//! before the previous one used, handed over when that batch's transaction is over.
 
 use super::actor::{BatchSpec, Shared};
 use super::settle;
@@ -13,7 +13,7 @@ use crate::pipeline::{HeldConnection, Stages};
 use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal, Wants};
 use std::collections::VecDeque;
-use std::sync::{Arc, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{Mutex, mpsc, oneshot};
 use tokio::task::JoinSet;
@@ -67,7 +67,7 @@ pub(crate) async fn run(
 ) {
     let mut in_flight = JoinSet::new();
     let mut previous: Option<oneshot::Receiver<()>> = None;
-    let connections = Connections::default();
+    let mut connections = Lanes::default();
     loop {
         // A store that cannot write pauses the gathering: what arrives waits in the mailbox.
         shared.pause.writable(&stop).await;
@@ -105,7 +105,7 @@ pub(crate) async fn run(
             committed: Some(committed_tx),
         };
         let batch_stop = stop.clone();
-        let connections = connections.clone();
+        let connections = connections.next();
         in_flight.spawn(handle(
             shared.clone(),
             batch,
@@ -121,28 +121,57 @@ pub(crate) async fn run(
     while in_flight.join_next().await.is_some() {}
 }
 
-/// The database connections a worker's batches keep between them: a batch takes the one
-/// free the longest and gives it back when its transaction is over, so a worker keeps about
-/// as many as it has batches in its transactions at once (two: one committing while the next
-/// claims), each in use and so given back to the pool on time (see `hold_connections`).
-#[derive(Clone, Default)]
-struct Connections(Arc<std::sync::Mutex<VecDeque<HeldConnection>>>);
+/// The two database connections a worker's batches keep: the batches take turns on them,
+/// so a batch runs on the connection of the batch before the previous one, handed over when
+/// that batch's transaction is over (by then its successor, on the other connection, is
+/// committing; see `hold_connections`). A batch that ended without handing its connection
+/// over (stopped, panicked) leaves its successor an empty one, which takes a fresh connection.
+#[derive(Default)]
+struct Lanes {
+    /// The connections the last two batches will hand over, the older first.
+    handed: VecDeque<oneshot::Receiver<HeldConnection>>,
+}
 
-impl Connections {
-    fn free(&self) -> MutexGuard<'_, VecDeque<HeldConnection>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    fn take(&self) -> HeldConnection {
-        self.free().pop_front().unwrap_or_default()
-    }
-
-    fn give_back(&self, held: HeldConnection) {
-        self.free().push_back(held);
+impl Lanes {
+    /// Where the next batch gets its connection and where it hands it over.
+    fn next(&mut self) -> Lane {
+        let from = if self.handed.len() == 2 {
+            self.handed.pop_front()
+        } else {
+            None
+        };
+        let (to, handed) = oneshot::channel();
+        self.handed.push_back(handed);
+        Lane { from, to: Some(to) }
     }
 }
 
-/// Processes one batch in one transaction on a connection of `connections`, then settles each
+/// One batch's connection: handed over by the batch before the previous one (none for a
+/// worker's first two batches), and handed on to the batch after the next one.
+struct Lane {
+    from: Option<oneshot::Receiver<HeldConnection>>,
+    to: Option<oneshot::Sender<HeldConnection>>,
+}
+
+impl Lane {
+    /// The connection to run on: the one handed over the first time, empty (a fresh one is
+    /// taken) for a later pass of the same batch.
+    async fn take(&mut self) -> HeldConnection {
+        match self.from.take() {
+            Some(handed) => handed.await.unwrap_or_default(),
+            None => HeldConnection::default(),
+        }
+    }
+
+    /// Hands `held` on, the first time; a later pass's connection goes back to the pool.
+    fn give_back(&mut self, held: HeldConnection) {
+        if let Some(to) = self.to.take() {
+            let _ = to.send(held);
+        }
+    }
+}
+
+/// Processes one batch in one transaction on the connection of its lane `connections`, then settles each
 /// delivery by its outcome. The deliveries that found the store unable to write wait for it,
 /// unsettled, and run again as a batch of their own, as the same attempt (given back if `stop`
 /// is raised first).
@@ -150,7 +179,7 @@ async fn handle(
     shared: Arc<Shared>,
     batch: Vec<Delivery>,
     stages: Stages,
-    connections: Connections,
+    mut connections: Lane,
     stop: StopSignal,
 ) {
     let handler = shared.handler;
@@ -165,7 +194,7 @@ async fn handle(
                 .into_iter()
                 .map(|delivery| (delivery.envelope, delivery.settle))
                 .unzip();
-            let mut held = connections.take();
+            let mut held = connections.take().await;
             let stages = stages.take().unwrap_or_default();
             let processed = handler
                 .process_batch(&shared.stores, &envelopes, stages, &mut held)
