@@ -28,13 +28,16 @@ pub struct Options {
     timeout_secs: u64,
 }
 
-impl Default for Options {
-    fn default() -> Self {
-        Self {
-            orders: 2000,
-            dup_rate: 0.2,
-            timeout_secs: 300,
+impl Options {
+    /// The options of `orders` run without a subcommand (the README's quick start): their
+    /// defaults, as `ORDERS_COUNT` and `ORDERS_DUP_RATE` change them.
+    pub fn from_env() -> Result<Self, clap::Error> {
+        #[derive(clap::Parser)]
+        struct Only {
+            #[command(flatten)]
+            options: Options,
         }
+        <Only as clap::Parser>::try_parse_from(["orders"]).map(|only| only.options)
     }
 }
 

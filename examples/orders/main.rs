@@ -199,13 +199,21 @@ async fn main() -> anyhow::Result<()> {
         cli.settings.ack_wait_secs > 0,
         "ORDERS_ACK_WAIT_SECS must be at least 1"
     );
+    // Without a subcommand the demo runs, its options read from the environment: a wrong
+    // value stops it here, before it connects.
+    let command = match cli.command {
+        Some(command) => command,
+        None => Command::Demo(
+            demo::Options::from_env()
+                .context("the demo's settings (ORDERS_COUNT, ORDERS_DUP_RATE)")?,
+        ),
+    };
     cli.settings.status_partitions = status_partitions(&cli.settings).await?;
     let settings = &cli.settings;
     let db = connect_patiently(settings).await?;
-    match cli.command {
-        Some(Command::Consume { metrics_addr }) => consume(settings, &db, metrics_addr).await,
-        Some(Command::Demo(options)) => demo::run(settings, &db, &options).await,
-        None => demo::run(settings, &db, &demo::Options::default()).await,
+    match command {
+        Command::Consume { metrics_addr } => consume(settings, &db, metrics_addr).await,
+        Command::Demo(options) => demo::run(settings, &db, &options).await,
     }
 }
 
