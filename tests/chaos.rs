@@ -1,4 +1,4 @@
-//! Chaos: several `orders consume` processes (built with `fault-injection`) drain 600 orders
+//! Chaos: several `orders consume` processes (built with `fault-injection`) drain 400 orders
 //! with duplicates and malformed messages through both hops of the example (orders,
 //! then the `OrderBilled` events their outbox publishes to shipping), while processes are
 //! killed with SIGKILL at random (each after 3 s of life at least) and abort themselves before and after commits, half-way
@@ -125,7 +125,7 @@ static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// The chaos run against `bus`, the consumers given the settings `env` besides.
 async fn chaos(bus: Bus, env: &[(&str, &str)]) {
     let _turn = TURN.lock().await;
-    let orders = setting("IDEM_CHAOS_ORDERS", 600);
+    let orders = setting("IDEM_CHAOS_ORDERS", 400);
     let processes = setting("IDEM_CHAOS_PROCESSES", 3);
     let malformed = 10;
     let binary = common::faulty_orders::build();

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const ORDERS: usize = 4000;
+const ORDERS: usize = 2500;
 const MALFORMED: usize = 10;
 
 /// What happens to the cluster under load.

@@ -355,7 +355,7 @@ external_suite!(
     Postgres,
     sqlx::Postgres,
     idem::sql::PgInbox,
-    common::postgres(20).await,
+    common::postgres(10).await,
     "SELECT status, attempts FROM idem_inbox WHERE consumer = $1 AND key = $2"
 );
 external_suite!(
@@ -363,7 +363,7 @@ external_suite!(
     MySql,
     sqlx::MySql,
     idem::sql::MySqlInbox,
-    common::mysql(20).await,
+    common::mysql(10).await,
     "SELECT status, attempts FROM idem_inbox WHERE consumer = ? AND `key` = ?"
 );
 

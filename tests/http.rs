@@ -1127,7 +1127,7 @@ mod databases {
 
     pub async fn postgres() -> (sqlx::PgPool, Db) {
         (
-            common::postgres(20).await,
+            common::postgres(10).await,
             Db::Server(common::postgres_url()),
         )
     }
@@ -1137,7 +1137,7 @@ mod databases {
     }
 
     pub async fn mysql() -> (sqlx::MySqlPool, Db) {
-        (common::mysql(20).await, Db::Server(common::mysql_url()))
+        (common::mysql(10).await, Db::Server(common::mysql_url()))
     }
 
     pub async fn open_mysql(_: &str) -> sqlx::MySqlPool {
