@@ -105,6 +105,8 @@ async fn database() -> sqlx::PgPool {
 /// One test's queue, tables, publisher and running runtime.
 struct Fixture {
     queue: String,
+    /// The inbox table of its runtime and of the `idem` it runs, when not `idem_inbox`.
+    table: Option<&'static str>,
     pool: sqlx::PgPool,
     channel: Channel,
     _connection: Connection,
@@ -115,7 +117,18 @@ struct Fixture {
 
 impl Fixture {
     async fn new(name: &str) -> Self {
+        Self::with_table(name, None).await
+    }
+
+    /// A fixture whose runtime and `idem` use the inbox table `table`: its rows are swept by
+    /// no other test's runtime.
+    async fn with_table(name: &str, table: Option<&'static str>) -> Self {
         let pool = database().await;
+        let mut inbox = PgInbox::new(pool.clone());
+        if let Some(table) = table {
+            inbox = inbox.table(table).unwrap();
+            inbox.migrate().await.unwrap();
+        }
         let queue = unique(&format!("idem-cli-{name}"));
         let rabbit = RabbitConfig::new(amqp_url());
         let mut spec = idem::transport::QueueSpec::new(queue.clone(), CONSUMER);
@@ -134,7 +147,7 @@ impl Fixture {
             .unwrap();
         let runtime = Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
-            .store(PgInbox::new(pool.clone()))
+            .store(inbox)
             .handlers([CONSUMER])
             .handler_queue(CONSUMER, &queue)
             .concurrency(8)
@@ -147,6 +160,7 @@ impl Fixture {
         }));
         Self {
             queue,
+            table,
             pool,
             channel,
             _connection: connection,
@@ -240,7 +254,13 @@ impl Fixture {
 
     /// Runs `idem args…` against this fixture's broker and database; (exit ok, stdout, stderr).
     fn idem(&self, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+        if let Some(table) = self.table {
+            command.env("IDEM_INBOX_TABLE", table);
+        } else {
+            command.env_remove("IDEM_INBOX_TABLE");
+        }
+        let out = command
             .args(args)
             // A broker that refuses first: the tool tries the next one, as a cluster's list.
             .env(
@@ -249,7 +269,6 @@ impl Fixture {
             )
             .env("DATABASE_URL", postgres_url())
             .env("IDEM_QUEUE", &self.queue)
-            .env_remove("IDEM_INBOX_TABLE")
             .output()
             .expect("run idem");
         (
@@ -487,7 +506,11 @@ async fn a_producers_death_header_never_decides_where_a_replay_goes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn inbox_rows_are_counted_shown_forgotten_and_swept() {
-    let f = Fixture::new("inbox").await;
+    // An inbox table of its own: the expired row below is swept by `idem inbox sweep`, not by
+    // the sweeper of another test's runtime on `idem_inbox` (its own runtime swept once, at
+    // its start).
+    let table = "idem_cli_sweep_inbox";
+    let f = Fixture::with_table("inbox", Some(table)).await;
     f.publish_order(0).await;
     f.publish_order(1).await;
     wait_until("2 orders applied", || async { f.effects().await.0 == 2 }).await;
@@ -516,7 +539,7 @@ async fn inbox_rows_are_counted_shown_forgotten_and_swept() {
     .await;
 
     // An expired row is swept (retried while another test's sweeper holds the lock).
-    sqlx::query("UPDATE idem_inbox SET expires_at = now() - interval '1 minute' WHERE consumer = $1 AND key = $2")
+    sqlx::query(sqlx::AssertSqlSafe(format!("UPDATE {table} SET expires_at = now() - interval '1 minute' WHERE consumer = $1 AND key = $2")))
         .bind(CONSUMER)
         .bind(f.key(1))
         .execute(&f.pool)
