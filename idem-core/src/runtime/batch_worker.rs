@@ -4,7 +4,8 @@
 //! batch executes, the broker delivers the next one into its client's buffer; while it
 //! commits, the next one is gathered, begins and claims its keys (its handlers wait for the
 //! commit). A worker keeps two database connections: each batch runs on the one the batch
-//! before the previous one used, handed over when that batch's transaction is over.
+//! before the previous one used, handed over once that batch has committed and dispatched
+//! its staged messages.
 
 use super::actor::{BatchSpec, Shared};
 use super::settle;
@@ -122,9 +123,9 @@ pub(crate) async fn run(
 }
 
 /// The two database connections a worker's batches keep: the batches take turns on them,
-/// so a batch runs on the connection of the batch before the previous one, handed over when
-/// that batch's transaction is over (by then its successor, on the other connection, is
-/// committing; see `hold_connections`). A batch that ended without handing its connection
+/// so a batch runs on the connection of the batch before the previous one, handed over once
+/// that batch has committed and dispatched its staged messages (by then its successor, on the
+/// other connection, is committing; see `hold_connections`). A batch that ended without handing its connection
 /// over (stopped, panicked) leaves its successor an empty one, which takes a fresh connection.
 #[derive(Default)]
 struct Lanes {
