@@ -125,8 +125,9 @@ pub(crate) async fn run(
 /// The two database connections a worker's batches keep: the batches take turns on them,
 /// so a batch runs on the connection of the batch before the previous one, handed over once
 /// that batch has committed and dispatched its staged messages (by then its successor, on the
-/// other connection, is committing; see `hold_connections`). A batch that ended without handing its connection
-/// over (stopped, panicked) leaves its successor an empty one, which takes a fresh connection.
+/// other connection, is committing; see `hold_connections`). A batch that ended without
+/// handing its connection over (stopped, panicked) leaves its successor an empty one, which
+/// takes a fresh connection.
 #[derive(Default)]
 struct Lanes {
     /// The connections the last two batches will hand over, the older first.
@@ -172,8 +173,8 @@ impl Lane {
     }
 }
 
-/// Processes one batch in one transaction on the connection of its lane `connections`, then settles each
-/// delivery by its outcome. The deliveries that found the store unable to write wait for it,
+/// Processes one batch in one transaction on the connection of its lane `connections`, then
+/// settles each delivery by its outcome. The deliveries that found the store unable to write wait for it,
 /// unsettled, and run again as a batch of their own, as the same attempt (given back if `stop`
 /// is raised first).
 async fn handle(
