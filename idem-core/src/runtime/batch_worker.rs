@@ -174,9 +174,9 @@ impl Lane {
 }
 
 /// Processes one batch in one transaction on the connection of its lane `connections`, then
-/// settles each delivery by its outcome. The deliveries that found the store unable to write wait for it,
-/// unsettled, and run again as a batch of their own, as the same attempt (given back if `stop`
-/// is raised first).
+/// settles each delivery by its outcome. The deliveries that found the store unable to write
+/// wait for it, unsettled, and run again as a batch of their own, as the same attempt (given
+/// back if `stop` is raised first).
 async fn handle(
     shared: Arc<Shared>,
     batch: Vec<Delivery>,
