@@ -554,6 +554,110 @@ async fn a_connection_cut_under_load_loses_nothing_and_doubles_nothing() {
     w.cleanup().await;
 }
 
+/// Messages whose headers the client cannot parse, as a producer in another language sends them
+/// and the server stores them (a value in latin-1, a name with a space): async-nats drops its
+/// connection on a delivery of one. Each is dead-lettered once with reason `unparsable`, its
+/// record in the store and its body as it was, after at most one cut each; the good orders
+/// around them are applied once each and the queue drains. (Before, the connection was cut at
+/// every redelivery, for ever, and the queue never drained.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn messages_the_client_cannot_parse_are_dead_lettered_after_one_cut_each() {
+    let mut w = World::new("unparsable").await;
+    let server = nats_url();
+    let address = server
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .trim_start_matches("nats://")
+        .to_owned();
+    let proxy = common::proxy::Proxy::start(&address).await;
+    w.transport = NatsTransport::new(NatsConfig::new(format!(
+        "nats://127.0.0.1:{}",
+        proxy.port()
+    )));
+    let good = |n: usize| format!("u-{n}");
+    for n in 0..10 {
+        w.publish(&good(n), &order(&good(n), 1)).await;
+    }
+    let bad: [(&str, &[u8]); 2] = [
+        ("bad-latin1", b"Tenant: caf\xe9"),
+        ("bad-name", b"Bad Name: x"),
+    ];
+    for (id, line) in bad {
+        let header = [
+            b"NATS/1.0\r\nNats-Msg-Id: ".as_slice(),
+            id.as_bytes(),
+            b"\r\n",
+            line,
+            b"\r\n\r\n",
+        ]
+        .concat();
+        let body = serde_json::to_vec(&order(id, 1)).unwrap();
+        common::raw_nats::publish(&format!("nats://{address}"), &w.orders, &header, &body).await;
+    }
+    for n in 10..20 {
+        w.publish(&good(n), &order(&good(n), 1)).await;
+    }
+    let running = start(orders_alone(&w.transport, &w.pool, &w.orders));
+    wait_until(
+        "the good applied and the bad dead-lettered",
+        DEADLINE,
+        || async { w.applied_ids().await.len() == 20 && letters(&w).await.len() == 2 },
+    )
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        w.applied_ids().await,
+        each_once("orders", (0..20).map(good)),
+        "an order applied twice or lost"
+    );
+    assert_eq!((seen.processed, seen.dead_lettered), (20, 0));
+    let mut letters: Vec<_> = letters(&w)
+        .await
+        .into_iter()
+        .map(|(_, reason, id)| (reason, id))
+        .collect();
+    letters.sort_unstable();
+    assert_eq!(
+        letters,
+        [
+            ("unparsable".to_owned(), "bad-latin1".to_owned()),
+            ("unparsable".to_owned(), "bad-name".to_owned())
+        ]
+    );
+    let mut records: Vec<(String, String, Option<String>)> = sqlx::query_as(
+        "SELECT consumer, reason, message_id FROM idem_inbox_dead_letters ORDER BY message_id",
+    )
+    .fetch_all(&w.pool)
+    .await
+    .unwrap();
+    records.sort_unstable();
+    let record = |id: &str| {
+        (
+            "nats.orders".to_owned(),
+            "unparsable".to_owned(),
+            Some(id.to_owned()),
+        )
+    };
+    assert_eq!(records, [record("bad-latin1"), record("bad-name")]);
+    // The first connection, and at most one more for each message the client cannot parse.
+    assert!(
+        (2..=3).contains(&proxy.accepted()),
+        "{} connections",
+        proxy.accepted()
+    );
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+        w.js.get_stream(format!("IDEM_{}", w.orders))
+            .await
+            .unwrap()
+            .get_consumer("nats_orders")
+            .await
+            .unwrap();
+    let info = consumer.info().await.unwrap();
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
+    w.cleanup().await;
+}
+
 /// Two queues whose names differ only where a stream name cannot follow (`.` and `_`) would
 /// share a stream: the second is refused, naming the subject the stream holds.
 #[tokio::test]

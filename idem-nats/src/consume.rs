@@ -8,12 +8,13 @@ use crate::connection::Shared;
 use crate::names::durable;
 use crate::progress::Unsettled;
 use crate::settle::{NatsSettle, Reading};
-use crate::{envelope, retry, topology};
+use crate::{envelope, quarantine, retry, topology};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
 use futures_util::StreamExt;
 use idem_core::model::BoxError;
 use idem_core::{Delivery, QueueSpec, StopSignal};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -74,7 +75,11 @@ impl Consumer {
         let stream = js.get_stream(&names.stream).await?;
         let incarnation = crate::settle::incarnation(&stream);
         self.reading.set(incarnation);
-        let consumer: PullConsumer = stream.get_consumer(&durable(&self.spec.consumer)).await?;
+        let mut consumer: PullConsumer = stream.get_consumer(&durable(&self.spec.consumer)).await?;
+        let connects = js.client().statistics();
+        let mut scanned = connects.connects.load(Ordering::Relaxed);
+        self.quarantine(&js, &names, incarnation, &mut consumer)
+            .await;
         let mut messages = consumer
             .stream()
             .max_messages_per_batch(usize::from(self.prefetch).max(1))
@@ -85,9 +90,20 @@ impl Consumer {
         let names = std::sync::Arc::new(names);
         self.shared.set_consuming(&self.spec.queue, true);
         idem_core::telemetry::broker_connected(&self.spec.queue, true);
+        let mut reconnected = tokio::time::interval(RECONNECT_CHECK);
         loop {
             let message = tokio::select! {
                 next = messages.next() => next,
+                _ = reconnected.tick() => {
+                    // The client connected again: a delivery it could not parse may have cut
+                    // the connection.
+                    let now = connects.connects.load(Ordering::Relaxed);
+                    if now != scanned {
+                        scanned = now;
+                        self.quarantine(&js, &names, incarnation, &mut consumer).await;
+                    }
+                    continue;
+                }
                 () = stopped(&mut self.stop) => return Ok(Ended::Stopped),
                 ended = &mut forwarder.0 => {
                     let why = match ended {
@@ -150,6 +166,46 @@ impl Consumer {
         }
     }
 }
+
+impl Consumer {
+    /// Takes out of the stream the deliveries the consumer has out that the client cannot
+    /// parse ([`quarantine`]); a pass that fails is logged, and the next connection cut or
+    /// session tries again.
+    async fn quarantine(
+        &self,
+        js: &async_nats::jetstream::Context,
+        names: &crate::names::Names,
+        incarnation: i128,
+        consumer: &mut PullConsumer,
+    ) {
+        let out = match consumer.info().await {
+            Ok(info) => (
+                info.ack_floor.stream_sequence,
+                info.delivered.stream_sequence,
+            ),
+            Err(e) => {
+                tracing::warn!(queue = self.spec.queue, error = %e, "reading the consumer's deliveries out failed");
+                return;
+            }
+        };
+        match quarantine::run(js, names, &self.spec, incarnation, out).await {
+            Ok(0) => {}
+            Ok(taken) => {
+                tracing::warn!(
+                    queue = self.spec.queue,
+                    taken,
+                    "dead-lettered deliveries the NATS client cannot parse"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(queue = self.spec.queue, error = %e, "taking out deliveries the NATS client cannot parse failed; tried again at the next cut");
+            }
+        }
+    }
+}
+
+/// How often a session checks whether the client connected again.
+const RECONNECT_CHECK: Duration = Duration::from_secs(1);
 
 /// Gives back the messages the failed stream already pulled, so that JetStream redelivers
 /// them as soon as the connection is back instead of after their ack wait.

@@ -44,6 +44,11 @@ const OWN: &[&str] = &[
     ROUTING_KEY_HEADER,
 ];
 
+/// Whether header `name` carries an envelope property or JetStream's id, not the user's.
+pub(crate) fn is_own(name: &str) -> bool {
+    OWN.iter().any(|own| own.eq_ignore_ascii_case(name)) || name.eq_ignore_ascii_case(MSG_ID_HEADER)
+}
+
 /// The envelope of a JetStream message on `subject` with `headers` and `body`, delivered for
 /// the `delivered`-th time.
 pub(crate) fn envelope(
@@ -79,9 +84,7 @@ pub(crate) fn envelope(
     let mut user = Headers::default();
     for (name, values) in headers.into_iter().flat_map(HeaderMap::iter) {
         let name: &str = name.as_ref();
-        if OWN.iter().any(|own| own.eq_ignore_ascii_case(name))
-            || name.eq_ignore_ascii_case(MSG_ID_HEADER)
-        {
+        if is_own(name) {
             continue;
         }
         if let Some(value) = values.first() {

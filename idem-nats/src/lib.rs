@@ -23,6 +23,11 @@
 //! outbox does so with its deterministic ids, so JetStream's duplicate window drops a copy
 //! before the inbox has to.
 //!
+//! A message whose headers async-nats cannot parse (the server stores them as sent; the client
+//! drops its connection on them) is dead-lettered by idem itself with reason `unparsable`, after
+//! the one connection cut it causes: each session, and each reconnect during one, reads the
+//! deliveries its consumer has out by sequence and takes out those the client would refuse.
+//!
 //! An ordered handler's partitions are queues of their own, each with one message in flight
 //! at a time; the transport routes a key to its partition. `idem dlq` reads `q.dlq`. The
 //! consumer pulls whether or not a batch is gathering (the book's NATS chapter says why), and
@@ -39,6 +44,7 @@ mod names;
 mod outbound;
 mod partitions;
 mod progress;
+mod quarantine;
 mod retry;
 mod settle;
 mod topology;

@@ -119,6 +119,22 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// The headers of `envelope`'s dead letter, JetStream id `msg_id`: its own, the reason, its
+/// detail (at most 1,024 characters) and the queue it came from.
+pub(crate) fn dead_letter_headers(
+    envelope: &Envelope,
+    msg_id: &str,
+    reason: &DeadLetter,
+    names: &Names,
+) -> async_nats::HeaderMap {
+    let mut headers = envelope::headers(envelope, Some(msg_id));
+    headers.insert(REASON_HEADER, HeaderValue::from_lossy(&reason.reason));
+    let detail: String = reason.detail.chars().take(1024).collect();
+    headers.insert(REASON_DETAIL_HEADER, HeaderValue::from_lossy(&detail));
+    headers.insert(SOURCE_QUEUE_HEADER, HeaderValue::from_lossy(&names.subject));
+    headers
+}
+
 /// The incarnation of `stream`: its creation time in nanoseconds since the Unix epoch, so that
 /// a stream deleted and declared again does not name copies as its predecessor did.
 pub(crate) fn incarnation(stream: &async_nats::jetstream::stream::Stream) -> i128 {
@@ -276,14 +292,7 @@ impl Settle for NatsSettle {
     ) -> BoxFuture<'a, Result<(), TransportError>> {
         Box::pin(async move {
             let msg_id = self.copy_id(CopyPurpose::DeadLetter);
-            let mut headers = envelope::headers(envelope, Some(&msg_id));
-            headers.insert(REASON_HEADER, HeaderValue::from_lossy(&reason.reason));
-            let detail: String = reason.detail.chars().take(1024).collect();
-            headers.insert(REASON_DETAIL_HEADER, HeaderValue::from_lossy(&detail));
-            headers.insert(
-                SOURCE_QUEUE_HEADER,
-                HeaderValue::from_lossy(&self.names.subject),
-            );
+            let headers = dead_letter_headers(envelope, &msg_id, reason, &self.names);
             let subject = self.names.dlq_subject.clone();
             self.move_to(&subject, headers).await
         })

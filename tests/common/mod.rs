@@ -232,6 +232,7 @@ pub mod own_servers;
 pub mod preflight;
 pub mod proxy;
 pub mod raw_amqp;
+pub mod raw_nats;
 pub mod refusing;
 pub mod running;
 pub mod tls_node;
