@@ -17,7 +17,10 @@
 //! reach the server through a proxy that drops every connection for two seconds instead of
 //! the broker closing them. On NATS the run has a server of its own (`nats-server` must be on
 //! the PATH), which it kills with SIGKILL and starts again on its store once half the orders
-//! are stored.
+//! are stored. Last, on a JetStream cluster of its own (three `nats-server` processes, every
+//! stream held by all three, the consumers given a proxy to each), where it kills the server
+//! leading the orders' stream once half the orders are stored, and starts it again once
+//! another server leads it.
 //!
 //! A run is judged only once every queue (or stream) of both hops is empty, retry queues
 //! included, and its consumers stopped: late copies and redeliveries, the ones most likely to
@@ -30,7 +33,7 @@
 //! run that does not converge say where the missing orders and shipments are; with
 //! `IDEM_CHAOS_LOGS=<dir>` the consumers also log at debug level into `<dir>/<queue>.log`.
 //!
-//! The three runs take turns. Two at once on a 2-core machine starve each other's restarts: each
+//! The runs take turns. Two at once on a 2-core machine starve each other's restarts: each
 //! took 145–166 s (about 200 kills) against 21–23 s alone (16–28 kills), because a consumer
 //! that starts slowly is killed again before it settles anything. The kills come at the same
 //! pace either way; a run that shares the machine only lasts longer.
@@ -114,6 +117,14 @@ async fn on_a_cluster_with_quorum_queues() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_nats_jetstream() {
     chaos(Bus::nats_of_its_own().await, &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_jetstream_cluster() {
+    let Some(bus) = Bus::nats_cluster_of_its_own().await else {
+        return;
+    };
+    chaos(bus, &[]).await;
 }
 
 /// How long a consumer runs at least before the run may kill it (see the kill in `chaos`).
@@ -248,6 +259,10 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         || bus.declared(&billed),
     )
     .await;
+    // On a cluster every stream of both hops is held by every server.
+    for (stream, replicas) in bus.stream_replicas(&hops).await {
+        assert_eq!(replicas, bus.replicas(), "servers holding `{stream}`");
+    }
     let (mut broken, mut closed, mut restarted) = (0, false, false);
     let mut cut = false;
     // When the books first were complete: from then on only copies are left to settle.
@@ -302,7 +317,7 @@ async fn chaos(bus: Bus, env: &[(&str, &str)]) {
         }
         if !restarted && bus.can_restart() && stored_now >= orders as i64 / 2 {
             // The broker's server dies (SIGKILL) and comes back on its store, where it can.
-            restarted = bus.restart_server().await;
+            restarted = bus.restart_server(&queue).await;
         }
         if !closed && stored_now >= 2 * orders as i64 / 3 && bus.can_close() {
             closed = bus.close_connections(&queue).await;

@@ -1248,6 +1248,67 @@ async fn a_start_without_a_server_fails_naming_the_url_and_its_variable() {
     assert!(started.elapsed() < Duration::from_secs(20));
 }
 
+/// Several server URLs, comma-separated: the client tries them in turn, so a first that does
+/// not answer is passed over, and orders take effect once through the second. (Before, the
+/// list was given to the client as one URL, and every start failed: "invalid port number".)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn several_server_urls_are_tried_in_turn() {
+    let mut w = World::new("urls").await;
+    w.transport = NatsTransport::new(NatsConfig::new(format!(
+        "nats://127.0.0.1:1, {}",
+        nats_url()
+    )));
+    w.publish("s-1", &order("s-1", 1)).await;
+    let running = start(w.runtime());
+    wait_until("applied", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    running.shut_down().await;
+    assert_eq!(
+        w.applied_ids().await,
+        each_once("orders", ["s-1".to_owned()])
+    );
+    w.cleanup().await;
+}
+
+/// `NatsConfig::replicas`: on a JetStream cluster a queue's streams are held by that many
+/// servers, and streams an earlier start declared with another count are scaled to it; a
+/// server that is not clustered refuses more than one, and the start fails saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streams_are_held_by_the_replicas_configured() {
+    let queue = unique("nats-replicas");
+    let single = NatsTransport::new(NatsConfig::new(nats_url()).replicas(3));
+    let refused = single
+        .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(refused.contains("replicas"), "{refused}");
+    let Some(cluster) = common::nats_cluster::NatsCluster::start().await else {
+        return;
+    };
+    let spec = [QueueSpec::new(queue.as_str(), "nats.orders")];
+    let replicas =
+        |count: usize| NatsTransport::new(NatsConfig::new(cluster.urls()).replicas(count));
+    replicas(1).declare(&spec).await.unwrap();
+    let js = async_nats::jetstream::new(async_nats::connect(cluster.url(0)).await.unwrap());
+    let held = || async {
+        let mut held = Vec::new();
+        for suffix in ["", "_RETRY", "_DLQ"] {
+            let mut stream = js
+                .get_stream(format!("IDEM_{queue}{suffix}"))
+                .await
+                .unwrap();
+            held.push(stream.info().await.unwrap().config.num_replicas);
+        }
+        held
+    };
+    assert_eq!(held().await, [1, 1, 1]);
+    replicas(3).declare(&spec).await.unwrap();
+    assert_eq!(held().await, [3, 3, 3]);
+}
+
 /// The orders example on NATS (`NATS_URL` set): the same books, the same two hops, the same
 /// ordered status updates on four partitions, exact; a run killed mid-way spoils nothing for
 /// the next one.

@@ -128,6 +128,10 @@ struct Settings {
     /// again, in seconds (a consumer that died on a message held it until then).
     #[arg(long, env = "ORDERS_ACK_WAIT_SECS", default_value_t = idem::nats::DEFAULT_ACK_WAIT.as_secs(), global = true)]
     ack_wait_secs: u64,
+    /// NATS only: on a JetStream cluster, how many servers hold each stream (3 to survive the
+    /// loss of one server of three).
+    #[arg(long, env = "ORDERS_NATS_REPLICAS", default_value_t = 1, global = true)]
+    nats_replicas: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -161,7 +165,9 @@ impl Settings {
         };
         match self.transport {
             TransportKind::Auto | TransportKind::Nats => Some(
-                NatsConfig::new(url).ack_wait(std::time::Duration::from_secs(self.ack_wait_secs)),
+                NatsConfig::new(url)
+                    .ack_wait(std::time::Duration::from_secs(self.ack_wait_secs))
+                    .replicas(self.nats_replicas),
             ),
             TransportKind::Rabbitmq | TransportKind::Memory => None,
         }

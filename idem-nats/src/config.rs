@@ -13,6 +13,7 @@ pub struct NatsConfig {
     pub(crate) reconnect_max: Duration,
     /// PEM files of CA certificates trusted for TLS besides the system's roots.
     pub(crate) tls_roots: Vec<std::path::PathBuf>,
+    pub(crate) replicas: usize,
 }
 
 /// How long JetStream waits for a delivery's settlement before it redelivers it, unless
@@ -33,6 +34,7 @@ impl NatsConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
             tls_roots: Vec::new(),
+            replicas: 1,
         }
     }
 
@@ -46,6 +48,16 @@ impl NatsConfig {
     /// [`DEFAULT_ACK_WAIT`]; at least 1 s).
     pub fn ack_wait(mut self, ack_wait: Duration) -> Self {
         self.ack_wait = ack_wait.max(Duration::from_secs(1));
+        self
+    }
+
+    /// On a JetStream cluster: how many servers hold each stream idem declares, with its
+    /// durable consumers (default 1; at most 5). With 3, a queue keeps its messages, and
+    /// goes on being consumed, when one server of three is lost. An existing stream with
+    /// another count is scaled to it at start-up; a server that is not clustered refuses a
+    /// count over 1, and the start fails saying so.
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas.clamp(1, 5);
         self
     }
 
@@ -82,6 +94,7 @@ impl std::fmt::Debug for NatsConfig {
             .field("url", &self.redacted_url())
             .field("name", &self.name)
             .field("ack_wait", &self.ack_wait)
+            .field("replicas", &self.replicas)
             .finish_non_exhaustive()
     }
 }

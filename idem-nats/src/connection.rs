@@ -22,9 +22,9 @@ enum Credentials {
     User(String, String),
 }
 
-/// The server URLs of `urls` (comma-separated) without their user parts, and the credentials
-/// the first that had one carried (percent-decoded).
-fn without_credentials(urls: &str) -> (String, Option<Credentials>) {
+/// The server URLs of `urls` (comma-separated), each on its own and without its user part, and
+/// the credentials the first that had one carried (percent-decoded).
+fn without_credentials(urls: &str) -> (Vec<String>, Option<Credentials>) {
     let mut credentials = None;
     let servers: Vec<String> = urls
         .split(',')
@@ -52,7 +52,7 @@ fn without_credentials(urls: &str) -> (String, Option<Credentials>) {
             url.to_string()
         })
         .collect();
-    (servers.join(","), credentials)
+    (servers, credentials)
 }
 
 /// What a transport's consumers and publisher share (see the module).
@@ -105,7 +105,7 @@ impl Shared {
                         }
                         None => options,
                     };
-                    options.connect(servers.as_str()).await.map_err(|e| {
+                    options.connect(servers.as_slice()).await.map_err(|e| {
                         TransportError::Connection {
                             broker: config.redacted_url(),
                             url_variable: URL_VARIABLE,
@@ -216,20 +216,20 @@ mod tests {
         assert_eq!(
             without_credentials("nats://s3cret@h:4222"),
             (
-                "nats://h:4222".to_owned(),
+                vec!["nats://h:4222".to_owned()],
                 Some(Credentials::Token("s3cret".into()))
             )
         );
         assert_eq!(
             without_credentials("nats://u:p%40s+s@a:4222, nats://u:p%40s+s@b:4223"),
             (
-                "nats://a:4222,nats://b:4223".to_owned(),
+                vec!["nats://a:4222".to_owned(), "nats://b:4223".to_owned()],
                 Some(Credentials::User("u".into(), "p@s+s".into()))
             )
         );
         assert_eq!(
             without_credentials("nats://127.0.0.1:4222"),
-            ("nats://127.0.0.1:4222".to_owned(), None)
+            (vec!["nats://127.0.0.1:4222".to_owned()], None)
         );
     }
 }

@@ -71,7 +71,7 @@ impl Consumer {
 
     async fn session(&mut self) -> Result<Ended, BoxError> {
         let js = self.shared.jetstream().await?;
-        let (names, _) = topology::declare(&js, &self.spec, self.shared.config.ack_wait).await?;
+        let (names, _) = topology::declare(&js, &self.spec, &self.shared.config).await?;
         let stream = js.get_stream(&names.stream).await?;
         let incarnation = crate::settle::incarnation(&stream);
         self.reading.set(incarnation);

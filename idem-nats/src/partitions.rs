@@ -46,6 +46,7 @@ pub(crate) async fn declare(
     js: &Context,
     source: &str,
     count: usize,
+    replicas: usize,
 ) -> Result<(), TransportError> {
     let name = record(source);
     let config = Config {
@@ -56,6 +57,7 @@ pub(crate) async fn declare(
         storage: StorageType::File,
         max_messages: 1,
         discard: DiscardPolicy::New,
+        num_replicas: replicas,
         ..Config::default()
     };
     let stream = js

@@ -4,6 +4,7 @@
 //! consumer has one message in flight at a time. Existing streams and consumers are kept when they agree, and refused, naming the
 //! setting, when they do not.
 
+use crate::config::NatsConfig;
 use crate::names::{Names, durable};
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use async_nats::jetstream::stream::{Config, RetentionPolicy, Stream};
@@ -94,17 +95,19 @@ fn not_answering(error: &(dyn std::error::Error + 'static)) -> bool {
 pub(crate) async fn declare(
     js: &Context,
     spec: &QueueSpec,
-    ack_wait: Duration,
+    config: &NatsConfig,
 ) -> Result<(Names, pull::Config), TransportError> {
+    let (ack_wait, replicas) = (config.ack_wait, config.replicas);
     let names = crate::names::of(&spec.queue)?;
     if let Some(partition) = &spec.partition {
-        crate::partitions::declare(js, &partition.source, partition.count).await?;
+        crate::partitions::declare(js, &partition.source, partition.count, replicas).await?;
     }
     let main = stream(
         js,
         &names.stream,
         &names.subject,
         RetentionPolicy::WorkQueue,
+        replicas,
     )
     .await?;
     settlement_stream(js, &names, &names.retry_subject).await?;
@@ -133,12 +136,18 @@ pub(crate) async fn settlement_stream(
     names: &Names,
     subject: &str,
 ) -> Result<(), TransportError> {
+    // As many replicas as the queue's own stream has.
+    let replicas = match js.get_stream(&names.stream).await {
+        Ok(main) => main.cached_info().config.num_replicas.max(1),
+        Err(_) => 1,
+    };
     if subject == names.dlq_subject {
         let stream = stream(
             js,
             &names.dlq_stream,
             &names.dlq_subject,
             RetentionPolicy::Limits,
+            replicas,
         )
         .await?;
         dead_letter_window(js, stream).await?;
@@ -148,6 +157,7 @@ pub(crate) async fn settlement_stream(
             &names.retry_stream,
             &names.retry_subject,
             RetentionPolicy::WorkQueue,
+            replicas,
         )
         .await?;
     }
@@ -191,25 +201,49 @@ pub(crate) fn consumer_config(name: &str, subject: &str, ack_wait: Duration) -> 
     }
 }
 
-/// The stream `name` holding `subject`, created if absent; an existing one must hold the
-/// subject with the same retention.
+/// The stream `name` holding `subject` on `replicas` servers, created if absent; an existing
+/// one must hold the subject with the same retention, and is scaled to `replicas`.
 async fn stream(
     js: &Context,
     name: &str,
     subject: &str,
     retention: RetentionPolicy,
+    replicas: usize,
 ) -> Result<Stream, TransportError> {
     let config = Config {
         name: name.to_owned(),
         subjects: vec![subject.to_owned()],
         retention,
         storage: jetstream::stream::StorageType::File,
+        num_replicas: replicas,
         ..Config::default()
     };
-    let stream = js
+    let mut stream = js
         .get_or_create_stream(config)
         .await
         .map_err(|e| topology(name, "declaring the stream", e))?;
+    let was = stream.cached_info().config.num_replicas.max(1);
+    if was != replicas {
+        let mut update = stream.cached_info().config.clone();
+        update.num_replicas = replicas;
+        js.update_stream(update).await.map_err(|e| {
+            topology(
+                name,
+                "scaling the stream to the replicas configured (NatsConfig::replicas)",
+                e,
+            )
+        })?;
+        tracing::warn!(
+            stream = name,
+            replicas,
+            was,
+            "scaled a stream to the replicas configured"
+        );
+        stream = js
+            .get_stream(name)
+            .await
+            .map_err(|e| topology(name, "reading the scaled stream", e))?;
+    }
     let existing = &stream.cached_info().config;
     if let Some(why) = drift(existing, retention) {
         return Err(topology(name, "checking the existing stream", why));

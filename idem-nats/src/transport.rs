@@ -132,7 +132,7 @@ impl Transport for NatsTransport {
         Box::pin(async move {
             let js = self.shared.jetstream().await?;
             for spec in queues {
-                topology::declare(&js, spec, self.shared.config.ack_wait).await?;
+                topology::declare(&js, spec, &self.shared.config).await?;
                 if let Some(partition) = &spec.partition {
                     self.shared.partitioned(partition);
                 }

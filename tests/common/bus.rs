@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use super::broker;
+use super::nats_cluster::NatsCluster;
 use super::nats_node::NatsNode;
 use super::proxy::Proxy;
 use async_nats::jetstream::{self, Context as JetStream};
@@ -54,13 +55,25 @@ pub enum Bus {
     Nats(Box<Nats>),
 }
 
-/// NATS: the consumers reach the server through `proxy`, which the run cuts once; on a
-/// server of the run's own (`node`), the run also restarts it.
+/// NATS: the consumers reach the servers through `proxies` (one per server), which the run
+/// cuts once; on servers of the run's own, the run also kills one and starts it again.
 pub struct Nats {
     transport: NatsTransport,
     js: JetStream,
-    proxy: Proxy,
-    node: Option<NatsNode>,
+    proxies: Vec<Proxy>,
+    servers: Servers,
+    /// How many servers hold each stream.
+    replicas: usize,
+}
+
+/// Where a NATS run's servers come from.
+enum Servers {
+    /// The test server, shared with other tests.
+    Shared,
+    /// A server of the run's own.
+    Node(NatsNode),
+    /// A JetStream cluster of the run's own.
+    Cluster(NatsCluster),
 }
 
 impl Bus {
@@ -74,7 +87,7 @@ impl Bus {
 
     /// NATS: the test server ([`nats_url`]).
     pub async fn nats() -> Self {
-        Self::nats_at(nats_url(), None).await
+        Self::nats_at(nats_url(), Servers::Shared).await
     }
 
     /// NATS: a server of the run's own, which [`Bus::restart_server`] kills and starts again
@@ -82,47 +95,114 @@ impl Bus {
     /// [`super::own_servers`] does it run on the test server, never restarted).
     pub async fn nats_of_its_own() -> Self {
         match NatsNode::start().await {
-            Some(node) => Self::nats_at(node.url(), Some(node)).await,
+            Some(node) => Self::nats_at(node.url(), Servers::Node(node)).await,
             None => Self::nats().await,
         }
     }
 
-    async fn nats_at(url: String, node: Option<NatsNode>) -> Self {
-        let js = match &node {
-            Some(_) => jetstream::new(async_nats::connect(&url).await.unwrap()),
-            None => jetstream_or_fail().await,
+    /// NATS: a JetStream cluster of the run's own, three servers holding every stream, where
+    /// [`Bus::restart_server`] kills the server leading the orders queue's stream (without
+    /// `nats-server` on the PATH the test fails; with the opt-out of [`super::own_servers`],
+    /// `None`).
+    pub async fn nats_cluster_of_its_own() -> Option<Self> {
+        let cluster = NatsCluster::start().await?;
+        Some(Self::nats_at(cluster.urls(), Servers::Cluster(cluster)).await)
+    }
+
+    async fn nats_at(urls: String, servers: Servers) -> Self {
+        let js = match &servers {
+            Servers::Shared => jetstream_or_fail().await,
+            _ => {
+                let servers: Vec<&str> = urls.split(',').collect();
+                jetstream::new(async_nats::connect(servers.as_slice()).await.unwrap())
+            }
         };
-        let address = url
-            .rsplit('@')
-            .next()
-            .unwrap_or_default()
-            .trim_start_matches("nats://")
-            .to_owned();
+        let replicas = match &servers {
+            Servers::Cluster(_) => 3,
+            _ => 1,
+        };
+        let mut proxies = Vec::new();
+        for url in urls.split(',') {
+            let address = url
+                .rsplit('@')
+                .next()
+                .unwrap_or_default()
+                .trim_start_matches("nats://")
+                .to_owned();
+            proxies.push(Proxy::start(&address).await);
+        }
         Self::Nats(Box::new(Nats {
-            transport: NatsTransport::new(NatsConfig::new(url)),
+            transport: NatsTransport::new(NatsConfig::new(urls).replicas(replicas)),
             js,
-            proxy: Proxy::start(&address).await,
-            node,
+            proxies,
+            servers,
+            replicas,
         }))
     }
 
-    /// Whether the run has a server of its own, which [`Bus::restart_server`] restarts.
+    /// Whether the run has servers of its own, one of which [`Bus::restart_server`] kills.
     pub fn can_restart(&self) -> bool {
-        matches!(self, Self::Nats(nats) if nats.node.is_some())
+        matches!(self, Self::Nats(nats) if !matches!(nats.servers, Servers::Shared))
     }
 
-    /// Kills the broker's server with SIGKILL and starts it again, when the run has one of its
-    /// own. Whether it did.
-    pub async fn restart_server(&self) -> bool {
-        match self {
-            Self::Nats(nats) => match &nats.node {
-                Some(node) => {
-                    node.restart().await;
-                    true
+    /// Kills a server with SIGKILL and starts it again, when the run has servers of its own:
+    /// its only one, or the one leading `queue`'s stream in a cluster, started again once
+    /// another leads it. Whether it did.
+    pub async fn restart_server(&self, queue: &str) -> bool {
+        let Self::Nats(nats) = self else {
+            return false;
+        };
+        match &nats.servers {
+            Servers::Node(node) => {
+                node.restart().await;
+                true
+            }
+            Servers::Cluster(cluster) => {
+                let name = stream(queue);
+                let Some(leader) = NatsCluster::leader(&nats.js, &name).await else {
+                    return false;
+                };
+                cluster.kill(leader);
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                loop {
+                    match NatsCluster::leader(&nats.js, &name).await {
+                        Some(now) if now != leader => break,
+                        _ => assert!(
+                            std::time::Instant::now() < deadline,
+                            "no other server leads `{name}` 60 s after its leader was killed"
+                        ),
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
-                None => false,
-            },
-            Self::Rabbit { .. } => false,
+                eprintln!("killed server {leader}, which led `{name}`; another leads it now");
+                cluster.start_again(leader).await;
+                true
+            }
+            Servers::Shared => false,
+        }
+    }
+
+    /// NATS: how many servers hold each stream of `queues` (work, retry and dead letters), as
+    /// the server says; none on RabbitMQ.
+    pub async fn stream_replicas(&self, queues: &[&str]) -> Vec<(String, usize)> {
+        let Self::Nats(nats) = self else {
+            return Vec::new();
+        };
+        let streams: Vec<String> = queues
+            .iter()
+            .flat_map(|queue| {
+                let base = stream(queue);
+                [base.clone(), format!("{base}_RETRY"), format!("{base}_DLQ")]
+            })
+            .collect();
+        nats.replicas_of(&streams).await
+    }
+
+    /// NATS: how many servers hold each stream of the run.
+    pub fn replicas(&self) -> usize {
+        match self {
+            Self::Nats(nats) => nats.replicas,
+            Self::Rabbit { .. } => 1,
         }
     }
 
@@ -134,6 +214,7 @@ impl Bus {
                 ..
             } => "quorum queues",
             Self::Rabbit { .. } => "classic queues",
+            Self::Nats(nats) if nats.replicas > 1 => "a JetStream cluster",
             Self::Nats(_) => "NATS JetStream",
         }
     }
@@ -241,10 +322,14 @@ impl Bus {
                     .env_remove("NATS_URL");
             }
             Self::Nats(nats) => {
-                command.env(
-                    "NATS_URL",
-                    format!("nats://127.0.0.1:{}", nats.proxy.port()),
-                );
+                let urls: Vec<String> = nats
+                    .proxies
+                    .iter()
+                    .map(|proxy| format!("nats://127.0.0.1:{}", proxy.port()))
+                    .collect();
+                command
+                    .env("NATS_URL", urls.join(","))
+                    .env("ORDERS_NATS_REPLICAS", nats.replicas.to_string());
             }
         }
     }
@@ -409,9 +494,11 @@ impl Bus {
         match self {
             Self::Rabbit { .. } => broker::close_connections(queue) > 0,
             Self::Nats(nats) => {
-                let broken = nats.proxy.cut();
+                let broken: usize = nats.proxies.iter().map(Proxy::cut).sum();
                 tokio::time::sleep(Duration::from_secs(2)).await;
-                nats.proxy.restore();
+                for proxy in &nats.proxies {
+                    proxy.restore();
+                }
                 broken > 0
             }
         }
@@ -449,38 +536,77 @@ impl Bus {
 
 impl Nats {
     /// What the consumers of the stream `name` have still to deliver or to see acknowledged;
-    /// a stream without a consumer, or one that does not exist, fails the test.
+    /// a stream without a consumer, or one that does not exist, fails the test. (Asked again
+    /// for up to 30 s: while a cluster that lost a server elects leaders and answers
+    /// "unavailable", and while a consumer is still being declared.)
     async fn owed(&self, name: &str) -> usize {
-        use futures_util::TryStreamExt;
-        let stream = match self.js.get_stream(name).await {
-            Ok(stream) => stream,
-            Err(e) => panic!("reading the stream `{name}`: {e}"),
-        };
-        let consumers: Vec<String> = match stream.consumer_names().try_collect().await {
-            Ok(names) => names,
-            Err(e) => panic!("listing the consumers of `{name}`: {e}"),
-        };
-        assert!(!consumers.is_empty(), "the stream `{name}` has no consumer");
-        let mut owed = 0;
-        for consumer in consumers {
-            match stream.consumer_info(&consumer).await {
-                Ok(info) => owed += info.num_pending as usize + info.num_ack_pending,
-                Err(e) => panic!("reading the consumer `{consumer}` of `{name}`: {e}"),
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match self.try_owed(name).await {
+                Ok(owed) => return owed,
+                Err(e) if std::time::Instant::now() > deadline => panic!("{e}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
             }
         }
-        owed
+    }
+
+    async fn try_owed(&self, name: &str) -> Result<usize, String> {
+        use futures_util::TryStreamExt;
+        let stream = self
+            .js
+            .get_stream(name)
+            .await
+            .map_err(|e| format!("reading the stream `{name}`: {e}"))?;
+        let consumers: Vec<String> = stream
+            .consumer_names()
+            .try_collect()
+            .await
+            .map_err(|e| format!("listing the consumers of `{name}`: {e}"))?;
+        if consumers.is_empty() {
+            return Err(format!("the stream `{name}` has no consumer"));
+        }
+        let mut owed = 0;
+        for consumer in consumers {
+            let info = stream
+                .consumer_info(&consumer)
+                .await
+                .map_err(|e| format!("reading the consumer `{consumer}` of `{name}`: {e}"))?;
+            owed += info.num_pending as usize + info.num_ack_pending;
+        }
+        Ok(owed)
+    }
+
+    /// The number of servers holding each of `streams`, as the server says.
+    async fn replicas_of(&self, streams: &[String]) -> Vec<(String, usize)> {
+        let mut found = Vec::new();
+        for name in streams {
+            let mut stream = self.js.get_stream(name).await.unwrap();
+            let info = stream.info().await.unwrap();
+            found.push((name.clone(), info.config.num_replicas));
+        }
+        found
     }
 
     /// How many messages the stream `name` holds (on a work-queue stream, those not yet
     /// acknowledged); a stream that does not exist fails the test.
     async fn messages(&self, name: &str) -> usize {
-        let info = match self.js.get_stream(name).await {
-            Ok(mut stream) => stream.info().await.map(|i| i.state.messages),
-            Err(e) => panic!("reading the stream `{name}`: {e}"),
-        };
-        match info {
-            Ok(n) => usize::try_from(n).unwrap_or(usize::MAX),
-            Err(e) => panic!("reading the stream `{name}`: {e}"),
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let info = match self.js.get_stream(name).await {
+                Ok(mut stream) => stream
+                    .info()
+                    .await
+                    .map(|i| i.state.messages)
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            match info {
+                Ok(n) => return usize::try_from(n).unwrap_or(usize::MAX),
+                Err(e) if std::time::Instant::now() > deadline => {
+                    panic!("reading the stream `{name}`: {e}")
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
         }
     }
 }

@@ -227,6 +227,7 @@ pub mod charges;
 pub mod cluster;
 pub mod drained;
 pub mod faulty_orders;
+pub mod nats_cluster;
 pub mod nats_node;
 pub mod own_servers;
 pub mod preflight;
