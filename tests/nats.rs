@@ -26,8 +26,8 @@ use std::time::Duration;
 struct Order {
     id: String,
     cents: i64,
-    /// `once`: fails transiently on its first attempt; `always`: fails for good; `slow`: takes
-    /// 3.5 s; `slower`: 8 s.
+    /// `once`: fails transiently on its first attempt; `always`: fails for good; `brief`: takes
+    /// 1.5 s; `slow`: 3.5 s; `slower`: 8 s.
     fail: Option<String>,
     /// A queue to send the order on to, through the outbox.
     forward_to: Option<String>,
@@ -42,6 +42,7 @@ async fn nats_orders(
     match order.fail.as_deref() {
         Some("once") if ctx.attempt() == 1 => return Err(HandlerError::transient("not yet")),
         Some("always") => return Err(HandlerError::permanent("no such customer")),
+        Some("brief") => tokio::time::sleep(Duration::from_millis(1500)).await,
         Some("slow") => tokio::time::sleep(Duration::from_millis(3500)).await,
         Some("slower") => tokio::time::sleep(Duration::from_secs(8)).await,
         _ => {}
@@ -343,6 +344,56 @@ async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
         "the message was delivered again while its handler ran"
     );
     assert_eq!((seen.processed, seen.duplicates), (1, 0));
+    transport.delete_queue(&queue).await.unwrap();
+}
+
+/// Deliveries the process holds but no handler has taken yet are told in progress too: one
+/// handler at a time, each run longer than the ack wait, and more orders than it holds at once.
+/// Every order is delivered once. (Before, messages the client had pulled ahead waited in its
+/// buffer untold, and JetStream delivered them again while the process held them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deliveries_waiting_for_a_handler_are_not_redelivered() {
+    let js = jetstream_or_fail().await;
+    let (pool, _db) = database().await;
+    let transport =
+        NatsTransport::new(NatsConfig::new(nats_url()).ack_wait(Duration::from_secs(1)));
+    let queue = unique("nats-held");
+    transport
+        .declare(&[QueueSpec::new(queue.as_str(), "nats.orders")])
+        .await
+        .unwrap();
+    let ids: Vec<String> = (0..6).map(|n| format!("h-{n}")).collect();
+    for id in &ids {
+        let mut brief = order(id, 1);
+        brief.fail = Some("brief".to_owned());
+        let message = idem::Envelope::new(serde_json::to_vec(&brief).unwrap()).with_message_id(id);
+        transport.publish(&queue, &message, None).await.unwrap();
+    }
+    let running = start(
+        orders_alone(&transport, &pool, &queue)
+            .concurrency(1)
+            .prefetch(2),
+    );
+    wait_until("every order applied", DEADLINE, || async {
+        running.now().processed >= 6
+    })
+    .await;
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(format!("IDEM_{queue}"))
+        .await
+        .unwrap()
+        .get_consumer("nats_orders")
+        .await
+        .unwrap();
+    // Every delivery, redeliveries included, takes a consumer sequence number.
+    let delivered = consumer.info().await.unwrap().delivered.consumer_sequence;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        delivered, 6,
+        "orders delivered again while the process held them"
+    );
+    assert_eq!((seen.processed, seen.duplicates), (6, 0));
+    assert_eq!(applied_ids(&pool).await, each_once("orders", ids));
     transport.delete_queue(&queue).await.unwrap();
 }
 

@@ -1,19 +1,22 @@
 //! One handler queue's consumer: where a JetStream delivery enters idem. It declares the
-//! queue's streams and durable consumer (again after any failure), pulls at most `prefetch`
-//! messages at a time, turns each into a [`Delivery`] in the handler's mailbox, and runs the
-//! queue's retry forwarder beside it. A lost connection or consumer ends a session; the next
+//! queue's streams and durable consumer (again after any failure), pulls what its mailbox has
+//! room for ([`Puller`]: the mailbox, what waits for it and what is asked for hold at most
+//! `prefetch` together), turns each message into a [`Delivery`] as it arrives (told in
+//! progress from then on) and hands it to the handler's mailbox, and runs the queue's retry
+//! forwarder beside it. A lost connection or consumer ends a session; the next
 //! one starts after a backoff, until the runtime stops it.
 
 use crate::connection::Shared;
 use crate::names::durable;
 use crate::progress::Unsettled;
+use crate::pull::Puller;
 use crate::settle::{NatsSettle, Reading};
 use crate::{envelope, quarantine, retry, topology};
-use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::PullConsumer;
-use futures_util::StreamExt;
 use idem_core::model::BoxError;
 use idem_core::{Delivery, QueueSpec, StopSignal};
+use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -75,37 +78,76 @@ impl Consumer {
         let stream = js.get_stream(&names.stream).await?;
         let incarnation = crate::settle::incarnation(&stream);
         self.reading.set(incarnation);
-        let mut consumer: PullConsumer = stream.get_consumer(&durable(&self.spec.consumer)).await?;
-        let connects = js.client().statistics();
+        let durable = durable(&self.spec.consumer);
+        let mut consumer: PullConsumer = stream.get_consumer(&durable).await?;
+        let client = js.client();
+        let connects = client.statistics();
         let mut scanned = connects.connects.load(Ordering::Relaxed);
         self.quarantine(&js, &names, incarnation, &mut consumer)
             .await;
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(usize::from(self.prefetch).max(1))
-            .heartbeat(Duration::from_secs(5))
-            .messages()
-            .await?;
+        let mut puller = Puller::new(client.clone(), &names.stream, &durable).await?;
         let mut forwarder = AbortOnDrop(tokio::spawn(retry::forward(js.clone(), names.clone())));
-        let names = std::sync::Arc::new(names);
+        let names = Arc::new(names);
         self.shared.set_consuming(&self.spec.queue, true);
         idem_core::telemetry::broker_connected(&self.spec.queue, true);
         let mut reconnected = tokio::time::interval(RECONNECT_CHECK);
+        // Deliveries received, tracked, and not yet in the mailbox; and slots reserved in it,
+        // every one that frees up: a delivery goes into one as it arrives, and the loop wakes
+        // as a handler takes a delivery out.
+        let mut held: VecDeque<Delivery> = VecDeque::new();
+        let mut slots: Vec<mpsc::OwnedPermit<Delivery>> = Vec::new();
+        let prefetch = usize::from(self.prefetch).max(1);
         loop {
-            let message = tokio::select! {
-                next = messages.next() => next,
+            while !held.is_empty() && !slots.is_empty() {
+                if let (Some(permit), Some(delivery)) = (slots.pop(), held.pop_front()) {
+                    permit.send(delivery);
+                }
+            }
+            // Asks for what there is room for: the mailbox, what waits for it and what is
+            // asked for hold at most `prefetch` together; in halves, so that requests are few.
+            let in_mailbox = self.mailbox.max_capacity() - self.mailbox.capacity() - slots.len();
+            let room = prefetch.saturating_sub(in_mailbox + held.len() + puller.outstanding());
+            if room >= prefetch.div_ceil(2)
+                && let Err(e) = puller.ask(room).await
+            {
+                give_back(held).await;
+                return Err(e.into());
+            }
+            tokio::select! {
+                next = puller.next() => match next {
+                    Ok(message) => {
+                        let delivery = self.delivery(&js, &names, incarnation, message)?;
+                        held.push_back(delivery);
+                    }
+                    Err(e) => {
+                        give_back(held).await;
+                        return Err(e.into());
+                    }
+                },
+                permit = self.mailbox.clone().reserve_owned() => match permit {
+                    Ok(permit) => slots.push(permit),
+                    Err(_) => {
+                        give_back(held).await;
+                        return Ok(Ended::MailboxClosed);
+                    }
+                },
                 _ = reconnected.tick() => {
                     // The client connected again: a delivery it could not parse may have cut
-                    // the connection.
+                    // the connection, and the pull requests it had sent are gone.
                     let now = connects.connects.load(Ordering::Relaxed);
                     if now != scanned {
                         scanned = now;
                         self.quarantine(&js, &names, incarnation, &mut consumer).await;
+                        puller = Puller::new(client.clone(), &names.stream, &durable).await?;
                     }
-                    continue;
                 }
-                () = stopped(&mut self.stop) => return Ok(Ended::Stopped),
+                () = stopped(&mut self.stop) => {
+                    // Not handed to the runtime: given back for redelivery now.
+                    give_back(held).await;
+                    return Ok(Ended::Stopped);
+                }
                 ended = &mut forwarder.0 => {
+                    give_back(held).await;
                     let why = match ended {
                         Ok(Err(e)) => e.to_string(),
                         Ok(Ok(())) => "it ended".to_owned(),
@@ -113,57 +155,51 @@ impl Consumer {
                     };
                     return Err(format!("the retry forwarder stopped: {why}").into());
                 }
-            };
-            let message = match message {
-                Some(Ok(message)) => message,
-                Some(Err(e)) => {
-                    give_back(&mut messages).await;
-                    return Err(e.into());
-                }
-                None => return Err("the consumer's message stream ended".into()),
-            };
-            let (delivered, sequence) = match message.info() {
-                Ok(info) => (info.delivered, info.stream_sequence),
-                Err(e) => return Err(format!("a delivery without its JetStream info: {e}").into()),
-            };
-            let reply = message.reply.clone();
-            let tracked = self.unsettled.track(reply.clone());
-            let (message, acker) = message.split();
-            let envelope = envelope::envelope(
-                message.subject.as_str(),
-                message.headers.as_ref(),
-                message.payload.to_vec(),
-                delivered,
-            );
-            let settle = NatsSettle {
-                acker,
-                reply,
-                js: js.clone(),
-                names: names.clone(),
-                body: message.payload,
-                sequence,
-                incarnation,
-                reading: self.reading.clone(),
-                delivered,
-                _unsettled: tracked,
-            };
-            let permit = tokio::select! {
-                permit = self.mailbox.reserve() => permit,
-                () = stopped(&mut self.stop) => {
-                    // Not handed to the runtime: given back for redelivery now.
-                    let _ = settle.acker.ack_with(AckKind::Nak(None)).await;
-                    return Ok(Ended::Stopped);
-                }
-            };
-            let Ok(permit) = permit else {
-                let _ = settle.acker.ack_with(AckKind::Nak(None)).await;
-                return Ok(Ended::MailboxClosed);
-            };
-            permit.send(Delivery {
-                envelope,
-                settle: Box::new(settle),
-            });
+            }
         }
+    }
+
+    /// The delivery of `message`, among the unsettled from now on (told in progress).
+    fn delivery(
+        &self,
+        js: &async_nats::jetstream::Context,
+        names: &Arc<crate::names::Names>,
+        incarnation: i128,
+        message: async_nats::Message,
+    ) -> Result<Delivery, BoxError> {
+        let message = async_nats::jetstream::Message {
+            message,
+            context: js.clone(),
+        };
+        let (delivered, sequence) = match message.info() {
+            Ok(info) => (info.delivered, info.stream_sequence),
+            Err(e) => return Err(format!("a delivery without its JetStream info: {e}").into()),
+        };
+        let reply = message.reply.clone();
+        let tracked = self.unsettled.track(reply.clone());
+        let (message, acker) = message.split();
+        let envelope = envelope::envelope(
+            message.subject.as_str(),
+            message.headers.as_ref(),
+            message.payload.to_vec(),
+            delivered,
+        );
+        let settle = NatsSettle {
+            acker,
+            reply,
+            js: js.clone(),
+            names: names.clone(),
+            body: message.payload,
+            sequence,
+            incarnation,
+            reading: self.reading.clone(),
+            delivered,
+            _unsettled: tracked,
+        };
+        Ok(Delivery {
+            envelope,
+            settle: Box::new(settle),
+        })
     }
 }
 
@@ -207,12 +243,11 @@ impl Consumer {
 /// How often a session checks whether the client connected again.
 const RECONNECT_CHECK: Duration = Duration::from_secs(1);
 
-/// Gives back the messages the failed stream already pulled, so that JetStream redelivers
-/// them as soon as the connection is back instead of after their ack wait.
-async fn give_back(messages: &mut async_nats::jetstream::consumer::pull::Stream) {
-    use futures_util::FutureExt;
-    while let Some(Some(Ok(message))) = messages.next().now_or_never() {
-        let _ = message.ack_with(AckKind::Nak(None)).await;
+/// Gives back the deliveries received and not handed to the runtime, so that JetStream
+/// redelivers them now instead of after their ack wait.
+async fn give_back(held: VecDeque<Delivery>) {
+    for delivery in held {
+        let _ = delivery.settle.release().await;
     }
 }
 

@@ -44,6 +44,7 @@ mod names;
 mod outbound;
 mod partitions;
 mod progress;
+mod pull;
 mod quarantine;
 mod retry;
 mod settle;
