@@ -56,10 +56,11 @@ pub mod store {
     };
 }
 
-/// The transport contract, what a transport settles and routes through, and the in-memory
-/// transport.
+/// The transport contract, what a transport settles and routes through, which broker a URL
+/// names, and the in-memory transport.
 pub mod transport {
     pub use idem_core::BoxFuture;
+    pub use idem_core::transport::{BROKERS, Broker, BrokerScheme, UnknownBroker};
     pub use idem_core::{
         DeadLetter, DeadLetterLog, DeadLetterReader, Delivery, Demand, Gathering, HeldLetter,
         MemoryTransport, Outbound, OutboundError, Partition, QueueSpec, Settle, StopSignal,

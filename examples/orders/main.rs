@@ -155,7 +155,9 @@ impl Settings {
     /// The NATS server to run on, when the settings choose NATS: `NATS_URL`, or a `nats://`
     /// broker URL.
     fn nats(&self) -> Option<NatsConfig> {
-        let url = match (&self.nats_url, self.amqp_url.starts_with("nats://")) {
+        let names_nats =
+            idem::transport::Broker::of_url(&self.amqp_url) == Ok(idem::transport::Broker::Nats);
+        let url = match (&self.nats_url, names_nats) {
             (Some(url), _) => url.clone(),
             (None, true) => self.amqp_url.clone(),
             (None, false) if self.transport == TransportKind::Nats => {

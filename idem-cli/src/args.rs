@@ -8,7 +8,8 @@ use clap::{Args, Parser, Subcommand};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
-    /// The RabbitMQ broker, or several separated by commas (tried in order).
+    /// The broker, or several separated by commas (tried in order): its scheme names it
+    /// (`amqp://`, `amqps://` RabbitMQ; `nats://`, `tls://` NATS JetStream).
     #[arg(
         long,
         env = "AMQP_URL",

@@ -11,7 +11,7 @@ use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::DeadLetterRow;
 use idem::store::Fingerprint;
 use idem::telemetry::redact_url;
-use idem::transport::{DeadLetterReader, HeldLetter, Transport};
+use idem::transport::{Broker as BrokerKind, DeadLetterReader, HeldLetter, Transport};
 use std::future::Future;
 use std::time::Duration;
 
@@ -62,6 +62,16 @@ impl Named for HeldLetter {
     }
 }
 
+/// The broker the tool's settings name, and its URL: `--nats-url` when given, else
+/// `--amqp-url`; its scheme names the broker ([`BrokerKind::of_url`]).
+pub(crate) fn kind(cli: &Cli) -> Result<(BrokerKind, &str), CliError> {
+    let url = cli.nats_url.as_deref().unwrap_or(&cli.amqp_url);
+    let broker = BrokerKind::of_url(url).map_err(|e| {
+        CliError::Usage(format!("{e} (--amqp-url, AMQP_URL; --nats-url, NATS_URL)"))
+    })?;
+    Ok((broker, url))
+}
+
 /// A queue's dead letters, read through the transport, each wait bounded.
 pub(crate) struct Broker {
     pub(crate) reader: Box<dyn DeadLetterReader>,
@@ -80,16 +90,12 @@ impl Broker {
     /// Connects to the first broker of `--amqp-url` that takes a connection and opens the
     /// reader of `queue`'s dead letters.
     pub(crate) async fn open(cli: &Cli, queue: &str) -> Result<Self, CliError> {
-        let nats = match (&cli.nats_url, cli.amqp_url.starts_with("nats://")) {
-            (Some(url), _) => Some(url.as_str()),
-            (None, true) => Some(cli.amqp_url.as_str()),
-            (None, false) => None,
-        };
-        let transport: Box<dyn Transport> = match nats {
-            Some(url) => Box::new(NatsTransport::new(
+        let (broker, url) = kind(cli)?;
+        let transport: Box<dyn Transport> = match broker {
+            BrokerKind::Nats => Box::new(NatsTransport::new(
                 NatsConfig::new(url).connection_name("idem-cli"),
             )),
-            None => {
+            BrokerKind::RabbitMq => {
                 let mut config =
                     RabbitConfig::new(cli.amqp_url.as_str()).connection_name("idem-cli");
                 if let Some(path) = &cli.amqp_tls_ca {
@@ -100,10 +106,15 @@ impl Broker {
                 }
                 Box::new(RabbitTransport::new(config))
             }
+            other => {
+                return Err(CliError::Usage(format!(
+                    "this tool has no transport for {}",
+                    other.scheme().name
+                )));
+            }
         };
         let timeout = cli.broker_timeout;
-        let brokers: Vec<String> = nats
-            .unwrap_or(&cli.amqp_url)
+        let brokers: Vec<String> = url
             .split(',')
             .map(str::trim)
             .filter(|u| !u.is_empty())

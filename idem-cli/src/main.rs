@@ -27,7 +27,16 @@ async fn main() -> ExitCode {
         )
         .init();
     let cli = Cli::parse();
-    match store::dispatch(&cli).await {
+    // A broker URL of no known broker is a usage error before anything is opened.
+    let checked = match &cli.command {
+        Command::Dlq(_) => broker::kind(&cli).map(|_| ()),
+        _ => Ok(()),
+    };
+    let ran = match checked {
+        Ok(()) => store::dispatch(&cli).await,
+        Err(e) => Err(e),
+    };
+    match ran {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("idem: {e}");

@@ -595,6 +595,26 @@ fn a_wrong_database_url_says_what_to_change() {
 }
 
 #[test]
+fn a_url_that_names_no_broker_says_which_schemes_do() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["dlq", "list", "--queue", "orders"])
+        .env("AMQP_URL", "kafka://user:s3cret@h:9092")
+        .env_remove("NATS_URL")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("`kafka://` names no broker")
+            && err.contains("amqp:// (RabbitMQ)")
+            && err.contains("nats:// (NATS JetStream)")
+            && err.contains("AMQP_URL"),
+        "{err}"
+    );
+    assert!(!err.contains("s3cret"), "the password is hidden: {err}");
+}
+
+#[test]
 fn a_wrong_broker_timeout_says_what_to_change() {
     for wrong in ["0", "inf"] {
         let out = Command::new(env!("CARGO_BIN_EXE_idem"))

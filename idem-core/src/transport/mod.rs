@@ -1,10 +1,11 @@
-//! Transports: the contract between the runtime and a message broker ([`Transport`],
-//! [`Settle`]), the ids of the copies a settlement publishes ([`CopyId`]), an operator's reader
+//! Transports: which broker a URL names ([`Broker::of_url`]), the contract between the runtime
+//! and a message broker ([`Transport`], [`Settle`]), the ids of the copies a settlement publishes ([`CopyId`]), an operator's reader
 //! of dead letters ([`DeadLetterReader`]), what a transport that acknowledges cumulatively
 //! settles through ([`Watermark`]), how an ordered partition's messages are spread over its
 //! lanes ([`lane_of`]), and an in-memory transport for tests and demos ([`MemoryTransport`]).
 //! The RabbitMQ and NATS transports are in idem-rabbitmq and idem-nats.
 
+pub mod brokers;
 pub mod contract;
 pub mod copies;
 pub mod dead_letters;
@@ -15,6 +16,7 @@ pub mod memory;
 pub mod outbound;
 pub mod watermark;
 
+pub use brokers::{BROKERS, Broker, BrokerScheme, UnknownBroker};
 pub use contract::{DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport};
 pub use copies::{CopyId, CopyPurpose, DeliveryOrigin};
 pub use dead_letters::{DeadLetterReader, HeldLetter};
