@@ -1245,19 +1245,25 @@ async fn a_start_waits_for_jetstream_that_does_not_answer_yet() {
     drop(silent);
     node.restart_with_jetstream().await;
     let js = async_nats::jetstream::new(async_nats::connect(node.url()).await.unwrap());
-    let stream = format!("IDEM_{queue}");
-    wait_until("the queue declared", DEADLINE, || async {
-        js.get_stream(&stream).await.is_ok()
-    })
+    // Published until the queue's stream takes it: a CI run saw the stream listed and a publish
+    // a moment later answered "no responders" by the server just started.
+    wait_until(
+        "the queue declared and the order taken",
+        DEADLINE,
+        || async {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", "late-1");
+            let body = serde_json::to_vec(&order("late-1", 1)).unwrap();
+            match js
+                .publish_with_headers(queue.clone(), headers, body.into())
+                .await
+            {
+                Ok(ack) => ack.await.is_ok(),
+                Err(_) => false,
+            }
+        },
+    )
     .await;
-    let mut headers = HeaderMap::new();
-    headers.insert("Nats-Msg-Id", "late-1");
-    let body = serde_json::to_vec(&order("late-1", 1)).unwrap();
-    js.publish_with_headers(queue.clone(), headers, body.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
     wait_until("the order applied", DEADLINE, || async {
         running.now().processed == 1
     })
