@@ -5,10 +5,10 @@
 // implements sits in the modules below.
 pub use idem_core::{
     Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT,
-    DEFAULT_START_DEADLINE, DEFAULT_SWEEP_PAUSE, Envelope, ErrorClass, HandlerError, HeaderValue,
-    Headers, Health, MAX_PARTITIONS, Outcome, Outgoing, Readiness, RejectReason, Rejection,
-    RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot, Stale, Stats,
-    StopSignal, Transient, VersionValue,
+    DEFAULT_START_DEADLINE, DEFAULT_SWEEP_PAUSE, Destination, Envelope, ErrorClass, HandlerError,
+    HeaderValue, Headers, Health, MAX_PARTITIONS, Outcome, Outgoing, Readiness, RejectReason,
+    Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
+    Stale, Stats, StopSignal, Transient, VersionValue,
 };
 pub use idem_core::{registry, telemetry};
 pub use idem_macros::idempotent;
@@ -21,8 +21,8 @@ pub use sqlx;
 pub mod prelude {
     pub use crate::sqlx::{self, Transaction};
     pub use crate::{
-        Batch, BatchError, Context, HandlerError, Outcome, Outgoing, RejectReason, RetryPolicy,
-        Runtime, idempotent,
+        Batch, BatchError, Context, Destination, HandlerError, Outcome, Outgoing, RejectReason,
+        RetryPolicy, Runtime, idempotent,
     };
 }
 

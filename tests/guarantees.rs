@@ -494,6 +494,14 @@ async fn the_outbox_takes_each_event_to_the_next_hop_once(bus: Bus) {
         .await
         .unwrap();
     assert_eq!(unpublished, 0);
+    // A destination no queue takes is refused by name on both brokers, never dropped.
+    let nowhere = Outgoing::to_queue(unique("g-nowhere"), &order("x", 1)).unwrap();
+    let sent = w.bus.outbound().publish(&nowhere).await;
+    assert!(
+        matches!(&sent, Err(idem::transport::OutboundError::Unroutable { destination })
+            if *destination == nowhere.destination),
+        "{sent:?}"
+    );
     w.cleanup().await;
 }
 
@@ -555,7 +563,7 @@ async fn ordered_updates_apply_in_publish_order_across_two_runtimes(bus: Bus) {
                 seq,
                 fail_once: (order + seq) % 7 == 0,
             };
-            let mut message = Outgoing::json(&source, &update.order, &update).unwrap();
+            let mut message = Outgoing::to_topic(&source, &update.order, &update).unwrap();
             message.envelope.message_id = Some(update.id.clone());
             updates.push(message);
         }

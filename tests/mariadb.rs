@@ -16,7 +16,7 @@ use idem::store::{
 };
 use idem::transport::DeadLetter;
 use idem::transport::Transport;
-use idem::{Envelope, Outgoing};
+use idem::{Destination, Envelope, Outgoing};
 use std::time::Duration;
 
 /// A database of the test's own whose default character set is latin1, and a pool on it.
@@ -96,7 +96,7 @@ async fn a_latin1_database_holds_any_text_idem_writes() {
     // that does not exist, refused by the broker, parked with the broker's words.
     let queue = common::unique("idem-test-latin1");
     let missing = format!("{queue}-{text}");
-    let message = Outgoing::new("", &missing, b"{}".to_vec())
+    let message = Outgoing::new(Destination::queue(&missing), b"{}".to_vec())
         .with_message_id(format!("{queue}-1"))
         .with_correlation_id(text)
         .with_header("note", text);

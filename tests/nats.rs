@@ -599,7 +599,8 @@ async fn a_connection_cut_under_load_loses_nothing_and_doubles_nothing() {
     let nowhere = Outgoing::to_queue(unique("nats-nowhere"), &order("x", 1)).unwrap();
     let sent = w.transport.outbound().unwrap().publish(&nowhere).await;
     assert!(
-        matches!(sent, Err(idem::transport::OutboundError::Unroutable { .. })),
+        matches!(&sent, Err(idem::transport::OutboundError::Unroutable { destination })
+            if *destination == nowhere.destination),
         "{sent:?}"
     );
     w.cleanup().await;
@@ -1165,7 +1166,7 @@ async fn every_producer_routes_a_key_to_the_partition_the_server_records() {
     let keys: Vec<String> = (0..20).map(|n| format!("customer-{n}")).collect();
     let messages: Vec<Outgoing> = keys
         .iter()
-        .map(|key| Outgoing::json(&source, key, &order(key, 1)).unwrap())
+        .map(|key| Outgoing::to_topic(&source, key, &order(key, 1)).unwrap())
         .collect();
     for sent in producer.outbound().unwrap().publish_all(&messages).await {
         sent.unwrap();
@@ -1183,7 +1184,10 @@ async fn every_producer_routes_a_key_to_the_partition_the_server_records() {
         assert_eq!(held, expected as u64, "partition {index}");
     }
     assert_eq!(
-        producer.route(&source, "customer-3").await.unwrap(),
+        producer
+            .route(&Destination::topic(&source, "customer-3"))
+            .await
+            .unwrap(),
         format!("{source}.p{}", lane_of(Some("customer-3"), 4))
     );
     let other = NatsTransport::new(NatsConfig::new(nats_url()));

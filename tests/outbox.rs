@@ -13,7 +13,7 @@
 mod common;
 
 use idem::transport::{Outbound, OutboundError};
-use idem::{BoxError, Outgoing, idempotent};
+use idem::{BoxError, Destination, Outgoing, idempotent};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -52,9 +52,10 @@ impl Outbound for Counting {
         message: &'a Outgoing,
     ) -> idem::transport::BoxFuture<'a, Result<(), OutboundError>> {
         Box::pin(async move {
+            let (exchange, routing_key) = message.destination.parts();
             let published = self
                 .publisher
-                .publish(&message.exchange, &message.routing_key, &message.envelope)
+                .publish(exchange, routing_key, &message.envelope)
                 .await;
             match published {
                 Ok(()) => {}
@@ -63,8 +64,7 @@ impl Outbound for Counting {
                     routing_key,
                 }) => {
                     return Err(OutboundError::Unroutable {
-                        exchange,
-                        routing_key,
+                        destination: Destination::from_parts(exchange, routing_key),
                     });
                 }
                 Err(e) => return Err(OutboundError::Broker(BoxError::from(e))),
@@ -293,8 +293,8 @@ macro_rules! outbox_suite {
                 broker::delete_topology(&billed, &[]).await;
             }
 
-            /// Through `build()`: a handler that stages a message no broker can carry (its
-            /// routing key is 300 bytes; AMQP's short strings hold 255) is refused at `stage()`:
+            /// Through `build()`: a handler that stages a message no broker can carry (the
+            /// queue it names is 300 bytes; AMQP's short strings hold 255) is refused at `stage()`:
             /// its transaction rolls back, the order is dead-lettered with reason `handler`
             /// saying why, nothing is left in the outbox, and the runtime goes on (before, the
             /// message committed and the dispatch panicked on it).
@@ -339,7 +339,7 @@ macro_rules! outbox_suite {
                 for record in &records {
                     assert_eq!(record.reason, "handler");
                     assert!(
-                        record.detail.contains("routing key is 300 bytes"),
+                        record.detail.contains("queue is 300 bytes"),
                         "{}",
                         record.detail
                     );
@@ -604,8 +604,9 @@ macro_rules! outbox_suite {
                 let missing = format!("{queue}.missing");
                 broker::declare_orders_queue(&queue).await;
                 let inbox = inbox(&pool, UNROUTABLE).await;
-                let message =
-                    |to: &str, id: String| Outgoing::new("", to, id.clone()).with_message_id(id);
+                let message = |to: &str, id: String| {
+                    Outgoing::new(Destination::queue(to), id.clone()).with_message_id(id)
+                };
                 let run = [
                     message(&missing, format!("{queue}-1")),
                     message(&queue, format!("{queue}-2")),
@@ -722,7 +723,8 @@ macro_rules! outbox_suite {
                 inbox.drop_parked(&left).await.unwrap();
                 let id = |n: usize| format!("{queue}-{n}");
                 let message = |exchange: &str, to: &str, n: usize| {
-                    Outgoing::new(exchange, to, id(n)).with_message_id(id(n))
+                    Outgoing::new(Destination::from_parts(exchange, to), id(n))
+                        .with_message_id(id(n))
                 };
                 let missing_exchange = format!("{queue}.no-such-exchange");
                 let run = [
@@ -836,7 +838,7 @@ macro_rules! outbox_suite {
                 let inbox = inbox(&pool, RELAYS).await;
                 let mut tx = pool.begin().await.unwrap();
                 for n in 0..600 {
-                    let message = Outgoing::new("", &queue, format!("{n}"))
+                    let message = Outgoing::new(Destination::queue(&queue), format!("{n}"))
                         .with_message_id(format!("{queue}-{n}"));
                     inbox.stage(&mut tx, message).await.unwrap();
                 }
@@ -1211,7 +1213,8 @@ async fn on_postgres_a_notification_wakes_the_relay() {
     // the second only through its notification, or the next poll, a minute later.
     for n in 1..=2 {
         let mut tx = pool.begin().await.unwrap();
-        let message = Outgoing::new("", &queue, "hello").with_message_id(format!("{queue}-{n}"));
+        let message = Outgoing::new(Destination::queue(&queue), "hello")
+            .with_message_id(format!("{queue}-{n}"));
         inbox.stage(&mut tx, message).await.unwrap();
         tx.commit().await.unwrap();
         common::wait_until("the relay to publish", Duration::from_secs(20), || async {

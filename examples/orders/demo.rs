@@ -9,7 +9,7 @@ use crate::{Broker, Db, Settings};
 use idem::nats::NatsTransport;
 use idem::rabbitmq::Publisher;
 use idem::transport::{MemoryTransport, QueueSpec, Transport};
-use idem::{Envelope, RetryPolicy, Snapshot};
+use idem::{Destination, Envelope, RetryPolicy, Snapshot};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -196,8 +196,8 @@ enum Sink {
     Memory(MemoryTransport),
 }
 
-/// Publishes `messages` to NATS, each to the subject of `exchange` and its routing key (or of
-/// `queue`), each copy with its own JetStream id, counted in `copies`.
+/// Publishes `messages` to NATS, each to the subject of the topic `exchange` and its routing
+/// key (or of the queue its routing key names, when `exchange` is empty), each copy with its own JetStream id, counted in `copies`.
 async fn publish_to_nats(
     transport: &NatsTransport,
     copies: &Mutex<HashMap<String, u32>>,
@@ -205,12 +205,8 @@ async fn publish_to_nats(
     messages: &[Envelope],
 ) -> anyhow::Result<()> {
     for message in messages {
-        let subject = match exchange {
-            "" => message.routing_key.clone().unwrap_or_default(),
-            exchange => {
-                transport.subject(exchange, message.routing_key.as_deref().unwrap_or_default())
-            }
-        };
+        let key = message.routing_key.as_deref().unwrap_or_default();
+        let subject = transport.subject(&Destination::from_parts(exchange, key));
         let msg_id = message.message_id.as_ref().map(|id| {
             let mut seen = copies.lock().unwrap_or_else(|e| e.into_inner());
             let n = seen.entry(id.clone()).or_default();

@@ -64,10 +64,11 @@ pub use future::BoxFuture;
 pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
 pub use model::{
     Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DeadLetter, DeadLetterRecord,
-    Envelope, ErrorClass, Fingerprint, HandlerError, HeaderValue, Headers, KeyError, KeySource,
-    KeyValue, MAX_KEY_LEN, MAX_SHORT_TEXT, Outcome, Outgoing, OutgoingError, RejectReason,
-    Rejection, Stale, StoreError, StoredOutput, Transient, VersionError, VersionValue, Versioned,
-    batch_message_id, check_outgoing, field_key, outbox_message_id, version_value, versioned,
+    Destination, Envelope, ErrorClass, Fingerprint, HandlerError, HeaderValue, Headers, KeyError,
+    KeySource, KeyValue, MAX_KEY_LEN, MAX_SHORT_TEXT, Outcome, Outgoing, OutgoingError,
+    RejectReason, Rejection, Stale, StoreError, StoredOutput, Transient, VersionError,
+    VersionValue, Versioned, batch_message_id, check_outgoing, field_key, outbox_message_id,
+    version_value, versioned,
 };
 pub use outbox::{OutboxSelect, RelayReport};
 pub use pipeline::{DispatchError, ErasedHandler, HeldConnection, Stages, process, process_batch};

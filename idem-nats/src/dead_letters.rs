@@ -144,8 +144,7 @@ impl DeadLetterReader for NatsDeadLetters {
             copy.insert(MSG_ID_HEADER, HeaderValue::from_lossy(&msg_id));
             let failed = |e: async_nats::jetstream::context::PublishError| match e.kind() {
                 PublishErrorKind::StreamNotFound => OutboundError::Unroutable {
-                    exchange: String::new(),
-                    routing_key: queue.to_owned(),
+                    destination: idem_core::Destination::queue(queue),
                 },
                 _ => OutboundError::Broker(e.into()),
             };

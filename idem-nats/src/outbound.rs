@@ -1,5 +1,5 @@
 //! [`NatsOutbound`]: the outbox's publisher on JetStream. A message goes to the subject its
-//! routing key names, or to its partition of an ordered handler's source
+//! destination names, or to its partition of an ordered handler's source
 //! ([`crate::NatsTransport::subject`]),
 //! with `Nats-Msg-Id` = its message id, which for outbox messages is deterministic: a message
 //! published again within the stream's duplicate window is dropped by JetStream itself, a
@@ -10,7 +10,7 @@ use crate::connection::Shared;
 use crate::envelope;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
-use idem_core::{BoxFuture, Outbound, OutboundError, Outgoing};
+use idem_core::{BoxFuture, Destination, Outbound, OutboundError, Outgoing};
 
 /// How many messages [`NatsOutbound::publish_all`] has sent and not seen confirmed, at most.
 const IN_FLIGHT: usize = 1024;
@@ -28,23 +28,26 @@ impl NatsOutbound {
     /// The subject of `message`, with an ordered handler's partition count as the server
     /// records it ([`crate::NatsTransport::route`]).
     async fn subject(&self, js: &Context, message: &Outgoing) -> Result<String, OutboundError> {
+        let (topic, key) = message.destination.parts();
         self.shared
-            .route(js, &message.exchange, &message.routing_key)
+            .route(js, topic, key)
             .await
             .map_err(|e| OutboundError::Broker(e.into()))
     }
 }
 
-/// The headers of `message`: its envelope's, with `Nats-Msg-Id` = its message id, and its
-/// routing key where its subject is not the routing key (an exchange's message), so that the
-/// delivery's routing key is the one it was published with, as on RabbitMQ.
+/// The headers of `message`: its envelope's, with `Nats-Msg-Id` = its message id, and a
+/// topic's key, which its subject does not spell (a partition's), so that the delivery's
+/// routing key is the key it was published with, as on RabbitMQ.
 fn headers(message: &Outgoing) -> async_nats::HeaderMap {
     let envelope = &message.envelope;
     let mut headers = envelope::headers(envelope, envelope.message_id.as_deref());
-    if !message.exchange.is_empty() {
+    if let Destination::Topic { topic, key } = &message.destination
+        && !topic.is_empty()
+    {
         headers.insert(
             envelope::ROUTING_KEY_HEADER,
-            async_nats::header::HeaderValue::from_lossy(&message.routing_key),
+            async_nats::header::HeaderValue::from_lossy(key),
         );
     }
     headers
@@ -53,8 +56,7 @@ fn headers(message: &Outgoing) -> async_nats::HeaderMap {
 fn failed(message: &Outgoing, e: async_nats::jetstream::context::PublishError) -> OutboundError {
     match e.kind() {
         PublishErrorKind::StreamNotFound => OutboundError::Unroutable {
-            exchange: message.exchange.clone(),
-            routing_key: message.routing_key.clone(),
+            destination: message.destination.clone(),
         },
         _ => OutboundError::Broker(e.into()),
     }

@@ -8,8 +8,8 @@ use crate::names;
 use crate::outbound::NatsOutbound;
 use crate::topology;
 use idem_core::{
-    BoxFuture, DeadLetterReader, Delivery, Envelope, Outbound, OutboundError, QueueSpec,
-    StopSignal, Transport, TransportError,
+    BoxFuture, DeadLetterReader, Delivery, Destination, Envelope, Outbound, OutboundError,
+    QueueSpec, StopSignal, Transport, TransportError,
 };
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -34,24 +34,25 @@ impl NatsTransport {
         &self.shared.config
     }
 
-    /// The subject a message for `exchange` with `routing_key` goes to: the queue the routing
-    /// key names (no exchange); the partition of the routing key (an ordered handler's source
-    /// this transport declared, as `<source>.p<lane_of(key)>`); else
-    /// `<exchange>.<routing_key>`.
+    /// The subject a message for `destination` goes to: a queue's own subject; for a topic,
+    /// the partition of its key (an ordered handler's source this transport declared, as
+    /// `<topic>.p<lane_of(key)>`), else `<topic>.<key>`.
     ///
-    /// A process that declared no partitions of `exchange` computes `<exchange>.<routing_key>`
-    /// here; [`NatsTransport::route`] asks the server for the count.
-    pub fn subject(&self, exchange: &str, routing_key: &str) -> String {
-        self.shared.subject(exchange, routing_key)
+    /// A process that declared no partitions of the topic computes `<topic>.<key>` here;
+    /// [`NatsTransport::route`] asks the server for the count.
+    pub fn subject(&self, destination: &Destination) -> String {
+        let (topic, key) = destination.parts();
+        self.shared.subject(topic, key)
     }
 
-    /// The subject a message for `exchange` with `routing_key` goes to, as
-    /// [`NatsTransport::subject`], with an ordered handler's partition count read from the
-    /// server when this process declared none: every producer routes a key to the partition
-    /// its consumers read (the outbox routes this way).
-    pub async fn route(&self, exchange: &str, routing_key: &str) -> Result<String, TransportError> {
+    /// The subject a message for `destination` goes to, as [`NatsTransport::subject`], with an
+    /// ordered handler's partition count read from the server when this process declared
+    /// none: every producer routes a key to the partition its consumers read (the outbox
+    /// routes this way).
+    pub async fn route(&self, destination: &Destination) -> Result<String, TransportError> {
         let js = self.shared.jetstream().await?;
-        self.shared.route(&js, exchange, routing_key).await
+        let (topic, key) = destination.parts();
+        self.shared.route(&js, topic, key).await
     }
 
     /// Publishes `envelope` to `subject` ([`NatsTransport::subject`] names a queue's or a
@@ -75,8 +76,7 @@ impl NatsTransport {
         let headers = crate::envelope::headers(envelope, msg_id);
         let body = bytes::Bytes::copy_from_slice(&envelope.body);
         let unroutable = || OutboundError::Unroutable {
-            exchange: String::new(),
-            routing_key: subject.to_owned(),
+            destination: Destination::queue(subject),
         };
         let failed = |e: async_nats::jetstream::context::PublishError| match e.kind() {
             async_nats::jetstream::context::PublishErrorKind::StreamNotFound => unroutable(),

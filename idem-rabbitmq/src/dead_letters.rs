@@ -180,8 +180,7 @@ impl DeadLetterReader for RabbitDeadLetters {
             match confirm {
                 Confirmation::Ack(None) => Ok(()),
                 Confirmation::Ack(Some(_)) => Err(OutboundError::Unroutable {
-                    exchange: String::new(),
-                    routing_key: queue.to_owned(),
+                    destination: idem_core::Destination::queue(queue),
                 }),
                 Confirmation::Nack(_) | Confirmation::NotRequested => Err(OutboundError::Refused),
             }

@@ -3,7 +3,7 @@
 
 use crate::config::RabbitConfig;
 use crate::publisher::{PublishError, Publisher};
-use idem_core::{BoxFuture, Outbound, OutboundError, Outgoing};
+use idem_core::{BoxFuture, Destination, Outbound, OutboundError, Outgoing};
 use tokio::sync::OnceCell;
 
 /// Publishes outbox messages through one confirm-mode connection of the transport's brokers.
@@ -50,9 +50,10 @@ impl RabbitOutbound {
 impl Outbound for RabbitOutbound {
     fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>> {
         Box::pin(async move {
+            let (exchange, routing_key) = message.destination.parts();
             self.publisher()
                 .await?
-                .publish(&message.exchange, &message.routing_key, &message.envelope)
+                .publish(exchange, routing_key, &message.envelope)
                 .await
                 .map_err(outbound)
         })
@@ -86,7 +87,10 @@ impl Outbound for RabbitOutbound {
             };
             let batch: Vec<_> = messages
                 .iter()
-                .map(|m| (m.exchange.as_str(), m.routing_key.as_str(), &m.envelope))
+                .map(|m| {
+                    let (exchange, routing_key) = m.destination.parts();
+                    (exchange, routing_key, &m.envelope)
+                })
                 .collect();
             let results = publisher.publish_many_then(&batch, sent).await;
             results.into_iter().map(|r| r.map_err(outbound)).collect()
@@ -101,8 +105,7 @@ fn outbound(error: PublishError) -> OutboundError {
             exchange,
             routing_key,
         } => OutboundError::Unroutable {
-            exchange,
-            routing_key,
+            destination: Destination::from_parts(exchange, routing_key),
         },
         PublishError::Refused => OutboundError::Refused,
         PublishError::Rejected(why) => OutboundError::Rejected(why),

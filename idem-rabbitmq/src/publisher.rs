@@ -4,7 +4,7 @@ use crate::answer::{lost, on_channel, unless_lost};
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::properties;
-use idem_core::{BoxError, Envelope};
+use idem_core::{BoxError, Destination, Envelope};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, Connection, PublisherConfirm};
@@ -73,7 +73,7 @@ fn prepared(
     routing_key: &str,
     message: &Envelope,
 ) -> Result<(ShortString, ShortString, lapin::BasicProperties), PublishError> {
-    idem_core::check_outgoing(exchange, routing_key, message)?;
+    idem_core::check_outgoing(&Destination::from_parts(exchange, routing_key), message)?;
     Ok((
         crate::envelope::short("exchange", exchange)?,
         crate::envelope::short("routing key", routing_key)?,

@@ -89,12 +89,9 @@ pub(super) async fn backlog(
         let started = Instant::now();
         for chunk in messages.chunks(500) {
             for message in chunk {
+                let (exchange, routing_key) = message.destination.parts();
                 publisher
-                    .publish_unconfirmed_to(
-                        &message.exchange,
-                        &message.routing_key,
-                        &message.envelope,
-                    )
+                    .publish_unconfirmed_to(exchange, routing_key, &message.envelope)
                     .await?;
             }
             publisher.wait_for_confirms().await?;

@@ -241,9 +241,10 @@ impl<'a> Context<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::destination::Destination;
 
     fn stamped(ctx: &Context<'_>) -> Outgoing {
-        ctx.outgoing(Outgoing::new("", "q", "x"))
+        ctx.outgoing(Outgoing::new(Destination::queue("q"), "x"))
     }
 
     /// A batch handler staging through the batch's own context and through its first

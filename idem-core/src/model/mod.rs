@@ -6,6 +6,7 @@
 pub mod batch;
 pub mod context;
 pub mod dead_letter;
+pub mod destination;
 pub mod envelope;
 pub mod error;
 pub mod fingerprint;
@@ -17,6 +18,7 @@ pub mod version;
 pub use batch::{Batch, BatchError, BatchOutput, BatchResult};
 pub use context::Context;
 pub use dead_letter::{DeadLetter, DeadLetterRecord, stand_in_key};
+pub use destination::Destination;
 pub use envelope::{Envelope, HeaderValue, Headers};
 pub use error::{BoxError, ErrorClass, HandlerError, StoreError};
 pub use fingerprint::Fingerprint;

@@ -1,6 +1,7 @@
 //! A message a handler publishes through the outbox ([`Outgoing`]), the id it gets
 //! ([`outbox_message_id`]) and the headers that tie it to the message that caused it.
 
+use super::destination::Destination;
 use super::envelope::{Envelope, HeaderValue, Headers};
 use super::outcome::StoredOutput;
 use serde::Serialize;
@@ -19,45 +20,46 @@ const NAMESPACE: uuid::Uuid = uuid::Uuid::from_u128(0x6d1c_44e2_8f0b_4b6e_9a57_2
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct Outgoing {
-    /// The exchange (`""`: the default exchange, where the routing key names the queue).
-    pub exchange: String,
-    /// The routing key.
-    pub routing_key: String,
+    /// Where it goes.
+    pub destination: Destination,
     /// The message.
     pub envelope: Envelope,
 }
 
 impl Outgoing {
-    /// `body` to `exchange` with `routing_key`, no properties.
-    pub fn new(
-        exchange: impl Into<String>,
-        routing_key: impl Into<String>,
-        body: impl Into<Vec<u8>>,
-    ) -> Self {
+    /// `body` to `destination`, no properties.
+    pub fn new(destination: Destination, body: impl Into<Vec<u8>>) -> Self {
         Self {
-            exchange: exchange.into(),
-            routing_key: routing_key.into(),
+            destination,
             envelope: Envelope::new(body),
         }
     }
 
-    /// `value` as JSON (`content_type: application/json`) to `exchange` with `routing_key`.
+    /// `value` as JSON (`content_type: application/json`) to `destination`.
     pub fn json<T: Serialize + ?Sized>(
-        exchange: impl Into<String>,
-        routing_key: impl Into<String>,
+        destination: Destination,
         value: &T,
     ) -> Result<Self, serde_json::Error> {
-        let mut message = Self::new(exchange, routing_key, serde_json::to_vec(value)?);
+        let mut message = Self::new(destination, serde_json::to_vec(value)?);
         message.envelope.content_type = Some("application/json".to_owned());
         Ok(message)
     }
 
-    /// `value` as JSON to `queue`, through the default exchange.
+    /// `value` as JSON straight to `queue` ([`Destination::Queue`]).
     pub fn to_queue<T: Serialize + ?Sized>(
         queue: impl Into<String>,
         value: &T,
     ) -> Result<Self, serde_json::Error> {
-        Self::json("", queue, value)
+        Self::json(Destination::queue(queue), value)
+    }
+
+    /// `value` as JSON to `topic`, routed by `key` ([`Destination::Topic`]).
+    pub fn to_topic<T: Serialize + ?Sized>(
+        topic: impl Into<String>,
+        key: impl Into<String>,
+        value: &T,
+    ) -> Result<Self, serde_json::Error> {
+        Self::json(Destination::topic(topic, key), value)
     }
 
     /// Sets the message id (staged by a handler, a message without one gets
@@ -85,9 +87,9 @@ impl Outgoing {
     }
 }
 
-/// The longest text a broker carries in a short field (AMQP's short strings: the exchange, the
-/// routing key, the message id, the correlation id, the content type, the reply-to queue and
-/// every header name), in bytes.
+/// The longest text a broker carries in a short field (AMQP's short strings: a destination's
+/// topic and key or queue, the message id, the correlation id, the content type, the reply-to
+/// queue and every header name), in bytes.
 pub const MAX_SHORT_TEXT: usize = 255;
 
 /// An outgoing message a broker cannot carry as it is: refused where it is made (staged,
@@ -97,19 +99,15 @@ pub const MAX_SHORT_TEXT: usize = 255;
     "the outgoing message's {field} is {len} bytes long; a broker carries at most {MAX_SHORT_TEXT}"
 )]
 pub struct OutgoingError {
-    /// What is too long (`routing key`, `message id`, `header name "…"`, …).
+    /// What is too long (`topic`, `key`, `queue`, `message id`, `header name "…"`, …).
     pub field: String,
     /// Its length in bytes.
     pub len: usize,
 }
 
-/// Checks that a message to `exchange` with `routing_key` and `envelope`'s properties fits a
-/// broker's short fields ([`MAX_SHORT_TEXT`]).
-pub fn check_outgoing(
-    exchange: &str,
-    routing_key: &str,
-    envelope: &Envelope,
-) -> Result<(), OutgoingError> {
+/// Checks that a message to `destination` with `envelope`'s properties fits a broker's short
+/// fields ([`MAX_SHORT_TEXT`]).
+pub fn check_outgoing(destination: &Destination, envelope: &Envelope) -> Result<(), OutgoingError> {
     let short = |field: &str, text: Option<&str>| match text {
         Some(text) if text.len() > MAX_SHORT_TEXT => Err(OutgoingError {
             field: field.to_owned(),
@@ -117,8 +115,13 @@ pub fn check_outgoing(
         }),
         _ => Ok(()),
     };
-    short("exchange", Some(exchange))?;
-    short("routing key", Some(routing_key))?;
+    match destination {
+        Destination::Queue(name) => short("queue", Some(name))?,
+        Destination::Topic { topic, key } => {
+            short("topic", Some(topic))?;
+            short("key", Some(key))?;
+        }
+    }
     short("message id", envelope.message_id.as_deref())?;
     short("correlation id", envelope.correlation_id.as_deref())?;
     short("content type", envelope.content_type.as_deref())?;
@@ -133,12 +136,12 @@ pub fn check_outgoing(
 impl Outgoing {
     /// Checks that a broker can carry this message ([`check_outgoing`]).
     pub fn check(&self) -> Result<(), OutgoingError> {
-        check_outgoing(&self.exchange, &self.routing_key, &self.envelope)
+        check_outgoing(&self.destination, &self.envelope)
     }
 }
 
 /// The reply to `request` (processed by `consumer` under `key`) carrying `output`, when the
-/// request names a `reply_to` queue: sent there through the default exchange, as JSON, with
+/// request names a `reply_to` queue: sent straight to that queue, as JSON, with
 /// the request's correlation id (else its message id) and the id [`reply_message_id`], the
 /// same for a duplicate of the request, which gets the stored result.
 pub fn reply(
@@ -148,7 +151,10 @@ pub fn reply(
     output: &StoredOutput,
 ) -> Option<Outgoing> {
     let queue = request.reply_to.as_deref()?;
-    let mut reply = Outgoing::new("", queue, output.as_json().as_bytes().to_vec());
+    let mut reply = Outgoing::new(
+        Destination::queue(queue),
+        output.as_json().as_bytes().to_vec(),
+    );
     let envelope = &mut reply.envelope;
     envelope.content_type = Some("application/json".to_owned());
     envelope.message_id = Some(reply_message_id(consumer, key));
@@ -254,23 +260,33 @@ mod tests {
         let long = "x".repeat(MAX_SHORT_TEXT + 1);
         let fits = "x".repeat(MAX_SHORT_TEXT);
         assert!(
-            Outgoing::new(fits.as_str(), fits.as_str(), "b")
+            Outgoing::new(Destination::topic(fits.as_str(), fits.as_str()), "b")
                 .check()
                 .is_ok()
         );
         let cases = [
-            (Outgoing::new(long.as_str(), "q", "b"), "exchange"),
-            (Outgoing::new("", long.as_str(), "b"), "routing key"),
             (
-                Outgoing::new("", "q", "b").with_message_id(long.as_str()),
+                Outgoing::new(Destination::topic(long.as_str(), "k"), "b"),
+                "topic",
+            ),
+            (
+                Outgoing::new(Destination::topic("t", long.as_str()), "b"),
+                "key",
+            ),
+            (
+                Outgoing::new(Destination::queue(long.as_str()), "b"),
+                "queue",
+            ),
+            (
+                Outgoing::new(Destination::queue("q"), "b").with_message_id(long.as_str()),
                 "message id",
             ),
             (
-                Outgoing::new("", "q", "b").with_correlation_id(long.as_str()),
+                Outgoing::new(Destination::queue("q"), "b").with_correlation_id(long.as_str()),
                 "correlation id",
             ),
             (
-                Outgoing::new("", "q", "b").with_header(long.as_str(), 1),
+                Outgoing::new(Destination::queue("q"), "b").with_header(long.as_str(), 1),
                 "header name",
             ),
         ];
@@ -282,13 +298,17 @@ mod tests {
         let mut envelope = Envelope::new(b"b".to_vec());
         envelope.content_type = Some(long.clone());
         assert_eq!(
-            check_outgoing("", "q", &envelope).unwrap_err().field,
+            check_outgoing(&Destination::queue("q"), &envelope)
+                .unwrap_err()
+                .field,
             "content type"
         );
         envelope.content_type = None;
         envelope.reply_to = Some(long);
         assert_eq!(
-            check_outgoing("", "q", &envelope).unwrap_err().field,
+            check_outgoing(&Destination::queue("q"), &envelope)
+                .unwrap_err()
+                .field,
             "reply-to queue"
         );
     }

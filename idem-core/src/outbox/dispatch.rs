@@ -287,6 +287,7 @@ impl Outbound for Watched {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::destination::Destination;
     use std::sync::Mutex;
 
     /// Publishes nothing: the passes under test never call it.
@@ -406,7 +407,8 @@ mod tests {
             relay: &relay,
             outbound: &outbound,
         };
-        let kept = ["k1", "k2"].map(|id| Outgoing::new("", "q", "x").with_message_id(id));
+        let kept =
+            ["k1", "k2"].map(|id| Outgoing::new(Destination::queue("q"), "x").with_message_id(id));
         dispatch.after_commit("c", "k", Some(kept.to_vec())).await;
         let deadline = Instant::now() + std::time::Duration::from_secs(10);
         while removed.lock().expect("not poisoned").len() < 2 {

@@ -144,6 +144,7 @@ pub(super) async fn remove(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::destination::Destination;
     use std::sync::Mutex;
 
     /// Publishes to queues named `…-routed` only, and records the ids it was given.
@@ -157,11 +158,10 @@ mod tests {
             Box::pin(async move {
                 let id = message.message_id().unwrap_or_default().to_owned();
                 self.0.lock().expect("not poisoned").push(id);
-                match message.routing_key.ends_with("-routed") {
+                match message.destination.parts().1.ends_with("-routed") {
                     true => Ok(()),
                     false => Err(OutboundError::Unroutable {
-                        exchange: message.exchange.clone(),
-                        routing_key: message.routing_key.clone(),
+                        destination: message.destination.clone(),
                     }),
                 }
             })
@@ -184,7 +184,8 @@ mod tests {
         let removing = tokio::spawn(remove("test", remove_fn, confirmed, in_flight.clone()));
         let routing = Arc::new(Routing(Mutex::default()));
         let slots = Arc::new(tokio::sync::Semaphore::new(2));
-        let message = |to: &str, id: &str| Outgoing::new("", to, "x").with_message_id(id);
+        let message =
+            |to: &str, id: &str| Outgoing::new(Destination::queue(to), "x").with_message_id(id);
         let runs = [
             vec![message("q-routed", "a1"), message("q-routed", "a2")],
             vec![

@@ -156,6 +156,7 @@ mod tests {
     use super::*;
     use crate::future::BoxFuture;
     use crate::model::Outgoing;
+    use crate::model::destination::Destination;
     use crate::outbox::RelayFn;
     use crate::store::StoreKind;
     use crate::transport::OutboundError;
@@ -199,7 +200,7 @@ mod tests {
             let (started, ended) = (started.clone(), ended.clone());
             Box::pin(async move {
                 started.fetch_add(1, Ordering::SeqCst);
-                let messages = vec![Outgoing::new("", "q", Vec::new()); 2];
+                let messages = vec![Outgoing::new(Destination::queue("q"), Vec::new()); 2];
                 let published = outbound.publish_all(&messages).await.len() as u64;
                 ended.fetch_add(1, Ordering::SeqCst);
                 Ok(RelayReport {

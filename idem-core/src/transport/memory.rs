@@ -135,13 +135,14 @@ impl MemoryTransport {
 }
 
 impl Outbound for MemoryTransport {
-    /// Enqueues the message in the queue its routing key names (default exchange) or in the
-    /// ordered handler's exchange it names; a queue nobody declared or published to makes it
-    /// unroutable, as `mandatory` does on a broker.
+    /// Enqueues the message in the queue it names, or in the ordered handler's source its
+    /// topic names; a queue nobody declared or published to makes it unroutable, as
+    /// `mandatory` does on a broker.
     fn publish<'a>(&'a self, message: &'a Outgoing) -> BoxFuture<'a, Result<(), OutboundError>> {
-        let target = match message.exchange.as_str() {
-            "" => message.routing_key.as_str(),
-            exchange => exchange,
+        let (topic, key) = message.destination.parts();
+        let target = match topic {
+            "" => key,
+            topic => topic,
         };
         let known = self.exists(target)
             || self
@@ -153,13 +154,12 @@ impl Outbound for MemoryTransport {
         let result = match known {
             true => {
                 let mut envelope = message.envelope.clone();
-                envelope.routing_key = Some(message.routing_key.clone());
+                envelope.routing_key = Some(key.to_owned());
                 self.publish(target, envelope);
                 Ok(())
             }
             false => Err(OutboundError::Unroutable {
-                exchange: message.exchange.clone(),
-                routing_key: message.routing_key.clone(),
+                destination: message.destination.clone(),
             }),
         };
         Box::pin(std::future::ready(result))

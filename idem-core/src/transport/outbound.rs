@@ -2,7 +2,7 @@
 //! confirm ([`Outbound`]).
 
 use crate::future::BoxFuture;
-use crate::model::{BoxError, Outgoing};
+use crate::model::{BoxError, Destination, Outgoing};
 
 /// Publishes outbox messages. A message counts as sent only once the broker confirmed it; a
 /// message no queue takes is an error ([`OutboundError::Unroutable`]), never a silent drop.
@@ -46,15 +46,12 @@ pub trait Outbound: Send + Sync {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum OutboundError {
-    /// No queue is bound for the message: the broker returned it.
-    #[error(
-        "the broker could not route the message to `{exchange}` with routing key `{routing_key}`: no queue is bound"
-    )]
+    /// No queue takes messages for the destination (RabbitMQ: none is bound, the broker
+    /// returned the message; NATS: no stream holds the subject).
+    #[error("the broker could not route the message to {destination}: no queue takes it")]
     Unroutable {
-        /// The exchange (`""`: the default exchange).
-        exchange: String,
-        /// The routing key.
-        routing_key: String,
+        /// Where the message was to go.
+        destination: Destination,
     },
     /// The broker refused the message (nack).
     #[error("the broker refused the message")]

@@ -4,6 +4,11 @@
 //! `relay`, which the runtime's dispatch and relay run), rows the broker refused moved out of
 //! the way (`parked`), and the notifications that wake a relay (`notify`). Each dialect's
 //! statements and table are here.
+//!
+//! A row's destination is kept as its two [`idem_core::Destination::parts`]: its topic
+//! (`""` for a queue) in `exchange` and its key (a queue's name) in `routing_key`. The columns
+//! keep their first names so that processes of an older idem stage into the same table during
+//! a rolling upgrade.
 
 pub(crate) mod notify;
 pub mod parked;
@@ -287,10 +292,11 @@ async fn insert_rows<DB: Dialect>(
             .iter()
             .map(|message| {
                 let envelope = &message.envelope;
+                let (topic, key) = message.destination.parts();
                 [
                     envelope.message_id.as_deref().unwrap_or_default(),
-                    &message.exchange,
-                    &message.routing_key,
+                    topic,
+                    key,
                     envelope.correlation_id.as_deref().unwrap_or_default(),
                     envelope.content_type.as_deref().unwrap_or_default(),
                 ]

@@ -9,7 +9,7 @@ use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use idem_core::model::outgoing::headers_from_json;
 use idem_core::transport::{Outbound, OutboundError};
-use idem_core::{Envelope, OutboxSelect, Outgoing, RelayReport, StoreError};
+use idem_core::{Destination, Envelope, OutboxSelect, Outgoing, RelayReport, StoreError};
 use std::time::Duration;
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -267,7 +267,8 @@ fn message<DB: Dialect>(row: &DB::Row) -> Result<Outgoing, sqlx::Error> {
     envelope.content_type = Some(text("content_type")?).filter(|c| !c.is_empty());
     envelope.headers = headers_from_json(&DB::text(row, "headers")?)
         .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
-    let mut message = Outgoing::new(text("exchange")?, text("routing_key")?, Vec::new());
+    let destination = Destination::from_parts(text("exchange")?, text("routing_key")?);
+    let mut message = Outgoing::new(destination, Vec::new());
     message.envelope = envelope;
     Ok(message)
 }
