@@ -75,3 +75,56 @@ fn every_chapter_is_in_the_summary() {
         }
     }
 }
+
+/// Whether `code` defines the item `name` (a type, trait, function, constant or variant).
+fn defines(code: &str, name: &str) -> bool {
+    let kinds = [
+        "struct", "enum", "trait", "type", "fn", "const", "static", "mod",
+    ];
+    kinds
+        .iter()
+        .any(|kind| code.contains(&format!("{kind} {name}")))
+        || code.contains(&format!("    {name}(")) // a tuple variant
+        || code.contains(&format!("    {name} {{")) // a struct variant
+        || code.contains(&format!("    {name},")) // a unit variant
+}
+
+/// The transport kit the "Adding a transport" chapter walks through is the code's: every item it
+/// names in code spans (`Session`, `Began::consuming`, `OutboundError::Unroutable`, …) is
+/// defined in the library, so a rename or a removal fails here.
+#[test]
+fn every_item_the_transport_chapter_names_is_in_the_code() {
+    let chapter = std::fs::read_to_string(root().join("docs/src/adding-a-transport.md")).unwrap();
+    let mut files = Vec::new();
+    for dir in ["src", "idem-core/src", "idem-rabbitmq/src", "idem-nats/src"] {
+        sources(&root().join(dir), &mut files);
+    }
+    let code: String = files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut named = Vec::new();
+    for (n, span) in chapter.split('`').enumerate() {
+        // Odd pieces are inside code spans; items are CamelCase paths (`Type`, `Type::item`).
+        let path = span.trim_start_matches("idem::transport::");
+        let is_item = path.split("::").all(|segment| {
+            !segment.is_empty()
+                && segment
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        }) && path.starts_with(|c: char| c.is_ascii_uppercase());
+        if n % 2 == 1 && is_item {
+            named.push(path.to_owned());
+        }
+    }
+    assert!(named.len() >= 20, "{named:?}");
+    let missing: Vec<&String> = named
+        .iter()
+        .filter(|path| !path.split("::").all(|segment| defines(&code, segment)))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "named by the chapter, not in the code: {missing:?}"
+    );
+}

@@ -3,9 +3,9 @@
 
 use crate::config::NatsConfig;
 use async_nats::jetstream::{self, Context};
-use idem_core::transport::lane_of;
+use idem_core::transport::{Consuming, lane_of};
 use idem_core::{Partition, TransportError};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::OnceCell;
@@ -60,7 +60,8 @@ fn without_credentials(urls: &str) -> (Vec<String>, Option<Credentials>) {
 pub(crate) struct Shared {
     pub(crate) config: NatsConfig,
     connection: Arc<OnceCell<async_nats::Client>>,
-    consuming: Arc<Mutex<HashSet<String>>>,
+    /// The queues whose consumers are consuming.
+    pub(crate) consuming: Consuming,
     /// Ordered handlers' sources and their partition counts, as declared or read from the
     /// server.
     partitioned: Arc<Mutex<HashMap<String, usize>>>,
@@ -77,7 +78,7 @@ impl Shared {
         Self {
             config,
             connection: Arc::default(),
-            consuming: Arc::default(),
+            consuming: Consuming::default(),
             partitioned: Arc::default(),
             unpartitioned: Arc::default(),
         }
@@ -191,19 +192,6 @@ impl Shared {
     pub(crate) fn partitioned(&self, partition: &Partition) {
         let mut partitioned = self.partitioned.lock().unwrap_or_else(|e| e.into_inner());
         partitioned.insert(partition.source.clone(), partition.count);
-    }
-
-    pub(crate) fn set_consuming(&self, queue: &str, consuming: bool) {
-        let mut set = self.consuming.lock().unwrap_or_else(|e| e.into_inner());
-        match consuming {
-            true => set.insert(queue.to_owned()),
-            false => set.remove(queue),
-        };
-    }
-
-    pub(crate) fn is_consuming(&self, queue: &str) -> bool {
-        let set = self.consuming.lock().unwrap_or_else(|e| e.into_inner());
-        set.contains(queue)
     }
 }
 

@@ -3,8 +3,8 @@
 //! room for ([`Puller`]: the mailbox, what waits for it and what is asked for hold at most
 //! `prefetch` together), turns each message into a [`Delivery`] as it arrives (told in
 //! progress from then on) and hands it to the handler's mailbox, and runs the queue's retry
-//! forwarder beside it. A lost connection or consumer ends a session; the next
-//! one starts after a backoff, until the runtime stops it.
+//! forwarder beside it. A lost connection or consumer ends a session; the next one starts
+//! after a backoff ([`supervise`]), until the runtime stops it.
 
 use crate::connection::Shared;
 use crate::names::durable;
@@ -14,18 +14,13 @@ use crate::settle::{NatsSettle, Reading};
 use crate::{envelope, quarantine, retry, topology};
 use async_nats::jetstream::consumer::PullConsumer;
 use idem_core::model::BoxError;
-use idem_core::{Delivery, QueueSpec, StopSignal};
+use idem_core::transport::{Began, Ended, Session, Supervision, supervise};
+use idem_core::{BoxFuture, Delivery, QueueSpec, StopSignal};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::mpsc;
-
-/// How a session ended without an error.
-enum Ended {
-    Stopped,
-    MailboxClosed,
-}
 
 pub(crate) struct Consumer {
     pub(crate) shared: Shared,
@@ -40,10 +35,10 @@ pub(crate) struct Consumer {
 }
 
 impl Consumer {
-    /// Consumes until `stop` is raised, starting a new session after any failure. Deliveries
+    /// Consumes until `stop` is raised, a session after another ([`supervise`]). Deliveries
     /// unsettled when a session fails are redelivered by JetStream once their ack wait ends.
-    pub(crate) async fn run(mut self) {
-        let config = self.shared.config.clone();
+    pub(crate) async fn run(self) {
+        let config = &self.shared.config;
         // Not ended with the consumer: handlers still running at shutdown are told in progress
         // until they settle.
         tokio::spawn(self.unsettled.clone().tell(
@@ -51,28 +46,31 @@ impl Consumer {
             config.ack_wait / 3,
             self.stop.clone(),
         ));
-        let mut backoff = config.reconnect_min;
-        while !*self.stop.borrow() {
-            let ended = self.session().await;
-            self.reading.clear();
-            self.shared.set_consuming(&self.spec.queue, false);
-            idem_core::telemetry::broker_connected(&self.spec.queue, false);
-            match ended {
-                Ok(Ended::Stopped | Ended::MailboxClosed) => return,
-                Err(e) => {
-                    idem_core::telemetry::reconnect(&self.spec.queue);
-                    tracing::warn!(queue = self.spec.queue, error = %e, retry_in = ?backoff, "NATS consumer lost; consuming again");
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        _ = self.stop.changed() => return,
-                    }
-                    backoff = (backoff * 2).min(config.reconnect_max);
-                }
-            }
-        }
+        let supervision = Supervision::new(
+            self.spec.queue.as_str(),
+            "NATS",
+            (config.reconnect_min, config.reconnect_max),
+            self.shared.consuming.clone(),
+            self.stop.clone(),
+        );
+        supervise(self, supervision).await;
     }
+}
 
-    async fn session(&mut self) -> Result<Ended, BoxError> {
+impl Session for Consumer {
+    type Lost = BoxError;
+
+    fn run<'a>(&'a mut self, began: &'a Began) -> BoxFuture<'a, Result<Ended, BoxError>> {
+        Box::pin(async move {
+            let ended = self.session(began).await;
+            self.reading.clear();
+            ended
+        })
+    }
+}
+
+impl Consumer {
+    async fn session(&mut self, began: &Began) -> Result<Ended, BoxError> {
         let js = self.shared.jetstream().await?;
         let (names, _) = topology::declare(&js, &self.spec, &self.shared.config).await?;
         let stream = js.get_stream(&names.stream).await?;
@@ -88,8 +86,7 @@ impl Consumer {
         let mut puller = Puller::new(client.clone(), &names.stream, &durable).await?;
         let mut forwarder = AbortOnDrop(tokio::spawn(retry::forward(js.clone(), names.clone())));
         let names = Arc::new(names);
-        self.shared.set_consuming(&self.spec.queue, true);
-        idem_core::telemetry::broker_connected(&self.spec.queue, true);
+        began.consuming();
         let mut reconnected = tokio::time::interval(RECONNECT_CHECK);
         // Deliveries received, tracked, and not yet in the mailbox; and slots reserved in it,
         // every one that frees up: a delivery goes into one as it arrives, and the loop wakes

@@ -176,7 +176,7 @@ impl Transport for NatsTransport {
             .shared
             .opened()
             .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
-        up && self.shared.is_consuming(queue)
+        up && self.shared.consuming.contains(queue)
     }
 
     /// `q.dlq`'s stream, read by sequence; nothing is held while it is read.

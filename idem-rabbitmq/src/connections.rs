@@ -2,10 +2,10 @@
 //! channels' settlement tasks, which shutdown lets finish first.
 
 use crate::config::RabbitConfig;
+use idem_core::transport::Consuming;
 use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{LongString, ShortString};
 use lapin::{Connection, ConnectionProperties};
-use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -20,7 +20,7 @@ pub(crate) struct Connections {
     open: Arc<Mutex<Vec<Arc<Connection>>>>,
     settlers: Arc<Mutex<Vec<JoinHandle<()>>>>,
     /// The queues whose consumer is consuming now.
-    consuming: Arc<Mutex<HashSet<String>>>,
+    pub(crate) consuming: Consuming,
 }
 
 /// A connection to the first broker of `config` that takes one, in failover order.
@@ -78,22 +78,6 @@ impl Connections {
         all.retain(|c| c.status().connected());
         all.push(connection.clone());
         Ok(connection)
-    }
-
-    /// Records whether `queue`'s consumer is consuming.
-    pub(crate) fn set_consuming(&self, queue: &str, consuming: bool) {
-        let mut all = self.consuming.lock().unwrap_or_else(|e| e.into_inner());
-        if consuming {
-            all.insert(queue.to_owned());
-        } else {
-            all.remove(queue);
-        }
-    }
-
-    /// Whether `queue`'s consumer is consuming.
-    pub(crate) fn is_consuming(&self, queue: &str) -> bool {
-        let all = self.consuming.lock().unwrap_or_else(|e| e.into_inner());
-        all.contains(queue)
     }
 
     /// Keeps a channel's settlement task, so that closing waits for its last acks.

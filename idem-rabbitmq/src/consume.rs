@@ -10,7 +10,10 @@ use crate::quarantine;
 use crate::settle::{self, Acks, RabbitSettle};
 use crate::topology;
 use futures_util::StreamExt;
-use idem_core::{DeadLetter, DeadLetterRecord, Delivery, QueueSpec, StopSignal, TransportError};
+use idem_core::transport::{Began, Ended, Session, Supervision, supervise};
+use idem_core::{
+    BoxFuture, DeadLetter, DeadLetterRecord, Delivery, QueueSpec, StopSignal, TransportError,
+};
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
 };
@@ -26,7 +29,7 @@ const RECORD_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Why consuming on a connection stopped working.
 #[derive(Debug, thiserror::Error)]
-enum Lost {
+pub(crate) enum Lost {
     /// The connection or channel failed.
     #[error(transparent)]
     Broker(#[from] lapin::Error),
@@ -45,14 +48,6 @@ enum Lost {
     Unanswered(Duration),
 }
 
-/// Why a session ended.
-enum Ended {
-    /// Shutdown: the consumer was cancelled; its channel stays open to settle what is in flight.
-    Stopped,
-    /// The runtime dropped the mailbox.
-    MailboxClosed,
-}
-
 /// A subscription: its channel, lapin's consumer and the consumer tag.
 type Subscribed = Result<(Channel, lapin::Consumer, String), Lost>;
 
@@ -69,40 +64,41 @@ pub(crate) struct Consumer {
 }
 
 impl Consumer {
-    /// Consumes until `stop` is raised, reconnecting after any connection or channel failure.
-    /// Deliveries in flight on a lost channel cannot be acked any more; the broker redelivers
-    /// them, and the inbox recognises those that committed.
-    pub(crate) async fn run(mut self) {
-        let mut backoff = self.config.reconnect_min;
-        while !*self.stop.borrow() {
-            let ended = self.session(&mut backoff).await;
-            self.report_connected(false);
-            match ended {
-                Ok(Ended::Stopped | Ended::MailboxClosed) => return,
-                Err(Lost::Unparsable(e)) if self.quarantine(&e).await => {
-                    idem_core::telemetry::reconnect(&self.spec.queue);
-                    // The delivery lapin choked on is out of the queue: reconnect at once.
-                    backoff = self.config.reconnect_min;
-                }
-                Err(e) => {
-                    idem_core::telemetry::reconnect(&self.spec.queue);
-                    tracing::warn!(queue = self.spec.queue, error = %e, retry_in = ?backoff, "RabbitMQ consumer lost; reconnecting");
-                    tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        _ = self.stop.changed() => return,
-                    }
-                    backoff = (backoff * 2).min(self.config.reconnect_max);
-                }
+    /// Consumes until `stop` is raised, a session after another ([`supervise`]). Deliveries in
+    /// flight on a lost channel cannot be acked any more; the broker redelivers them, and the
+    /// inbox recognises those that committed.
+    pub(crate) async fn run(self) {
+        let supervision = Supervision::new(
+            self.spec.queue.as_str(),
+            "RabbitMQ",
+            (self.config.reconnect_min, self.config.reconnect_max),
+            self.connections.consuming.clone(),
+            self.stop.clone(),
+        );
+        supervise(self, supervision).await;
+    }
+}
+
+impl Session for Consumer {
+    type Lost = Lost;
+
+    fn run<'a>(&'a mut self, began: &'a Began) -> BoxFuture<'a, Result<Ended, Lost>> {
+        Box::pin(self.session(began))
+    }
+
+    /// A delivery lapin choked on is taken out of the queue; once it is, the next session
+    /// starts at once.
+    fn recover<'a>(&'a mut self, lost: &'a Lost) -> BoxFuture<'a, bool> {
+        Box::pin(async move {
+            match lost {
+                Lost::Unparsable(e) => self.quarantine(e).await,
+                _ => false,
             }
-        }
+        })
     }
+}
 
-    /// Reports whether this queue's consumer is consuming: to health checks and as a metric.
-    fn report_connected(&self, connected: bool) {
-        self.connections.set_consuming(&self.spec.queue, connected);
-        idem_core::telemetry::broker_connected(&self.spec.queue, connected);
-    }
-
+impl Consumer {
     /// Takes out of the queue the deliveries lapin cannot parse (see [`crate::quarantine`]);
     /// whether it took any.
     async fn quarantine(&self, cause: &lapin::Error) -> bool {
@@ -143,22 +139,19 @@ impl Consumer {
     /// One connection's life: declare the queue's topology again first (an operator or a lost
     /// node may have deleted the queue, its retry and dead-letter queues or its bindings since;
     /// on a short connection of its own), then open the connection, consume on it, close it if
-    /// consuming failed. The backoff starts over once consuming has begun. Setting up is
+    /// consuming failed. It tells `began` once it consumes (the backoff starts over). Setting up is
     /// bounded in time and ends at once on shutdown: a broker that takes connections but does
     /// not answer (a cluster node recovering its queues) neither stops this queue's
     /// consumption for good nor holds up the shutdown.
-    async fn session(&mut self, backoff: &mut Duration) -> Result<Ended, Lost> {
+    async fn session(&mut self, began: &Began) -> Result<Ended, Lost> {
         let mut stop = self.stop.clone();
         let (connection, subscribed) = tokio::select! {
-            set_up = self.set_up() => set_up?,
+            set_up = self.set_up(began) => set_up?,
             // A connection opened meanwhile is closed with the others at shutdown.
             _ = stop.wait_for(|stopped| *stopped) => return Ok(Ended::Stopped),
         };
         let result = match subscribed {
-            Ok((channel, consumer, tag)) => {
-                *backoff = self.config.reconnect_min;
-                self.consume(channel, consumer, &tag).await
-            }
+            Ok((channel, consumer, tag)) => self.consume(channel, consumer, &tag).await,
             Err(e) => Err(e),
         };
         if result.is_err() {
@@ -172,14 +165,14 @@ impl Consumer {
 
     /// Declares the topology, opens the connection and subscribes on it: the connection, and
     /// whether subscribing worked (within [`topology::ANSWER_TIMEOUT`]).
-    async fn set_up(&self) -> Result<(Arc<Connection>, Subscribed), Lost> {
+    async fn set_up(&self, began: &Began) -> Result<(Arc<Connection>, Subscribed), Lost> {
         let topology = std::slice::from_ref(&self.spec);
         topology::declare_all(&self.connections, &self.config, topology).await?;
         let connection = self
             .connections
             .open(&self.config, &self.spec.queue)
             .await?;
-        let subscribing = self.subscribe(&connection);
+        let subscribing = self.subscribe(&connection, began);
         let subscribed = match tokio::time::timeout(topology::ANSWER_TIMEOUT, subscribing).await {
             Ok(subscribed) => subscribed.map_err(Lost::from),
             Err(_) => Err(Lost::Unanswered(topology::ANSWER_TIMEOUT)),
@@ -192,6 +185,7 @@ impl Consumer {
     async fn subscribe(
         &self,
         connection: &Connection,
+        began: &Began,
     ) -> Result<(Channel, lapin::Consumer, String), lapin::Error> {
         let alive = || connection.status().connected();
         let channel = unless_lost(alive, connection.create_channel(), lost).await?;
@@ -212,7 +206,7 @@ impl Consumer {
             prefetch = self.prefetch,
             "consuming"
         );
-        self.report_connected(true);
+        began.consuming();
         Ok((channel, consumer, tag))
     }
 

@@ -77,7 +77,7 @@ impl Transport for RabbitTransport {
     }
 
     fn connected(&self, queue: &str) -> bool {
-        self.connections.is_consuming(queue)
+        self.connections.consuming.contains(queue)
     }
 
     fn message_ttl(&self, _queue: &str) -> Option<std::time::Duration> {

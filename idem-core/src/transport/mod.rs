@@ -1,9 +1,11 @@
 //! Transports: which broker a URL names ([`Broker::of_url`]), the contract between the runtime
-//! and a message broker ([`Transport`], [`Settle`]), the ids of the copies a settlement publishes ([`CopyId`]), an operator's reader
-//! of dead letters ([`DeadLetterReader`]), what a transport that acknowledges cumulatively
-//! settles through ([`Watermark`]), how an ordered partition's messages are spread over its
-//! lanes ([`lane_of`]), and an in-memory transport for tests and demos ([`MemoryTransport`]).
-//! The RabbitMQ and NATS transports are in idem-rabbitmq and idem-nats.
+//! and a message broker ([`Transport`], [`Settle`]), the life of a queue's consumer on any
+//! broker ([`supervise`]), the ids of the copies a settlement publishes ([`CopyId`]), an
+//! operator's reader of dead letters ([`DeadLetterReader`]), what a transport that
+//! acknowledges cumulatively settles through ([`Watermark`]), how an ordered partition's
+//! messages are spread over its lanes ([`lane_of`]), and an in-memory transport for tests and
+//! demos ([`MemoryTransport`]). The RabbitMQ and NATS transports are in idem-rabbitmq and
+//! idem-nats.
 
 pub mod brokers;
 pub mod contract;
@@ -14,6 +16,7 @@ pub mod error;
 pub mod lanes;
 pub mod memory;
 pub mod outbound;
+pub mod supervisor;
 pub mod watermark;
 
 pub use brokers::{BROKERS, Broker, BrokerScheme, UnknownBroker};
@@ -25,4 +28,5 @@ pub use error::TransportError;
 pub use lanes::lane_of;
 pub use memory::MemoryTransport;
 pub use outbound::{Outbound, OutboundError};
+pub use supervisor::{Began, Consuming, Ended, Session, Supervision, supervise};
 pub use watermark::Watermark;
