@@ -1,7 +1,7 @@
 //! The life of one queue's consumer, the same on every broker ([`supervise`]): sessions one
 //! after another until shutdown, a backoff between failed ones that starts over once a session
 //! consumed, and what operators see of it: whether the queue is consuming (health checks,
-//! `idem_broker_connected`), each reconnection (`idem_broker_reconnects_total`) and a warning
+//! `idem_broker_connected`), each reconnection (`idem_reconnects_total`) and a warning
 //! naming the cause. A transport writes only its [`Session`]: connect, declare, consume.
 
 use super::contract::StopSignal;
