@@ -249,6 +249,20 @@ fn order(id: &str, cents: i64) -> Order {
     }
 }
 
+/// The durable consumer idem's `nats.orders` handler reads `queue` through, for reading what
+/// JetStream counted (deliveries, pending, acks pending).
+async fn orders_consumer(
+    js: &async_nats::jetstream::Context,
+    queue: &str,
+) -> async_nats::jetstream::consumer::PullConsumer {
+    js.get_stream(format!("IDEM_{queue}"))
+        .await
+        .unwrap()
+        .get_consumer("nats_orders")
+        .await
+        .unwrap()
+}
+
 /// JetStream's duplicate window: a copy published again with a JetStream id it took is
 /// dropped before it reaches the inbox; and acks are confirmed, so nothing is left in the
 /// work queue. (Copies JetStream keeps are settled by the inbox: `tests/guarantees.rs`.)
@@ -330,13 +344,7 @@ async fn a_handler_longer_than_the_ack_wait_is_not_redelivered_while_it_runs() {
     })
     .await;
     // Every delivery, redeliveries included, takes a consumer sequence number.
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
-        .get_stream(format!("IDEM_{queue}"))
-        .await
-        .unwrap()
-        .get_consumer("nats_orders")
-        .await
-        .unwrap();
+    let mut consumer = orders_consumer(&js, &queue).await;
     let delivered = consumer.info().await.unwrap().delivered.consumer_sequence;
     let seen = running.shut_down().await;
     assert_eq!(
@@ -378,13 +386,7 @@ async fn deliveries_waiting_for_a_handler_are_not_redelivered() {
         running.now().processed >= 6
     })
     .await;
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
-        .get_stream(format!("IDEM_{queue}"))
-        .await
-        .unwrap()
-        .get_consumer("nats_orders")
-        .await
-        .unwrap();
+    let mut consumer = orders_consumer(&js, &queue).await;
     // Every delivery, redeliveries included, takes a consumer sequence number.
     let delivered = consumer.info().await.unwrap().delivered.consumer_sequence;
     let seen = running.shut_down().await;
@@ -410,13 +412,7 @@ async fn a_handler_running_at_shutdown_is_still_told_in_progress() {
         transport,
         queue,
     } = Slow::published("nats-stopping", "slow-2").await;
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
-        .get_stream(format!("IDEM_{queue}"))
-        .await
-        .unwrap()
-        .get_consumer("nats_orders")
-        .await
-        .unwrap();
+    let mut consumer = orders_consumer(&js, &queue).await;
     let first = start(orders_alone(&transport, &pool, &queue));
     wait_until("the first process holding the order", DEADLINE, || {
         let mut consumer = consumer.clone();
@@ -698,13 +694,7 @@ async fn messages_the_client_cannot_parse_are_dead_lettered_after_one_cut_each()
         "{} connections",
         proxy.accepted()
     );
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer =
-        w.js.get_stream(format!("IDEM_{}", w.orders))
-            .await
-            .unwrap()
-            .get_consumer("nats_orders")
-            .await
-            .unwrap();
+    let mut consumer = orders_consumer(&w.js, &w.orders).await;
     let info = consumer.info().await.unwrap();
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
     w.cleanup().await;

@@ -69,6 +69,14 @@ impl Curve {
         self.points.push((rows, sweeping, medians));
     }
 
+    /// Every consumer's median msgs/s at the last size measured.
+    pub fn last_rates(&self) -> Vec<f64> {
+        self.points
+            .last()
+            .map(|(_, _, medians)| medians.iter().map(|m| m[0]).collect())
+            .unwrap_or_default()
+    }
+
     /// The table of medians: msgs/s at each size, and each as a share of the consumer's own
     /// figure with an empty inbox (the first size).
     pub fn render(&self) -> String {

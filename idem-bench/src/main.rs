@@ -10,6 +10,7 @@ mod curve;
 mod full_row;
 mod handwritten;
 mod http;
+mod latency;
 mod nats;
 mod outbox;
 mod parent;
@@ -107,6 +108,11 @@ struct Bench {
     /// consumer) into this PNG.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// After the throughput runs, run every consumer again fed at this many messages a second,
+    /// and print the latency from each order's publish to its commit (p50, p99) beside the
+    /// consumer's most msgs/s.
+    #[arg(long)]
+    latency_rate: Option<u32>,
     /// The broker the consumers run on: RabbitMQ (lapin) or NATS JetStream (async-nats).
     #[arg(long, value_enum, default_value = "rabbitmq")]
     broker: Broker,

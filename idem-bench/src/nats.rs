@@ -10,7 +10,7 @@
 //! so that a settlement is known; what that costs is in the ratio.
 
 use crate::handwritten::{self, Inbox, Incoming};
-use crate::workload::Workload;
+use crate::workload::{Order, Workload};
 use anyhow::{Context as _, bail};
 use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
@@ -137,20 +137,31 @@ pub async fn fresh_queue(
 pub async fn publish(url: &str, queue: &str, workload: &Workload) -> anyhow::Result<()> {
     let (_client, js) = connect(url).await?;
     for chunk in workload.messages.chunks(2000) {
-        let mut confirms = Vec::with_capacity(chunk.len());
-        for order in chunk {
-            let mut headers = HeaderMap::new();
-            headers.insert(MESSAGE_ID_HEADER, order.order_id.as_str());
-            headers.insert("Content-Type", "application/json");
-            let body = serde_json::to_vec(order)?;
-            confirms.push(
-                js.publish_with_headers(queue.to_owned(), headers, body.into())
-                    .await?,
-            );
-        }
-        for confirm in confirms {
-            confirm.await.context("JetStream did not take a message")?;
-        }
+        publish_orders(&js, queue, chunk).await?;
+    }
+    Ok(())
+}
+
+/// A JetStream context to publish orders through ([`publish_orders`]).
+pub async fn feeder(url: &str) -> anyhow::Result<Context> {
+    Ok(connect(url).await?.1)
+}
+
+/// Publishes `orders` to `queue`, then waits for JetStream to take them all.
+pub async fn publish_orders(js: &Context, queue: &str, orders: &[Order]) -> anyhow::Result<()> {
+    let mut confirms = Vec::with_capacity(orders.len());
+    for order in orders {
+        let mut headers = HeaderMap::new();
+        headers.insert(MESSAGE_ID_HEADER, order.order_id.as_str());
+        headers.insert("Content-Type", "application/json");
+        let body = serde_json::to_vec(order)?;
+        confirms.push(
+            js.publish_with_headers(queue.to_owned(), headers, body.into())
+                .await?,
+        );
+    }
+    for confirm in confirms {
+        confirm.await.context("JetStream did not take a message")?;
     }
     Ok(())
 }

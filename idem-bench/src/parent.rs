@@ -17,7 +17,7 @@ use std::process::Stdio;
 
 /// The order of the consumers (indexes into `--variants`) in run `run` (from 1): as listed, or
 /// with `alternate` in even runs the first and then the others in reverse.
-fn run_order(variants: usize, run: usize, alternate: bool) -> Vec<usize> {
+pub(crate) fn run_order(variants: usize, run: usize, alternate: bool) -> Vec<usize> {
     if alternate && run.is_multiple_of(2) && variants > 0 {
         std::iter::once(0).chain((1..variants).rev()).collect()
     } else {
@@ -48,6 +48,14 @@ pub async fn bench(b: Bench) -> anyhow::Result<()> {
     if b.broker == Broker::Nats {
         nats::check_variants(&b.variants)?;
     }
+    if b.latency_rate.is_some()
+        && let Some(ordered) = b.variants.iter().find(|v| v.partitions().is_some())
+    {
+        bail!(
+            "--latency-rate feeds one queue; {} consumes partitions: leave it out of --variants",
+            ordered.name()
+        );
+    }
     let mut tables: Vec<InboxTable> = b.variants.iter().map(|v| v.inbox()).collect();
     tables.dedup();
     tables.sort_by_key(|t| t.name());
@@ -73,7 +81,13 @@ pub async fn bench(b: Bench) -> anyhow::Result<()> {
     )
     .await?;
     eprintln!("PostgreSQL autovacuum: {}", if on { "on" } else { "off" });
-    let measured = measure_sizes(&b, &pool, &workload, &tables, &sizes, prefilled).await;
+    let mut measured = measure_sizes(&b, &pool, &workload, &tables, &sizes, prefilled).await;
+    if let (Ok(curve), Some(rate)) = (&measured, b.latency_rate) {
+        let rates = curve.last_rates();
+        if let Err(e) = crate::latency::measure(&b, rate, &pool, &workload, &rates).await {
+            measured = Err(e);
+        }
+    }
     autovacuum.restore().await?;
     let curve = measured?;
     if sizes.len() > 1 || b.sweep {
@@ -301,7 +315,7 @@ fn queues(queue: &str, variant: Variant) -> Vec<String> {
 
 /// Deletes `queue` (and idem's queues around it; for an ordered variant its partitions and
 /// exchange) and declares it anew, empty.
-async fn fresh_queue(url: &str, queue: &str, variant: Variant) -> anyhow::Result<()> {
+pub(crate) async fn fresh_queue(url: &str, queue: &str, variant: Variant) -> anyhow::Result<()> {
     let delays = RetryPolicy::default().delays();
     let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default())
         .await
@@ -358,7 +372,7 @@ async fn fresh_queue(url: &str, queue: &str, variant: Variant) -> anyhow::Result
 }
 
 /// Runs one consumer in a child process and reads its result.
-async fn child(
+pub(crate) async fn child(
     variant: Variant,
     queue: &str,
     expect: usize,
