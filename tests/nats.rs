@@ -602,6 +602,62 @@ async fn a_connection_cut_under_load_loses_nothing_and_doubles_nothing() {
     w.cleanup().await;
 }
 
+/// Messages stored with a status on their version line (`NATS/1.0 503`, `100`, `408`), as a
+/// raw client can publish them and the server stores them: the client reads the status, and a
+/// pull took them for what the server says of the pull (no responders, a heartbeat, an expired
+/// request), so each either ended the session or was never handed to a handler, and was
+/// delivered again after every ack wait. They are deliveries (they carry an ack subject) and
+/// are applied as any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn messages_stored_with_a_status_line_are_handled_as_messages() {
+    let w = World::new("status").await;
+    let address = nats_url()
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .trim_start_matches("nats://")
+        .to_owned();
+    let good = |n: usize| format!("st-{n}");
+    for n in 0..5 {
+        w.publish(&good(n), &order(&good(n), 1)).await;
+    }
+    let odd = ["503", "100", "408"];
+    for status in odd {
+        let id = format!("status-{status}");
+        let header = format!("NATS/1.0 {status}\r\nNats-Msg-Id: {id}\r\n\r\n");
+        let body = serde_json::to_vec(&order(&id, 1)).unwrap();
+        common::raw_nats::publish(
+            &format!("nats://{address}"),
+            &w.orders,
+            header.as_bytes(),
+            &body,
+        )
+        .await;
+    }
+    for n in 5..10 {
+        w.publish(&good(n), &order(&good(n), 1)).await;
+    }
+    let running = start(orders_alone(&w.transport, &w.pool, &w.orders));
+    wait_until("every order applied", DEADLINE, || async {
+        w.applied_ids().await.len() == 13
+    })
+    .await;
+    let seen = running.shut_down().await;
+    let ids = (0..10)
+        .map(good)
+        .chain(odd.map(|status| format!("status-{status}")));
+    assert_eq!(
+        w.applied_ids().await,
+        each_once("orders", ids),
+        "an order applied twice or lost"
+    );
+    assert_eq!((seen.processed, seen.dead_lettered), (13, 0), "{seen:?}");
+    let mut consumer = orders_consumer(&w.js, &w.orders).await;
+    let info = consumer.info().await.unwrap();
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
+    w.cleanup().await;
+}
+
 /// Messages whose headers the client cannot parse, as a producer in another language sends them
 /// and the server stores them (a value in latin-1, a name with a space): async-nats drops its
 /// connection on a delivery of one. Each is dead-lettered once with reason `unparsable`, its

@@ -102,8 +102,8 @@ impl Puller {
         Ok(())
     }
 
-    /// The next message JetStream delivers; status messages are taken into the count of what
-    /// is outstanding, or end the pull.
+    /// The next message JetStream delivers; the server's status messages about the pull are
+    /// taken into the count of what is outstanding, or end the pull.
     pub(crate) async fn next(&mut self) -> Result<async_nats::Message, PullError> {
         loop {
             let deadline = self.heard + 2 * HEARTBEAT;
@@ -117,7 +117,18 @@ impl Puller {
             };
             let message = received.ok_or(PullError::Closed)?;
             self.heard = Instant::now();
+            // A stored message carries its ack subject, whatever status its header block
+            // spells (a raw client can publish `NATS/1.0 503`); the server's own statuses
+            // about the pull carry none.
+            let delivered = message
+                .reply
+                .as_ref()
+                .is_some_and(|reply| reply.starts_with(ACK_PREFIX));
             match message.status {
+                _ if delivered => {
+                    self.outstanding = self.outstanding.saturating_sub(1);
+                    return Ok(message);
+                }
                 None | Some(StatusCode::OK) => {
                     self.outstanding = self.outstanding.saturating_sub(1);
                     return Ok(message);
@@ -148,6 +159,9 @@ impl Puller {
         }
     }
 }
+
+/// The start of a delivery's ack subject (`$JS.ACK.<stream>.<consumer>.…`).
+const ACK_PREFIX: &str = "$JS.ACK.";
 
 /// Whether a 409's description says the consumer cannot be pulled from any more.
 fn ends_pulling(description: Option<&str>) -> bool {
