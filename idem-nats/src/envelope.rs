@@ -2,36 +2,37 @@
 //! headers: `Nats-Msg-Id` (JetStream's duplicate window), `Idem-Message-Id` where the two differ
 //! (a retry copy), `Idem-Correlation-Id`, `Content-Type`, `Idem-Reply-To`, `Idem-Attempt` and
 //! `Idem-Routing-Key` (a delivery's routing key, where it is not its subject); every other
-//! header is the user's, as text.
+//! header is the user's, as text. The names are core's vocabulary ([`IdemHeader::name`]).
 
 use async_nats::HeaderMap;
 use async_nats::header::{HeaderName, HeaderValue as NatsValue};
+use idem_core::transport::IdemHeader;
 use idem_core::{Envelope, HeaderValue, Headers};
 use std::str::FromStr;
 
 /// JetStream's duplicate-window id.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// The envelope's message id, when it differs from [`MSG_ID_HEADER`].
-pub const MESSAGE_ID_HEADER: &str = "Idem-Message-Id";
+pub const MESSAGE_ID_HEADER: &str = IdemHeader::MessageId.name();
 /// The envelope's correlation id.
-pub const CORRELATION_ID_HEADER: &str = "Idem-Correlation-Id";
+pub const CORRELATION_ID_HEADER: &str = IdemHeader::CorrelationId.name();
 /// The envelope's content type.
-pub const CONTENT_TYPE_HEADER: &str = "Content-Type";
+pub const CONTENT_TYPE_HEADER: &str = IdemHeader::ContentType.name();
 /// The queue a reply goes to.
-pub const REPLY_TO_HEADER: &str = "Idem-Reply-To";
+pub const REPLY_TO_HEADER: &str = IdemHeader::ReplyTo.name();
 /// Which attempt a retry copy is (1 for an original).
-pub const ATTEMPT_HEADER: &str = "Idem-Attempt";
+pub const ATTEMPT_HEADER: &str = IdemHeader::Attempt.name();
 /// When a retry copy is due, in milliseconds since the Unix epoch.
-pub(crate) const DUE_HEADER: &str = "Idem-Due";
+pub(crate) const DUE_HEADER: &str = IdemHeader::Due.name();
 /// Why a dead letter was dead-lettered: the reason code.
-pub const REASON_HEADER: &str = "Idem-Dead-Letter-Reason";
+pub const REASON_HEADER: &str = IdemHeader::DeadLetterReason.name();
 /// The reason's detail.
-pub const REASON_DETAIL_HEADER: &str = "Idem-Dead-Letter-Detail";
+pub const REASON_DETAIL_HEADER: &str = IdemHeader::DeadLetterDetail.name();
 /// The queue a dead letter came from.
-pub const SOURCE_QUEUE_HEADER: &str = "Idem-Source-Queue";
+pub const SOURCE_QUEUE_HEADER: &str = IdemHeader::SourceQueue.name();
 /// The routing key a message was published with, where its subject is another (a partition of
 /// an ordered handler's source: `<source>.p<i>`, published with the key that chose it).
-pub const ROUTING_KEY_HEADER: &str = "Idem-Routing-Key";
+pub const ROUTING_KEY_HEADER: &str = IdemHeader::RoutingKey.name();
 
 /// Headers that carry the envelope's own properties, or JetStream's, not the user's.
 const OWN: &[&str] = &[

@@ -1,18 +1,27 @@
 //! Mapping between lapin deliveries and idem envelopes.
 
+use idem_core::transport::IdemHeader;
 use idem_core::{Envelope, HeaderValue, Headers, OutgoingError};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 /// The header idem sets on a retried copy: which attempt it is.
-pub const ATTEMPT_HEADER: &str = "x-idem-attempt";
+pub const ATTEMPT_HEADER: &str = amqp(IdemHeader::Attempt);
 
 /// The header of a dead letter moved without its record (the store refused it for good): the
 /// reason code (`decode`, `conflict`, …).
-pub const REASON_HEADER: &str = "x-idem-dead-letter-reason";
+pub const REASON_HEADER: &str = amqp(IdemHeader::DeadLetterReason);
 
 /// Beside [`REASON_HEADER`]: the reason's detail, at most 1 KiB.
-pub const REASON_DETAIL_HEADER: &str = "x-idem-dead-letter-detail";
+pub const REASON_DETAIL_HEADER: &str = amqp(IdemHeader::DeadLetterDetail);
+
+/// `header`'s name in an AMQP header table, in core's vocabulary ([`IdemHeader::amqp_name`]).
+const fn amqp(header: IdemHeader) -> &'static str {
+    match header.amqp_name() {
+        Some(name) => name,
+        None => panic!("AMQP carries this header in a field of its own"),
+    }
+}
 
 /// Builds the envelope of a delivery. The attempt is the retry copy's (from
 /// [`ATTEMPT_HEADER`], 1 for an original): a redelivery of the same copy (its consumer died or

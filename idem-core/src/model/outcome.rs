@@ -171,7 +171,8 @@ impl fmt::Display for Rejection {
     }
 }
 
-/// The kinds of permanent refusal, each with a stable code for the `x-idem-reason` header.
+/// The kinds of permanent refusal, each with a stable code for a dead letter's reason header
+/// ([`crate::transport::IdemHeader::DeadLetterReason`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum RejectReason {

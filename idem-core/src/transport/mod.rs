@@ -1,7 +1,7 @@
 //! Transports: which broker a URL names ([`Broker::of_url`]), the contract between the runtime
 //! and a message broker ([`Transport`], [`Settle`]), the life of a queue's consumer on any
 //! broker ([`supervise`]), the forwarder of retry copies for a broker that cannot deliver
-//! later by itself ([`forward_due`]), the ids of the copies a settlement publishes ([`CopyId`]), an
+//! later by itself ([`forward_due`]), idem's own headers ([`IdemHeader`]), the ids of the copies a settlement publishes ([`CopyId`]), an
 //! operator's reader of dead letters ([`DeadLetterReader`]), what a transport that
 //! acknowledges cumulatively settles through ([`Watermark`]), how an ordered partition's
 //! messages are spread over its lanes ([`lane_of`]), and an in-memory transport for tests and
@@ -15,6 +15,7 @@ pub mod dead_letters;
 pub mod demand;
 pub mod error;
 pub mod forwarder;
+pub mod headers;
 pub mod lanes;
 pub mod memory;
 pub mod outbound;
@@ -28,6 +29,7 @@ pub use dead_letters::{DeadLetterReader, HeldLetter};
 pub use demand::{Demand, Gathering, Wants};
 pub use error::TransportError;
 pub use forwarder::{DueCopies, FORWARD_RETRY, forward_due};
+pub use headers::IdemHeader;
 pub use lanes::lane_of;
 pub use memory::MemoryTransport;
 pub use outbound::{Outbound, OutboundError};
