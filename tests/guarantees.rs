@@ -269,8 +269,7 @@ macro_rules! on_both_brokers {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
                     let url = super::common::broker::amqp_url();
-                    let bus = super::Bus::rabbit(&url, idem::rabbitmq::QueueType::Classic).await;
-                    super::$test(bus).await;
+                    super::$test(super::Bus::of_url(&url).await).await;
                 }
             )*
         }
@@ -278,7 +277,8 @@ macro_rules! on_both_brokers {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
-                    super::$test(super::Bus::nats().await).await;
+                    let url = super::common::bus::nats_url();
+                    super::$test(super::Bus::of_url(&url).await).await;
                 }
             )*
         }

@@ -77,6 +77,19 @@ enum Servers {
 }
 
 impl Bus {
+    /// The bus of the broker `url`'s scheme names, from idem's table of brokers
+    /// ([`idem::transport::Broker::of_url`]); RabbitMQ's queues classic.
+    pub async fn of_url(url: &str) -> Self {
+        match idem::transport::Broker::of_url(url) {
+            Ok(idem::transport::Broker::RabbitMq) => Self::rabbit(url, QueueType::Classic).await,
+            Ok(idem::transport::Broker::Nats) => {
+                Self::nats_at(url.to_owned(), Servers::Shared).await
+            }
+            Ok(other) => panic!("no test bus for {other:?}"),
+            Err(e) => panic!("{e}"),
+        }
+    }
+
     pub async fn rabbit(urls: &str, queue_type: QueueType) -> Self {
         Self::Rabbit {
             urls: urls.to_owned(),
