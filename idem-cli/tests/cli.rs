@@ -962,7 +962,7 @@ async fn unroutable_outbox_rows_are_parked_listed_and_released() {
     assert_eq!(rows.len(), 600);
     assert!(
         rows.iter().all(|r| r["routing_key"] == missing.as_str()
-            && r["failure"].as_str().unwrap().contains("no queue is bound")
+            && r["failure"].as_str().unwrap().contains("no queue takes it")
             && r["given_up_at_ms"].is_null()),
         "{}",
         rows[0]
