@@ -57,10 +57,15 @@ pub mod store {
 }
 
 /// The transport contract, what a transport settles and routes through, which broker a URL
-/// names, and the in-memory transport.
+/// names, the kit a transport is built on (the consumer's life, the due-copy forwarder, idem's
+/// headers, copy ids), and the in-memory transport.
 pub mod transport {
     pub use idem_core::BoxFuture;
-    pub use idem_core::transport::{BROKERS, Broker, BrokerScheme, UnknownBroker};
+    pub use idem_core::transport::{
+        BROKERS, Began, Broker, BrokerScheme, Consuming, CopyId, CopyPurpose, DeliveryOrigin,
+        DueCopies, Ended, FORWARD_RETRY, IdemHeader, Session, Supervision, UnknownBroker,
+        forward_due, supervise,
+    };
     pub use idem_core::{
         DeadLetter, DeadLetterLog, DeadLetterReader, Delivery, Demand, Gathering, HeldLetter,
         MemoryTransport, Outbound, OutboundError, Partition, QueueSpec, Settle, StopSignal,

@@ -277,7 +277,12 @@ macro_rules! on_both_brokers {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
+                    // async-nats takes a URL without its scheme; the table of brokers needs it.
                     let url = super::common::bus::nats_url();
+                    let url = match url.contains("://") {
+                        true => url,
+                        false => format!("nats://{url}"),
+                    };
                     super::$test(super::Bus::of_url(&url).await).await;
                 }
             )*

@@ -69,10 +69,10 @@ impl Curve {
         self.points.push((rows, sweeping, medians));
     }
 
-    /// Every consumer's median msgs/s at the last size measured.
-    pub fn last_rates(&self) -> Vec<f64> {
+    /// Every consumer's median msgs/s at the first size measured.
+    pub fn first_rates(&self) -> Vec<f64> {
         self.points
-            .last()
+            .first()
             .map(|(_, _, medians)| medians.iter().map(|m| m[0]).collect())
             .unwrap_or_default()
     }

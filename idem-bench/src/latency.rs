@@ -3,8 +3,10 @@
 //! publishes the workload at `R` messages a second. An order's latency runs from its publish
 //! until the commit of its row: a trigger on the orders table sends the order id with
 //! `NOTIFY`, which PostgreSQL delivers when the transaction commits, to a listener in the
-//! benchmark, on the same clock as the publish. Every consumer pays the trigger alike. The
-//! orders published in the first [`WARM_UP`] are left out while the consumer starts.
+//! benchmark, on the same clock as the publish; the trigger costs each transaction a
+//! notification. Each run reports how far the feed fell behind its schedule at most, so that a
+//! feed that did not hold the rate shows. The orders published in the first [`WARM_UP`] are
+//! left out while the consumer starts.
 
 use crate::parent::{child, fresh_queue, run_order};
 use crate::workload::{self, Order, Workload};
@@ -24,6 +26,9 @@ const WARM_UP: Duration = Duration::from_secs(2);
 
 /// How often the feed publishes what is due.
 const TICK: Duration = Duration::from_millis(5);
+
+/// Removes the trigger.
+pub const DROP_TRIGGER: &str = "DROP TRIGGER IF EXISTS idem_bench_committed ON bench_orders";
 
 /// The trigger that reports each order row's commit.
 const TRIGGER: [&str; 3] = [
@@ -51,15 +56,8 @@ pub async fn measure(
     workload: &Workload,
     rates: &[f64],
 ) -> anyhow::Result<()> {
-    for statement in TRIGGER {
-        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
-            .execute(pool)
-            .await?;
-    }
     let measured = runs(b, rate, pool, workload).await;
-    sqlx::raw_sql("DROP TRIGGER IF EXISTS idem_bench_committed ON bench_orders")
-        .execute(pool)
-        .await?;
+    sqlx::query(DROP_TRIGGER).execute(pool).await?;
     let measured = measured?;
     println!(
         "latency, publish → commit, at {rate} msgs/s offered ({:?}; medians of {} runs, the first {} s of each left out):",
@@ -92,7 +90,13 @@ async fn runs(
     for run in 1..=b.runs {
         for column in run_order(b.variants.len(), run, b.alternate) {
             let variant = b.variants[column];
+            // The reset drops the trigger a run left behind; each run sets it again.
             workload::reset(pool, with_idem::TABLE, None).await?;
+            for statement in TRIGGER {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                    .execute(pool)
+                    .await?;
+            }
             let queue = variant.queue();
             match b.broker {
                 Broker::Rabbitmq => fresh_queue(&b.amqp_url, &queue, variant).await?,
@@ -109,7 +113,7 @@ async fn runs(
                 let (queue, messages) = (queue.clone(), b.messages);
                 tokio::spawn(async move { child(variant, &queue, messages, false).await })
             };
-            let sent = feed(b, &queue, workload, rate).await?;
+            let (sent, lag) = feed(b, &queue, workload, rate).await?;
             consumer.await??;
             workload::verify(pool, workload)
                 .await
@@ -118,15 +122,20 @@ async fn runs(
             while !listening.is_finished() && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            listening.abort();
+            if listening.is_finished() {
+                listening.await??;
+            } else {
+                listening.abort();
+            }
             let committed =
                 std::mem::take(&mut *committed.lock().unwrap_or_else(|e| e.into_inner()));
             let quantiles = quantiles(&sent, &committed, workload.unique)?;
             eprintln!(
-                "latency run {run}: {:<26} p50 {:>7.2} ms  p99 {:>7.2} ms  (effects exact)",
+                "latency run {run}: {:<26} p50 {:>7.2} ms  p99 {:>7.2} ms  feed behind by {:.1} ms at most  (effects exact)",
                 variant.name(),
                 quantiles.p50,
-                quantiles.p99
+                quantiles.p99,
+                lag.as_secs_f64() * 1e3
             );
             measured[column].push(quantiles);
         }
@@ -170,24 +179,28 @@ fn quantiles(
         })
         .collect();
     latencies.sort_by(f64::total_cmp);
-    let at = |p: f64| latencies[((latencies.len() as f64 * p) as usize).min(latencies.len() - 1)];
     if latencies.is_empty() {
         bail!("no order was published after the warm-up: raise --messages");
     }
+    // Nearest rank: the smallest latency at least a share `p` of the orders had.
+    let at = |p: f64| {
+        let rank = (latencies.len() as f64 * p).ceil() as usize;
+        latencies[rank.clamp(1, latencies.len()) - 1]
+    };
     Ok(Quantiles {
         p50: at(0.5),
         p99: at(0.99),
     })
 }
 
-/// Publishes the workload to `queue` at `rate` messages a second, confirmed as it goes; when
-/// each order was first published.
+/// Publishes the workload to `queue` at `rate` messages a second, confirmed as it goes: when
+/// each order was first published, and the most the feed fell behind its schedule.
 async fn feed(
     b: &Bench,
     queue: &str,
     workload: &Workload,
     rate: u32,
-) -> anyhow::Result<HashMap<String, Instant>> {
+) -> anyhow::Result<(HashMap<String, Instant>, Duration)> {
     let mut sink = match b.broker {
         Broker::Rabbitmq => Sink::Rabbit(Box::new(
             Publisher::connect(&RabbitConfig::new(&b.amqp_url)).await?,
@@ -195,22 +208,29 @@ async fn feed(
         Broker::Nats => Sink::Nats(Box::new(nats::feeder(&b.nats_url).await?)),
     };
     let mut sent = HashMap::with_capacity(workload.unique);
-    let started = tokio::time::Instant::now();
+    let mut lag = Duration::ZERO;
+    let started = Instant::now();
     let mut ticker = tokio::time::interval(TICK);
     let mut next = 0;
-    while next < workload.messages.len() {
+    let total = workload.messages.len();
+    while next < total {
         ticker.tick().await;
-        let due = ((started.elapsed().as_secs_f64() * f64::from(rate)) as usize)
-            .min(workload.messages.len());
-        let orders = &workload.messages[next..due.max(next)];
+        let due = ((started.elapsed().as_secs_f64() * f64::from(rate)) as usize).min(total);
+        if due <= next {
+            continue;
+        }
+        // The orders are stamped as they are sent; how far the feed fell behind its schedule
+        // is reported beside the quantiles.
         let now = Instant::now();
-        for order in orders {
+        let scheduled = started + Duration::from_secs_f64(next as f64 / f64::from(rate));
+        lag = lag.max(now.saturating_duration_since(scheduled));
+        for order in &workload.messages[next..due] {
             sent.entry(order.order_id.clone()).or_insert(now);
         }
-        sink.publish(queue, orders).await?;
-        next = due.max(next);
+        sink.publish(queue, &workload.messages[next..due]).await?;
+        next = due;
     }
-    Ok(sent)
+    Ok((sent, lag))
 }
 
 /// Where the feed publishes.

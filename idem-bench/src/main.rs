@@ -111,7 +111,7 @@ struct Bench {
     /// After the throughput runs, run every consumer again fed at this many messages a second,
     /// and print the latency from each order's publish to its commit (p50, p99) beside the
     /// consumer's most msgs/s.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     latency_rate: Option<u32>,
     /// The broker the consumers run on: RabbitMQ (lapin) or NATS JetStream (async-nats).
     #[arg(long, value_enum, default_value = "rabbitmq")]

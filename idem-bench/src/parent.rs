@@ -48,6 +48,9 @@ pub async fn bench(b: Bench) -> anyhow::Result<()> {
     if b.broker == Broker::Nats {
         nats::check_variants(&b.variants)?;
     }
+    if b.latency_rate.is_some() && prefilled {
+        bail!("--latency-rate runs on empty inboxes; leave out --prefill");
+    }
     if b.latency_rate.is_some()
         && let Some(ordered) = b.variants.iter().find(|v| v.partitions().is_some())
     {
@@ -83,7 +86,7 @@ pub async fn bench(b: Bench) -> anyhow::Result<()> {
     eprintln!("PostgreSQL autovacuum: {}", if on { "on" } else { "off" });
     let mut measured = measure_sizes(&b, &pool, &workload, &tables, &sizes, prefilled).await;
     if let (Ok(curve), Some(rate)) = (&measured, b.latency_rate) {
-        let rates = curve.last_rates();
+        let rates = curve.first_rates();
         if let Err(e) = crate::latency::measure(&b, rate, &pool, &workload, &rates).await {
             measured = Err(e);
         }

@@ -255,6 +255,10 @@ pub async fn reset(
     for statement in SCHEMA {
         sqlx::query(statement).execute(pool).await?;
     }
+    // Left by a latency run that was interrupted: no other run pays for its notifications.
+    sqlx::query(crate::latency::DROP_TRIGGER)
+        .execute(pool)
+        .await?;
     // The outbox beside idem's inbox (`bench_idem_inbox` → `bench_idem_outbox`) too.
     let outbox = idem_table.replace("_inbox", "_outbox");
     let inboxes = match prefilled {

@@ -10,7 +10,8 @@ use std::fmt;
 /// | `Queue(q)` | the default exchange, routing key `q` | subject `q` |
 /// | `Topic { topic, key }` | exchange `topic`, routing key `key` | an ordered handler's source `topic`: its partition for `key`; else subject `<topic>.<key>` |
 ///
-/// A topic whose name is empty is the queue its key names, on every broker.
+/// A topic whose name is empty is the queue its key names, on every broker
+/// ([`Destination::topic`] makes it one).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Destination {
     /// Straight to the queue of this name.
@@ -30,12 +31,9 @@ impl Destination {
         Self::Queue(name.into())
     }
 
-    /// `topic`, routed by `key`.
+    /// `topic`, routed by `key`; with an empty `topic`, the queue `key` names.
     pub fn topic(topic: impl Into<String>, key: impl Into<String>) -> Self {
-        Self::Topic {
-            topic: topic.into(),
-            key: key.into(),
-        }
+        Self::from_parts(topic, key)
     }
 
     /// The destination as the two fields a store keeps: its topic (`""` for a queue) and its
@@ -81,6 +79,7 @@ mod tests {
             Destination::queue("orders"),
             Destination::topic("events", "o-1"),
             Destination::topic("events", ""),
+            Destination::topic("", "orders"),
         ] {
             let (topic, key) = destination.parts();
             assert_eq!(Destination::from_parts(topic, key), destination);
@@ -93,7 +92,14 @@ mod tests {
 
     #[test]
     fn a_topic_without_a_name_is_the_queue_its_key_names() {
-        let nameless = Destination::topic("", "orders");
+        assert_eq!(
+            Destination::topic("", "orders"),
+            Destination::queue("orders")
+        );
+        let nameless = Destination::Topic {
+            topic: String::new(),
+            key: "orders".to_owned(),
+        };
         assert_eq!(nameless.parts(), Destination::queue("orders").parts());
         assert_eq!(nameless.to_string(), "queue `orders`");
         assert_eq!(

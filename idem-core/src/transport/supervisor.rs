@@ -1,6 +1,6 @@
 //! The life of one queue's consumer, the same on every broker ([`supervise`]): sessions one
 //! after another until shutdown, a backoff between failed ones that starts over once a session
-//! consumed, and what operators see of it: whether the queue is consuming (health checks,
+//! consumed for a while, and what operators see of it: whether the queue is consuming (health checks,
 //! `idem_broker_connected`), each reconnection (`idem_reconnects_total`) and a warning
 //! naming the cause. A transport writes only its [`Session`]: connect, declare, consume.
 
@@ -9,9 +9,12 @@ use crate::future::BoxFuture;
 use crate::telemetry;
 use std::collections::HashSet;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+use tokio::time::Instant;
+
+/// How long a session must have consumed for the backoff after it to start over.
+const STEADY: Duration = Duration::from_secs(1);
 
 /// How a session ended without a failure: the consumer stops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,15 +72,20 @@ impl Consuming {
 pub struct Began {
     queue: String,
     consuming: Consuming,
-    began: AtomicBool,
+    at: OnceLock<Instant>,
 }
 
 impl Began {
-    /// The session consumes: the queue reads as connected, and the next failure's backoff
-    /// starts from the shortest.
+    /// The session consumes: the queue reads as connected. Once it has consumed for a second,
+    /// the next failure's backoff starts from the shortest.
     pub fn consuming(&self) {
-        self.began.store(true, Ordering::Relaxed);
+        let _ = self.at.set(Instant::now());
         self.consuming.set(&self.queue, true);
+    }
+
+    /// Whether the session consumed for at least `long`.
+    fn consumed_for(&self, long: Duration) -> bool {
+        self.at.get().is_some_and(|at| at.elapsed() >= long)
     }
 }
 
@@ -121,9 +129,10 @@ impl Supervision {
 }
 
 /// Runs `session` again and again until it ends ([`Ended`]) or shutdown is raised: after a lost
-/// session the queue reads as not consuming, the loss is counted and logged, and the next
-/// session starts after a backoff (doubling from `reconnect_min` to `reconnect_max`, and from
-/// `reconnect_min` again once a session consumed). Shutdown ends a backoff at once.
+/// session the queue reads as not consuming and the loss is counted; unless the session
+/// recovers from it ([`Session::recover`]), it is logged and the next session starts after a
+/// backoff (doubling from `reconnect_min` to `reconnect_max`, and from `reconnect_min` again
+/// after a session that consumed for a second or longer). Shutdown ends a backoff at once.
 pub async fn supervise<S: Session>(mut session: S, supervision: Supervision) {
     let Supervision {
         queue,
@@ -138,11 +147,13 @@ pub async fn supervise<S: Session>(mut session: S, supervision: Supervision) {
         let began = Began {
             queue: queue.clone(),
             consuming: consuming.clone(),
-            began: AtomicBool::new(false),
+            at: OnceLock::new(),
         };
         let ended = session.run(&began).await;
         consuming.set(&queue, false);
-        if began.began.load(Ordering::Relaxed) {
+        // A session that failed soon after it began consuming (a message it cannot take, a
+        // stream gone again) keeps backing off.
+        if began.consumed_for(STEADY) {
             backoff = reconnect_min;
         }
         let lost = match ended {
@@ -170,10 +181,10 @@ mod tests {
     use tokio::sync::watch;
     use tokio::time::Instant;
 
-    /// A session that plays a script: each run consumes or not, and ends as told; a loss named
-    /// `unparsable` is recovered.
+    /// A session that plays a script: each run consumes for so many seconds or not at all, and
+    /// ends as told; a loss named `unparsable` is recovered.
     struct Scripted {
-        script: VecDeque<(bool, Result<Ended, &'static str>)>,
+        script: VecDeque<(Option<u64>, Result<Ended, &'static str>)>,
         started: Vec<Instant>,
         recovered: Vec<&'static str>,
     }
@@ -186,11 +197,14 @@ mod tests {
             let (consumed, end) = self
                 .script
                 .pop_front()
-                .unwrap_or((false, Ok(Ended::Stopped)));
-            if consumed {
-                began.consuming();
-            }
-            Box::pin(std::future::ready(end))
+                .unwrap_or((None, Ok(Ended::Stopped)));
+            Box::pin(async move {
+                if let Some(seconds) = consumed {
+                    began.consuming();
+                    tokio::time::sleep(Duration::from_secs(seconds)).await;
+                }
+                end
+            })
         }
 
         fn recover<'a>(&'a mut self, lost: &'a &'static str) -> BoxFuture<'a, bool> {
@@ -199,7 +213,7 @@ mod tests {
         }
     }
 
-    fn scripted(script: Vec<(bool, Result<Ended, &'static str>)>) -> Scripted {
+    fn scripted(script: Vec<(Option<u64>, Result<Ended, &'static str>)>) -> Scripted {
         Scripted {
             script: script.into(),
             started: Vec::new(),
@@ -221,20 +235,23 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn the_backoff_doubles_up_to_its_most_and_starts_over_once_a_session_consumed() {
+    async fn the_backoff_doubles_up_to_its_most_and_starts_over_after_a_steady_session() {
         let (_tx, stop) = watch::channel(false);
         let consuming = Consuming::default();
         let mut session = scripted(vec![
-            (false, Err("refused")),
-            (false, Err("refused")),
-            (false, Err("refused")),
-            (false, Err("refused")),
-            (true, Err("cut")),
-            (false, Err("refused")),
-            (true, Ok(Ended::MailboxClosed)),
+            (None, Err("refused")),
+            (None, Err("refused")),
+            (None, Err("refused")),
+            (None, Err("refused")),
+            // Lost as soon as it consumed: the backoff goes on growing.
+            (Some(0), Err("cut")),
+            // Consumed for a second: it starts over.
+            (Some(1), Err("cut")),
+            (None, Err("refused")),
+            (Some(0), Ok(Ended::MailboxClosed)),
         ]);
         supervise(&mut session, supervision(&consuming, stop)).await;
-        assert_eq!(gaps(&session.started), [1, 2, 4, 4, 1, 2]);
+        assert_eq!(gaps(&session.started), [1, 2, 4, 4, 4, 2, 2]);
         assert!(
             !consuming.contains("q"),
             "a session that ended is not consuming"
@@ -245,7 +262,7 @@ mod tests {
     async fn a_recovered_loss_starts_again_at_once_and_shutdown_ends_a_backoff() {
         let (tx, stop) = watch::channel(false);
         let consuming = Consuming::default();
-        let mut session = scripted(vec![(true, Err("unparsable")), (true, Err("cut"))]);
+        let mut session = scripted(vec![(Some(0), Err("unparsable")), (Some(0), Err("cut"))]);
         let began = Instant::now();
         let stopper = async {
             tokio::time::sleep(Duration::from_millis(10)).await;
