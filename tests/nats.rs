@@ -756,6 +756,38 @@ async fn messages_the_client_cannot_parse_are_dead_lettered_after_one_cut_each()
     w.cleanup().await;
 }
 
+/// Processes that start together on a new queue all declare it. One of them creating a stream
+/// between another's read and its create, then widening the dead-letter stream's duplicate
+/// window, made the other's create fail ("stream name already in use with a different
+/// configuration"), and its start with it: a CI chaos run lost a consumer process this way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn processes_starting_together_on_a_new_queue_all_declare_it() {
+    let js = jetstream_or_fail().await;
+    for round in 0..10 {
+        let queue = unique(&format!("nats-together-{round}"));
+        let transports: Vec<NatsTransport> = (0..6)
+            .map(|_| NatsTransport::new(NatsConfig::new(nats_url())))
+            .collect();
+        // Connected first, so that the declarations race each other, not the connections.
+        for transport in &transports {
+            let warm = unique("nats-warm");
+            transport
+                .declare(&[QueueSpec::new(warm.as_str(), "nats.orders")])
+                .await
+                .unwrap();
+            transport.delete_queue(&warm).await.unwrap();
+        }
+        let spec = [QueueSpec::new(queue.as_str(), "nats.orders")];
+        let declared =
+            futures_util::future::join_all(transports.iter().map(|t| t.declare(&spec))).await;
+        for result in declared {
+            result.unwrap();
+        }
+        transports[0].delete_queue(&queue).await.unwrap();
+    }
+    drop(js);
+}
+
 /// Two queues whose names differ only where a stream name cannot follow (`.` and `_`) would
 /// share a stream: the second is refused, naming the subject the stream holds.
 #[tokio::test]

@@ -186,6 +186,15 @@ async fn dead_letter_window(js: &Context, stream: Stream) -> Result<(), Transpor
     Ok(())
 }
 
+/// Whether creating a stream failed because its name or its subject is taken: what another
+/// process creating it at the same moment causes.
+fn created_meanwhile(error: &async_nats::jetstream::context::CreateStreamError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    use async_nats::jetstream::context::CreateStreamErrorKind;
+    matches!(error.kind(), CreateStreamErrorKind::JetStream(e)
+        if [ErrorCode::STREAM_NAME_EXIST, ErrorCode::STREAM_SUBJECT_OVERLAP].contains(&e.error_code()))
+}
+
 /// The durable pull consumer `name` of `subject`: explicit acks, redelivered without limit
 /// (idem's poison limit decides), from the first message.
 pub(crate) fn consumer_config(name: &str, subject: &str, ack_wait: Duration) -> pull::Config {
@@ -218,10 +227,18 @@ async fn stream(
         num_replicas: replicas,
         ..Config::default()
     };
-    let mut stream = js
-        .get_or_create_stream(config)
-        .await
-        .map_err(|e| topology(name, "declaring the stream", e))?;
+    let mut stream = match js.get_or_create_stream(config).await {
+        Ok(stream) => stream,
+        // Another process may have created it between this one's read and its create, and
+        // changed it since (the dead-letter stream's duplicate window): the server then says
+        // the name is taken, or that its subject is. A stream of that name is checked below as
+        // any existing one is; without one, the refusal stands.
+        Err(e) if created_meanwhile(&e) => match js.get_stream(name).await {
+            Ok(stream) => stream,
+            Err(_) => return Err(topology(name, "declaring the stream", e)),
+        },
+        Err(e) => return Err(topology(name, "declaring the stream", e)),
+    };
     let was = stream.cached_info().config.num_replicas.max(1);
     if was != replicas {
         let mut update = stream.cached_info().config.clone();
