@@ -3,6 +3,7 @@
 
 // What a handler author uses sits at the root; what a store, a transport or a test harness
 // implements sits in the modules below.
+pub use idem_core::registry;
 pub use idem_core::{
     Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT,
     DEFAULT_START_DEADLINE, DEFAULT_SWEEP_PAUSE, Destination, Envelope, ErrorClass, HandlerError,
@@ -10,7 +11,7 @@ pub use idem_core::{
     Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
     Stale, Stats, StopSignal, Transient, VersionValue,
 };
-pub use idem_core::{registry, telemetry};
+pub mod telemetry;
 pub use idem_macros::idempotent;
 
 /// The sqlx idem is built on: name `idem::sqlx::Transaction` in handlers, so that the

@@ -88,3 +88,50 @@ fn the_dashboard_is_valid_json_with_a_panel_per_concern() {
         );
     }
 }
+
+/// Each metric is queried as its type allows: `rate` and `increase` only over counters
+/// (`…_total`) and histogram buckets, `histogram_quantile` only over the buckets of a histogram
+/// idem records with bucket bounds (`idem::telemetry::HISTOGRAMS`), and counters never read
+/// as they stand.
+#[test]
+fn the_dashboard_and_the_alerts_query_each_metric_as_its_type_allows() {
+    let histograms: Vec<&str> = idem::telemetry::HISTOGRAMS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
+    for file in ["deploy/grafana-idem.json", "deploy/idem-alerts.yml"] {
+        let text = read(file);
+        let mut rest = text.as_str();
+        let mut checked = 0;
+        while let Some(at) = rest.find("idem_") {
+            let name: String = rest[at..]
+                .chars()
+                .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                .collect();
+            let before = rest[..at].trim_end_matches(|c: char| c == '(' || c.is_whitespace());
+            rest = &rest[at + name.len()..];
+            let over_time = before.ends_with("rate") || before.ends_with("increase");
+            if let Some(base) = name.strip_suffix("_bucket") {
+                assert!(
+                    histograms.contains(&base),
+                    "{file}: {name} is not the buckets of a histogram idem sets bounds for"
+                );
+                assert!(over_time, "{file}: {name} read without rate()");
+            } else if before.ends_with("label_values") {
+                // A dashboard variable's values, read from the series' labels.
+            } else if name.ends_with("_total") {
+                assert!(
+                    over_time,
+                    "{file}: the counter {name} read as it stands, not with rate() or increase()"
+                );
+            } else {
+                assert!(
+                    !over_time,
+                    "{file}: {name} is a gauge; rate() and increase() are for counters"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked >= 10, "{file}: {checked}");
+    }
+}

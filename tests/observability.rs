@@ -55,17 +55,22 @@ async fn observed(
     }
 }
 
-/// Panics the first time it sees an order that asks for it.
+/// Panics, or finds its store unable to write, the first time it sees an order that asks for it.
 #[idempotent(store = Sqlite, queue = "obs-extra", consumer = "obs.extra", key = "order.order_id")]
 async fn extra(
     _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     order: Order,
     panicked: &FailedOnce,
 ) -> Result<(), HandlerError> {
-    if order.fail.as_deref() == Some("panic") && panicked.first(&order.order_id) {
-        panic!("scripted panic on {}", order.order_id);
+    match order.fail.as_deref() {
+        Some("panic") if panicked.first(&order.order_id) => {
+            panic!("scripted panic on {}", order.order_id)
+        }
+        Some("unavailable") if panicked.first(&order.order_id) => {
+            Err(HandlerError::unavailable("the database is read-only"))
+        }
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// Writes nothing but its inbox row; run in batch mode.
@@ -144,7 +149,8 @@ async fn metrics_spans_and_log_lines() {
         .with_ansi(false)
         .with_writer(move || writer.clone())
         .init();
-    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+    let prometheus = idem::telemetry::prometheus()
+        .unwrap()
         .install_recorder()
         .unwrap();
 
@@ -270,6 +276,18 @@ async fn metrics_spans_and_log_lines() {
     assert_eq!(outcome("rejected"), Some(1.0));
     assert_eq!(outcome("retried"), Some(2.0));
     assert_eq!(outcome("dead_lettered"), Some(1.0));
+    // Histograms are rendered as buckets (`idem::telemetry::prometheus()` sets them), which
+    // the dashboard's `histogram_quantile` panels read.
+    for histogram in [
+        "idem_handler_duration_seconds_bucket{consumer=\"obs.orders\",le=\"0.005\"}",
+        "idem_claim_duration_seconds_bucket{consumer=\"obs.orders\",le=\"+Inf\"}",
+        "idem_commit_duration_seconds_bucket{consumer=\"obs.orders\",le=\"30\"}",
+    ] {
+        assert!(
+            sample(&scrape, histogram).is_some(),
+            "no {histogram}:\n{scrape}"
+        );
+    }
     for reason in ["conflict", "decode", "retries-exhausted"] {
         let series =
             format!("idem_dead_letters_total{{consumer=\"obs.orders\",reason=\"{reason}\"}}");
@@ -378,8 +396,11 @@ async fn metrics_spans_and_log_lines() {
         order("x-1", Some("panic"), "corr-x1").with_header("traceparent", traceparent),
     );
     transport.publish("obs-extra", order("x-2", None, "corr-x2"));
-    wait_until("both processed", Duration::from_secs(20), || async {
-        stats.snapshot().processed == 2
+    // The store cannot write once: the handler's consumption pauses, a probe write succeeds,
+    // and the delivery runs again as the same attempt.
+    transport.publish("obs-extra", order("x-3", Some("unavailable"), "corr-x3"));
+    wait_until("the three processed", Duration::from_secs(20), || async {
+        stats.snapshot().processed == 3
     })
     .await;
     let scrape = prometheus.render();
@@ -470,6 +491,26 @@ async fn metrics_spans_and_log_lines() {
         Some(3.0),
         "{scrape}"
     );
+
+    // Every outcome the dashboard and the alerting rules select is one this scrape has.
+    for file in ["deploy/grafana-idem.json", "deploy/idem-alerts.yml"] {
+        let text =
+            std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file))
+                .unwrap()
+                .replace("\\\"", "\"");
+        let selected: Vec<&str> = text
+            .split("outcome=\"")
+            .skip(1)
+            .map(|rest| rest.split('"').next().unwrap())
+            .collect();
+        assert!(!selected.is_empty() || file.ends_with(".yml"), "{file}");
+        for outcome in selected {
+            assert!(
+                scrape.contains(&format!("outcome=\"{outcome}\"")),
+                "{file} selects outcome=\"{outcome}\", which idem never records:\n{scrape}"
+            );
+        }
+    }
 }
 
 /// The response to `GET path` at `addr`, or nothing when nobody answers.
@@ -615,8 +656,11 @@ async fn orders_consume_serves_metrics_for_prometheus() {
     )
     .await;
     let text = scrape().await;
+    // Histograms with buckets (`idem::telemetry::prometheus()`), as the dashboard reads them.
     assert!(
-        text.contains("# TYPE idem_handler_duration_seconds summary"),
+        text.contains("# TYPE idem_handler_duration_seconds histogram")
+            && text
+                .contains("idem_handler_duration_seconds_bucket{consumer=\"orders\",le=\"0.01\"}"),
         "{text}"
     );
     assert!(

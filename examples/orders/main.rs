@@ -236,8 +236,8 @@ async fn consume(
     );
     let metrics = match metrics_addr {
         Some(_) => Some(
-            metrics_exporter_prometheus::PrometheusBuilder::new()
-                .install_recorder()
+            idem::telemetry::prometheus()
+                .and_then(|builder| builder.install_recorder())
                 .context("cannot install the Prometheus recorder")?,
         ),
         None => None,

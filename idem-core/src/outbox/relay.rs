@@ -95,6 +95,7 @@ fn judge(
         Ok(report) => {
             telemetry::relayed(store, "relay", report);
             if let Some(failure) = &report.failure {
+                telemetry::relay_failed(store);
                 tracing::warn!(
                     store,
                     failure,
@@ -110,6 +111,7 @@ fn judge(
             Some(report.published + report.parked >= full as u64)
         }
         Err(e) => {
+            telemetry::relay_failed(store);
             tracing::warn!(store, error = %e, "the outbox relay failed; retrying at the next interval");
             None
         }

@@ -82,9 +82,9 @@ async fn run<H: Handler>(
     }
 
     let ctx = Context::new(envelope, H::CONSUMER, key).with_state(limits.state);
-    let running = Instant::now();
+    let running = telemetry::HandlerRun::start(H::CONSUMER);
     let result = H::call_external(payload, &ctx).await;
-    telemetry::handler_duration(H::CONSUMER, running.elapsed());
+    running.end();
     let (end, output, outcome) = match encode_result::<H>(store, result, key) {
         Ok(output) => {
             let outcome = Outcome::Processed {

@@ -11,7 +11,7 @@ use crate::outbox::Dispatch;
 use crate::state::{self, State};
 use crate::store::{ClaimRequest, DeadLetterStore, InboxStore, OutboxStore, Refusal, Stores};
 use crate::telemetry;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What identifies a delivery to the inbox: its dedup key and its body's fingerprint.
 #[derive(Debug, Clone)]
@@ -125,9 +125,9 @@ pub(crate) async fn call<H: Handler>(
         .with_outbox(store.outbox_table())
         .with_run(run)
         .with_transaction(store.transaction_identity(tx));
-    let running = Instant::now();
+    let running = telemetry::HandlerRun::start(H::CONSUMER);
     let result = H::call(tx, payload, &ctx).await;
-    telemetry::handler_duration(H::CONSUMER, running.elapsed());
+    running.end();
     Called {
         result,
         staged: ctx.staged(),

@@ -69,7 +69,10 @@ pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: Sto
                     "inbox swept"
                 );
             }
-            Ok(_) => tracing::debug!(store, "another sweeper is at work; skipping this sweep"),
+            Ok(_) => {
+                telemetry::not_sweeping(store);
+                tracing::debug!(store, "another sweeper is at work; skipping this sweep");
+            }
             Err(e) => {
                 tracing::warn!(store, error = %e, "sweeping the inbox failed; retrying at the next interval")
             }
@@ -175,5 +178,43 @@ mod tests {
             [(9, 0), (0, 0), (0, 0), (9, 60), (9, 120)],
             "pause and start of each sweep"
         );
+    }
+
+    /// A sweeper that held the lock, then found another process holding it: its gauges no
+    /// longer tell its last sweep's figures.
+    #[tokio::test(start_paused = true)]
+    async fn a_sweeper_that_loses_the_lock_leaves_no_stale_figures() {
+        let captured = crate::telemetry::captured::Captured::default();
+        let _recorder = metrics::set_default_local_recorder(&captured);
+        let calls = Arc::new(Mutex::new(0));
+        let seen = calls.clone();
+        let sweep: SweepFn = Arc::new(move |_, _, _| {
+            let first = {
+                let mut seen = seen.lock().unwrap();
+                *seen += 1;
+                *seen == 1
+            };
+            Box::pin(async move {
+                Ok(SweepReport {
+                    locked: first,
+                    lag: Duration::from_secs(4000),
+                    ..SweepReport::default()
+                })
+            })
+        });
+        let sweeper = Sweeper {
+            kind: StoreKind::new("Test", "test", "Test"),
+            sweep,
+        };
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(run(sweeper, SweepSettings::default(), stopped));
+        let lag = "idem_sweeper_lag_seconds{store=test}";
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(captured.gauge(lag), Some(4000.0));
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(*calls.lock().unwrap(), 2);
+        assert!(captured.gauge(lag).is_some_and(f64::is_nan));
+        let _ = stop.send(true);
+        task.await.unwrap();
     }
 }

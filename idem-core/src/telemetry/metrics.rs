@@ -66,6 +66,33 @@ pub const OUTBOX_LAG: &str = "idem_outbox_lag_seconds";
 pub const OUTBOX_STAGED: &str = "idem_outbox_staged_total";
 /// From a commit that staged messages until the broker confirmed them.
 pub const OUTBOX_DISPATCH: &str = "idem_outbox_dispatch_seconds";
+/// Outbox relay passes that failed (the database or the broker); the lag is not known then.
+pub const OUTBOX_RELAY_FAILURES: &str = "idem_outbox_relay_failures_total";
+/// Handler calls under way.
+pub const HANDLERS_RUNNING: &str = "idem_handlers_running";
+
+/// Bucket bounds, in seconds, for the durations idem records: from half a millisecond (a claim
+/// on a local database) to half a minute (a handler calling a slow service).
+pub const DURATION_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Bucket bounds for [`BATCH_DELIVERIES`], in deliveries.
+pub const BATCH_SIZE_BUCKETS: &[f64] =
+    &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
+
+/// Every histogram idem records, with its bucket bounds. An exporter that renders histograms
+/// as buckets (Prometheus's `histogram_quantile`, which the dashboard uses) needs them set per
+/// metric; `idem::telemetry::prometheus()` (feature `prometheus`) sets them all.
+pub const HISTOGRAMS: &[(&str, &[f64])] = &[
+    (HANDLER_DURATION, DURATION_BUCKETS),
+    (CLAIM_DURATION, DURATION_BUCKETS),
+    (COMMIT_DURATION, DURATION_BUCKETS),
+    (OUTBOX_DISPATCH, DURATION_BUCKETS),
+    (BATCH_FILL, DURATION_BUCKETS),
+    (BATCH_WAIT, DURATION_BUCKETS),
+    (BATCH_DELIVERIES, BATCH_SIZE_BUCKETS),
+];
 
 /// Describes every metric to the installed recorder (units and help texts).
 pub fn describe() {
@@ -180,6 +207,11 @@ pub fn describe() {
         Unit::Seconds,
         "From a commit that staged messages until the broker confirmed them"
     );
+    describe_counter!(
+        OUTBOX_RELAY_FAILURES,
+        "Outbox relay passes that failed (the database or the broker)"
+    );
+    describe_gauge!(HANDLERS_RUNNING, "Handler calls under way");
 }
 
 /// Counts `count` messages staged by `consumer` in a transaction that committed.
@@ -207,8 +239,44 @@ pub(crate) fn relayed(store: &'static str, by: &'static str, report: &crate::out
     if report.given_up > 0 {
         metrics::counter!(OUTBOX_GIVEN_UP, "store" => store).increment(report.given_up);
     }
-    if let Some(oldest) = report.oldest.filter(|_| by == "relay") {
+    if by == "relay" && report.failure.is_none() {
+        // Every relay pass that ran sets it: zero when it took no row, so a drained backlog
+        // does not leave the last lag behind. A failed pass measured nothing.
+        let oldest = report.oldest.unwrap_or_default();
         metrics::gauge!(OUTBOX_LAG, "store" => store).set(oldest.as_secs_f64());
+    }
+}
+
+/// Counts a relay pass of `store` that failed.
+pub(crate) fn relay_failed(store: &'static str) {
+    metrics::counter!(OUTBOX_RELAY_FAILURES, "store" => store).increment(1);
+}
+
+/// A handler call under way, counted in [`HANDLERS_RUNNING`] until it is ended or dropped (a
+/// panic, a cancelled delivery); [`HandlerRun::end`] records its duration.
+pub(crate) struct HandlerRun {
+    consumer: &'static str,
+    started: std::time::Instant,
+}
+
+impl HandlerRun {
+    pub(crate) fn start(consumer: &'static str) -> Self {
+        metrics::gauge!(HANDLERS_RUNNING, "consumer" => consumer).increment(1.0);
+        Self {
+            consumer,
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// Records the call's duration.
+    pub(crate) fn end(self) {
+        handler_duration(self.consumer, self.started.elapsed());
+    }
+}
+
+impl Drop for HandlerRun {
+    fn drop(&mut self) {
+        metrics::gauge!(HANDLERS_RUNNING, "consumer" => self.consumer).decrement(1.0);
     }
 }
 
@@ -229,7 +297,7 @@ pub fn dead_letter_unrecorded(consumer: &str) {
     metrics::counter!(DEAD_LETTERS_UNRECORDED, "consumer" => consumer.to_owned()).increment(1);
 }
 
-pub(crate) fn handler_duration(consumer: &'static str, elapsed: Duration) {
+fn handler_duration(consumer: &'static str, elapsed: Duration) {
     metrics::histogram!(HANDLER_DURATION, "consumer" => consumer).record(elapsed.as_secs_f64());
 }
 
@@ -286,6 +354,22 @@ pub fn reconnect(queue: &str) {
     metrics::counter!(RECONNECTS, "queue" => queue.to_owned()).increment(1);
 }
 
+/// Marks `store`'s sweep gauges as not this process's to tell: another process holds the
+/// sweeper's lock. They are set to NaN, which Prometheus's `max` and comparisons pass over, so
+/// the value of a sweep this process made earlier does not stay behind as if it were current.
+pub(crate) fn not_sweeping(store: &'static str) {
+    for gauge in [
+        SWEEPER_LAG,
+        INBOX_ROWS,
+        INBOX_OLDEST,
+        INBOX_EXPIRED,
+        SWEEP_BUSY,
+        SWEEP_PAUSED,
+    ] {
+        metrics::gauge!(gauge, "store" => store).set(f64::NAN);
+    }
+}
+
 pub(crate) fn swept(store: &'static str, report: &crate::store::SweepReport) {
     metrics::counter!(ROWS_SWEPT, "store" => store).increment(report.deleted);
     metrics::gauge!(SWEEPER_LAG, "store" => store).set(report.lag.as_secs_f64());
@@ -294,4 +378,172 @@ pub(crate) fn swept(store: &'static str, report: &crate::store::SweepReport) {
     metrics::gauge!(INBOX_EXPIRED, "store" => store).set(report.expired as f64);
     metrics::gauge!(SWEEP_BUSY, "store" => store).set(report.busy.as_secs_f64());
     metrics::gauge!(SWEEP_PAUSED, "store" => store).set(report.paused.as_secs_f64());
+}
+
+/// A recorder for unit tests: keeps each counter's and gauge's value by name and labels, and
+/// the names of the histograms described to it. Install it on the test's thread with
+/// `metrics::set_default_local_recorder` (a current-thread tokio test runs its tasks there).
+#[cfg(test)]
+pub(crate) mod captured {
+    use metrics::{
+        Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
+    };
+    use std::collections::HashMap;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Default)]
+    pub(crate) struct Captured {
+        values: Mutex<HashMap<String, Arc<AtomicU64>>>,
+        pub(crate) histograms: Mutex<Vec<String>>,
+    }
+
+    impl Captured {
+        /// `name{label}` as `name{k=v,…}` (labels in their order).
+        fn id(key: &Key) -> String {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|l| format!("{}={}", l.key(), l.value()))
+                .collect();
+            format!("{}{{{}}}", key.name(), labels.join(","))
+        }
+
+        fn cell(&self, key: &Key) -> Arc<AtomicU64> {
+            let mut values = self.values.lock().unwrap_or_else(|e| e.into_inner());
+            values.entry(Self::id(key)).or_default().clone()
+        }
+
+        /// The gauge `series` (`name{k=v}`), if it was set.
+        pub(crate) fn gauge(&self, series: &str) -> Option<f64> {
+            let values = self.values.lock().unwrap_or_else(|e| e.into_inner());
+            values
+                .get(series)
+                .map(|v| f64::from_bits(v.load(Ordering::SeqCst)))
+        }
+
+        /// The counter `series` (`name{k=v}`), if it was counted.
+        pub(crate) fn counter(&self, series: &str) -> Option<u64> {
+            let values = self.values.lock().unwrap_or_else(|e| e.into_inner());
+            values.get(series).map(|v| v.load(Ordering::SeqCst))
+        }
+    }
+
+    impl Recorder for Captured {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, key: KeyName, _: Option<Unit>, _: SharedString) {
+            let mut histograms = self.histograms.lock().unwrap_or_else(|e| e.into_inner());
+            histograms.push(key.as_str().to_owned());
+        }
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::from_arc(self.cell(key))
+        }
+        fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::from_arc(self.cell(key))
+        }
+        fn register_histogram(&self, _: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::noop()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::captured::Captured;
+    use super::*;
+
+    #[test]
+    fn every_histogram_has_its_buckets() {
+        let captured = Captured::default();
+        metrics::with_local_recorder(&captured, describe);
+        let mut described = captured.histograms.into_inner().unwrap();
+        described.sort();
+        let mut bucketed: Vec<String> = HISTOGRAMS.iter().map(|(n, _)| (*n).to_owned()).collect();
+        bucketed.sort();
+        assert_eq!(described, bucketed);
+        for (name, buckets) in HISTOGRAMS {
+            assert!(
+                buckets.windows(2).all(|w| w[0] < w[1]),
+                "{name}: bounds must rise"
+            );
+        }
+    }
+
+    #[test]
+    fn a_handler_run_is_counted_while_it_lasts_even_when_it_unwinds() {
+        let captured = Captured::default();
+        let running = "idem_handlers_running{consumer=c}";
+        metrics::with_local_recorder(&captured, || {
+            let first = HandlerRun::start("c");
+            let second = HandlerRun::start("c");
+            assert_eq!(captured.gauge(running), Some(2.0));
+            first.end();
+            assert_eq!(captured.gauge(running), Some(1.0));
+            drop(second); // a panic or a cancelled delivery drops it
+            assert_eq!(captured.gauge(running), Some(0.0));
+        });
+    }
+
+    #[test]
+    fn the_relay_lag_is_current_after_every_pass_that_ran() {
+        use crate::outbox::RelayReport;
+        let captured = Captured::default();
+        let lag = "idem_outbox_lag_seconds{store=s}";
+        metrics::with_local_recorder(&captured, || {
+            let took = RelayReport {
+                published: 3,
+                oldest: Some(Duration::from_secs(400)),
+                ..RelayReport::default()
+            };
+            relayed("s", "relay", &took);
+            assert_eq!(captured.gauge(lag), Some(400.0));
+            // The backlog drained: a pass that took nothing says so.
+            relayed("s", "relay", &RelayReport::default());
+            assert_eq!(captured.gauge(lag), Some(0.0));
+            relayed("s", "relay", &took);
+            // A pass that stopped early measured nothing; a dispatch is not a relay pass.
+            let failed = RelayReport {
+                failure: Some("the broker went away".into()),
+                ..RelayReport::default()
+            };
+            relayed("s", "relay", &failed);
+            relayed("s", "dispatch", &RelayReport::default());
+            assert_eq!(captured.gauge(lag), Some(400.0));
+            relay_failed("s");
+            assert_eq!(
+                captured.counter("idem_outbox_relay_failures_total{store=s}"),
+                Some(1)
+            );
+        });
+    }
+
+    #[test]
+    fn a_process_that_does_not_hold_the_sweep_lock_tells_no_sweep_figures() {
+        let captured = Captured::default();
+        metrics::with_local_recorder(&captured, || {
+            let report = crate::store::SweepReport {
+                locked: true,
+                lag: Duration::from_secs(4000),
+                expired: 7,
+                ..crate::store::SweepReport::default()
+            };
+            swept("s", &report);
+            assert_eq!(
+                captured.gauge("idem_sweeper_lag_seconds{store=s}"),
+                Some(4000.0)
+            );
+            not_sweeping("s");
+            for gauge in [
+                SWEEPER_LAG,
+                INBOX_ROWS,
+                INBOX_OLDEST,
+                INBOX_EXPIRED,
+                SWEEP_BUSY,
+                SWEEP_PAUSED,
+            ] {
+                let value = captured.gauge(&format!("{gauge}{{store=s}}"));
+                assert!(value.is_some_and(f64::is_nan), "{gauge}: {value:?}");
+            }
+        });
+    }
 }

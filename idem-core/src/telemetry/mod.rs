@@ -1,6 +1,7 @@
 //! What idem reports: one `delivery` span per delivery ([`delivery_span`]), and metrics
 //! through the `metrics` facade: install any recorder (for example
-//! `metrics-exporter-prometheus`) to collect them; without one they cost next to nothing.
+//! `metrics-exporter-prometheus`, with the bucket bounds of [`HISTOGRAMS`]) to collect them;
+//! without one they cost next to nothing.
 //!
 //! | name | kind | labels |
 //! |---|---|---|
@@ -11,7 +12,7 @@
 //! | `idem_claim_duration_seconds` | histogram | `consumer` (a claim, a lease, or a batch's claim) |
 //! | `idem_commit_duration_seconds` | histogram | `consumer`: the commit of a transaction that processed a message or a batch |
 //! | `idem_inbox_rows_swept_total` | counter | `store` |
-//! | `idem_sweeper_lag_seconds` | gauge | `store`: age of the oldest expired row left after a sweep |
+//! | `idem_sweeper_lag_seconds` | gauge | `store`: age of the oldest expired row left after a sweep (the sweep gauges are NaN in a process that found another holding the sweeper's lock) |
 //! | `idem_inbox_rows` | gauge | `store`: the inbox's rows after a sweep (PostgreSQL and MySQL: estimated from the table's statistics) |
 //! | `idem_inbox_oldest_row_age_seconds` | gauge | `store`: age of the row that expires first, after a sweep |
 //! | `idem_inbox_expired_rows` | gauge | `store`: expired rows a sweep left (up to 1,000,000): the sweeper falling behind |
@@ -31,7 +32,9 @@
 //! | `idem_outbox_unroutable_total` | counter | `store`: outbox messages the broker could not route (parked, tried again later) |
 //! | `idem_outbox_parked_total` | counter | `store`: outbox rows the broker refused (unroutable, not carriable, nacked, a channel closed over them), parked and tried again later |
 //! | `idem_outbox_given_up_total` | counter | `store`: parked outbox rows the broker kept refusing, given up as outbox dead letters (`idem outbox parked` lists them) |
-//! | `idem_outbox_lag_seconds` | gauge | `store`: how long the oldest row a relay pass took had waited |
+//! | `idem_outbox_lag_seconds` | gauge | `store`: how long the oldest row a relay pass took had waited (every pass sets it: zero when it took none) |
+//! | `idem_outbox_relay_failures_total` | counter | `store`: relay passes that failed (the database or the broker) |
+//! | `idem_handlers_running` | gauge | `consumer`: handler calls under way |
 //! | `idem_outbox_staged_total` | counter | `consumer`: messages staged by handlers that committed (replies included) |
 //! | `idem_outbox_dispatch_seconds` | histogram | `store`: from a commit that staged messages until the broker confirmed them |
 //!

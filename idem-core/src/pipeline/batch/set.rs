@@ -13,7 +13,6 @@ use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, Store
 use crate::pipeline::steps::{advance, encode_result, handler_failure, poison_verdict};
 use crate::store::{Claim, InboxStore, OutboxStore};
 use crate::telemetry;
-use std::time::Instant;
 
 /// Judges the members' claims and runs the batch handler once on the new ones.
 pub(super) async fn handle<H: Handler>(
@@ -83,9 +82,9 @@ pub(super) async fn handle<H: Handler>(
         };
         let items: Vec<Context<'_>> = fresh_items.iter().map(|&k| context(k)).collect();
         let ctx = context(first).with_items(&items);
-        let running = Instant::now();
+        let running = telemetry::HandlerRun::start(H::CONSUMER);
         let result = H::call_batch(tx, batch, &ctx).await;
-        telemetry::handler_duration(H::CONSUMER, running.elapsed());
+        running.end();
         (result, ctx.staged(), ctx.kept())
     };
     let (result, staged, kept) = result;
