@@ -4,6 +4,7 @@
 // What a handler author uses sits at the root; what a store, a transport or a test harness
 // implements sits in the modules below.
 pub use idem_core::registry;
+pub use idem_core::runtime::shutdown_signal;
 pub use idem_core::{
     Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT,
     DEFAULT_START_DEADLINE, DEFAULT_SWEEP_PAUSE, Destination, Envelope, ErrorClass, HandlerError,

@@ -1,5 +1,6 @@
-//! The book in `docs/`: every chapter is listed in its summary, and every message the
-//! troubleshooting chapter quotes occurs in the code, so the two cannot drift apart.
+//! The book in `docs/`: every chapter is listed in its summary, every message the
+//! troubleshooting chapter quotes occurs in the code, and the reference page names every
+//! setting, reason code and metric the code has, so that they cannot drift apart.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -38,6 +39,7 @@ fn every_troubleshooting_message_occurs_in_the_code() {
         "idem-core/src",
         "idem-sqlx/src",
         "idem-rabbitmq/src",
+        "idem-nats/src",
         "idem-http/src",
         "idem-cli/src",
     ] {
@@ -134,5 +136,68 @@ fn every_item_the_transport_chapter_names_is_in_the_code() {
     assert!(
         missing.is_empty(),
         "named by the chapter, not in the code: {missing:?}"
+    );
+}
+
+/// The public methods `file` defines (`pub fn name`), but `skip`.
+fn public_methods(file: &str, skip: &[&str]) -> Vec<String> {
+    std::fs::read_to_string(root().join(file))
+        .unwrap()
+        .lines()
+        .filter_map(|line| line.trim_start().strip_prefix("pub fn "))
+        .map(|rest| {
+            rest.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect::<String>()
+        })
+        .filter(|name| !skip.contains(&name.as_str()))
+        .collect()
+}
+
+/// The reference page has a row for every method of `RuntimeBuilder`, `RabbitConfig` and
+/// `NatsConfig`, every metric idem exports and every dead-letter reason code idem writes.
+#[test]
+fn the_reference_names_every_setting_reason_and_metric() {
+    let page = std::fs::read_to_string(root().join("docs/src/reference.md")).unwrap();
+    let mut missing = Vec::new();
+    for (file, skip) in [
+        (
+            "idem-core/src/runtime/builder.rs",
+            &["builder", "build"][..],
+        ),
+        ("idem-rabbitmq/src/config.rs", &[][..]),
+        ("idem-nats/src/config.rs", &["redacted_url"][..]),
+    ] {
+        let methods = public_methods(file, skip);
+        assert!(methods.len() >= 6, "{file}: {methods:?}");
+        for method in methods {
+            if !page.contains(&format!("`{method}(")) {
+                missing.push(format!("{file}: {method}"));
+            }
+        }
+    }
+    for file in [
+        "idem-core/src/telemetry/metrics.rs",
+        "idem-http/src/telemetry.rs",
+    ] {
+        let code = std::fs::read_to_string(root().join(file)).unwrap();
+        for line in code
+            .lines()
+            .filter(|l| l.starts_with("pub const ") && l.contains("\"idem_"))
+        {
+            let metric = line.split('"').nth(1).unwrap();
+            if !page.contains(&format!("`{metric}`")) {
+                missing.push(format!("metric {metric}"));
+            }
+        }
+    }
+    for reason in idem::telemetry::REASONS {
+        if !page.contains(&format!("| `{reason}` |")) {
+            missing.push(format!("reason {reason}"));
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "not on the reference page: {missing:#?}"
     );
 }

@@ -1370,6 +1370,109 @@ async fn a_postgres_table_loses_its_status_check_in_version_8() {
     schema.drop().await;
 }
 
+/// An older idem on a newer schema (a rollback, or old processes beside new ones in a rolling
+/// deploy): `migrate()` leaves a schema whose recorded oldest reader is this idem's version or
+/// older as it is, and the inbox works on it; one that needs a newer idem, or records no oldest
+/// reader, is refused naming both versions. On PostgreSQL and SQLite.
+#[tokio::test]
+async fn an_older_idem_runs_on_a_newer_schema_only_where_it_is_recorded_as_compatible() {
+    use idem::sql::{READERS_FROM, SCHEMA_VERSION};
+    let newer = SCHEMA_VERSION + 1;
+    let schema = common::OwnSchema::create("idem_test_newer", 2).await;
+    let (sqlite, _dir) = common::sqlite(2).await;
+    let pg = schema.pool.clone();
+    let postgres = idem::sql::PgInbox::new(pg.clone());
+    let lite = idem::sql::SqliteInbox::new(sqlite.clone());
+    postgres.migrate().await.unwrap();
+    lite.migrate().await.unwrap();
+    let version_of = |name: &'static str| {
+        let (pg, sqlite) = (pg.clone(), sqlite.clone());
+        let query = format!("SELECT version FROM idem_schema_version WHERE inbox_table = '{name}'");
+        async move {
+            let on_pg: i32 = sqlx::query_scalar(sqlx::AssertSqlSafe(query.clone()))
+                .fetch_one(&pg)
+                .await
+                .unwrap();
+            let on_sqlite: i32 = sqlx::query_scalar(sqlx::AssertSqlSafe(query))
+                .fetch_one(&sqlite)
+                .await
+                .unwrap();
+            (on_pg, on_sqlite)
+        }
+    };
+    assert_eq!(
+        version_of("idem_inbox@readers").await,
+        (READERS_FROM, READERS_FROM)
+    );
+    let set = |name: &'static str, version: Option<i32>| {
+        let (pg, sqlite) = (pg.clone(), sqlite.clone());
+        let statement = match version {
+            Some(v) => {
+                format!("UPDATE idem_schema_version SET version = {v} WHERE inbox_table = '{name}'")
+            }
+            None => format!("DELETE FROM idem_schema_version WHERE inbox_table = '{name}'"),
+        };
+        async move {
+            sqlx::query(sqlx::AssertSqlSafe(statement.clone()))
+                .execute(&pg)
+                .await
+                .unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&sqlite)
+                .await
+                .unwrap();
+        }
+    };
+
+    // A newer idem migrated the tables, recording that this one still runs on them.
+    set("idem_inbox", Some(newer)).await;
+    postgres.migrate().await.unwrap();
+    lite.migrate().await.unwrap();
+    assert_eq!(
+        version_of("idem_inbox").await,
+        (newer, newer),
+        "left as it is"
+    );
+    for claimed in [claim_once(&postgres).await, claim_once(&lite).await] {
+        assert_eq!(claimed, idem::store::Claim::Claimed);
+    }
+
+    // It records that only an idem of its own version runs on them; or it records nothing.
+    set("idem_inbox@readers", Some(newer)).await;
+    for refused in [postgres.migrate().await, lite.migrate().await] {
+        let message = refused.unwrap_err().to_string();
+        assert!(
+            message.contains(&format!(
+                "schema version {newer}, newer than the {SCHEMA_VERSION} this idem knows, \
+                 and runs with an idem of schema version {newer} or later only"
+            )),
+            "{message}"
+        );
+    }
+    set("idem_inbox@readers", None).await;
+    assert!(postgres.migrate().await.is_err());
+    assert!(lite.migrate().await.is_err());
+    drop(postgres);
+    schema.drop().await;
+}
+
+/// Claims a new key in `inbox` and commits.
+async fn claim_once<S: idem::store::InboxStore>(inbox: &S) -> idem::store::Claim {
+    use idem::store::{ClaimRequest, Fingerprint};
+    let fingerprint = Fingerprint::of(b"body");
+    let request = ClaimRequest {
+        consumer: "c",
+        key: "k",
+        fingerprint: &fingerprint,
+        attempt: 1,
+        retention: std::time::Duration::from_secs(60),
+    };
+    let mut tx = inbox.begin().await.unwrap();
+    let claimed = inbox.claim(&mut tx, &request).await.unwrap();
+    inbox.commit(tx).await.unwrap();
+    claimed
+}
+
 /// A migration cancelled while it holds MySQL's migration lock (`GET_LOCK`, which belongs to
 /// the session) must not leave that lock with a pooled connection: the next migration, from
 /// another pool, goes through while the first pool lives on.

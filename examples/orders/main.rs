@@ -254,7 +254,7 @@ async fn consume(
             .with_context(|| format!("cannot serve at --metrics-addr {addr}"))?;
     }
     tracing::info!(queue = settings.queue, "consuming orders");
-    runtime.run_until(shutdown_signal()).await?;
+    runtime.run_until(idem::shutdown_signal()).await?;
     Ok(())
 }
 
@@ -446,27 +446,4 @@ impl Broker {
             ),
         }
     }
-}
-
-async fn shutdown_signal() {
-    let interrupt = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut terminate = match tokio::signal::unix::signal(
-            tokio::signal::unix::SignalKind::terminate(),
-        ) {
-            Ok(signal) => signal,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the consumer");
-                let _ = interrupt.await;
-                return;
-            }
-        };
-        tokio::select! {
-            _ = interrupt => {}
-            _ = terminate.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    let _ = interrupt.await;
 }

@@ -26,7 +26,7 @@ use idem_core::{DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Headers, Que
 use std::str::FromStr;
 
 /// The reason code of a message taken out this way (the same as on RabbitMQ).
-pub(crate) const REASON: &str = "unparsable";
+pub(crate) const REASON: &str = idem_core::model::reasons::UNPARSABLE;
 
 /// A quarantine pass failed; the message stays, and the next pass tries again.
 #[derive(Debug, thiserror::Error)]

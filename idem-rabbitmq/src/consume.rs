@@ -285,7 +285,7 @@ impl Consumer {
     async fn refuse_too_large(&self, delivery: Delivery, detail: String) {
         let Delivery { envelope, settle } = delivery;
         let mut reason = DeadLetter::new(
-            "too-large",
+            idem_core::model::reasons::TOO_LARGE,
             detail,
             self.spec.consumer.clone(),
             None,

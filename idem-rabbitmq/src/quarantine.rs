@@ -12,6 +12,7 @@
 
 use crate::config::RabbitConfig;
 use crate::wire::{BODY, Frame, HEADER, METHOD, RawConnection, long, short};
+use idem_core::model::reasons::UNPARSABLE as REASON;
 use idem_core::{DeadLetter, DeadLetterRecord, Fingerprint, QueueSpec, StoreError};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -174,7 +175,7 @@ async fn record(spec: &QueueSpec, deliveries: &[Refused]) -> Result<(), StoreErr
             delivery.why
         );
         tracing::warn!(queue = spec.queue, consumer = spec.consumer, %detail, "dead-lettering a delivery lapin cannot parse");
-        let letter = DeadLetter::new("unparsable", detail, spec.consumer.clone(), None, 1);
+        let letter = DeadLetter::new(REASON, detail, spec.consumer.clone(), None, 1);
         // The id as far as it reads; the record's fingerprint ties it to the message.
         let message_id = delivery
             .message_id
@@ -195,7 +196,7 @@ async fn record(spec: &QueueSpec, deliveries: &[Refused]) -> Result<(), StoreErr
             }
             Err(e) => return Err(e),
         }
-        idem_core::telemetry::dead_letter(spec.consumer.as_str(), "unparsable");
+        idem_core::telemetry::dead_letter(spec.consumer.as_str(), REASON);
     }
     Ok(())
 }

@@ -11,6 +11,13 @@ use sqlx::{Connection, Pool, Transaction};
 /// The current inbox schema version.
 pub const SCHEMA_VERSION: i32 = 12;
 
+/// The oldest schema version whose idem can run on tables of [`SCHEMA_VERSION`]. `migrate()`
+/// records it beside the version; an older idem that finds a newer schema runs on it when its
+/// own schema version is at least this one (a rollback, or old and new processes side by side
+/// in a rolling deploy), and refuses it otherwise. A migration that only adds what older code
+/// can ignore keeps it; one that older code cannot work with raises it to the new version.
+pub const READERS_FROM: i32 = 12;
+
 /// The table recording which schema version each inbox table has.
 pub const SCHEMA_TABLE: &str = "idem_schema_version";
 
@@ -35,15 +42,17 @@ pub enum MigrateError {
         /// Which server it is, and what to use instead.
         reason: String,
     },
-    /// The table was migrated by a newer idem.
+    /// The table was migrated by a newer idem, which does not run with this one.
     #[error(
-        "inbox table `{table}` has schema version {found}, newer than the {SCHEMA_VERSION} this idem knows; upgrade idem"
+        "inbox table `{table}` has schema version {found}, newer than the {SCHEMA_VERSION} this idem knows, and runs with an idem of schema version {readers_from} or later only; upgrade idem"
     )]
     TooNew {
         /// The inbox table.
         table: String,
         /// The version found.
         found: i32,
+        /// The oldest schema version whose idem runs on it.
+        readers_from: i32,
     },
 }
 
@@ -136,23 +145,41 @@ async fn upgrade<DB: Dialect>(
             .await
             .map_err(err(table))?;
     }
-    let name = [Param::Text(table.as_str())];
-    let read = fill(steps.read_version, table, DB::NOW);
-    let current = match DB::fetch_optional(&mut **tx, &read, &name)
+    let current = read_version::<DB>(tx, table.as_str())
         .await
         .map_err(err(table))?
-    {
-        Some(row) => DB::int32(&row, "version").map_err(err(table))?,
-        None => 0,
-    };
-    if current == SCHEMA_VERSION {
+        .unwrap_or(0);
+    let readers = readers_row(table);
+    if current > SCHEMA_VERSION {
+        // Recorded by the newer idem that migrated it; a schema recorded without it runs with
+        // its own version's idem only.
+        let readers_from = read_version::<DB>(tx, &readers)
+            .await
+            .map_err(err(table))?
+            .unwrap_or(current);
+        if readers_from > SCHEMA_VERSION {
+            return Err(MigrateError::TooNew {
+                table: table.as_str().to_owned(),
+                found: current,
+                readers_from,
+            });
+        }
+        tracing::info!(
+            table = table.as_str(),
+            found = current,
+            known = SCHEMA_VERSION,
+            readers_from,
+            "the inbox schema is newer than this idem's and runs with it; leaving it as it is"
+        );
         return Ok(());
     }
-    if current > SCHEMA_VERSION {
-        return Err(MigrateError::TooNew {
-            table: table.as_str().to_owned(),
-            found: current,
-        });
+    let write = fill(steps.write_version, table, DB::NOW);
+    let recorded = [Param::Text(&readers), Param::Int32(READERS_FROM)];
+    DB::execute(&mut **tx, &write, &recorded)
+        .await
+        .map_err(err(table))?;
+    if current == SCHEMA_VERSION {
+        return Ok(());
     }
     let pending = steps
         .steps
@@ -171,6 +198,24 @@ async fn upgrade<DB: Dialect>(
         .await
         .map_err(err(table))?;
     Ok(())
+}
+
+/// The row of `idem_schema_version` that records the oldest schema version whose idem runs on
+/// `table` ([`READERS_FROM`]); table names are plain identifiers, so it cannot be a table's.
+fn readers_row(table: &TableName) -> String {
+    format!("{}@readers", table.as_str())
+}
+
+/// The version `idem_schema_version` records under `name`, if any.
+async fn read_version<DB: Dialect>(
+    tx: &mut Transaction<'_, DB>,
+    name: &str,
+) -> Result<Option<i32>, sqlx::Error> {
+    let read = fill(DB::MIGRATION.read_version, &TableName::default(), DB::NOW);
+    match DB::fetch_optional(&mut **tx, &read, &[Param::Text(name)]).await? {
+        Some(row) => DB::int32(&row, "version").map(Some),
+        None => Ok(None),
+    }
 }
 
 /// Starts a transaction on `conn` the way the dialect's inbox transactions start.

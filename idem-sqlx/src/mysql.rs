@@ -322,7 +322,8 @@ pub const MIN_MARIADB: (u32, u32) = (10, 6);
 fn mariadb_only(version: &str) -> Result<(), String> {
     if !version.contains("MariaDB") {
         return Err(format!(
-            "the server is MySQL {version}: idem's `mysql` store runs on MariaDB {}.{} or later              only (MySQL is not supported); use MariaDB, PostgreSQL or SQLite",
+            "the server is MySQL {version}: idem's `mysql` store runs on MariaDB {}.{} or later \
+             only (MySQL is not supported); use MariaDB, PostgreSQL or SQLite",
             MIN_MARIADB.0, MIN_MARIADB.1
         ));
     }
@@ -381,6 +382,7 @@ mod tests {
         assert!(mariadb_only("11.4.2-MariaDB").is_ok());
         let mysql = mariadb_only("8.0.36").unwrap_err();
         assert!(mysql.contains("MySQL is not supported"), "{mysql}");
+        assert!(!mysql.contains("  "), "one space between words: {mysql}");
         assert!(mariadb_only("10.5.23-MariaDB").is_err());
     }
 }

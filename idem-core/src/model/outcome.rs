@@ -200,7 +200,8 @@ pub enum RejectReason {
 
 impl RejectReason {
     /// The stable code: `decode`, `missing-key`, `handler`, `output`, `store`,
-    /// `previously-failed`, `poison`.
+    /// `previously-failed`, `poison`, `version` or `stale` (all in
+    /// [`REASONS`](super::reasons::REASONS)).
     pub fn code(self) -> &'static str {
         match self {
             Self::Decode => "decode",

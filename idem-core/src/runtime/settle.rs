@@ -10,6 +10,7 @@ use super::actor::Shared;
 use super::retry::RetryPolicy;
 use super::stats::Stats;
 use crate::jitter::jittered;
+use crate::model::reasons;
 use crate::model::{
     DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, StoreError, Transient,
 };
@@ -64,7 +65,7 @@ pub(crate) fn decide(
         }
         Outcome::Unavailable(_) => Settlement::Hold,
         Outcome::Conflict { key } => dead_letter(
-            "conflict",
+            reasons::CONFLICT,
             format!("key {key:?} was processed before with a different payload"),
         ),
         Outcome::Rejected(rejection) => {
@@ -73,7 +74,7 @@ pub(crate) fn decide(
         Outcome::Retry(failure) => match policy.delay_after(envelope.attempt) {
             Some(delay) => Settlement::Retry(delay),
             None => dead_letter(
-                "retries-exhausted",
+                reasons::RETRIES_EXHAUSTED,
                 format!(
                     "failed {} times; last: {}",
                     envelope.attempt, failure.message

@@ -45,6 +45,7 @@
 mod metrics;
 mod redact;
 
+pub use crate::model::reasons::REASONS;
 pub use metrics::*;
 pub use redact::redact_url;
 

@@ -28,7 +28,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .store(inbox)
         .concurrency(8)
         .build()?                                                      // wrong configuration fails here
-        .run_until(async { let _ = tokio::signal::ctrl_c().await; })
+        .run_until(idem::shutdown_signal())                           // Ctrl-C or SIGTERM: finish what is in flight
         .await?;
     Ok(())
 }
