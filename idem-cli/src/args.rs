@@ -74,6 +74,14 @@ pub enum Command {
     /// letters).
     #[command(subcommand)]
     Outbox(Outbox),
+    /// Print the SQL that creates the inbox's tables at this idem's schema version, for a
+    /// migration tool of your own (nothing is connected to).
+    Schema {
+        /// The database: `postgres`, `mysql` (MariaDB) or `sqlite`; by default the one
+        /// DATABASE_URL names.
+        #[arg(long, value_parser = ["postgres", "mysql", "sqlite"])]
+        dialect: Option<String>,
+    },
 }
 
 /// `idem outbox …`

@@ -1,5 +1,6 @@
 //! `idem`, the operator tool of idem: dead letters with their reasons (list, show, replay),
-//! inbox rows (stats, show, forget, sweep) and parked outbox rows (parked, release), configured like the services it looks after
+//! inbox rows (stats, show, forget, sweep), parked outbox rows (parked, release) and the inbox's
+//! DDL (schema), configured like the services it looks after
 //! (`AMQP_URL`, `DATABASE_URL`). `idem --help` and `idem <command> --help` say the rest.
 
 mod args;
@@ -10,6 +11,7 @@ mod inbox;
 mod outbox;
 mod output;
 mod replay;
+mod schema;
 mod store;
 
 use args::{Cli, Command};
@@ -32,9 +34,10 @@ async fn main() -> ExitCode {
         Command::Dlq(_) => broker::kind(&cli).map(|_| ()),
         _ => Ok(()),
     };
-    let ran = match checked {
-        Ok(()) => store::dispatch(&cli).await,
-        Err(e) => Err(e),
+    let ran = match (checked, &cli.command) {
+        (Ok(()), Command::Schema { dialect }) => schema::print(&cli, dialect.as_deref()),
+        (Ok(()), _) => store::dispatch(&cli).await,
+        (Err(e), _) => Err(e),
     };
     match ran {
         Ok(()) => ExitCode::SUCCESS,
@@ -51,5 +54,6 @@ async fn run<DB: Dialect>(cli: &Cli, inbox: SqlInbox<DB>) -> Result<(), CliError
         Command::Dlq(command) => dlq::run(cli, &inbox, command).await,
         Command::Inbox(command) => inbox::run(cli, &inbox, command).await,
         Command::Outbox(command) => outbox::run(cli, &inbox, command).await,
+        Command::Schema { dialect } => schema::print(cli, dialect.as_deref()),
     }
 }

@@ -1187,3 +1187,159 @@ async fn the_dead_letters_of_a_nats_queue_are_listed_shown_and_replayed() {
         .unwrap();
     transport.delete_queue(&queue).await.unwrap();
 }
+
+/// `idem schema`'s statements, run in a database of their own, make the tables `migrate()`
+/// makes, recorded as current: `migrate()` afterwards changes nothing. On PostgreSQL (two
+/// schemas of the test's own) and SQLite (two files), compared column by column and index by
+/// index.
+#[tokio::test]
+async fn the_printed_schema_is_what_migrate_creates() {
+    let printed = |dialect: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+            .args(["schema", "--dialect", dialect])
+            .env_remove("IDEM_INBOX_TABLE")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let statements: Vec<String> = text
+            .split(";\n\n")
+            .map(|s| {
+                s.lines()
+                    .filter(|l| !l.starts_with("--"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .filter(|s| !s.trim().is_empty())
+            .collect();
+        assert!(statements.len() >= 5, "{text}");
+        statements
+    };
+
+    // PostgreSQL: one schema made by the printed statements, one by migrate().
+    let admin = database().await;
+    let id = std::process::id();
+    let (by_sql, by_migrate) = (format!("idem_cli_sql_{id}"), format!("idem_cli_mig_{id}"));
+    let in_schema = |schema: &str| {
+        let options = postgres_url()
+            .parse::<sqlx::postgres::PgConnectOptions>()
+            .unwrap()
+            .options([("search_path", schema)]);
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect_with(options)
+    };
+    for schema in [&by_sql, &by_migrate] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP SCHEMA IF EXISTS {schema} CASCADE"
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+    let (sql_pool, migrate_pool) = (
+        in_schema(&by_sql).await.unwrap(),
+        in_schema(&by_migrate).await.unwrap(),
+    );
+    let mut tx = sql_pool.begin().await.unwrap();
+    for statement in printed("postgres") {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    PgInbox::new(migrate_pool.clone()).migrate().await.unwrap();
+    let shape = |schema: String| {
+        let admin = admin.clone();
+        async move {
+            let columns: Vec<(String, String, String, String, Option<String>)> = sqlx::query_as(
+                "SELECT table_name::text, column_name::text, data_type::text, is_nullable::text,
+                        replace(column_default::text, $1, 's')
+                 FROM information_schema.columns WHERE table_schema = $1 ORDER BY 1, 2",
+            )
+            .bind(&schema)
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+            let indexes: Vec<(String,)> = sqlx::query_as(
+                "SELECT replace(indexdef, $1, 's') FROM pg_indexes WHERE schemaname = $1 ORDER BY 1",
+            )
+            .bind(&schema)
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+            let versions: Vec<(String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT inbox_table, version FROM {schema}.idem_schema_version ORDER BY 1"
+            )))
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+            (columns, indexes, versions)
+        }
+    };
+    let made = shape(by_migrate.clone()).await;
+    assert!(made.0.len() >= 10, "{made:?}");
+    assert_eq!(shape(by_sql.clone()).await, made);
+    PgInbox::new(sql_pool.clone()).migrate().await.unwrap();
+    assert_eq!(
+        shape(by_sql.clone()).await,
+        made,
+        "migrate() found it current"
+    );
+    for schema in [&by_sql, &by_migrate] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+
+    // SQLite: one file made by the printed statements, one by migrate().
+    let dir = tempfile::tempdir().unwrap();
+    let by_sql = idem::sql::sqlite::pool(&dir.path().join("sql.db").display().to_string())
+        .await
+        .unwrap();
+    let by_migrate = idem::sql::sqlite::pool(&dir.path().join("migrate.db").display().to_string())
+        .await
+        .unwrap();
+    let mut tx = by_sql.begin().await.unwrap();
+    for statement in printed("sqlite") {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    idem::sql::SqliteInbox::new(by_migrate.clone())
+        .migrate()
+        .await
+        .unwrap();
+    let shape = |pool: sqlx::SqlitePool| async move {
+        let objects: Vec<(String, String, Option<String>)> =
+            sqlx::query_as("SELECT type, name, sql FROM sqlite_master ORDER BY type, name")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        let versions: Vec<(String, i64)> =
+            sqlx::query_as("SELECT inbox_table, version FROM idem_schema_version ORDER BY 1")
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+        (objects, versions)
+    };
+    let made = shape(by_migrate.clone()).await;
+    assert_eq!(shape(by_sql.clone()).await, made);
+    idem::sql::SqliteInbox::new(by_sql.clone())
+        .migrate()
+        .await
+        .unwrap();
+    assert_eq!(shape(by_sql).await, made, "migrate() found it current");
+}

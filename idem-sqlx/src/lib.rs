@@ -74,7 +74,9 @@ pub use dialect::Dialect;
 pub use error::{classify_database_code, classify_error, classify_mysql_number, classify_sqlx};
 pub use held::Held;
 pub use inbox::SqlInbox;
-pub use migrate::{InboxPool, MigrateError, READERS_FROM, SCHEMA_TABLE, SCHEMA_VERSION, migrate};
+pub use migrate::{
+    InboxPool, MigrateError, READERS_FROM, SCHEMA_TABLE, SCHEMA_VERSION, migrate, schema,
+};
 #[cfg(feature = "mysql")]
 pub use mysql::MySqlInbox;
 #[cfg(feature = "postgres")]

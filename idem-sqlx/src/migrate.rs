@@ -200,6 +200,42 @@ async fn upgrade<DB: Dialect>(
     Ok(())
 }
 
+/// The statements that create `table` at [`SCHEMA_VERSION`] from nothing, in the order
+/// `migrate()` runs them, ending with the rows of `idem_schema_version` that `migrate()`
+/// records (so that it finds the tables current): for teams whose schema changes go through
+/// a migration tool of their own (`idem schema` prints them). Run them in one transaction
+/// (MariaDB commits each DDL statement by itself; each can be run again); each ends without
+/// its `;`.
+pub fn schema<DB: Dialect>(table: &TableName) -> Vec<String> {
+    let steps = DB::MIGRATION;
+    let mut statements = vec![steps.version_table.to_owned()];
+    for (_, step) in steps.steps {
+        statements.extend(step.iter().map(|s| fill(s, table, DB::NOW).to_string()));
+    }
+    for (name, version) in [
+        (table.as_str().to_owned(), SCHEMA_VERSION),
+        (readers_row(table), READERS_FROM),
+    ] {
+        statements.push(with_values(steps.write_version, &name, version));
+    }
+    statements
+}
+
+/// `template` (`write_version`) with its two parameters, the row's name and its version,
+/// written in: `$1` and `$2` (PostgreSQL), `?1` and `?2` (SQLite), or two `?` (MariaDB). The
+/// name is a table name, a plain identifier, or one with `@readers` after it: it needs no
+/// escaping inside quotes.
+fn with_values(template: &str, name: &str, version: i32) -> String {
+    let (name, version) = (format!("'{name}'"), version.to_string());
+    if template.contains("$1") {
+        template.replace("$2", &version).replace("$1", &name)
+    } else if template.contains("?1") {
+        template.replace("?2", &version).replace("?1", &name)
+    } else {
+        template.replacen('?', &name, 1).replacen('?', &version, 1)
+    }
+}
+
 /// The row of `idem_schema_version` that records the oldest schema version whose idem runs on
 /// `table` ([`READERS_FROM`]); table names are plain identifiers, so it cannot be a table's.
 fn readers_row(table: &TableName) -> String {
