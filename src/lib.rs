@@ -133,6 +133,10 @@ pub mod __private {
 /// builds and runs as the README's do.
 #[cfg(doctest)]
 mod book {
+    #[doc = include_str!("../docs/src/tutorial.md")]
+    struct Tutorial;
+    #[doc = include_str!("../docs/src/concepts.md")]
+    struct Concepts;
     #[doc = include_str!("../docs/src/example.md")]
     struct Example;
     #[doc = include_str!("../docs/src/guarantee.md")]

@@ -54,6 +54,7 @@ mod inflight;
 pub mod key;
 mod keyed;
 mod layer;
+mod probes;
 mod problem;
 pub mod stored;
 mod sweep;
@@ -67,5 +68,6 @@ pub use config::{
 };
 pub use handler::{At, IdempotentHandler, WritesIn};
 pub use layer::{IdempotencyLayer, IdempotencyService};
+pub use probes::probes;
 pub use sweep::sweep_every;
 pub use tx::{Execution, Tx, TxRejection};
