@@ -1307,7 +1307,6 @@ async fn a_version_1_table_is_upgraded_in_place() {
 /// `completed`.
 #[tokio::test]
 async fn a_postgres_table_loses_its_status_check_in_version_8() {
-    use idem::store::{ClaimRequest, Fingerprint, InboxStore};
     let schema = common::OwnSchema::create("idem_test_check", 2).await;
     let pool = schema.pool.clone();
     let inbox = idem::sql::PgInbox::new(pool.clone());
@@ -1340,20 +1339,7 @@ async fn a_postgres_table_loses_its_status_check_in_version_8() {
     .await
     .unwrap();
     assert_eq!(version, idem::sql::SCHEMA_VERSION);
-    let fingerprint = Fingerprint::of(b"new");
-    let request = ClaimRequest {
-        consumer: "c",
-        key: "new",
-        fingerprint: &fingerprint,
-        attempt: 1,
-        retention: std::time::Duration::from_secs(60),
-    };
-    let mut tx = inbox.begin().await.unwrap();
-    assert_eq!(
-        inbox.claim(&mut tx, &request).await.unwrap(),
-        idem::store::Claim::Claimed
-    );
-    inbox.commit(tx).await.unwrap();
+    assert_eq!(claim_once(&inbox, "new").await, idem::store::Claim::Claimed);
     let statuses: Vec<(String, String)> =
         sqlx::query_as("SELECT key, status FROM idem_inbox ORDER BY key")
             .fetch_all(&pool)
@@ -1433,7 +1419,10 @@ async fn an_older_idem_runs_on_a_newer_schema_only_where_it_is_recorded_as_compa
         (newer, newer),
         "left as it is"
     );
-    for claimed in [claim_once(&postgres).await, claim_once(&lite).await] {
+    for claimed in [
+        claim_once(&postgres, "k").await,
+        claim_once(&lite, "k").await,
+    ] {
         assert_eq!(claimed, idem::store::Claim::Claimed);
     }
 
@@ -1456,13 +1445,13 @@ async fn an_older_idem_runs_on_a_newer_schema_only_where_it_is_recorded_as_compa
     schema.drop().await;
 }
 
-/// Claims a new key in `inbox` and commits.
-async fn claim_once<S: idem::store::InboxStore>(inbox: &S) -> idem::store::Claim {
+/// Claims `key` of consumer `c` in `inbox` (the key's bytes as the body) and commits.
+async fn claim_once<S: idem::store::InboxStore>(inbox: &S, key: &str) -> idem::store::Claim {
     use idem::store::{ClaimRequest, Fingerprint};
-    let fingerprint = Fingerprint::of(b"body");
+    let fingerprint = Fingerprint::of(key.as_bytes());
     let request = ClaimRequest {
         consumer: "c",
-        key: "k",
+        key,
         fingerprint: &fingerprint,
         attempt: 1,
         retention: std::time::Duration::from_secs(60),

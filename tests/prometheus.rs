@@ -100,48 +100,38 @@ impl Prometheus {
         prometheus
     }
 
+    /// The JSON answer of the API at `path` (with `params`).
+    async fn api(&self, path: &str, params: &[(&str, &str)]) -> Value {
+        let url = reqwest::Url::parse_with_params(&format!("{}{path}", self.url), params).unwrap();
+        let answer = self.http.get(url).send().await.unwrap();
+        answer.json().await.unwrap()
+    }
+
     /// The result of an instant query; panics when Prometheus refuses the query.
     async fn query(&self, promql: &str) -> Vec<Value> {
-        let answer: Value = self
-            .http
-            .get(
-                reqwest::Url::parse_with_params(
-                    &format!("{}/api/v1/query", self.url),
-                    [("query", promql)],
-                )
-                .unwrap(),
-            )
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let answer = self.api("/api/v1/query", &[("query", promql)]).await;
         assert_eq!(answer["status"], "success", "{promql}: {answer}");
         answer["data"]["result"].as_array().unwrap().clone()
     }
 
-    /// Whether `promql` answers at least one number (not NaN).
-    async fn shows_data(&self, promql: &str) -> bool {
+    /// Whether `promql` answers at least one number at least `least` (NaN is no number).
+    async fn answers_at_least(&self, promql: &str, least: f64) -> bool {
         self.query(promql).await.iter().any(|series| {
             series["value"][1]
                 .as_str()
                 .and_then(|v| v.parse::<f64>().ok())
-                .is_some_and(|v| !v.is_nan())
+                .is_some_and(|v| v >= least)
         })
+    }
+
+    /// Whether `promql` answers at least one number (not NaN).
+    async fn shows_data(&self, promql: &str) -> bool {
+        self.answers_at_least(promql, f64::NEG_INFINITY).await
     }
 
     /// The alerts in state `firing`, each as its name and severity.
     async fn firing(&self) -> Vec<(String, String)> {
-        let answer: Value = self
-            .http
-            .get(format!("{}/api/v1/alerts", self.url))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let answer = self.api("/api/v1/alerts", &[]).await;
         answer["data"]["alerts"]
             .as_array()
             .unwrap()
@@ -282,12 +272,7 @@ async fn the_dashboard_shows_a_running_consumer_and_a_database_outage_fires_its_
         let prometheus = &prometheus;
         async move {
             let query = r#"sum(idem_messages_total{consumer="orders",outcome="processed"})"#;
-            prometheus.query(query).await.iter().any(|series| {
-                series["value"][1]
-                    .as_str()
-                    .and_then(|v| v.parse::<f64>().ok())
-                    .is_some_and(|v| v >= n as f64)
-            })
+            prometheus.answers_at_least(query, n as f64).await
         }
     };
 
