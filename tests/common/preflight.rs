@@ -1,6 +1,7 @@
 //! What the test suite needs from the machine, checked in seconds before anything waits on
 //! it: PostgreSQL, MariaDB and RabbitMQ answering, `rabbitmqctl` usable, no resource alarm in
-//! effect, and RabbitMQ's consistent-hash plugin enabled. Each missing piece is reported with the command that fixes
+//! effect, RabbitMQ's consistent-hash plugin enabled, and the programs of the servers some
+//! tests start of their own on the `PATH`. Each missing piece is reported with the command that fixes
 //! it.
 #![allow(dead_code)]
 
@@ -27,7 +28,30 @@ pub async fn missing() -> Vec<String> {
     );
     let mut missing: Vec<String> = [postgres, mariadb].into_iter().flatten().collect();
     missing.extend(rabbitmq);
+    missing.extend(programs());
     missing
+}
+
+/// The programs of the servers some tests start of their own, unless the run says it skips
+/// those tests ([`super::own_servers::OPT_OUT`]).
+fn programs() -> Vec<String> {
+    use super::own_servers::{OPT_OUT, on_path};
+    if std::env::var(OPT_OUT).is_ok_and(|v| v == "1") {
+        return Vec::new();
+    }
+    [
+        ("rabbitmq-server", "the TLS node and the 3-node cluster"),
+        ("nats-server", "the NATS servers of the chaos runs, the TLS and the replicas tests"),
+        ("prometheus", "the Prometheus the dashboard and the alerting rules are tested in"),
+    ]
+    .into_iter()
+    .filter(|(program, _)| !on_path(program))
+    .map(|(program, what)| {
+        format!(
+            "`{program}` is not on the PATH ({what}): install the package of the same name, or set {OPT_OUT}=1 to skip the tests that start servers of their own"
+        )
+    })
+    .collect()
 }
 
 /// Panics with every missing piece and its fix.
