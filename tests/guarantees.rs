@@ -268,7 +268,8 @@ macro_rules! on_both_brokers {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $test() {
-                    let url = super::common::broker::amqp_url();
+                    // The ordered handler's partitions need the consistent-hash plugin.
+                    let url = super::common::broker::with_the_plugin().await.url.clone();
                     super::$test(super::Bus::of_url(&url).await).await;
                 }
             )*

@@ -200,6 +200,7 @@ fn spawn_child(exchange: &str, partitions: usize, index: usize) -> Child {
         .env("IDEM_ORDERED_EXCHANGE", exchange)
         .env("IDEM_ORDERED_PARTITIONS", partitions.to_string())
         .env("IDEM_ORDERED_CHILD", index.to_string())
+        .env("AMQP_URL", amqp_url())
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -220,6 +221,7 @@ impl Drop for Children {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_key_is_applied_in_publish_order_across_killed_processes() {
+    broker::with_the_plugin().await;
     const KEYS: usize = 200;
     const VERSIONS: i64 = 50;
     const PARTITIONS: usize = 8;
@@ -321,6 +323,7 @@ async fn ordered_child() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key() {
+    broker::with_the_plugin().await;
     const KEYS: usize = 20;
     const VERSIONS: i64 = 5;
     const PARTITIONS: usize = 4;
@@ -387,6 +390,7 @@ async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exchange_of_another_type_stops_the_start() {
+    broker::with_the_plugin().await;
     let pool = setup(2).await;
     let run = unique("idem-ordered-direct");
     broker::declare_direct_exchange(&run).await;

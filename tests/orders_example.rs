@@ -69,6 +69,7 @@ fn demo_with(queue: &str, transport: &str, database: &str, env: &[(&str, &str)])
 
 #[tokio::test]
 async fn the_demo_applies_every_status_update_once_in_order() {
+    broker::with_the_plugin().await;
     let dir = tempfile::tempdir().unwrap();
     for transport in ["rabbitmq", "memory"] {
         let queue = unique("idem-example-demo");
@@ -95,6 +96,7 @@ async fn the_demo_applies_every_status_update_once_in_order() {
 
 #[tokio::test]
 async fn the_batch_handler_keeps_the_same_books_on_every_database() {
+    broker::with_the_plugin().await;
     let dir = tempfile::tempdir().unwrap();
     let sqlite = dir.path().join("batch.db");
     for database in [
@@ -123,6 +125,7 @@ async fn the_batch_handler_keeps_the_same_books_on_every_database() {
 /// the batch handler: every copy is a duplicate, nothing is booked twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orders_booked_one_at_a_time_are_duplicates_to_the_batch_handler() {
+    broker::with_the_plugin().await;
     let queue = unique("idem-example-switch");
     let pool = common::postgres(2).await;
     broker::declare_orders_queue(&queue).await;
@@ -247,6 +250,7 @@ fn queue_type(queue: &str) -> Option<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn orders_consume_applies_status_updates_in_order_across_a_kill() {
+    broker::with_the_plugin().await;
     const ORDERS: usize = 60;
     let queue = unique("idem-example-status");
     let exchange = format!("{queue}.status");

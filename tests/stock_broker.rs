@@ -4,8 +4,9 @@
 //! wrong, even when the plugin is enabled in between (the next run goes back to four
 //! partitions of the consistent-hash exchange).
 //!
-//! Its own test binary: it disables the consistent-hash plugin on the broker, and enables it
-//! again when it ends (also when it fails), while cargo runs no other test binary.
+//! Its own test binary: it disables the consistent-hash plugin on the broker, enables it for
+//! the last run, and puts back the state it found when it ends (also when it fails), while
+//! cargo runs no other test binary.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -20,29 +21,35 @@ use std::time::Duration;
 
 const PLUGIN: &str = "rabbitmq_consistent_hash_exchange";
 
-/// The plugin disabled for as long as it lives; enabled again when dropped.
-struct PluginOff;
+/// Enables or disables the plugin on the broker: whether `rabbitmq-plugins` did.
+fn set_plugin(enabled: bool) -> bool {
+    let verb = if enabled { "enable" } else { "disable" };
+    common::rabbitmq_plugins()
+        .args([verb, "--quiet", PLUGIN])
+        .status()
+        .is_ok_and(|status| status.success())
+}
 
-impl PluginOff {
-    async fn new() -> Self {
-        let disabled = common::rabbitmq_plugins()
-            .args(["disable", "--quiet", PLUGIN])
-            .status()
+/// The plugin's state when the test began, put back when dropped.
+struct FoundState {
+    enabled: bool,
+}
+
+impl FoundState {
+    async fn record() -> Self {
+        let config = RabbitConfig::new(amqp_url());
+        let enabled = idem::rabbitmq::consistent_hash_available(&config)
+            .await
             .unwrap();
-        assert!(disabled.success(), "rabbitmq-plugins disable {PLUGIN}");
-        let off = Self;
-        available_is(false).await;
-        off
+        Self { enabled }
     }
 }
 
-impl Drop for PluginOff {
+impl Drop for FoundState {
     fn drop(&mut self) {
-        let enabled = common::rabbitmq_plugins()
-            .args(["enable", "--quiet", PLUGIN])
-            .status();
-        if !matches!(enabled, Ok(status) if status.success()) {
-            eprintln!("could not enable {PLUGIN} again: run `rabbitmq-plugins enable {PLUGIN}`");
+        if !set_plugin(self.enabled) {
+            let verb = if self.enabled { "enable" } else { "disable" };
+            eprintln!("could not {verb} {PLUGIN} again: run `rabbitmq-plugins {verb} {PLUGIN}`");
         }
     }
 }
@@ -115,7 +122,9 @@ async fn the_quick_start_runs_on_a_stock_broker_and_a_killed_run_never_spoils_th
     let database = dir.path().join("orders.db");
     let database = database.to_str().unwrap();
     let queue = unique("idem-stock");
-    let off = PluginOff::new().await;
+    let _found = FoundState::record().await;
+    assert!(set_plugin(false), "rabbitmq-plugins disable {PLUGIN}");
+    available_is(false).await;
 
     // No plugin: one ordered partition, said in one line.
     let output = demo(&queue, database).output().unwrap();
@@ -159,7 +168,7 @@ async fn the_quick_start_runs_on_a_stock_broker_and_a_killed_run_never_spoils_th
     drop(killed); // SIGKILL
 
     // The next run, with the plugin enabled meanwhile: four partitions, exact books.
-    drop(off);
+    assert!(set_plugin(true), "rabbitmq-plugins enable {PLUGIN}");
     available_is(true).await;
     let output = demo(&queue, database).output().unwrap();
     assert_exact(&output, 4);

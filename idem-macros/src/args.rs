@@ -101,9 +101,12 @@ pub(crate) struct Args {
     pub(crate) versioned: Option<(LitStr, LitStr)>,
     /// `batch = N`: the deliveries per batch.
     pub(crate) batch: Option<usize>,
+    /// `crate = "path"`: where the expansion finds idem, for a renamed or re-exported
+    /// dependency (default `::idem`).
+    pub(crate) krate: Option<syn::Path>,
 }
 
-const EXPECTED: &str = "expected one of: `store`, `key`, `queue`, `consumer`, `mode`, `lease`, `retention`, `version`, `entity`, `batch`";
+const EXPECTED: &str = "expected one of: `store`, `key`, `queue`, `consumer`, `mode`, `lease`, `retention`, `version`, `entity`, `batch`, `crate`";
 
 impl Args {
     /// The mode the arguments ask for, read even when they do not parse, so that the signature
@@ -133,6 +136,7 @@ impl Args {
         let mut version: Option<LitStr> = None;
         let mut entity: Option<LitStr> = None;
         let mut batch: Option<usize> = None;
+        let mut krate: Option<syn::Path> = None;
         let mut store_mentioned = false;
         let mut errors: Option<syn::Error> = None;
         let mut push = |e: syn::Error| match errors.as_mut() {
@@ -179,6 +183,20 @@ impl Args {
                         ));
                     } else {
                         *slot = Some(lit);
+                    }
+                }
+                "crate" => {
+                    let lit: LitStr = meta.value()?.parse()?;
+                    if let Some(e) = duplicate(krate.is_some()) {
+                        push(e);
+                    } else {
+                        match lit.parse::<syn::Path>() {
+                            Ok(path) => krate = Some(path),
+                            Err(_) => push(syn::Error::new(
+                                lit.span(),
+                                "`crate` is the path idem is reachable at, such as \"::my_idem\" or \"crate::reexported::idem\"",
+                            )),
+                        }
                     }
                 }
                 "batch" => {
@@ -300,6 +318,7 @@ impl Args {
                 retention_ms: retention,
                 versioned,
                 batch,
+                krate,
             }),
             (None, None) => Err(syn::Error::new(Span::call_site(), "missing `store`")),
         }
@@ -316,6 +335,20 @@ mod tests {
             Ok(_) => panic!("expected an error"),
             Err(e) => e.to_string(),
         }
+    }
+
+    #[test]
+    fn crate_is_a_path_where_idem_is_reached() {
+        let args = Args::parse(quote!(store = Postgres, crate = "::my_idem")).unwrap();
+        let path = args.krate.unwrap();
+        assert_eq!(quote!(#path).to_string(), quote!(::my_idem).to_string());
+        assert!(
+            err(quote!(store = Postgres, crate = "not a path")).contains("`crate` is the path")
+        );
+        assert!(
+            err(quote!(store = Postgres, crate = "::a", crate = "::b"))
+                .contains("duplicate argument `crate`")
+        );
     }
 
     #[test]

@@ -70,6 +70,15 @@ fn generate(args: TokenStream, func: &ItemFn) -> syn::Result<TokenStream> {
     Ok(emit(func, &args, &sig, &key, versioned))
 }
 
+/// Where the expansion finds idem's items: `::idem::__private`, or under the path of
+/// `crate = "..."`.
+fn private(args: &Args) -> TokenStream {
+    match &args.krate {
+        Some(path) => quote!(#path::__private),
+        None => quote!(::idem::__private),
+    }
+}
+
 /// The `versioned` function of a versioned handler (`version` and `entity` field paths): the
 /// fields read through real field accesses spanned at their literals, so a typo or a version
 /// that is not an integer is a compile error there.
@@ -78,7 +87,7 @@ fn versioned_fn(
     sig: &HandlerSig<'_>,
     fields: Option<(Vec<String>, Vec<String>)>,
 ) -> TokenStream {
-    let krate = quote!(::idem::__private);
+    let krate = private(args);
     let (Some((version_lit, entity_lit)), Some((version, entity))) = (&args.versioned, fields)
     else {
         return TokenStream::new();
@@ -112,7 +121,7 @@ fn emit(
     key: &KeySpec,
     versioned: TokenStream,
 ) -> TokenStream {
-    let krate = quote!(::idem::__private);
+    let krate = private(args);
     let name = sig.name;
     let name_str = name.to_string();
     let store = match &args.store {

@@ -7,9 +7,67 @@ use lapin::types::ShortString;
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use std::time::Duration;
 
-/// The broker the tests use: `AMQP_URL`, or the development machine's.
+/// The broker the tests use: the one [`with_the_plugin`] chose for this test binary, else
+/// `AMQP_URL`, else the development machine's.
 pub fn amqp_url() -> String {
+    match WITH_THE_PLUGIN.get() {
+        Some(chosen) => chosen.url.clone(),
+        None => machine_url(),
+    }
+}
+
+/// `AMQP_URL`, or the development machine's broker.
+fn machine_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// A broker with RabbitMQ's consistent-hash plugin, and whether it is node 1 of the cluster.
+pub struct WithThePlugin {
+    pub url: String,
+    /// Node 1 of `scripts/rabbitmq-cluster` (controlled through the script), not the machine's.
+    pub cluster_node: bool,
+}
+
+static WITH_THE_PLUGIN: tokio::sync::OnceCell<WithThePlugin> = tokio::sync::OnceCell::const_new();
+
+/// For the test binaries whose ordered handlers route through the consistent-hash exchange:
+/// from the first call on, this binary's [`amqp_url`] and [`super::rabbitmqctl`] are a broker
+/// with the plugin. That is the machine's when it has the plugin enabled; else node 1 of the
+/// 3-node cluster of `scripts/rabbitmq-cluster` (started if it is down), whose nodes enable it,
+/// so that the suite passes on a RabbitMQ as its package installs it. Each test of such a
+/// binary calls it first.
+pub async fn with_the_plugin() -> &'static WithThePlugin {
+    WITH_THE_PLUGIN
+        .get_or_init(|| async {
+            let machine = machine_url();
+            let config = RabbitConfig::new(&machine);
+            if idem::rabbitmq::consistent_hash_available(&config).await.unwrap_or(false) {
+                return WithThePlugin {
+                    url: machine,
+                    cluster_node: false,
+                };
+            }
+            assert!(
+                super::own_servers::can_start("rabbitmq-server", "the RabbitMQ node with the consistent-hash plugin"),
+                "the machine's RabbitMQ has no consistent-hash plugin: enable it (`rabbitmq-plugins enable rabbitmq_consistent_hash_exchange`) or put rabbitmq-server on the PATH"
+            );
+            let urls = tokio::task::spawn_blocking(|| super::cluster::script_output(&["start"]))
+                .await
+                .unwrap();
+            let url = urls.trim().split(',').next().unwrap().to_owned();
+            WithThePlugin {
+                url,
+                cluster_node: true,
+            }
+        })
+        .await
+}
+
+/// Whether [`with_the_plugin`] chose node 1 of the cluster for this binary.
+pub fn on_the_cluster_node() -> bool {
+    WITH_THE_PLUGIN
+        .get()
+        .is_some_and(|chosen| chosen.cluster_node)
 }
 
 /// A confirmed publisher, or a failure saying how to start RabbitMQ.

@@ -5,7 +5,7 @@
 use std::process::Command;
 
 /// The repository's cluster script.
-const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rabbitmq-cluster");
+pub const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/rabbitmq-cluster");
 
 /// Only one test at a time may stop nodes of the cluster.
 static IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -17,7 +17,8 @@ pub struct Cluster {
     _held: tokio::sync::MutexGuard<'static, ()>,
 }
 
-fn script(args: &[&str]) -> String {
+/// Runs the cluster script with `args` and returns what it printed; a failure panics with it.
+pub fn script_output(args: &[&str]) -> String {
     let out = Command::new(SCRIPT)
         .args(args)
         .output()
@@ -40,7 +41,7 @@ impl Cluster {
             return None;
         }
         let held = IN_USE.lock().await;
-        let urls = tokio::task::spawn_blocking(|| script(&["start"]))
+        let urls = tokio::task::spawn_blocking(|| script_output(&["start"]))
             .await
             .unwrap()
             .trim()
@@ -77,7 +78,7 @@ impl Cluster {
     pub fn ctl(&self, n: usize, args: &[&str]) -> String {
         let mut all = vec!["ctl", ["1", "2", "3"][n - 1]];
         all.extend_from_slice(args);
-        script(&all)
+        script_output(&all)
     }
 
     /// The node (1 to 3) that leads quorum queue `queue`, as node `asked` sees it.
@@ -142,7 +143,7 @@ impl Cluster {
     /// disconnected and its port refuses connections).
     pub async fn stop_app(&self, n: usize) {
         let node = ["1", "2", "3"][n - 1];
-        tokio::task::spawn_blocking(move || script(&["ctl", node, "stop_app"]))
+        tokio::task::spawn_blocking(move || script_output(&["ctl", node, "stop_app"]))
             .await
             .unwrap();
     }
@@ -151,8 +152,8 @@ impl Cluster {
     pub async fn start_app(&self, n: usize) {
         let node = ["1", "2", "3"][n - 1];
         tokio::task::spawn_blocking(move || {
-            script(&["ctl", node, "start_app"]);
-            script(&["ctl", node, "await_startup"]);
+            script_output(&["ctl", node, "start_app"]);
+            script_output(&["ctl", node, "await_startup"]);
         })
         .await
         .unwrap();
@@ -163,7 +164,7 @@ impl Cluster {
     pub async fn stop_all(&self) {
         let stops: Vec<_> = ["1", "2", "3"]
             .into_iter()
-            .map(|node| tokio::task::spawn_blocking(move || script(&["stop", node])))
+            .map(|node| tokio::task::spawn_blocking(move || script_output(&["stop", node])))
             .collect();
         for stop in stops {
             stop.await.unwrap();
@@ -172,7 +173,7 @@ impl Cluster {
 
     /// Starts every node again and waits for them (after [`Cluster::stop_all`]).
     pub async fn start_all(&self) {
-        tokio::task::spawn_blocking(|| script(&["start"]))
+        tokio::task::spawn_blocking(|| script_output(&["start"]))
             .await
             .unwrap();
     }

@@ -21,6 +21,12 @@ pub fn rabbitmq_plugins() -> std::process::Command {
 /// `program` when it is on the `PATH`; else, when `docker` is, `program` in the broker of
 /// this repository's `compose.yaml`.
 fn broker_tool(variable: &str, program: &str) -> std::process::Command {
+    if program == "rabbitmqctl" && broker::on_the_cluster_node() {
+        // The broker `broker::with_the_plugin` chose: node 1 of the cluster, through its script.
+        let mut command = std::process::Command::new(cluster::SCRIPT);
+        command.args(["ctl", "1"]);
+        return command;
+    }
     let configured = std::env::var(variable).unwrap_or_default();
     let words: Vec<&str> = match configured.split_whitespace().collect::<Vec<_>>() {
         words if !words.is_empty() => words,
