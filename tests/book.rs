@@ -167,6 +167,7 @@ fn the_reference_names_every_setting_reason_and_metric() {
         ),
         ("idem-rabbitmq/src/config.rs", &[][..]),
         ("idem-nats/src/config.rs", &["redacted_url"][..]),
+        ("idem-sqlx/src/inbox.rs", &["config", "pool"][..]),
     ] {
         let methods = public_methods(file, skip);
         assert!(methods.len() >= 6, "{file}: {methods:?}");

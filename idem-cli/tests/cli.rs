@@ -1190,8 +1190,8 @@ async fn the_dead_letters_of_a_nats_queue_are_listed_shown_and_replayed() {
 
 /// `idem schema`'s statements, run in a database of their own, make the tables `migrate()`
 /// makes, recorded as current: `migrate()` afterwards changes nothing. On PostgreSQL (two
-/// schemas of the test's own) and SQLite (two files), compared column by column and index by
-/// index.
+/// schemas of the test's own), MariaDB (two databases of its own) and SQLite (two files),
+/// compared column by column and index by index.
 #[tokio::test]
 async fn the_printed_schema_is_what_migrate_creates() {
     let printed = |dialect: &str| {
@@ -1297,6 +1297,93 @@ async fn the_printed_schema_is_what_migrate_creates() {
     );
     for schema in [&by_sql, &by_migrate] {
         sqlx::query(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+            .execute(&admin)
+            .await
+            .unwrap();
+    }
+
+    // MariaDB: one database made by the printed statements, one by migrate().
+    let mysql_url = std::env::var("MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_owned());
+    let server = mysql_url
+        .parse::<sqlx::mysql::MySqlConnectOptions>()
+        .unwrap();
+    let admin = sqlx::MySqlPool::connect_with(server.clone()).await.unwrap();
+    let (by_sql, by_migrate) = (format!("idem_cli_sql_{id}"), format!("idem_cli_mig_{id}"));
+    for database in [&by_sql, &by_migrate] {
+        for statement in [
+            format!("DROP DATABASE IF EXISTS {database}"),
+            format!("CREATE DATABASE {database}"),
+        ] {
+            sqlx::query(sqlx::AssertSqlSafe(statement))
+                .execute(&admin)
+                .await
+                .unwrap();
+        }
+    }
+    let in_database =
+        |database: &str| sqlx::MySqlPool::connect_with(server.clone().database(database));
+    let (sql_pool, migrate_pool) = (
+        in_database(&by_sql).await.unwrap(),
+        in_database(&by_migrate).await.unwrap(),
+    );
+    // MariaDB commits each DDL statement by itself: no transaction around them.
+    for statement in printed("mysql") {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&sql_pool)
+            .await
+            .unwrap();
+    }
+    idem::sql::MySqlInbox::new(migrate_pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    let shape = |database: String| {
+        let admin = admin.clone();
+        async move {
+            let columns: Vec<(String, String, String, String, Option<String>)> = sqlx::query_as(
+                "SELECT CAST(table_name AS CHAR), CAST(column_name AS CHAR), CAST(column_type AS CHAR),
+                        CAST(is_nullable AS CHAR), CAST(column_default AS CHAR)
+                 FROM information_schema.columns WHERE table_schema = ? ORDER BY 1, 2",
+            )
+            .bind(&database)
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+            let indexes: Vec<(String, String, i64, String, i64)> = sqlx::query_as(
+                "SELECT CAST(table_name AS CHAR), CAST(index_name AS CHAR), CAST(seq_in_index AS SIGNED),
+                        CAST(column_name AS CHAR), CAST(non_unique AS SIGNED)
+                 FROM information_schema.statistics WHERE table_schema = ? ORDER BY 1, 2, 3",
+            )
+            .bind(&database)
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+            let versions: Vec<(String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT inbox_table, version FROM {database}.idem_schema_version ORDER BY 1"
+            )))
+            .fetch_all(&admin)
+            .await
+            .unwrap();
+            (columns, indexes, versions)
+        }
+    };
+    let made = shape(by_migrate.clone()).await;
+    assert!(made.0.len() >= 10, "{made:?}");
+    assert_eq!(shape(by_sql.clone()).await, made);
+    idem::sql::MySqlInbox::new(sql_pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    assert_eq!(
+        shape(by_sql.clone()).await,
+        made,
+        "migrate() found it current"
+    );
+    sql_pool.close().await;
+    migrate_pool.close().await;
+    for database in [&by_sql, &by_migrate] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE {database}")))
             .execute(&admin)
             .await
             .unwrap();

@@ -28,6 +28,10 @@ pub trait Dialect: Sql {
     /// Whether keys and the text of records are written escaped where they hold NUL, which
     /// the database's text type refuses (PostgreSQL), as the module `keys` says.
     const ESCAPES_NUL: bool = false;
+    /// A query of the settings under which a commit can be lost after idem acked it, one row
+    /// per risk found with the text columns `setting`, `found` and `fix` ([`crate::durability`]);
+    /// empty: the dialect cannot tell.
+    const DURABILITY: &'static str = "";
 
     /// Bind parameter `n` (from 1) in statement text put together at run time (default `?`).
     fn placeholder(n: usize) -> String {

@@ -4,6 +4,7 @@
 use crate::claim;
 use crate::config::{ConfigError, InboxConfig};
 use crate::dialect::Dialect;
+use crate::durability::{self, Durability};
 use crate::error::{classify_error, store_error};
 use crate::keys;
 use crate::migrate::{self, MigrateError};
@@ -36,6 +37,10 @@ pub struct SqlInbox<DB: Dialect> {
     pub(crate) hold_for: Duration,
     /// When a parked outbox row is given up ([`SqlInbox::outbox_give_up`]).
     pub(crate) give_up: Duration,
+    /// What the start does about settings that can lose acked commits.
+    durability: Durability,
+    /// Set once the risks found were logged, so that each start logs them once.
+    durability_told: Arc<AtomicBool>,
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
@@ -56,6 +61,8 @@ impl<DB: Dialect> SqlInbox<DB> {
             sweeping: Arc::default(),
             hold_for: crate::held::HOLD_FOR,
             give_up: crate::config::DEFAULT_GIVE_UP,
+            durability: Durability::default(),
+            durability_told: Arc::default(),
         }
     }
 
@@ -76,6 +83,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         Self {
             hold_for: self.hold_for,
             give_up: self.give_up,
+            durability: self.durability,
             ..Self::with_config(self.pool, config)
         }
     }
@@ -96,6 +104,15 @@ impl<DB: Dialect> SqlInbox<DB> {
     /// acquires its connection from the pool.
     pub fn hold_connections(mut self, hold_for: Duration) -> Self {
         self.hold_for = hold_for;
+        self
+    }
+
+    /// The same inbox with `durability` deciding what a runtime's start does when the
+    /// database's settings can lose a commit after idem acked its message (asynchronous
+    /// replication, commits not flushed): [`Durability::Warn`] by default, and
+    /// [`Durability::Require`] to refuse to start ([`crate::durability`]).
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.durability = durability;
         self
     }
 
@@ -156,7 +173,8 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
                 class,
                 format!("inbox table `{}`: {e}", self.config.table_name()),
             )
-        })
+        })?;
+        durability::check::<DB>(&self.pool, self.durability, &self.durability_told).await
     }
 
     fn retention(&self) -> Duration {
@@ -416,6 +434,8 @@ impl<DB: Dialect> Clone for SqlInbox<DB> {
             sweeping: self.sweeping.clone(),
             hold_for: self.hold_for,
             give_up: self.give_up,
+            durability: self.durability,
+            durability_told: self.durability_told.clone(),
         }
     }
 }

@@ -45,6 +45,7 @@ pub mod config;
 pub mod dead_letters;
 mod deliveries;
 pub mod dialect;
+pub mod durability;
 mod error;
 pub mod exec;
 pub mod held;
@@ -71,6 +72,7 @@ pub use admin::{DeadLetterCount, InboxRow, InboxStats, KeyReport, Removed, Statu
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};
 pub use dead_letters::DeadLetterRow;
 pub use dialect::Dialect;
+pub use durability::{Durability, Risk};
 pub use error::{classify_database_code, classify_error, classify_mysql_number, classify_sqlx};
 pub use held::Held;
 pub use inbox::SqlInbox;

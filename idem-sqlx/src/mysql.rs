@@ -270,6 +270,7 @@ impl RowsAffected for MySqlQueryResult {
 }
 
 impl Dialect for MySql {
+    const DURABILITY: &'static str = crate::durability::MARIADB;
     const KIND: StoreKind = StoreKind::new("MySql", "mysql", "idem::sql::MySqlInbox");
     const STATEMENTS: Statements = Statements {
         claim: CLAIM,

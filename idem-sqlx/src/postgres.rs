@@ -343,6 +343,7 @@ impl RowsAffected for PgQueryResult {
 }
 
 impl Dialect for Postgres {
+    const DURABILITY: &'static str = crate::durability::POSTGRES;
     const ESCAPES_NUL: bool = true;
     fn placeholder(n: usize) -> String {
         format!("${n}")

@@ -262,6 +262,7 @@ impl RowsAffected for SqliteQueryResult {
 }
 
 impl Dialect for Sqlite {
+    const DURABILITY: &'static str = crate::durability::SQLITE;
     const KIND: StoreKind = StoreKind::new("Sqlite", "sqlite", "idem::sql::SqliteInbox");
     // SQLite runs in process: the single-row statements of a batch cost no round trips.
     const STATEMENTS: Statements = Statements {

@@ -236,6 +236,7 @@ pub mod faulty_orders;
 pub mod nats_cluster;
 pub mod nats_node;
 pub mod own_servers;
+pub mod pg_standby;
 pub mod preflight;
 pub mod proxy;
 pub mod raw_amqp;

@@ -39,15 +39,16 @@ fn programs() -> Vec<String> {
         return Vec::new();
     }
     [
-        ("rabbitmq-server", "the TLS node and the 3-node cluster"),
-        ("nats-server", "the NATS servers of the chaos runs, the TLS and the replicas tests"),
-        ("prometheus", "the Prometheus the dashboard and the alerting rules are tested in"),
+        ("rabbitmq-server", "rabbitmq-server", "the TLS node and the 3-node cluster"),
+        ("nats-server", "nats-server", "the NATS servers of the chaos runs, the TLS and the replicas tests"),
+        ("prometheus", "prometheus", "the Prometheus the dashboard and the alerting rules are tested in"),
+        ("pg_config", "postgresql", "the PostgreSQL primary and standby of the durability test"),
     ]
     .into_iter()
-    .filter(|(program, _)| !on_path(program))
-    .map(|(program, what)| {
+    .filter(|(program, _, _)| !on_path(program))
+    .map(|(program, package, what)| {
         format!(
-            "`{program}` is not on the PATH ({what}): install the package of the same name, or set {OPT_OUT}=1 to skip the tests that start servers of their own"
+            "`{program}` is not on the PATH ({what}): install the package `{package}`, or set {OPT_OUT}=1 to skip the tests that start servers of their own"
         )
     })
     .collect()

@@ -155,8 +155,9 @@ impl<'a> Context<'a> {
     /// message id it gets [`outbox_message_id`]`(consumer, key, n)` for the n-th message
     /// stamped in this run (so a re-run after a rollback stamps the same ids); without a
     /// correlation id, this delivery's correlation id, else its message id; the header
-    /// `causation_id` is this delivery's message id, and `traceparent` is copied when this
-    /// delivery has one.
+    /// `causation_id` is this delivery's message id; `traceparent` is the current span's context
+    /// with the `opentelemetry` feature and a `tracing-opentelemetry` layer, else copied when
+    /// this delivery has one (a `traceparent` the message already has is kept).
     pub fn outgoing(&self, message: Outgoing) -> Outgoing {
         let ordinal = self.staged.fetch_add(1, Ordering::Relaxed);
         let mut message = message;
@@ -180,8 +181,9 @@ impl<'a> Context<'a> {
         {
             envelope.headers.insert(CAUSATION_HEADER, cause);
         }
-        if let Some(trace) = self.header(TRACEPARENT_HEADER)
-            && envelope.headers.get(TRACEPARENT_HEADER).is_none()
+        if envelope.headers.get(TRACEPARENT_HEADER).is_none()
+            && !super::propagation::inject_current(&mut envelope.headers)
+            && let Some(trace) = self.header(TRACEPARENT_HEADER)
         {
             envelope.headers.insert(TRACEPARENT_HEADER, trace.clone());
         }

@@ -13,6 +13,7 @@ pub mod fingerprint;
 pub mod key;
 pub mod outcome;
 pub mod outgoing;
+pub(crate) mod propagation;
 pub mod reasons;
 pub mod version;
 

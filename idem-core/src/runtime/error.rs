@@ -77,6 +77,16 @@ pub enum RuntimeError {
         #[source]
         error: StoreError,
     },
+    /// A handler's store runs with settings under which a commit can be lost after its message
+    /// was acked, and the store was told to refuse them (`idem::sql::Durability::Require`).
+    #[error("the store of handler `{consumer}` refuses to start: {error}")]
+    StoreSettings {
+        /// The handler's consumer identity.
+        consumer: &'static str,
+        /// What the store found.
+        #[source]
+        error: StoreError,
+    },
     /// A handler's inbox could not be reached within the start deadline (the database is
     /// down, or restarting).
     #[error(

@@ -39,6 +39,9 @@ impl Runtime {
                     waited: self.start_deadline,
                     error,
                 },
+                ErrorClass::Permanent if error.operation() == crate::store::DURABILITY => {
+                    RuntimeError::StoreSettings { consumer, error }
+                }
                 ErrorClass::Permanent => RuntimeError::Store { consumer, error },
             })?;
         }

@@ -66,6 +66,11 @@ pub struct ClaimRequest<'a> {
     pub retention: Duration,
 }
 
+/// The operation of a [`StoreError`] by which [`InboxStore::check`] refuses a start because
+/// the database's settings can lose a commit after its message was acked: the runtime reports
+/// it as `RuntimeError::StoreSettings`, not as an inbox to migrate.
+pub const DURABILITY: &str = "durability";
+
 /// The consumer identity of the key [`InboxStore::probe`] writes and removes again; no handler
 /// may take it.
 pub const PROBE_CONSUMER: &str = "idem.probe";

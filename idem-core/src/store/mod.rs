@@ -15,8 +15,8 @@ pub mod settlement;
 
 pub use admission::{Admission, Refusal};
 pub use inbox::{
-    Claim, ClaimRequest, DEFAULT_RETENTION, InboxStore, PROBE_CONSUMER, Pace, StoreKind,
-    SweepReport,
+    Claim, ClaimRequest, DEFAULT_RETENTION, DURABILITY, InboxStore, PROBE_CONSUMER, Pace,
+    StoreKind, SweepReport,
 };
 pub use lease::{Lease, LeaseEnd, owner_token};
 pub use leased::{LeasedRun, Leasing};

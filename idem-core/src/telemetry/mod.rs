@@ -39,8 +39,9 @@
 //! | `idem_outbox_dispatch_seconds` | histogram | `store`: from a commit that staged messages until the broker confirmed them |
 //!
 //! The delivery span carries the W3C trace context of a message's `traceparent` header as the
-//! fields `trace_id` and `parent_span_id` (propagation only: no OpenTelemetry exporter is
-//! built in).
+//! fields `trace_id` and `parent_span_id`. With the `opentelemetry` feature and a
+//! `tracing-opentelemetry` layer, the span is also a child of that remote span, and messages
+//! staged in the outbox carry this consumer's context (no exporter is built in).
 
 mod metrics;
 mod redact;
@@ -54,6 +55,7 @@ use tracing::field;
 
 /// The span of one delivery: consumer, message id, correlation id, attempt and the W3C trace
 /// context of its `traceparent` header now; key and outcome once known ([`record_outcome`]).
+/// With the `opentelemetry` feature it continues the trace the message's headers carry.
 pub fn delivery_span(consumer: &str, envelope: &Envelope) -> tracing::Span {
     let span = tracing::info_span!(
         "delivery",
@@ -74,6 +76,7 @@ pub fn delivery_span(consumer: &str, envelope: &Envelope) -> tracing::Span {
         span.record("trace_id", trace_id);
         span.record("parent_span_id", parent_span_id);
     }
+    crate::model::propagation::continue_trace(&span, &envelope.headers);
     span
 }
 
