@@ -264,8 +264,8 @@ async fn orders_consumer(
 }
 
 /// JetStream's duplicate window: a copy published again with a JetStream id it took is
-/// dropped before it reaches the inbox; and acks are confirmed, so nothing is left in the
-/// work queue. (Copies JetStream keeps are settled by the inbox: `tests/guarantees.rs`.)
+/// dropped before it reaches the inbox; and the shutdown waits for the acks' confirm, so
+/// nothing is left in the work queue. (Copies JetStream keeps are settled by the inbox: `tests/guarantees.rs`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn jetstream_drops_a_copy_with_an_id_it_took_and_the_queue_ends_empty() {
     let w = World::new("window").await;
@@ -288,6 +288,72 @@ async fn jetstream_drops_a_copy_with_an_id_it_took_and_the_queue_ends_empty() {
     );
     let mut stream = w.js.get_stream(format!("IDEM_{}", w.orders)).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 0);
+    w.cleanup().await;
+}
+
+/// Acks are plain and confirmed in bulk: of 300 deliveries, each is acked once without asking
+/// for an answer, and a few confirms (acks asking for JetStream's answer, on a delivery
+/// already acked) follow them, the last one after every plain ack; the runtime's shutdown
+/// waits for it, so the work queue is empty as soon as the shutdown returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn acks_are_plain_and_confirmed_in_bulk_the_last_before_the_shutdown_ends() {
+    use futures_util::StreamExt as _;
+    let w = World::new("bulk").await;
+    // What the consumer sends JetStream about its deliveries, seen on a connection of the
+    // test's own: the ack subjects are ordinary subjects.
+    let watcher = async_nats::connect(nats_url()).await.unwrap();
+    let mut acks = watcher
+        .subscribe(format!("$JS.ACK.IDEM_{}.nats_orders.>", w.orders))
+        .await
+        .unwrap();
+    watcher.flush().await.unwrap();
+    let orders = 300;
+    for n in 0..orders {
+        w.publish(&format!("b-{n}"), &order(&format!("b-{n}"), n))
+            .await;
+    }
+    let running = start(w.runtime());
+    wait_until("every order settled", DEADLINE, || async {
+        running.now().settled() >= orders as u64
+    })
+    .await;
+    running.shut_down().await;
+    let mut stream = w.js.get_stream(format!("IDEM_{}", w.orders)).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 0);
+
+    // Plain acks (no reply subject) and confirms (a reply subject), in the server's order,
+    // until every delivery's plain ack and a confirm after the last of them were seen.
+    let (mut plain, mut confirms, mut confirmed_last) = (0, 0, false);
+    let seen = tokio::time::timeout(DEADLINE, async {
+        while let Some(message) = acks.next().await {
+            if message.payload.as_ref() == b"+WPI" {
+                continue; // in progress
+            }
+            assert_eq!(message.payload.as_ref(), b"+ACK");
+            match message.reply {
+                None => {
+                    plain += 1;
+                    confirmed_last = false;
+                }
+                Some(_) => {
+                    confirms += 1;
+                    confirmed_last = true;
+                }
+            }
+            if plain == orders && confirmed_last {
+                return;
+            }
+        }
+    })
+    .await;
+    assert!(
+        seen.is_ok(),
+        "{plain} plain acks, {confirms} confirms, the last confirmed: {confirmed_last}"
+    );
+    assert!(
+        (1..=orders / 10).contains(&confirms),
+        "{confirms} confirms for {orders} acks"
+    );
     w.cleanup().await;
 }
 

@@ -1,6 +1,7 @@
 //! The connection a transport and everything it runs share: the client (opened on first use),
 //! which queues are consuming, and the ordered handlers' sources with their partition counts.
 
+use crate::acks::Acks;
 use crate::config::NatsConfig;
 use async_nats::jetstream::{self, Context};
 use idem_core::transport::{Consuming, lane_of};
@@ -67,6 +68,8 @@ pub(crate) struct Shared {
     partitioned: Arc<Mutex<HashMap<String, usize>>>,
     /// Exchanges the server recorded no partition count for, and when it was asked.
     unpartitioned: Arc<Mutex<HashMap<String, Instant>>>,
+    /// Each consumed queue's acks, confirmed in bulk.
+    acks: Arc<Mutex<HashMap<String, Arc<Acks>>>>,
 }
 
 /// How long a producer takes an exchange for one that is not partitioned before it asks the
@@ -81,6 +84,7 @@ impl Shared {
             consuming: Consuming::default(),
             partitioned: Arc::default(),
             unpartitioned: Arc::default(),
+            acks: Arc::default(),
         }
     }
 
@@ -116,6 +120,23 @@ impl Shared {
                 })
                 .await?;
         Ok(client.clone())
+    }
+
+    /// The acks of `queue`'s deliveries.
+    pub(crate) fn acks(&self, queue: &str) -> Arc<Acks> {
+        let mut acks = self.acks.lock().unwrap_or_else(|e| e.into_inner());
+        acks.entry(queue.to_owned()).or_default().clone()
+    }
+
+    /// Resolves once every queue's acks sent so far are confirmed.
+    pub(crate) async fn acks_confirmed(&self) {
+        let all: Vec<Arc<Acks>> = {
+            let acks = self.acks.lock().unwrap_or_else(|e| e.into_inner());
+            acks.values().cloned().collect()
+        };
+        for acks in all {
+            acks.confirmed().await;
+        }
     }
 
     /// The connection when it was opened.

@@ -32,6 +32,8 @@ pub(crate) struct Consumer {
     pub(crate) unsettled: Unsettled,
     /// Which incarnation of the queue's stream the running session reads.
     pub(crate) reading: Reading,
+    /// Its acks, confirmed in bulk.
+    pub(crate) acks: Arc<crate::acks::Acks>,
 }
 
 impl Consumer {
@@ -55,21 +57,7 @@ impl Consumer {
         );
         supervise(self, supervision).await;
     }
-}
 
-impl Session for Consumer {
-    type Lost = BoxError;
-
-    fn run<'a>(&'a mut self, began: &'a Began) -> BoxFuture<'a, Result<Ended, BoxError>> {
-        Box::pin(async move {
-            let ended = self.session(began).await;
-            self.reading.clear();
-            ended
-        })
-    }
-}
-
-impl Consumer {
     async fn session(&mut self, began: &Began) -> Result<Ended, BoxError> {
         let js = self.shared.jetstream().await?;
         let (names, _) = topology::declare(&js, &self.spec, &self.shared.config).await?;
@@ -191,6 +179,7 @@ impl Consumer {
             incarnation,
             reading: self.reading.clone(),
             delivered,
+            acks: self.acks.clone(),
             _unsettled: tracked,
         };
         Ok(Delivery {
@@ -198,9 +187,7 @@ impl Consumer {
             settle: Box::new(settle),
         })
     }
-}
 
-impl Consumer {
     /// Takes out of the stream the deliveries the consumer has out that the client cannot
     /// parse ([`quarantine`]); a pass that fails is logged, and the next connection cut or
     /// session tries again.
@@ -234,6 +221,18 @@ impl Consumer {
                 tracing::warn!(queue = self.spec.queue, error = %e, "taking out deliveries the NATS client cannot parse failed; tried again at the next cut");
             }
         }
+    }
+}
+
+impl Session for Consumer {
+    type Lost = BoxError;
+
+    fn run<'a>(&'a mut self, began: &'a Began) -> BoxFuture<'a, Result<Ended, BoxError>> {
+        Box::pin(async move {
+            let ended = self.session(began).await;
+            self.reading.clear();
+            ended
+        })
     }
 }
 

@@ -18,8 +18,9 @@
 //!   in headers (`Idem-Dead-Letter-Reason`, `-Detail`, `Idem-Source-Queue`), after the runtime
 //!   recorded them in the handler's store.
 //!
-//! A delivery is acked with a double ack (JetStream confirms it) only after the handler's
-//! transaction committed. Producers publish to `q` with `Nats-Msg-Id` = the message id; the
+//! A delivery is acked only after the handler's transaction committed: a plain ack, with the
+//! queue's acks confirmed in bulk behind it (one confirmed ack at a time for all sent before
+//! it; the transport's close waits for the last). Producers publish to `q` with `Nats-Msg-Id` = the message id; the
 //! outbox does so with its deterministic ids, so JetStream's duplicate window drops a copy
 //! before the inbox has to.
 //!
@@ -35,6 +36,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod acks;
 mod config;
 mod connection;
 mod consume;

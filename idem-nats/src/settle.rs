@@ -1,5 +1,5 @@
-//! [`NatsSettle`]: how one JetStream delivery is settled. An ack is a double ack (the server
-//! confirms it); a retry publishes a copy to the queue's retry stream with the next attempt
+//! [`NatsSettle`]: how one JetStream delivery is settled. An ack is a plain ack, confirmed in
+//! bulk with the queue's others ([`crate::acks`]); a retry publishes a copy to the queue's retry stream with the next attempt
 //! and its due time, confirmed, then acks the original; a dead letter is published to the
 //! dead-letter stream, confirmed, then acked; a release is a negative ack, for redelivery now.
 //! A crash between a copy's publish and the ack leaves both; the copy's `Nats-Msg-Id` names the
@@ -46,6 +46,8 @@ pub(crate) struct NatsSettle {
     pub(crate) reading: Reading,
     /// How many times JetStream has delivered it (1 the first time).
     pub(crate) delivered: i64,
+    /// The queue's acks, confirmed in bulk ([`crate::acks`]).
+    pub(crate) acks: Arc<crate::acks::Acks>,
     /// Among the unsettled deliveries JetStream is told are in progress, until dropped.
     pub(crate) _unsettled: crate::progress::Tracked,
 }
@@ -260,8 +262,25 @@ impl NatsSettle {
 }
 
 impl Settle for NatsSettle {
+    /// Sends the ack and leaves its confirm to the queue's bulk confirms ([`crate::acks`]);
+    /// not at all once the stream that delivered it was replaced ([`Reading`]).
     fn ack(self: Box<Self>) -> BoxFuture<'static, Result<(), TransportError>> {
-        Box::pin(async move { self.double_ack().await })
+        Box::pin(async move {
+            match (self.source().await, &self.reply) {
+                (Ok(Source::Replaced), _) => {
+                    tracing::warn!(
+                        "not acked: the stream that delivered it was deleted and declared again, and the ack would remove the new stream's message with its sequence"
+                    );
+                    Ok(())
+                }
+                (Ok(_), Some(reply)) if self.acks.ack(&self.js.client(), reply).await.is_ok() => {
+                    Ok(())
+                }
+                // The server could not be asked, or the client refused the publish: the
+                // confirmed ack, sent again for a while.
+                _ => self.double_ack().await,
+            }
+        })
     }
 
     fn retry<'a>(

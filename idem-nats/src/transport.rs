@@ -150,6 +150,7 @@ impl Transport for NatsTransport {
     ) -> BoxFuture<'static, ()> {
         let consumer = Consumer {
             shared: self.shared.clone(),
+            acks: self.shared.acks(&queue.queue),
             spec: queue,
             prefetch,
             mailbox,
@@ -160,10 +161,12 @@ impl Transport for NatsTransport {
         Box::pin(consumer.run())
     }
 
-    /// Flushes what the connection has buffered (acks among it); unsettled deliveries are
-    /// redelivered by JetStream once their ack wait ends.
+    /// Waits until JetStream confirmed the acks sent ([`crate::acks`]) and flushes what the
+    /// connection has buffered; unsettled deliveries are redelivered by JetStream once their
+    /// ack wait ends.
     fn close(&self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
+            self.shared.acks_confirmed().await;
             if let Some(client) = self.shared.opened() {
                 let _ = client.flush().await;
             }

@@ -4,7 +4,7 @@ use crate::answer::{lost, on_channel, unless_lost};
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::properties;
-use idem_core::{BoxError, Destination, Envelope};
+use idem_core::{BoxError, Envelope};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, Connection, PublisherConfirm};
@@ -67,13 +67,14 @@ pub enum PublishError {
 }
 
 /// What `basic.publish` takes for `message` to `exchange` with `routing_key`, or why a broker
-/// cannot carry it ([`idem_core::check_outgoing`]).
+/// cannot carry it (the short fields [`idem_core::check_outgoing`] checks, each as it is made).
 fn prepared(
     exchange: &str,
     routing_key: &str,
     message: &Envelope,
 ) -> Result<(ShortString, ShortString, lapin::BasicProperties), PublishError> {
-    idem_core::check_outgoing(&Destination::from_parts(exchange, routing_key), message)?;
+    // Each short field is checked as it is made (`short`): no `check_outgoing`, whose
+    // destination would be one more allocation per publish.
     Ok((
         crate::envelope::short("exchange", exchange)?,
         crate::envelope::short("routing key", routing_key)?,

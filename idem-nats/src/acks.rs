@@ -1,0 +1,126 @@
+//! [`Acks`]: one queue's acks, sent plainly and confirmed in bulk. JetStream takes the acks of
+//! a consumer into one queue in the order they arrive and answers a confirmed ack only once it
+//! has taken it; so the confirm of the last ack sent confirms every ack sent before it on the
+//! same connection. A handler's settlement therefore costs one publish, and a confirm runs in
+//! the background, at most one at a time per queue and a few a second, for everything acked
+//! since the last one.
+//! The transport's `close` waits for the last confirm ([`Acks::confirmed`]), so that a
+//! shutdown ends with its settlements known.
+//!
+//! An ack the connection lost is not confirmed by a later one: its delivery comes again after
+//! the ack wait, and the inbox makes the run a duplicate.
+
+use async_nats::Subject;
+use bytes::Bytes;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::Notify;
+
+/// How long a confirm waits for more acks to cover, unless a close asks for it now: the
+/// confirm answers only for a shutdown, so a few a second are enough.
+const LINGER: Duration = Duration::from_millis(50);
+
+/// How long the confirms of a queue keep being tried while they fail (the connection is down)
+/// before the acks sent so far are left to redelivery.
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// One queue's acks (see the module).
+#[derive(Debug, Default)]
+pub(crate) struct Acks {
+    state: Mutex<State>,
+    /// Woken when every ack sent is confirmed (or left to redelivery).
+    settled: Notify,
+    /// Wakes a confirm that lingers: a close waits for it.
+    hurry: Notify,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Acks sent.
+    sent: u64,
+    /// Acks confirmed (or left to redelivery): every one up to this count.
+    confirmed: u64,
+    /// The reply subject of the last ack sent: its confirm confirms the others.
+    last: Option<Subject>,
+    /// Whether a confirm task runs.
+    confirming: bool,
+}
+
+impl Acks {
+    /// Sends the ack of the delivery whose reply subject is `reply`, without waiting for an
+    /// answer, and has it confirmed with the others.
+    pub(crate) async fn ack(
+        self: &Arc<Self>,
+        client: &async_nats::Client,
+        reply: &Subject,
+    ) -> Result<(), async_nats::Error> {
+        client
+            .publish(reply.clone(), Bytes::from_static(b"+ACK"))
+            .await?;
+        let start = {
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.sent += 1;
+            state.last = Some(reply.clone());
+            !std::mem::replace(&mut state.confirming, true)
+        };
+        if start {
+            tokio::spawn(self.clone().confirm(client.clone()));
+        }
+        Ok(())
+    }
+
+    /// Confirms the last ack sent until every ack sent is confirmed.
+    async fn confirm(self: Arc<Self>, client: async_nats::Client) {
+        let mut failing_since = None;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(LINGER) => {}
+                () = self.hurry.notified() => {}
+            }
+            let (upto, last) = {
+                let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                match (&state.last, state.confirmed < state.sent) {
+                    (Some(last), true) => (state.sent, last.clone()),
+                    _ => {
+                        state.confirming = false;
+                        drop(state);
+                        self.settled.notify_waiters();
+                        return;
+                    }
+                }
+            };
+            if let Err(e) = crate::settle::confirm_ack(&client, Some(&last)).await {
+                let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() < PATIENCE {
+                    tracing::debug!(error = %e, "acks were not confirmed; asking again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+                tracing::debug!(error = %e, "acks not confirmed are left to redelivery");
+            }
+            failing_since = None;
+            pause = Duration::from_millis(50);
+            let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.confirmed = state.confirmed.max(upto);
+        }
+    }
+
+    /// Resolves once every ack sent so far is confirmed (or left to redelivery).
+    pub(crate) async fn confirmed(&self) {
+        self.hurry.notify_one();
+        loop {
+            let settled = self.settled.notified();
+            tokio::pin!(settled);
+            settled.as_mut().enable();
+            {
+                let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                if state.confirmed >= state.sent {
+                    return;
+                }
+            }
+            settled.await;
+        }
+    }
+}
