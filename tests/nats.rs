@@ -107,9 +107,14 @@ struct World {
 
 impl World {
     async fn new(name: &str) -> Self {
+        Self::with_url(name, &nats_url()).await
+    }
+
+    /// A world whose transport connects to `url` (a proxy, say).
+    async fn with_url(name: &str, url: &str) -> Self {
         let js = jetstream_or_fail().await;
         let (pool, dir) = database().await;
-        let transport = NatsTransport::new(NatsConfig::new(nats_url()));
+        let transport = NatsTransport::new(NatsConfig::new(url));
         let (orders, shipping) = (unique(&format!("nats-{name}")), unique("nats-ship"));
         // Declared before anything is published, as a producer's deployment does.
         let specs = [
@@ -249,6 +254,12 @@ fn order(id: &str, cents: i64) -> Order {
     }
 }
 
+/// How many messages `stream` holds.
+async fn stored(js: &JetStream, stream: &str) -> u64 {
+    let mut stream = js.get_stream(stream).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
 /// The durable consumer idem's `nats.orders` handler reads `queue` through, for reading what
 /// JetStream counted (deliveries, pending, acks pending).
 async fn orders_consumer(
@@ -353,6 +364,90 @@ async fn acks_are_plain_and_confirmed_in_bulk_the_last_before_the_shutdown_ends(
     assert!(
         (1..=orders / 10).contains(&confirms),
         "{confirms} confirms for {orders} acks"
+    );
+    w.cleanup().await;
+}
+
+/// A retry copy whose removal from the retry stream JetStream never confirms (a proxy drops
+/// the answers to confirmed acks for longer than the confirm waits): the forwarder warns and
+/// goes on, so the queue's session is never ended, and the order is applied once, on its
+/// second attempt, with both streams empty afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_copy_whose_removal_is_not_confirmed_does_not_end_the_session() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let target = nats_url()
+        .trim_start_matches("nats://")
+        .rsplit('@')
+        .next()
+        .unwrap()
+        .to_owned();
+    let (dropping, dropped) = (Arc::new(AtomicBool::new(false)), Arc::default());
+    let proxy = common::proxy::Proxy::start_dropping_nats_answers(
+        &target,
+        dropping.clone(),
+        Arc::clone(&dropped),
+    )
+    .await;
+    let w = World::with_url("unconfirmed", &format!("nats://127.0.0.1:{}", proxy.port())).await;
+    let mut once = order("u-1", 1);
+    once.fail = Some("once".to_owned());
+    w.publish("u-1", &once).await;
+    let running = start(w.runtime());
+    // The first attempt failed: its copy waits in the retry stream, the original is acked.
+    let (queue, retries) = (
+        format!("IDEM_{}", w.orders),
+        format!("IDEM_{}_RETRY", w.orders),
+    );
+    wait_until("the copy in the retry stream", DEADLINE, || async {
+        stored(&w.js, &retries).await == 1
+    })
+    .await;
+    wait_until("the original acked", DEADLINE, || async {
+        let mut orders = orders_consumer(&w.js, &w.orders).await;
+        orders.info().await.unwrap().num_ack_pending == 0
+    })
+    .await;
+    // From now on no confirmed ack is answered, the forwarder's removal of the copy among them.
+    dropping.store(true, Ordering::SeqCst);
+    let opened = tokio::time::Instant::now();
+    let watched = w.orders.clone();
+    let transport = w.transport.clone();
+    let session_lost = Arc::new(AtomicBool::new(false));
+    let lost = session_lost.clone();
+    let watching = tokio::spawn(async move {
+        loop {
+            if !transport.connected(&watched) {
+                lost.store(true, Ordering::SeqCst);
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    });
+    wait_until("the second attempt applied", DEADLINE, || async {
+        w.applied().await.len() == 1
+    })
+    .await;
+    // The stimulus: the answers stay away longer than a confirm waits (5 s), so the removal's
+    // confirm fails while the session runs on.
+    tokio::time::sleep_until(opened + Duration::from_secs(7)).await;
+    dropping.store(false, Ordering::SeqCst);
+    watching.abort();
+    assert!(dropped.load(Ordering::SeqCst) >= 1, "no answer was dropped");
+    assert!(
+        !session_lost.load(Ordering::SeqCst),
+        "the queue's session ended"
+    );
+    wait_until("both streams empty", DEADLINE, || async {
+        stored(&w.js, &retries).await == 0 && stored(&w.js, &queue).await == 0
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (1, 0));
+    let applied = w.applied().await;
+    assert_eq!(applied.len(), 1, "{applied:?}");
+    assert_eq!(
+        applied[0].3, 2,
+        "applied on its second attempt: {applied:?}"
     );
     w.cleanup().await;
 }

@@ -26,6 +26,22 @@ impl Proxy {
     /// of `withheld` (class id, method id): a broker that takes the connection and answers
     /// everything else, heartbeats included, but never that.
     pub async fn start_withholding(target: &str, withheld: Option<(u16, u16)>) -> Proxy {
+        Proxy::start_filtered(target, withheld.map(Filter::Amqp)).await
+    }
+
+    /// Starts forwarding to `target`, a NATS server, dropping while `dropping` is set every
+    /// empty message it sends to a `_INBOX.` subject: the answers to confirmed acks (JetStream
+    /// answers a double ack with an empty message), which the client then waits for in vain.
+    /// `dropped` counts them.
+    pub async fn start_dropping_nats_answers(
+        target: &str,
+        dropping: Arc<AtomicBool>,
+        dropped: Arc<AtomicUsize>,
+    ) -> Proxy {
+        Proxy::start_filtered(target, Some(Filter::NatsAnswers(dropping, dropped))).await
+    }
+
+    async fn start_filtered(target: &str, filter: Option<Filter>) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy address");
         let open = Arc::new(AtomicBool::new(true));
@@ -47,14 +63,15 @@ impl Proxy {
                 }
                 a.fetch_add(1, Ordering::SeqCst);
                 let target = target.clone();
+                let filter = filter.clone();
                 let pipe = tokio::spawn(async move {
                     if let Ok(mut server) = TcpStream::connect(&target).await {
-                        match withheld {
+                        match filter {
                             None => {
                                 let _ =
                                     tokio::io::copy_bidirectional(&mut client, &mut server).await;
                             }
-                            Some(method) => {
+                            Some(filter) => {
                                 let (mut from_client, to_client) = client.into_split();
                                 let (from_server, mut to_server) = server.into_split();
                                 // Each direction until its end, as `copy_bidirectional`.
@@ -63,10 +80,18 @@ impl Proxy {
                                     let _ =
                                         tokio::io::AsyncWriteExt::shutdown(&mut to_server).await;
                                 };
-                                let _ = tokio::join!(
-                                    to_broker,
-                                    withhold(from_server, to_client, method)
-                                );
+                                let from_broker = async {
+                                    let _ = match filter {
+                                        Filter::Amqp(method) => {
+                                            withhold(from_server, to_client, method).await
+                                        }
+                                        Filter::NatsAnswers(dropping, dropped) => {
+                                            drop_answers(from_server, to_client, dropping, dropped)
+                                                .await
+                                        }
+                                    };
+                                };
+                                let _ = tokio::join!(to_broker, from_broker);
                             }
                         }
                     }
@@ -115,6 +140,60 @@ impl Proxy {
     /// Accepts connections again.
     pub fn restore(&self) {
         self.open.store(true, Ordering::SeqCst);
+    }
+}
+
+/// What a filtering proxy leaves out of what the server sends.
+#[derive(Clone)]
+enum Filter {
+    /// AMQP method frames of (class id, method id).
+    Amqp((u16, u16)),
+    /// While the flag is set, empty NATS messages to `_INBOX.` subjects, counted.
+    NatsAnswers(Arc<AtomicBool>, Arc<AtomicUsize>),
+}
+
+/// Copies the NATS protocol from `from` to `to`, leaving out, while `dropping` is set, every
+/// `MSG` to a `_INBOX.` subject with an empty payload (counted in `dropped`).
+async fn drop_answers(
+    from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    dropping: Arc<AtomicBool>,
+    dropped: Arc<AtomicUsize>,
+) -> std::io::Result<()> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let mut from = tokio::io::BufReader::new(from);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        if from.read_until(b'\n', &mut line).await? == 0 {
+            return Ok(());
+        }
+        let text = String::from_utf8_lossy(&line).into_owned();
+        let words: Vec<&str> = text.split_whitespace().collect();
+        // `MSG <subject> <sid> [reply] <bytes>`, `HMSG <subject> <sid> [reply] <header bytes>
+        // <bytes>`: the payload and its CRLF follow; every other operation is one line.
+        let op = words.first().map(|w| w.to_ascii_uppercase());
+        let payload = match op.as_deref() {
+            Some("MSG" | "HMSG") => words.last().and_then(|n| n.parse::<usize>().ok()),
+            _ => None,
+        };
+        let Some(payload) = payload else {
+            to.write_all(&line).await?;
+            continue;
+        };
+        let mut rest = vec![0u8; payload + 2];
+        from.read_exact(&mut rest).await?;
+        let answer = op.as_deref() == Some("MSG")
+            && payload == 0
+            && words
+                .get(1)
+                .is_some_and(|subject| subject.starts_with("_INBOX."));
+        if answer && dropping.load(Ordering::SeqCst) {
+            dropped.fetch_add(1, Ordering::SeqCst);
+            continue;
+        }
+        to.write_all(&line).await?;
+        to.write_all(&rest).await?;
     }
 }
 
