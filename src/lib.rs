@@ -118,7 +118,7 @@ pub mod testing;
 /// Support for the code `#[idempotent]` generates. Not a public API.
 #[doc(hidden)]
 pub mod __private {
-    pub use idem_core::state::extract as extract_state;
+    pub use idem_core::model::context::extract_state;
     pub use idem_core::{
         Batch, BatchError, BatchOutput, BatchResult, Context, DEFAULT_LEASE, Envelope, Handler,
         HandlerError, HandlerResult, InboxStore, KeyError, KeySource, Mode, Registration,

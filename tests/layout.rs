@@ -1,5 +1,7 @@
 //! The shape of the code, as the book describes it: no two modules of a crate refer to each
-//! other, idem-core names no database, and the files of the book's delivery path exist.
+//! other (a folder and a file in it included), no files or folders import each other in a
+//! loop of any length, idem-core names no database, and the files of the book's delivery path
+//! exist.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -399,4 +401,135 @@ fn the_adding_a_transport_chapter_matches_the_transport_contract() {
         }
     }
     assert!(named >= 20, "{named} items");
+}
+
+/// Loops of any length among the modules of each crate, where a folder's modules count as the
+/// folder: for an import from `a::x` to `b::y`, the edge is between the children of their
+/// common folder (`a` and `b` at the root; `p` and `q` for `f::p::x` and `f::q`). Any strongly
+/// connected set of siblings is a loop of files or folders.
+#[test]
+fn no_files_or_folders_import_each_other_in_a_loop() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut loops = Vec::new();
+    for krate in CRATES {
+        let modules = modules(&root.join(krate).join("src"));
+        let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+        for (module, file) in &modules {
+            for path in paths(&code(file)) {
+                if let Some(target) = target(module, &path, &modules)
+                    && let Some((a, b)) = siblings(module, &target)
+                {
+                    edges.entry(a).or_default().insert(b);
+                }
+            }
+        }
+        for component in strongly_connected(&edges) {
+            let within: Vec<String> = component
+                .iter()
+                .flat_map(|a| {
+                    edges[a]
+                        .iter()
+                        .filter(|b| component.contains(b))
+                        .map(move |b| format!("{} -> {}", a.join("::"), b.join("::")))
+                })
+                .collect();
+            loops.push(format!("{krate}: {}", within.join(", ")));
+        }
+    }
+    assert!(loops.is_empty(), "import loops:\n{}", loops.join("\n"));
+}
+
+/// The children of `from`'s and `to`'s common folder that hold them, when they differ and
+/// neither holds the other.
+fn siblings(from: &[String], to: &[String]) -> Option<(Vec<String>, Vec<String>)> {
+    let common = from.iter().zip(to).take_while(|(a, b)| a == b).count();
+    if common >= from.len() || common >= to.len() {
+        return None; // one holds the other: a parent and its child
+    }
+    Some((from[..=common].to_vec(), to[..=common].to_vec()))
+}
+
+/// The strongly connected components of more than one node (Tarjan's algorithm).
+fn strongly_connected(
+    edges: &BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+) -> Vec<Vec<Vec<String>>> {
+    #[derive(Default)]
+    struct State<'a> {
+        index: BTreeMap<&'a Vec<String>, usize>,
+        low: BTreeMap<&'a Vec<String>, usize>,
+        stack: Vec<&'a Vec<String>>,
+        on_stack: BTreeSet<&'a Vec<String>>,
+        found: Vec<Vec<Vec<String>>>,
+    }
+    fn visit<'a>(
+        node: &'a Vec<String>,
+        edges: &'a BTreeMap<Vec<String>, BTreeSet<Vec<String>>>,
+        state: &mut State<'a>,
+    ) {
+        let n = state.index.len();
+        state.index.insert(node, n);
+        state.low.insert(node, n);
+        state.stack.push(node);
+        state.on_stack.insert(node);
+        for next in edges.get(node).into_iter().flatten() {
+            if !state.index.contains_key(next) {
+                visit(next, edges, state);
+                let low = state.low[node].min(state.low[next]);
+                state.low.insert(node, low);
+            } else if state.on_stack.contains(next) {
+                let low = state.low[node].min(state.index[next]);
+                state.low.insert(node, low);
+            }
+        }
+        if state.low[node] == state.index[node] {
+            let mut component = Vec::new();
+            while let Some(member) = state.stack.pop() {
+                state.on_stack.remove(member);
+                component.push(member.clone());
+                if member == node {
+                    break;
+                }
+            }
+            if component.len() > 1 {
+                component.sort();
+                state.found.push(component);
+            }
+        }
+    }
+    let mut state = State::default();
+    let nodes: BTreeSet<&Vec<String>> = edges
+        .iter()
+        .flat_map(|(from, to)| std::iter::once(from).chain(to))
+        .collect();
+    for node in nodes {
+        if !state.index.contains_key(node) {
+            visit(node, edges, &mut state);
+        }
+    }
+    state.found
+}
+
+#[test]
+fn the_loop_check_sees_a_loop_of_three_and_no_loop_in_a_chain() {
+    let node = |name: &str| vec![name.to_owned()];
+    let graph = |edges: &[(&str, &str)]| {
+        let mut graph: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+        for (a, b) in edges {
+            graph.entry(node(a)).or_default().insert(node(b));
+        }
+        graph
+    };
+    assert_eq!(
+        strongly_connected(&graph(&[("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])),
+        vec![vec![node("a"), node("b"), node("c")]]
+    );
+    assert!(strongly_connected(&graph(&[("a", "b"), ("b", "c"), ("a", "c")])).is_empty());
+    assert_eq!(
+        siblings(
+            &["f".into(), "p".into(), "x".into()],
+            &["f".into(), "q".into()]
+        ),
+        Some((vec!["f".into(), "p".into()], vec!["f".into(), "q".into()]))
+    );
+    assert_eq!(siblings(&["f".into(), "p".into()], &["f".into()]), None);
 }

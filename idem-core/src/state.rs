@@ -3,7 +3,6 @@
 //!
 //! [`RuntimeBuilder::state`]: crate::RuntimeBuilder::state
 
-use crate::model::{Context, HandlerError};
 use std::any::{Any, TypeId, type_name};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -104,18 +103,6 @@ impl StateType {
     }
 }
 
-/// The value of type `T` the context's runtime holds, for a handler parameter `&T`. Missing
-/// (the handler was run outside a runtime that checked it): a transient error, so the message
-/// is retried and then dead-lettered, never lost.
-pub fn extract<'a, T: Send + Sync + 'static>(ctx: &Context<'a>) -> Result<&'a T, HandlerError> {
-    ctx.state::<T>().ok_or_else(|| {
-        HandlerError::transient(format!(
-            "no state of type `{}` was given to the runtime (RuntimeBuilder::state)",
-            type_name::<T>()
-        ))
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,21 +121,5 @@ mod tests {
         );
         assert_eq!(StateType::of::<u64>().name(), "u64");
         assert_eq!(format!("{state:?}").matches(',').count(), 1, "{state:?}");
-    }
-
-    #[test]
-    fn the_context_reads_its_state() {
-        let mut state = State::new();
-        state.insert(String::from("config"));
-        let envelope = crate::Envelope::new("{}");
-        let bare = Context::new(&envelope, "billing", "k");
-        assert!(bare.state::<String>().is_none());
-        assert!(extract::<String>(&bare).is_err());
-        let ctx = bare.with_state(&state);
-        assert_eq!(ctx.state::<String>().map(String::as_str), Some("config"));
-        assert_eq!(
-            extract::<String>(&ctx).ok().map(String::as_str),
-            Some("config")
-        );
     }
 }

@@ -90,7 +90,7 @@ impl Acks {
                     }
                 }
             };
-            if let Err(e) = crate::settle::confirm_ack(&client, Some(&last)).await {
+            if let Err(e) = confirm_ack(&client, Some(&last)).await {
                 let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
                 if since.elapsed() < PATIENCE {
                     tracing::debug!(error = %e, "acks were not confirmed; asking again");
@@ -124,3 +124,21 @@ impl Acks {
         }
     }
 }
+
+/// Acks the delivery whose reply subject is `reply`, once, and waits for JetStream's confirm.
+/// A request on the client's shared reply subscription: async-nats's own `double_ack`
+/// subscribes and unsubscribes an inbox for every ack, three protocol messages instead of one.
+pub(crate) async fn confirm_ack(
+    client: &async_nats::Client,
+    reply: Option<&Subject>,
+) -> Result<(), async_nats::Error> {
+    let reply = reply.ok_or("a delivery without a reply subject cannot be acked")?;
+    let request = async_nats::Request::new()
+        .payload(Bytes::from_static(b"+ACK"))
+        .timeout(Some(ACK_TIMEOUT));
+    client.send_request(reply.clone(), request).await?;
+    Ok(())
+}
+
+/// How long one confirmed ack waits for JetStream's answer.
+pub(crate) const ACK_TIMEOUT: Duration = Duration::from_secs(5);

@@ -80,7 +80,7 @@ impl DueCopies for RetryStream {
 
     fn remove(&mut self, copy: Message) -> BoxFuture<'_, Result<(), BoxError>> {
         Box::pin(
-            async move { crate::settle::confirm_ack(&self.js.client(), copy.reply.as_ref()).await },
+            async move { crate::acks::confirm_ack(&self.js.client(), copy.reply.as_ref()).await },
         )
     }
 }

@@ -52,24 +52,6 @@ pub(crate) struct NatsSettle {
     pub(crate) _unsettled: crate::progress::Tracked,
 }
 
-/// Acks the delivery whose reply subject is `reply`, once, and waits for JetStream's confirm.
-/// A request on the client's shared reply subscription: async-nats's own `double_ack`
-/// subscribes and unsubscribes an inbox for every ack, three protocol messages instead of one.
-pub(crate) async fn confirm_ack(
-    client: &async_nats::Client,
-    reply: Option<&Subject>,
-) -> Result<(), async_nats::Error> {
-    let reply = reply.ok_or("a delivery without a reply subject cannot be acked")?;
-    let request = async_nats::Request::new()
-        .payload(Bytes::from_static(b"+ACK"))
-        .timeout(Some(ACK_TIMEOUT));
-    client.send_request(reply.clone(), request).await?;
-    Ok(())
-}
-
-/// How long one confirmed ack waits for JetStream's answer.
-const ACK_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// Which incarnation of a queue's stream ([`incarnation`]) its consumer's session reads: set
 /// while a session runs, 0 between sessions; shared by the queue's deliveries. An ack names
 /// only the stream, the durable and sequences, and JetStream 2.9 takes one sent after the
@@ -221,7 +203,7 @@ impl NatsSettle {
         }
     }
 
-    /// Acks with JetStream's confirm ([`confirm_ack`]), again for a while when it fails; not
+    /// Acks with JetStream's confirm ([`crate::acks::confirm_ack`]), again for a while when it fails; not
     /// at all once the stream that delivered it was replaced ([`Reading`]).
     async fn double_ack(&self) -> Result<(), TransportError> {
         let client = self.js.client();
@@ -235,7 +217,7 @@ impl NatsSettle {
                     );
                     return Ok(());
                 }
-                Ok(_) => confirm_ack(&client, self.reply.as_ref()).await,
+                Ok(_) => crate::acks::confirm_ack(&client, self.reply.as_ref()).await,
                 Err(e) => Err(e),
             };
             match acked {

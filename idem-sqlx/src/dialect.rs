@@ -45,7 +45,7 @@ pub trait Dialect: Sql {
     fn listen(
         pool: sqlx::Pool<Self>,
         outbox: String,
-        wake: std::sync::Arc<crate::outbox::notify::Wake>,
+        wake: std::sync::Arc<crate::wake::Wake>,
     ) -> bool {
         let _ = (pool, outbox, wake);
         false

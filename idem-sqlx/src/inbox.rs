@@ -29,7 +29,7 @@ pub struct SqlInbox<DB: Dialect> {
     /// The outbox table beside the inbox table.
     pub(crate) outbox: String,
     /// The relay's wake-ups (notifications of rows staged outside any handler).
-    pub(crate) wake: Arc<crate::outbox::notify::Wake>,
+    pub(crate) wake: Arc<crate::wake::Wake>,
     /// Set while this process's sweeper of this inbox works, where
     /// [`Dialect::LOCAL_SWEEP_LOCK`].
     sweeping: Arc<AtomicBool>,

@@ -30,7 +30,7 @@
 //! ([`dead_letters`]); [`admin`] holds what an operator reads and changes. The outbox
 //! (`idem_outbox` beside `idem_inbox`) is staged in the caller's transaction ([`outbox`]) and
 //! published by relay passes (`relay.rs`), which PostgreSQL's notifications wake
-//! (`notify.rs`).
+//! (`wake.rs`).
 //!
 //! Adding a database: a dialect module implementing [`Dialect`] (and [`exec::RowsAffected`]
 //! for its query result), a feature for it, its alias in `stores.rs`, its error codes in
@@ -67,6 +67,7 @@ pub mod stores;
 mod sweep;
 pub mod urls;
 mod versions;
+pub(crate) mod wake;
 
 pub use admin::{DeadLetterCount, InboxRow, InboxStats, KeyReport, Removed, StatusCount};
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};

@@ -110,18 +110,14 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     (12, &[crate::outbox::parked::POSTGRES_GIVE_UP]),
 ];
 
-/// Wakes `wake` at each notification on [`crate::outbox::notify::CHANNEL`] naming `outbox`, on a
+/// Wakes `wake` at each notification on [`crate::wake::CHANNEL`] naming `outbox`, on a
 /// connection of its own; a lost connection is opened again (and wakes once: a notification
 /// may have been missed meanwhile).
-async fn listen(
-    pool: sqlx::PgPool,
-    outbox: String,
-    wake: std::sync::Arc<crate::outbox::notify::Wake>,
-) {
+async fn listen(pool: sqlx::PgPool, outbox: String, wake: std::sync::Arc<crate::wake::Wake>) {
     loop {
         let listening = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await?;
-            listener.listen(crate::outbox::notify::CHANNEL).await?;
+            listener.listen(crate::wake::CHANNEL).await?;
             wake.notify.notify_one();
             loop {
                 let notification = listener.recv().await?;
@@ -352,7 +348,7 @@ impl Dialect for Postgres {
     fn listen(
         pool: sqlx::Pool<Self>,
         outbox: String,
-        wake: std::sync::Arc<crate::outbox::notify::Wake>,
+        wake: std::sync::Arc<crate::wake::Wake>,
     ) -> bool {
         tokio::spawn(listen(pool, outbox, wake));
         true

@@ -45,7 +45,7 @@ pub struct Statements<S = &'static str> {
     /// The outbox (`{outbox}`).
     pub outbox: OutboxStatements<S>,
     /// The outbox rows the broker refused, out of the relay's way (`{outbox}_parked`).
-    pub parked: crate::outbox::parked::ParkedStatements<S>,
+    pub parked: ParkedStatements<S>,
 }
 
 /// The outbox (`{outbox}`, named after the inbox: `idem_outbox` beside `idem_inbox`): staging
@@ -362,7 +362,7 @@ impl Statements {
                 in_order: self.outbox.in_order,
                 now: self.outbox.now,
             },
-            parked: crate::outbox::parked::ParkedStatements {
+            parked: ParkedStatements {
                 park: fill(self.parked.park),
                 list: fill(self.parked.list),
                 unpark: fill(self.parked.unpark),
@@ -389,4 +389,27 @@ pub(crate) fn fill(template: &str, table: &TableName, now: &str) -> Arc<str> {
         .replace("{outbox}", &table.outbox())
         .replace("{table}", table.as_str())
         .into()
+}
+
+/// The statements of the parked rows. Times are read as milliseconds since the Unix epoch.
+#[derive(Debug, Clone)]
+pub struct ParkedStatements<S = &'static str> {
+    /// Copies an outbox row into the parked rows (the failure, the row's `seq`).
+    pub park: S,
+    /// Lists the parked rows, oldest first: `seq`, `message_id`, `consumer`, `key`,
+    /// `exchange`, `routing_key`, `failure`, `parked_ms`.
+    pub list: S,
+    /// Copies a parked row back into the outbox, with its id and staging time (its `seq`); a
+    /// row whose id the outbox holds again (it was staged anew while parked) is merged into
+    /// that one: nothing is inserted, and the id goes out once.
+    pub unpark: S,
+    /// Removes a parked row (its `seq`).
+    pub remove: S,
+    /// Takes the `seq` of rows parked longer ago than the given milliseconds, oldest first
+    /// (milliseconds, the number of rows), skipping rows another pass holds where the dialect
+    /// can, and rows given up.
+    pub due: S,
+    /// Gives up the parked rows staged longer ago than the given milliseconds: they are outbox
+    /// dead letters from then on, released only by an operator.
+    pub give_up: S,
 }

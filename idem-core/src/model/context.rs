@@ -1,6 +1,7 @@
 //! What a handler may know about the delivery it is processing.
 
 use super::envelope::{Envelope, HeaderValue};
+use super::error::HandlerError;
 use super::outgoing::{
     CAUSATION_HEADER, Outgoing, TRACEPARENT_HEADER, batch_message_id, outbox_message_id,
 };
@@ -240,6 +241,20 @@ impl<'a> Context<'a> {
     }
 }
 
+/// The value of type `T` the context's runtime holds, for a handler parameter `&T`. Missing
+/// (the handler was run outside a runtime that checked it): a transient error, so the message
+/// is retried and then dead-lettered, never lost.
+pub fn extract_state<'a, T: Send + Sync + 'static>(
+    ctx: &Context<'a>,
+) -> Result<&'a T, HandlerError> {
+    ctx.state::<T>().ok_or_else(|| {
+        HandlerError::transient(format!(
+            "no state of type `{}` was given to the runtime (RuntimeBuilder::state)",
+            std::any::type_name::<T>()
+        ))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -298,6 +313,22 @@ mod tests {
         assert!(
             unnamed.kept().is_none(),
             "a store that names no transaction"
+        );
+    }
+
+    #[test]
+    fn the_context_reads_its_state() {
+        let mut state = State::new();
+        state.insert(String::from("config"));
+        let envelope = Envelope::new("{}");
+        let bare = Context::new(&envelope, "billing", "k");
+        assert!(bare.state::<String>().is_none());
+        assert!(extract_state::<String>(&bare).is_err());
+        let ctx = bare.with_state(&state);
+        assert_eq!(ctx.state::<String>().map(String::as_str), Some("config"));
+        assert_eq!(
+            extract_state::<String>(&ctx).ok().map(String::as_str),
+            Some("config")
         );
     }
 }

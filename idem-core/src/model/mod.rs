@@ -15,6 +15,7 @@ pub mod outcome;
 pub mod outgoing;
 pub(crate) mod propagation;
 pub mod reasons;
+pub mod store_kind;
 pub mod version;
 
 pub use batch::{Batch, BatchError, BatchOutput, BatchResult};
@@ -30,4 +31,5 @@ pub use outgoing::{
     CAUSATION_HEADER, MAX_SHORT_TEXT, Outgoing, OutgoingError, TRACEPARENT_HEADER,
     batch_message_id, check_outgoing, outbox_message_id,
 };
+pub use store_kind::StoreKind;
 pub use version::{VersionError, VersionValue, Versioned, version_value, versioned};

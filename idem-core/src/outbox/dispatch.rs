@@ -9,8 +9,8 @@ use super::in_flight::InFlight;
 use super::kept::{self, RemoveFn};
 use super::select::{OutboxSelect, RelayReport};
 use crate::future::BoxFuture;
+use crate::model::StoreKind;
 use crate::model::{Outgoing, StoreError};
-use crate::store::inbox::StoreKind;
 use crate::transport::{Outbound, OutboundError};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -210,7 +210,7 @@ async fn drain(relay: Relay, outbound: Arc<dyn Outbound>, mut queue: mpsc::Recei
             };
             match report {
                 Ok(report) => {
-                    crate::telemetry::relayed(store, "dispatch", &report);
+                    report.record(store, "dispatch");
                     let rows = report.published + report.unroutable;
                     rows_per_run.store(rows * 100 / pending.len() as u64, Ordering::Relaxed);
                     if report.failure.is_none() {

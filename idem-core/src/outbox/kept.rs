@@ -73,7 +73,7 @@ pub(super) async fn publish(
             }
         }
     }
-    crate::telemetry::relayed(store, "dispatch", &report);
+    report.record(store, "dispatch");
     if report.failure.is_none() {
         crate::telemetry::dispatched(store, confirmed.saturating_duration_since(committed));
     }
@@ -135,7 +135,7 @@ pub(super) async fn remove(
                 published: removed,
                 ..RelayReport::default()
             };
-            crate::telemetry::relayed(store, "dispatch", &report);
+            report.record(store, "dispatch");
         }
         in_flight.end(runs);
     }

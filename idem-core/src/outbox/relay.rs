@@ -93,7 +93,7 @@ fn judge(
 ) -> Option<bool> {
     match report {
         Ok(report) => {
-            telemetry::relayed(store, "relay", report);
+            report.record(store, "relay");
             if let Some(failure) = &report.failure {
                 telemetry::relay_failed(store);
                 tracing::warn!(
@@ -158,9 +158,9 @@ mod tests {
     use super::*;
     use crate::future::BoxFuture;
     use crate::model::Outgoing;
+    use crate::model::StoreKind;
     use crate::model::destination::Destination;
     use crate::outbox::RelayFn;
-    use crate::store::StoreKind;
     use crate::transport::OutboundError;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Instant;

@@ -49,3 +49,69 @@ pub struct RelayReport {
     /// How long the oldest row taken had waited, when any was.
     pub oldest: Option<Duration>,
 }
+
+impl RelayReport {
+    /// Counts what this pass (`by`: `dispatch` or `relay`) of `store` did, in idem's metrics.
+    pub(crate) fn record(&self, store: &'static str, by: &'static str) {
+        use crate::telemetry::{
+            OUTBOX_GIVEN_UP, OUTBOX_LAG, OUTBOX_PARKED, OUTBOX_PUBLISHED, OUTBOX_UNROUTABLE,
+        };
+        if self.published > 0 {
+            metrics::counter!(OUTBOX_PUBLISHED, "store" => store, "by" => by)
+                .increment(self.published);
+        }
+        if self.unroutable > 0 {
+            metrics::counter!(OUTBOX_UNROUTABLE, "store" => store).increment(self.unroutable);
+        }
+        if self.parked > 0 {
+            metrics::counter!(OUTBOX_PARKED, "store" => store).increment(self.parked);
+        }
+        if self.given_up > 0 {
+            metrics::counter!(OUTBOX_GIVEN_UP, "store" => store).increment(self.given_up);
+        }
+        if by == "relay" && self.failure.is_none() {
+            // Every relay pass that ran sets it: zero when it took no row, so a drained backlog
+            // does not leave the last lag behind. A failed pass measured nothing.
+            let oldest = self.oldest.unwrap_or_default();
+            metrics::gauge!(OUTBOX_LAG, "store" => store).set(oldest.as_secs_f64());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::captured::Captured;
+
+    #[test]
+    fn the_relay_lag_is_current_after_every_pass_that_ran() {
+        let captured = Captured::default();
+        let lag = "idem_outbox_lag_seconds{store=s}";
+        metrics::with_local_recorder(&captured, || {
+            let took = RelayReport {
+                published: 3,
+                oldest: Some(Duration::from_secs(400)),
+                ..RelayReport::default()
+            };
+            took.record("s", "relay");
+            assert_eq!(captured.gauge(lag), Some(400.0));
+            // The backlog drained: a pass that took nothing says so.
+            RelayReport::default().record("s", "relay");
+            assert_eq!(captured.gauge(lag), Some(0.0));
+            took.record("s", "relay");
+            // A pass that stopped early measured nothing; a dispatch is not a relay pass.
+            let failed = RelayReport {
+                failure: Some("the broker went away".into()),
+                ..RelayReport::default()
+            };
+            failed.record("s", "relay");
+            RelayReport::default().record("s", "dispatch");
+            assert_eq!(captured.gauge(lag), Some(400.0));
+            crate::telemetry::relay_failed("s");
+            assert_eq!(
+                captured.counter("idem_outbox_relay_failures_total{store=s}"),
+                Some(1)
+            );
+        });
+    }
+}

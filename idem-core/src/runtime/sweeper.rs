@@ -57,7 +57,7 @@ pub(crate) async fn run(sweeper: Sweeper, settings: SweepSettings, mut stop: Sto
         behind = false;
         match report {
             Ok(report) if report.locked => {
-                telemetry::swept(store, &report);
+                report.record(store);
                 behind = self::behind(&report, &settings);
                 tracing::debug!(
                     store,

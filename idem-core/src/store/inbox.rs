@@ -2,54 +2,10 @@
 //! in them. The optional roles (leases, dead-letter records, sweeps, the outbox) are in
 //! `roles`.
 
+pub use crate::model::StoreKind;
 use crate::model::{ErrorClass, Fingerprint, StoreError, StoredOutput};
-use std::fmt;
 use std::future::Future;
 use std::time::Duration;
-
-/// What a store says about itself: its database's name, as `#[idempotent(store = ...)]`, error
-/// messages and metric labels show it, and how a user adds one to a runtime. Core keeps no list
-/// of databases; each store type carries its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct StoreKind {
-    name: &'static str,
-    label: &'static str,
-    constructor: &'static str,
-}
-
-impl StoreKind {
-    /// A store kind: `name` as `store = ...` spells it (`"Postgres"`), `label` for metrics
-    /// (`"postgres"`), and the type path a start-up error tells the user to construct
-    /// (`"idem::sql::PgInbox"`).
-    pub const fn new(name: &'static str, label: &'static str, constructor: &'static str) -> Self {
-        Self {
-            name,
-            label,
-            constructor,
-        }
-    }
-
-    /// The name, as `store = ...` spells it.
-    pub const fn name(self) -> &'static str {
-        self.name
-    }
-
-    /// The metric label.
-    pub const fn label(self) -> &'static str {
-        self.label
-    }
-
-    /// The type a user constructs to provide this store (`idem::sql::PgInbox`).
-    pub const fn constructor(self) -> &'static str {
-        self.constructor
-    }
-}
-
-impl fmt::Display for StoreKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name)
-    }
-}
 
 /// One claim: "I am about to process `key` for `consumer`".
 #[derive(Debug, Clone, Copy)]
@@ -345,4 +301,61 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Rolls the transaction back. Failures are logged, not returned: a transaction that
     /// cannot be rolled back is not committed either.
     fn rollback(&self, tx: Self::Tx<'_>) -> impl Future<Output = ()> + Send;
+}
+
+impl SweepReport {
+    /// Records this sweep of `store` in idem's metrics.
+    pub(crate) fn record(&self, store: &'static str) {
+        use crate::telemetry::{
+            INBOX_EXPIRED, INBOX_OLDEST, INBOX_ROWS, ROWS_SWEPT, SWEEP_BUSY, SWEEP_PAUSED,
+            SWEEPER_LAG,
+        };
+        metrics::counter!(ROWS_SWEPT, "store" => store).increment(self.deleted);
+        metrics::gauge!(SWEEPER_LAG, "store" => store).set(self.lag.as_secs_f64());
+        metrics::gauge!(INBOX_ROWS, "store" => store).set(self.rows as f64);
+        metrics::gauge!(INBOX_OLDEST, "store" => store).set(self.oldest.as_secs_f64());
+        metrics::gauge!(INBOX_EXPIRED, "store" => store).set(self.expired as f64);
+        metrics::gauge!(SWEEP_BUSY, "store" => store).set(self.busy.as_secs_f64());
+        metrics::gauge!(SWEEP_PAUSED, "store" => store).set(self.paused.as_secs_f64());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::telemetry::captured::Captured;
+    use std::time::Duration;
+
+    #[test]
+    fn a_process_that_does_not_hold_the_sweep_lock_tells_no_sweep_figures() {
+        let captured = Captured::default();
+        metrics::with_local_recorder(&captured, || {
+            let report = SweepReport {
+                locked: true,
+                lag: Duration::from_secs(4000),
+                expired: 7,
+                ..SweepReport::default()
+            };
+            report.record("s");
+            assert_eq!(
+                captured.gauge("idem_sweeper_lag_seconds{store=s}"),
+                Some(4000.0)
+            );
+            crate::telemetry::not_sweeping("s");
+            use crate::telemetry::{
+                INBOX_EXPIRED, INBOX_OLDEST, INBOX_ROWS, SWEEP_BUSY, SWEEP_PAUSED, SWEEPER_LAG,
+            };
+            for gauge in [
+                SWEEPER_LAG,
+                INBOX_ROWS,
+                INBOX_OLDEST,
+                INBOX_EXPIRED,
+                SWEEP_BUSY,
+                SWEEP_PAUSED,
+            ] {
+                let value = captured.gauge(&format!("{gauge}{{store=s}}"));
+                assert!(value.is_some_and(f64::is_nan), "{gauge}: {value:?}");
+            }
+        });
+    }
 }

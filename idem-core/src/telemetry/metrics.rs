@@ -224,29 +224,6 @@ pub(crate) fn dispatched(store: &'static str, since_commit: Duration) {
     metrics::histogram!(OUTBOX_DISPATCH, "store" => store).record(since_commit.as_secs_f64());
 }
 
-/// Counts what one outbox pass (`by`: `dispatch` or `relay`) of `store` did.
-pub(crate) fn relayed(store: &'static str, by: &'static str, report: &crate::outbox::RelayReport) {
-    if report.published > 0 {
-        metrics::counter!(OUTBOX_PUBLISHED, "store" => store, "by" => by)
-            .increment(report.published);
-    }
-    if report.unroutable > 0 {
-        metrics::counter!(OUTBOX_UNROUTABLE, "store" => store).increment(report.unroutable);
-    }
-    if report.parked > 0 {
-        metrics::counter!(OUTBOX_PARKED, "store" => store).increment(report.parked);
-    }
-    if report.given_up > 0 {
-        metrics::counter!(OUTBOX_GIVEN_UP, "store" => store).increment(report.given_up);
-    }
-    if by == "relay" && report.failure.is_none() {
-        // Every relay pass that ran sets it: zero when it took no row, so a drained backlog
-        // does not leave the last lag behind. A failed pass measured nothing.
-        let oldest = report.oldest.unwrap_or_default();
-        metrics::gauge!(OUTBOX_LAG, "store" => store).set(oldest.as_secs_f64());
-    }
-}
-
 /// Counts a relay pass of `store` that failed.
 pub(crate) fn relay_failed(store: &'static str) {
     metrics::counter!(OUTBOX_RELAY_FAILURES, "store" => store).increment(1);
@@ -335,7 +312,7 @@ pub(crate) fn batch_gathered(
 }
 
 /// Records whether `store` is paused (it cannot write for now); a pause is counted too.
-pub(crate) fn store_paused(store: crate::store::StoreKind, paused: bool) {
+pub(crate) fn store_paused(store: crate::model::StoreKind, paused: bool) {
     let label = store.label();
     metrics::gauge!(STORE_PAUSED, "store" => label).set(if paused { 1.0 } else { 0.0 });
     if paused {
@@ -368,16 +345,6 @@ pub(crate) fn not_sweeping(store: &'static str) {
     ] {
         metrics::gauge!(gauge, "store" => store).set(f64::NAN);
     }
-}
-
-pub(crate) fn swept(store: &'static str, report: &crate::store::SweepReport) {
-    metrics::counter!(ROWS_SWEPT, "store" => store).increment(report.deleted);
-    metrics::gauge!(SWEEPER_LAG, "store" => store).set(report.lag.as_secs_f64());
-    metrics::gauge!(INBOX_ROWS, "store" => store).set(report.rows as f64);
-    metrics::gauge!(INBOX_OLDEST, "store" => store).set(report.oldest.as_secs_f64());
-    metrics::gauge!(INBOX_EXPIRED, "store" => store).set(report.expired as f64);
-    metrics::gauge!(SWEEP_BUSY, "store" => store).set(report.busy.as_secs_f64());
-    metrics::gauge!(SWEEP_PAUSED, "store" => store).set(report.paused.as_secs_f64());
 }
 
 /// A recorder for unit tests: keeps each counter's and gauge's value by name and labels, and
@@ -481,69 +448,6 @@ mod tests {
             assert_eq!(captured.gauge(running), Some(1.0));
             drop(second); // a panic or a cancelled delivery drops it
             assert_eq!(captured.gauge(running), Some(0.0));
-        });
-    }
-
-    #[test]
-    fn the_relay_lag_is_current_after_every_pass_that_ran() {
-        use crate::outbox::RelayReport;
-        let captured = Captured::default();
-        let lag = "idem_outbox_lag_seconds{store=s}";
-        metrics::with_local_recorder(&captured, || {
-            let took = RelayReport {
-                published: 3,
-                oldest: Some(Duration::from_secs(400)),
-                ..RelayReport::default()
-            };
-            relayed("s", "relay", &took);
-            assert_eq!(captured.gauge(lag), Some(400.0));
-            // The backlog drained: a pass that took nothing says so.
-            relayed("s", "relay", &RelayReport::default());
-            assert_eq!(captured.gauge(lag), Some(0.0));
-            relayed("s", "relay", &took);
-            // A pass that stopped early measured nothing; a dispatch is not a relay pass.
-            let failed = RelayReport {
-                failure: Some("the broker went away".into()),
-                ..RelayReport::default()
-            };
-            relayed("s", "relay", &failed);
-            relayed("s", "dispatch", &RelayReport::default());
-            assert_eq!(captured.gauge(lag), Some(400.0));
-            relay_failed("s");
-            assert_eq!(
-                captured.counter("idem_outbox_relay_failures_total{store=s}"),
-                Some(1)
-            );
-        });
-    }
-
-    #[test]
-    fn a_process_that_does_not_hold_the_sweep_lock_tells_no_sweep_figures() {
-        let captured = Captured::default();
-        metrics::with_local_recorder(&captured, || {
-            let report = crate::store::SweepReport {
-                locked: true,
-                lag: Duration::from_secs(4000),
-                expired: 7,
-                ..crate::store::SweepReport::default()
-            };
-            swept("s", &report);
-            assert_eq!(
-                captured.gauge("idem_sweeper_lag_seconds{store=s}"),
-                Some(4000.0)
-            );
-            not_sweeping("s");
-            for gauge in [
-                SWEEPER_LAG,
-                INBOX_ROWS,
-                INBOX_OLDEST,
-                INBOX_EXPIRED,
-                SWEEP_BUSY,
-                SWEEP_PAUSED,
-            ] {
-                let value = captured.gauge(&format!("{gauge}{{store=s}}"));
-                assert!(value.is_some_and(f64::is_nan), "{gauge}: {value:?}");
-            }
         });
     }
 }

@@ -2,7 +2,7 @@
 //! messages staged in the caller's transaction ([`stage`], [`stage_all`], [`SqlInbox::stage`]),
 //! published once it committed and removed once the broker confirmed them (by a relay pass,
 //! `relay`, which the runtime's dispatch and relay run), rows the broker refused moved out of
-//! the way (`parked`), and the notifications that wake a relay (`notify`). Each dialect's
+//! the way (`parked`); the notifications that wake a relay are `crate::wake`. Each dialect's
 //! statements and table are here.
 //!
 //! A row's destination is kept as its two [`idem_core::Destination::parts`]: its topic
@@ -10,7 +10,6 @@
 //! keep their first names so that processes of an older idem stage into the same table during
 //! a rolling upgrade.
 
-pub(crate) mod notify;
 pub mod parked;
 mod relay;
 

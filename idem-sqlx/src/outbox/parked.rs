@@ -21,28 +21,7 @@ pub use crate::config::DEFAULT_GIVE_UP;
 /// How long a row stays parked before the relay tries it again.
 pub const PARK_RETRY: Duration = Duration::from_secs(30);
 
-/// The statements of the parked rows. Times are read as milliseconds since the Unix epoch.
-#[derive(Debug, Clone)]
-pub struct ParkedStatements<S = &'static str> {
-    /// Copies an outbox row into the parked rows (the failure, the row's `seq`).
-    pub park: S,
-    /// Lists the parked rows, oldest first: `seq`, `message_id`, `consumer`, `key`,
-    /// `exchange`, `routing_key`, `failure`, `parked_ms`.
-    pub list: S,
-    /// Copies a parked row back into the outbox, with its id and staging time (its `seq`); a
-    /// row whose id the outbox holds again (it was staged anew while parked) is merged into
-    /// that one: nothing is inserted, and the id goes out once.
-    pub unpark: S,
-    /// Removes a parked row (its `seq`).
-    pub remove: S,
-    /// Takes the `seq` of rows parked longer ago than the given milliseconds, oldest first
-    /// (milliseconds, the number of rows), skipping rows another pass holds where the dialect
-    /// can, and rows given up.
-    pub due: S,
-    /// Gives up the parked rows staged longer ago than the given milliseconds: they are outbox
-    /// dead letters from then on, released only by an operator.
-    pub give_up: S,
-}
+pub use crate::statements::ParkedStatements;
 
 /// PostgreSQL's parked rows.
 #[cfg(feature = "postgres")]
