@@ -1,6 +1,7 @@
 //! Parsing the attribute's arguments, with a spanned error for each mistake.
 
 use proc_macro2::{Span, TokenStream};
+use syn::meta::ParseNestedMeta;
 use syn::parse::Parser;
 use syn::{Ident, LitStr};
 
@@ -124,150 +125,222 @@ impl Args {
         }
     }
 
-    /// Parses `key = "...", store = Postgres, queue = "...", consumer = "..."`.
+    /// Parses `key = "...", store = Postgres, queue = "...", consumer = "..."`: each argument
+    /// by its own type, every mistake reported at its token; then the arguments checked
+    /// against each other.
     pub(crate) fn parse(tokens: TokenStream) -> syn::Result<Self> {
-        let mut store: Option<StoreArg> = None;
-        let mut key = None;
-        let mut queue = None;
-        let mut consumer = None;
-        let mut mode: Option<Mode> = None;
-        let mut lease: Option<(u64, LitStr)> = None;
-        let mut retention: Option<u64> = None;
-        let mut version: Option<LitStr> = None;
-        let mut entity: Option<LitStr> = None;
-        let mut batch: Option<usize> = None;
-        let mut krate: Option<syn::Path> = None;
-        let mut store_mentioned = false;
-        let mut errors: Option<syn::Error> = None;
-        let mut push = |e: syn::Error| match errors.as_mut() {
-            Some(all) => all.combine(e),
-            None => errors = Some(e),
+        let mut written = Written::default();
+        let mut errors = Errors::default();
+        syn::meta::parser(|meta| written.take(&meta, &mut errors)).parse2(tokens)?;
+        written.check(errors)
+    }
+}
+
+/// Every mistake found, reported together.
+#[derive(Default)]
+struct Errors(Option<syn::Error>);
+
+impl Errors {
+    fn push(&mut self, error: syn::Error) {
+        match self.0.as_mut() {
+            Some(all) => all.combine(error),
+            None => self.0 = Some(error),
+        }
+    }
+}
+
+/// An argument given at most once: the second is an error at its name.
+struct Slot<T>(Option<T>);
+
+impl<T> Default for Slot<T> {
+    fn default() -> Self {
+        Self(None)
+    }
+}
+
+impl<T> Slot<T> {
+    /// Keeps `value`, or reports why it cannot: a duplicate, or what the value's type said.
+    fn fill(&mut self, path: &syn::Path, value: syn::Result<T>, errors: &mut Errors) {
+        if self.0.is_some() {
+            let name = path.get_ident().map(Ident::to_string).unwrap_or_default();
+            errors.push(syn::Error::new_spanned(
+                path,
+                format!("duplicate argument `{name}`"),
+            ));
+            return;
+        }
+        match value {
+            Ok(value) => self.0 = Some(value),
+            Err(e) => errors.push(e),
+        }
+    }
+}
+
+/// The value of one argument: read from `name = value`, where a value of the wrong kind of
+/// token ends the parse (`Err` outside) and a value that is wrong for the argument is one
+/// mistake among others (`Err` inside).
+trait Argument: Sized {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>>;
+}
+
+/// `key`, `queue`, `consumer`, `version`, `entity`: a string that is not blank.
+struct Text(LitStr);
+
+impl Argument for Text {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>> {
+        let lit: LitStr = meta.value()?.parse()?;
+        let name = meta
+            .path
+            .get_ident()
+            .map(Ident::to_string)
+            .unwrap_or_default();
+        Ok(match lit.value().trim().is_empty() {
+            true => Err(syn::Error::new(
+                lit.span(),
+                format!("`{name}` cannot be empty"),
+            )),
+            false => Ok(Self(lit)),
+        })
+    }
+}
+
+impl Argument for StoreArg {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>> {
+        let path: syn::Path = meta.value()?.parse()?;
+        Ok(Self::parse(path))
+    }
+}
+
+/// `crate = "path"`.
+struct Krate(syn::Path);
+
+impl Argument for Krate {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>> {
+        let lit: LitStr = meta.value()?.parse()?;
+        Ok(lit.parse::<syn::Path>().map(Self).map_err(|_| {
+            syn::Error::new(
+                lit.span(),
+                "`crate` is the path idem is reachable at, such as \"::my_idem\" or \"crate::reexported::idem\"",
+            )
+        }))
+    }
+}
+
+/// `batch = N`.
+struct Batch(usize);
+
+impl Argument for Batch {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>> {
+        let lit: syn::LitInt = meta.value()?.parse()?;
+        Ok(match lit.base10_parse::<usize>() {
+            Ok(size @ 1..=32_767) => Ok(Self(size)),
+            _ => Err(syn::Error::new(
+                lit.span(),
+                "`batch` is the deliveries per batch: 1 to 32767 (twice it must fit in a prefetch)",
+            )),
+        })
+    }
+}
+
+impl Argument for Mode {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>> {
+        let lit: LitStr = meta.value()?.parse()?;
+        Ok(match lit.value().as_str() {
+            "transactional" => Ok(Mode::Transactional),
+            "external" => Ok(Mode::External),
+            other => Err(syn::Error::new(
+                lit.span(),
+                format!("unknown mode {other:?}; expected \"transactional\" or \"external\""),
+            )),
+        })
+    }
+}
+
+/// `lease = "..."`: a duration, in milliseconds, and where it was written.
+struct Lease(u64, LitStr);
+
+impl Argument for Lease {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>> {
+        let lit: LitStr = meta.value()?.parse()?;
+        Ok(crate::duration::parse_millis(&lit).map(|ms| Self(ms, lit)))
+    }
+}
+
+/// `retention = "..."`: a duration of a second or more, in milliseconds.
+struct Retention(u64);
+
+impl Argument for Retention {
+    fn read(meta: &ParseNestedMeta<'_>) -> syn::Result<syn::Result<Self>> {
+        let lit: LitStr = meta.value()?.parse()?;
+        Ok(match crate::duration::parse_millis(&lit) {
+            Ok(ms) if ms < 1_000 => Err(syn::Error::new(
+                lit.span(),
+                "the retention must be at least one second",
+            )),
+            Ok(ms) => Ok(Self(ms)),
+            Err(e) => Err(e),
+        })
+    }
+}
+
+/// The arguments as written, each checked on its own.
+#[derive(Default)]
+struct Written {
+    store: Slot<StoreArg>,
+    /// Whether `store` was written at all (a store it could not name is still mentioned).
+    store_mentioned: bool,
+    key: Slot<Text>,
+    queue: Slot<Text>,
+    consumer: Slot<Text>,
+    version: Slot<Text>,
+    entity: Slot<Text>,
+    mode: Slot<Mode>,
+    lease: Slot<Lease>,
+    retention: Slot<Retention>,
+    batch: Slot<Batch>,
+    krate: Slot<Krate>,
+}
+
+impl Written {
+    /// Takes one `name = value`.
+    fn take(&mut self, meta: &ParseNestedMeta<'_>, errors: &mut Errors) -> syn::Result<()> {
+        let Some(name) = meta.path.get_ident().map(Ident::to_string) else {
+            return Err(meta.error(format!("unknown argument; {EXPECTED}")));
         };
-
-        let parser = syn::meta::parser(|meta| {
-            let Some(name) = meta.path.get_ident().map(Ident::to_string) else {
-                return Err(meta.error(format!("unknown argument; {EXPECTED}")));
-            };
-            let path = meta.path.clone();
-            let duplicate = |set: bool| {
-                set.then(|| syn::Error::new_spanned(&path, format!("duplicate argument `{name}`")))
-            };
-            match name.as_str() {
-                "store" => {
-                    store_mentioned = true;
-                    let path: syn::Path = meta.value()?.parse()?;
-                    if let Some(e) = duplicate(store.is_some()) {
-                        push(e);
-                    } else {
-                        match StoreArg::parse(path) {
-                            Ok(s) => store = Some(s),
-                            Err(e) => push(e),
-                        }
-                    }
-                }
-                "key" | "queue" | "consumer" | "version" | "entity" => {
-                    let lit: LitStr = meta.value()?.parse()?;
-                    let slot = match name.as_str() {
-                        "key" => &mut key,
-                        "queue" => &mut queue,
-                        "version" => &mut version,
-                        "entity" => &mut entity,
-                        _ => &mut consumer,
-                    };
-                    if let Some(e) = duplicate(slot.is_some()) {
-                        push(e);
-                    } else if lit.value().trim().is_empty() {
-                        push(syn::Error::new(
-                            lit.span(),
-                            format!("`{name}` cannot be empty"),
-                        ));
-                    } else {
-                        *slot = Some(lit);
-                    }
-                }
-                "crate" => {
-                    let lit: LitStr = meta.value()?.parse()?;
-                    if let Some(e) = duplicate(krate.is_some()) {
-                        push(e);
-                    } else {
-                        match lit.parse::<syn::Path>() {
-                            Ok(path) => krate = Some(path),
-                            Err(_) => push(syn::Error::new(
-                                lit.span(),
-                                "`crate` is the path idem is reachable at, such as \"::my_idem\" or \"crate::reexported::idem\"",
-                            )),
-                        }
-                    }
-                }
-                "batch" => {
-                    let lit: syn::LitInt = meta.value()?.parse()?;
-                    if let Some(e) = duplicate(batch.is_some()) {
-                        push(e);
-                    } else {
-                        match lit.base10_parse::<usize>() {
-                            Ok(size @ 1..=32_767) => batch = Some(size),
-                            _ => push(syn::Error::new(
-                                lit.span(),
-                                "`batch` is the deliveries per batch: 1 to 32767 (twice it must fit in a prefetch)",
-                            )),
-                        }
-                    }
-                }
-                "mode" => {
-                    let lit: LitStr = meta.value()?.parse()?;
-                    if let Some(e) = duplicate(mode.is_some()) {
-                        push(e);
-                    } else {
-                        match lit.value().as_str() {
-                            "transactional" => mode = Some(Mode::Transactional),
-                            "external" => mode = Some(Mode::External),
-                            other => push(syn::Error::new(
-                                lit.span(),
-                                format!(
-                                    "unknown mode {other:?}; expected \"transactional\" or \"external\""
-                                ),
-                            )),
-                        }
-                    }
-                }
-                "lease" | "retention" => {
-                    let lit: LitStr = meta.value()?.parse()?;
-                    let set = if name == "lease" {
-                        lease.is_some()
-                    } else {
-                        retention.is_some()
-                    };
-                    if let Some(e) = duplicate(set) {
-                        push(e);
-                    } else {
-                        match crate::duration::parse_millis(&lit) {
-                            Ok(ms) if name == "lease" => lease = Some((ms, lit)),
-                            Ok(ms) if ms < 1_000 => push(syn::Error::new(
-                                lit.span(),
-                                "the retention must be at least one second",
-                            )),
-                            Ok(ms) => retention = Some(ms),
-                            Err(e) => push(e),
-                        }
-                    }
-                }
-                _ => {
-                    // Skip the value so the next argument still parses.
-                    if meta.input.peek(syn::Token![=]) {
-                        let _: syn::Expr = meta.value()?.parse()?;
-                    }
-                    push(syn::Error::new_spanned(
-                        &meta.path,
-                        format!("unknown argument `{name}`; {EXPECTED}"),
-                    ));
-                }
+        let path = &meta.path;
+        match name.as_str() {
+            "store" => {
+                self.store_mentioned = true;
+                self.store.fill(path, StoreArg::read(meta)?, errors);
             }
-            Ok(())
-        });
-        parser.parse2(tokens)?;
+            "key" => self.key.fill(path, Text::read(meta)?, errors),
+            "queue" => self.queue.fill(path, Text::read(meta)?, errors),
+            "consumer" => self.consumer.fill(path, Text::read(meta)?, errors),
+            "version" => self.version.fill(path, Text::read(meta)?, errors),
+            "entity" => self.entity.fill(path, Text::read(meta)?, errors),
+            "mode" => self.mode.fill(path, Mode::read(meta)?, errors),
+            "lease" => self.lease.fill(path, Lease::read(meta)?, errors),
+            "retention" => self.retention.fill(path, Retention::read(meta)?, errors),
+            "batch" => self.batch.fill(path, Batch::read(meta)?, errors),
+            "crate" => self.krate.fill(path, Krate::read(meta)?, errors),
+            _ => {
+                // Skip the value so the next argument still parses.
+                if meta.input.peek(syn::Token![=]) {
+                    let _: syn::Expr = meta.value()?.parse()?;
+                }
+                errors.push(syn::Error::new_spanned(
+                    path,
+                    format!("unknown argument `{name}`; {EXPECTED}"),
+                ));
+            }
+        }
+        Ok(())
+    }
 
-        if !store_mentioned {
-            push(syn::Error::new(
+    /// The arguments, checked against each other; every mistake when there is any.
+    fn check(self, mut errors: Errors) -> syn::Result<Args> {
+        if !self.store_mentioned {
+            errors.push(syn::Error::new(
                 Span::call_site(),
                 format!(
                     "missing `store = ...`: which database holds the inbox, {}",
@@ -275,53 +348,65 @@ impl Args {
                 ),
             ));
         }
-        let mode = mode.unwrap_or(Mode::Transactional);
-        if let (Some((_, lit)), Mode::Transactional) = (&lease, mode) {
-            push(syn::Error::new(
+        let mode = self.mode.0.unwrap_or(Mode::Transactional);
+        if let (Some(Lease(_, lit)), Mode::Transactional) = (&self.lease.0, mode) {
+            errors.push(syn::Error::new(
                 lit.span(),
                 "`lease` applies to `mode = \"external\"` only: a transactional handler's claim lasts as long as its transaction",
             ));
         }
-        let versioned = match (version, entity) {
-            (Some(version), Some(entity)) => Some((version, entity)),
-            (Some(version), None) => {
-                push(syn::Error::new(
-                    version.span(),
-                    "`version` needs `entity = \"<payload>.<field>\"`: the entity whose versions it counts (such as \"update.order_id\")",
-                ));
-                None
-            }
-            (None, Some(entity)) => {
-                push(syn::Error::new(
-                    entity.span(),
-                    "`entity` goes with `version = \"<payload>.<field>\"`: the version the message carries",
-                ));
-                None
-            }
-            (None, None) => None,
-        };
-        if let (Some((version, _)), Mode::External) = (&versioned, mode) {
-            push(syn::Error::new(
-                version.span(),
-                "`version` needs the handler's transaction, where the applied version is raised with its writes: use mode = \"transactional\"",
-            ));
-        }
-        match (errors, store) {
+        let versioned = versioned(self.version.0, self.entity.0, mode, &mut errors);
+        match (errors.0, self.store.0) {
             (Some(e), _) => Err(e),
-            (None, Some(store)) => Ok(Self {
+            (None, Some(store)) => Ok(Args {
                 store,
-                key,
-                queue,
-                consumer,
+                key: self.key.0.map(|t| t.0),
+                queue: self.queue.0.map(|t| t.0),
+                consumer: self.consumer.0.map(|t| t.0),
                 mode,
-                lease_ms: lease.map(|(ms, _)| ms),
-                retention_ms: retention,
+                lease_ms: self.lease.0.map(|Lease(ms, _)| ms),
+                retention_ms: self.retention.0.map(|Retention(ms)| ms),
                 versioned,
-                batch,
-                krate,
+                batch: self.batch.0.map(|Batch(size)| size),
+                krate: self.krate.0.map(|Krate(path)| path),
             }),
             (None, None) => Err(syn::Error::new(Span::call_site(), "missing `store`")),
         }
+    }
+}
+
+/// `version` and `entity`, which go together, and only in a transactional handler.
+fn versioned(
+    version: Option<Text>,
+    entity: Option<Text>,
+    mode: Mode,
+    errors: &mut Errors,
+) -> Option<(LitStr, LitStr)> {
+    match (version, entity) {
+        (Some(Text(version)), Some(Text(entity))) => {
+            if mode == Mode::External {
+                errors.push(syn::Error::new(
+                    version.span(),
+                    "`version` needs the handler's transaction, where the applied version is raised with its writes: use mode = \"transactional\"",
+                ));
+            }
+            Some((version, entity))
+        }
+        (Some(Text(version)), None) => {
+            errors.push(syn::Error::new(
+                version.span(),
+                "`version` needs `entity = \"<payload>.<field>\"`: the entity whose versions it counts (such as \"update.order_id\")",
+            ));
+            None
+        }
+        (None, Some(Text(entity))) => {
+            errors.push(syn::Error::new(
+                entity.span(),
+                "`entity` goes with `version = \"<payload>.<field>\"`: the version the message carries",
+            ));
+            None
+        }
+        (None, None) => None,
     }
 }
 
