@@ -114,6 +114,7 @@ fn versioned_fn(
     }
 }
 
+/// The user's function and, hidden beside it, its `Handler` implementation and registration.
 fn emit(
     func: &ItemFn,
     args: &Args,
@@ -122,24 +123,66 @@ fn emit(
     versioned: TokenStream,
 ) -> TokenStream {
     let krate = private(args);
-    let name = sig.name;
-    let name_str = name.to_string();
+    let associated = associated(&krate, args, sig, key);
+    let key_fn = key_fn(&krate, args, sig, key);
+    let (_, _, state_types) = extras(&krate, sig);
+    let call_future = call_future(&krate, sig);
+    let (call, call_other) = match sig.tx_ty {
+        Some(tx_ty) if sig.batch => batch_calls(&krate, func, sig, tx_ty),
+        Some(tx_ty) => (transactional_call(&krate, func, sig, tx_ty), quote!()),
+        None => external_calls(&krate, func, sig),
+    };
+    quote! {
+        #func
+
+        #[doc(hidden)]
+        const _: () = {
+            struct __IdemHandler;
+
+            impl #krate::Handler for __IdemHandler {
+                #associated
+
+                #state_types
+
+                #versioned
+
+                #key_fn
+
+                fn call<'__idem, '__idem_c: '__idem>(
+                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
+                    __idem_payload: Self::Payload,
+                    __idem_ctx: &'__idem #krate::Context<'__idem>,
+                ) -> #call_future {
+                    #call
+                }
+
+                #call_other
+            }
+
+            #krate::inventory::submit! { #krate::Registration::new(&__IdemHandler) }
+        };
+    }
+}
+
+/// The handler's types and constants: its store, payload and output, name, consumer, queue,
+/// key source, mode, retention and batching.
+fn associated(
+    krate: &TokenStream,
+    args: &Args,
+    sig: &HandlerSig<'_>,
+    key: &KeySpec,
+) -> TokenStream {
+    let name_str = sig.name.to_string();
     let store = match &args.store {
         StoreArg::Builtin(_, ident) => quote!(#krate::stores::#ident),
         StoreArg::Custom(path) => quote!(#path),
     };
     let payload_ty = sig.payload_ty;
+    let ok = sig.output;
     let output = match sig.batch {
-        true => {
-            let ok = sig.output;
-            quote_spanned!(ok.span()=> <#ok as #krate::BatchOutput>::Item)
-        }
-        false => {
-            let ok = sig.output;
-            quote!(#ok)
-        }
+        true => quote_spanned!(ok.span()=> <#ok as #krate::BatchOutput>::Item),
+        false => quote!(#ok),
     };
-    let returns = sig.returns;
     let consumer = match &args.consumer {
         Some(lit) => quote!(#lit),
         None => quote!(::core::concat!(::core::module_path!(), "::", #name_str)),
@@ -148,8 +191,49 @@ fn emit(
         Some(lit) => quote!(::core::option::Option::Some(#lit)),
         None => quote!(::core::option::Option::None),
     };
-    let source = key.source(&krate, args.key.as_ref());
-    let extract = key.extract(&krate, sig.payload, args.key.as_ref());
+    let source = key.source(krate, args.key.as_ref());
+    let millis = |ms: u64| quote!(::core::time::Duration::from_millis(#ms));
+    let mode = match args.mode {
+        crate::args::Mode::Transactional => quote!(#krate::Mode::Transactional),
+        crate::args::Mode::External => {
+            let lease = match args.lease_ms {
+                Some(ms) => millis(ms),
+                None => quote!(#krate::DEFAULT_LEASE),
+            };
+            quote!(#krate::Mode::External { lease: #lease })
+        }
+    };
+    let retention = match args.retention_ms.map(millis) {
+        Some(duration) => quote!(::core::option::Option::Some(#duration)),
+        None => quote!(::core::option::Option::None),
+    };
+    let batching = sig.batch.then(|| {
+        quote!(
+            const TAKES_BATCH: bool = true;
+        )
+    });
+    let batch_size = args.batch.map(|size| {
+        quote!(const BATCH_SIZE: ::core::option::Option<usize> = ::core::option::Option::Some(#size);)
+    });
+    quote! {
+        type Store = #store;
+        type Payload = #payload_ty;
+        type Output = #output;
+        const NAME: &'static str = #name_str;
+        const CONSUMER: &'static str = #consumer;
+        const QUEUE: ::core::option::Option<&'static str> = #queue;
+        const KEY: #krate::KeySource = #source;
+        const MODE: #krate::Mode = #mode;
+        const RETENTION: ::core::option::Option<::core::time::Duration> = #retention;
+        #batching
+        #batch_size
+    }
+}
+
+/// The `key` function: the dedup key of a message, read from the payload's field (spanned at
+/// the `key` literal, so a wrong field is an error there) or from the envelope.
+fn key_fn(krate: &TokenStream, args: &Args, sig: &HandlerSig<'_>, key: &KeySpec) -> TokenStream {
+    let extract = key.extract(krate, sig.payload, args.key.as_ref());
     let payload_binding = match key {
         KeySpec::Field(_) => {
             let payload = sig.payload;
@@ -162,163 +246,136 @@ fn emit(
         }
         _ => quote!(_),
     };
-    let (extract_state, extra_args, state_types) = extras(&krate, sig);
-    let into_result =
-        quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result);
-    // A handler whose future is not `Send` gets its error at the function's name.
-    let call_future = quote_spanned!(name.span()=>
+    quote! {
+        fn key(
+            __idem_envelope: &#krate::Envelope,
+            #payload_binding: &Self::Payload,
+        ) -> ::core::result::Result<::std::string::String, #krate::KeyError> {
+            #extract
+        }
+    }
+}
+
+/// The future a per-message call returns; a handler whose future is not `Send` gets its error
+/// at the function's name.
+fn call_future(krate: &TokenStream, sig: &HandlerSig<'_>) -> TokenStream {
+    quote_spanned!(sig.name.span()=>
         impl ::core::future::Future<
             Output = ::core::result::Result<Self::Output, #krate::HandlerError>,
         > + ::core::marker::Send + '__idem
+    )
+}
+
+/// How the call converts the handler's return value.
+fn into_result(krate: &TokenStream, sig: &HandlerSig<'_>) -> TokenStream {
+    let returns = sig.returns;
+    quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result)
+}
+
+/// A transactional handler's `call`: the handler with the inbox transaction (the argument
+/// spanned at the user's tokens, so type errors point at the parameter at fault).
+fn transactional_call(
+    krate: &TokenStream,
+    func: &ItemFn,
+    sig: &HandlerSig<'_>,
+    tx_ty: &syn::Type,
+) -> TokenStream {
+    let name = sig.name;
+    let (extract_state, extra_args, _) = extras(krate, sig);
+    let into_result = into_result(krate, sig);
+    let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
+    quote_spanned!(func.sig.span()=>
+        async move {
+            #extract_state
+            #into_result(#name(#tx_arg, __idem_payload #(, #extra_args)*).await)
+        }
+    )
+}
+
+/// A batch handler's `call` (a permanent error: a batch handler is called with batches) and
+/// its `call_batch`.
+fn batch_calls(
+    krate: &TokenStream,
+    func: &ItemFn,
+    sig: &HandlerSig<'_>,
+    tx_ty: &syn::Type,
+) -> (TokenStream, TokenStream) {
+    let (name, returns) = (sig.name, sig.returns);
+    let (extract_state, extra_args, _) = extras(krate, sig);
+    let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
+    let into_batch = quote_spanned!(returns.span()=>
+        <#returns as #krate::BatchResult>::into_batch_result
     );
-    let (call, call_external) = match sig.tx_ty {
-        Some(tx_ty) if sig.batch => {
-            let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
-            let into_batch = quote_spanned!(returns.span()=>
-                <#returns as #krate::BatchResult>::into_batch_result
-            );
-            let batch_future = quote_spanned!(name.span()=>
-                impl ::core::future::Future<
-                    Output = ::core::result::Result<
-                        ::std::vec::Vec<Self::Output>,
-                        #krate::BatchError,
-                    >,
-                > + ::core::marker::Send + '__idem
-            );
-            let future = quote_spanned!(func.sig.span()=>
-                async move {
-                    #extract_state
-                    let __idem_len = __idem_payload.len();
-                    #into_batch(#name(#tx_arg, __idem_payload #(, #extra_args)*).await, __idem_len)
-                }
-            );
-            let call = quote! {
-                let _ = (__idem_tx, __idem_payload, __idem_ctx);
-                async move {
-                    ::core::result::Result::Err(#krate::HandlerError::permanent(
-                        "a batch handler takes the new messages of a batch at once",
-                    ))
-                }
-            };
-            let call_batch = quote! {
-                fn call_batch<'__idem, '__idem_c: '__idem>(
-                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
-                    __idem_payload: #krate::Batch<Self::Payload>,
-                    __idem_ctx: &'__idem #krate::Context<'__idem>,
-                ) -> #batch_future {
-                    #future
-                }
-            };
-            (call, call_batch)
+    let batch_future = quote_spanned!(name.span()=>
+        impl ::core::future::Future<
+            Output = ::core::result::Result<
+                ::std::vec::Vec<Self::Output>,
+                #krate::BatchError,
+            >,
+        > + ::core::marker::Send + '__idem
+    );
+    let future = quote_spanned!(func.sig.span()=>
+        async move {
+            #extract_state
+            let __idem_len = __idem_payload.len();
+            #into_batch(#name(#tx_arg, __idem_payload #(, #extra_args)*).await, __idem_len)
         }
-        Some(tx_ty) => {
-            // Spanned at the user's tokens, so type errors point at the parameter at fault.
-            let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
-            let future = quote_spanned!(func.sig.span()=>
-                async move {
-                    #extract_state
-                    #into_result(#name(#tx_arg, __idem_payload #(, #extra_args)*).await)
-                }
-            );
-            (future, quote!())
-        }
-        None => {
-            let future = quote_spanned!(func.sig.span()=>
-                async move {
-                    #extract_state
-                    #into_result(#name(__idem_payload #(, #extra_args)*).await)
-                }
-            );
-            let call = quote! {
-                let _ = (__idem_tx, __idem_payload, __idem_ctx);
-                async move {
-                    ::core::result::Result::Err(#krate::HandlerError::permanent(
-                        "an external handler runs outside the inbox transaction",
-                    ))
-                }
-            };
-            let call_external = quote! {
-                fn call_external<'__idem>(
-                    __idem_payload: Self::Payload,
-                    __idem_ctx: &'__idem #krate::Context<'__idem>,
-                ) -> #call_future {
-                    #future
-                }
-            };
-            (call, call_external)
+    );
+    let call = refused(
+        krate,
+        "a batch handler takes the new messages of a batch at once",
+    );
+    let call_batch = quote! {
+        fn call_batch<'__idem, '__idem_c: '__idem>(
+            __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
+            __idem_payload: #krate::Batch<Self::Payload>,
+            __idem_ctx: &'__idem #krate::Context<'__idem>,
+        ) -> #batch_future {
+            #future
         }
     };
-    let millis = |ms: u64| quote!(::core::time::Duration::from_millis(#ms));
-    let mode = match args.mode {
-        crate::args::Mode::Transactional => quote!(#krate::Mode::Transactional),
-        crate::args::Mode::External => {
-            let lease = match args.lease_ms {
-                Some(ms) => millis(ms),
-                None => quote!(#krate::DEFAULT_LEASE),
-            };
-            quote!(#krate::Mode::External { lease: #lease })
-        }
-    };
-    let batching = sig.batch.then(|| {
-        quote!(
-            const TAKES_BATCH: bool = true;
-        )
-    });
-    let batch_size = args
-        .batch
-        .map(|size| quote!(const BATCH_SIZE: ::core::option::Option<usize> = ::core::option::Option::Some(#size);));
-    let retention = match args.retention_ms {
-        Some(ms) => {
-            let duration = millis(ms);
-            quote!(::core::option::Option::Some(#duration))
-        }
-        None => quote!(::core::option::Option::None),
-    };
+    (call, call_batch)
+}
 
+/// An external handler's `call` (a permanent error: it runs outside the inbox transaction)
+/// and its `call_external`.
+fn external_calls(
+    krate: &TokenStream,
+    func: &ItemFn,
+    sig: &HandlerSig<'_>,
+) -> (TokenStream, TokenStream) {
+    let name = sig.name;
+    let (extract_state, extra_args, _) = extras(krate, sig);
+    let into_result = into_result(krate, sig);
+    let call_future = call_future(krate, sig);
+    let future = quote_spanned!(func.sig.span()=>
+        async move {
+            #extract_state
+            #into_result(#name(__idem_payload #(, #extra_args)*).await)
+        }
+    );
+    let call = refused(
+        krate,
+        "an external handler runs outside the inbox transaction",
+    );
+    let call_external = quote! {
+        fn call_external<'__idem>(
+            __idem_payload: Self::Payload,
+            __idem_ctx: &'__idem #krate::Context<'__idem>,
+        ) -> #call_future {
+            #future
+        }
+    };
+    (call, call_external)
+}
+
+/// A `call` that refuses, for the handler kinds the runtime never calls through it.
+fn refused(krate: &TokenStream, why: &str) -> TokenStream {
     quote! {
-        #func
-
-        #[doc(hidden)]
-        const _: () = {
-            struct __IdemHandler;
-
-            impl #krate::Handler for __IdemHandler {
-                type Store = #store;
-                type Payload = #payload_ty;
-                type Output = #output;
-                const NAME: &'static str = #name_str;
-                const CONSUMER: &'static str = #consumer;
-                const QUEUE: ::core::option::Option<&'static str> = #queue;
-                const KEY: #krate::KeySource = #source;
-                const MODE: #krate::Mode = #mode;
-                const RETENTION: ::core::option::Option<::core::time::Duration> = #retention;
-                #batching
-                #batch_size
-
-                #state_types
-
-                #versioned
-
-                fn key(
-                    __idem_envelope: &#krate::Envelope,
-                    #payload_binding: &Self::Payload,
-                ) -> ::core::result::Result<::std::string::String, #krate::KeyError> {
-                    #extract
-                }
-
-                fn call<'__idem, '__idem_c: '__idem>(
-                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
-                    __idem_payload: Self::Payload,
-                    __idem_ctx: &'__idem #krate::Context<'__idem>,
-                ) -> #call_future {
-                    #call
-                }
-
-                #call_external
-            }
-
-            #krate::inventory::submit! { #krate::Registration::new(&__IdemHandler) }
-        };
+        let _ = (__idem_tx, __idem_payload, __idem_ctx);
+        async move {
+            ::core::result::Result::Err(#krate::HandlerError::permanent(#why))
+        }
     }
 }
 
