@@ -45,6 +45,55 @@ pub(crate) fn check(
     let external = mode == Mode::External;
     let shape = if external { EXTERNAL_SHAPE } else { SHAPE };
     let mut errors = Errors::default();
+    check_function(sig, &mut errors);
+    let typed = typed_inputs(sig, &mut errors);
+    let first = usize::from(!external);
+    if external
+        && let Some(t) = typed.first()
+        && matches!(&*t.ty, Type::Reference(r) if r.mutability.is_some())
+    {
+        errors.push(
+            t.span(),
+            "an external handler takes no transaction: its work cannot join the inbox transaction; remove this parameter (or use mode = \"transactional\" for database writes)",
+        );
+        return Err(errors
+            .finish()
+            .err()
+            .unwrap_or_else(|| syn::Error::new(sig.span(), EXTERNAL_SHAPE)));
+    }
+    if typed.len() < first + 1 {
+        errors.push(sig.paren_token.span.join(), shape);
+    }
+    let tx_ty = if external {
+        None
+    } else {
+        typed.first().map(|t| &*t.ty)
+    };
+    if let Some(ty) = tx_ty {
+        check_tx(ty, store, &mut errors);
+    }
+    let (payload, batch) = payload(typed.get(first).copied(), external, &mut errors);
+    let extras = extras(typed.get(first + 1..).unwrap_or_default(), &mut errors);
+    let output = output(sig, &mut errors);
+    errors.finish()?;
+    match (tx_ty.is_some() || external, payload, output) {
+        (true, Some((payload, payload_ty)), Some((output, returns))) => Ok(HandlerSig {
+            name: &sig.ident,
+            tx_ty,
+            payload,
+            payload_ty,
+            batch,
+            extras,
+            output,
+            returns,
+        }),
+        _ => Err(syn::Error::new(sig.span(), shape)),
+    }
+}
+
+/// What the function itself must be: `async`, not `const`, no ABI, not variadic, not generic
+/// over types, no `where` clause.
+fn check_function(sig: &Signature, errors: &mut Errors) {
     if sig.asyncness.is_none() {
         errors.push(
             sig.fn_token.span(),
@@ -83,7 +132,10 @@ pub(crate) fn check(
             "#[idempotent] handlers cannot have a `where` clause",
         );
     }
+}
 
+/// The typed parameters; a `self` parameter is an error.
+fn typed_inputs<'a>(sig: &'a Signature, errors: &mut Errors) -> Vec<&'a syn::PatType> {
     let mut typed = Vec::new();
     for arg in &sig.inputs {
         match arg {
@@ -94,47 +146,31 @@ pub(crate) fn check(
             FnArg::Typed(t) => typed.push(t),
         }
     }
-    let first = usize::from(!external);
-    if external
-        && let Some(t) = typed.first()
-        && matches!(&*t.ty, Type::Reference(r) if r.mutability.is_some())
-    {
-        errors.push(
-            t.span(),
-            "an external handler takes no transaction: its work cannot join the inbox transaction; remove this parameter (or use mode = \"transactional\" for database writes)",
-        );
-        return Err(errors
-            .finish()
-            .err()
-            .unwrap_or_else(|| syn::Error::new(sig.span(), EXTERNAL_SHAPE)));
-    }
-    if typed.len() < first + 1 {
-        errors.push(sig.paren_token.span.join(), shape);
-    }
+    typed
+}
 
-    let tx_ty = if external {
-        None
-    } else {
-        typed.first().map(|t| &*t.ty)
+/// The payload parameter's name and one message's type (the `T` of a batch payload
+/// `Batch<T>`), and whether it is a batch.
+fn payload<'a>(
+    param: Option<&'a syn::PatType>,
+    external: bool,
+    errors: &mut Errors,
+) -> (Option<(&'a Ident, &'a Type)>, bool) {
+    let Some(t) = param else {
+        return (None, false);
     };
-    if let Some(ty) = tx_ty {
-        check_tx(ty, store, &mut errors);
-    }
-
     let mut payload = None;
-    if let Some(t) = typed.get(first) {
-        match &*t.pat {
-            Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
-                payload = Some((&p.ident, &*t.ty))
-            }
-            other => errors.push(
-                other.span(),
-                "the payload parameter must be a plain name, such as `order: OrderPlaced`",
-            ),
+    match &*t.pat {
+        Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
+            payload = Some((&p.ident, &*t.ty))
         }
-        if let Type::Reference(r) = &*t.ty {
-            errors.push(r.span(), "the payload must be an owned type: it is decoded from the message body (serde `DeserializeOwned`)");
-        }
+        other => errors.push(
+            other.span(),
+            "the payload parameter must be a plain name, such as `order: OrderPlaced`",
+        ),
+    }
+    if let Type::Reference(r) = &*t.ty {
+        errors.push(r.span(), "the payload must be an owned type: it is decoded from the message body (serde `DeserializeOwned`)");
     }
     let batch = payload.and_then(|(_, ty)| batch_item(ty));
     if let (Some(_), Some((_, ty))) = (batch, payload)
@@ -147,10 +183,12 @@ pub(crate) fn check(
     }
     // A batch handler's `Payload` is one message: the `T` of `Batch<T>`.
     let payload = payload.map(|(name, ty)| (name, batch.unwrap_or(ty)));
+    (payload, batch.is_some())
+}
 
-    let extras = extras(typed.get(first + 1..).unwrap_or_default(), &mut errors);
-
-    let output = match &sig.output {
+/// The success type of the `Result` the function returns, and the whole return type.
+fn output<'a>(sig: &'a Signature, errors: &mut Errors) -> Option<(&'a Type, &'a Type)> {
+    match &sig.output {
         ReturnType::Type(_, ty) => match result_ok_type(ty) {
             Some(ok) => Some((ok, &**ty)),
             None => {
@@ -162,21 +200,6 @@ pub(crate) fn check(
             errors.push(sig.ident.span(), "#[idempotent] handlers must return `Result<T, E>` with `E: Into<idem::HandlerError>`; add `-> Result<(), idem::HandlerError>`");
             None
         }
-    };
-
-    errors.finish()?;
-    match (tx_ty.is_some() || external, payload, output) {
-        (true, Some((payload, payload_ty)), Some((output, returns))) => Ok(HandlerSig {
-            name: &sig.ident,
-            tx_ty,
-            payload,
-            payload_ty,
-            batch: batch.is_some(),
-            extras,
-            output,
-            returns,
-        }),
-        _ => Err(syn::Error::new(sig.span(), shape)),
     }
 }
 
