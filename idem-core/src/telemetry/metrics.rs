@@ -94,124 +94,163 @@ pub const HISTOGRAMS: &[(&str, &[f64])] = &[
     (BATCH_DELIVERIES, BATCH_SIZE_BUCKETS),
 ];
 
+/// Each counter, with its help text.
+const COUNTER_HELP: [(&str, &str); 14] = [
+    (MESSAGES, "Deliveries settled, by consumer and outcome"),
+    (
+        DEAD_LETTERS,
+        "Deliveries dead-lettered, by consumer and reason",
+    ),
+    (
+        DEAD_LETTERS_UNRECORDED,
+        "Dead letters moved without their record (it could not be written), by consumer",
+    ),
+    (ROWS_SWEPT, "Expired inbox rows deleted by the sweeper"),
+    (PANICS, "Handler panics (the message is retried)"),
+    (
+        SETTLE_FAILURES,
+        "Settlements the transport could not send (the broker redelivers)",
+    ),
+    (
+        RECONNECTS,
+        "Lost connections or channels of the queue's consumer",
+    ),
+    (
+        STORE_PAUSES,
+        "Times the store could not write and paused its handlers' consumption",
+    ),
+    (OUTBOX_PUBLISHED, "Outbox messages published and removed"),
+    (
+        OUTBOX_UNROUTABLE,
+        "Outbox messages the broker could not route (kept and retried)",
+    ),
+    (
+        OUTBOX_PARKED,
+        "Outbox rows the broker refused (unroutable, not carriable, nacked, a channel closed over them), parked",
+    ),
+    (
+        OUTBOX_GIVEN_UP,
+        "Parked outbox rows the broker kept refusing, given up as outbox dead letters",
+    ),
+    (
+        OUTBOX_STAGED,
+        "Messages staged by handlers that committed (replies included)",
+    ),
+    (
+        OUTBOX_RELAY_FAILURES,
+        "Outbox relay passes that failed (the database or the broker)",
+    ),
+];
+
+/// Each gauge, with its unit where it has one, and its help text.
+const GAUGE_HELP: [(&str, Option<metrics::Unit>, &str); 11] = [
+    (
+        SWEEPER_LAG,
+        Some(metrics::Unit::Seconds),
+        "Age of the oldest expired inbox row left after a sweep",
+    ),
+    (
+        INBOX_ROWS,
+        None,
+        "Inbox rows after the last sweep (estimated)",
+    ),
+    (
+        INBOX_OLDEST,
+        Some(metrics::Unit::Seconds),
+        "Age of the inbox row that expires first, after the last sweep",
+    ),
+    (
+        INBOX_EXPIRED,
+        None,
+        "Expired inbox rows the last sweep left (counted up to 1,000,000)",
+    ),
+    (
+        SWEEP_BUSY,
+        Some(metrics::Unit::Seconds),
+        "Time the last inbox sweep spent in its delete statements",
+    ),
+    (
+        SWEEP_PAUSED,
+        Some(metrics::Unit::Seconds),
+        "Time the last inbox sweep paused between its delete statements",
+    ),
+    (
+        MAILBOX_DEPTH,
+        None,
+        "Deliveries waiting in the handler's mailbox",
+    ),
+    (
+        BROKER_CONNECTED,
+        None,
+        "1 while the queue's consumer is consuming, else 0",
+    ),
+    (
+        STORE_PAUSED,
+        None,
+        "1 while the store cannot write and its handlers' consumption is paused, else 0",
+    ),
+    (
+        OUTBOX_LAG,
+        Some(metrics::Unit::Seconds),
+        "How long the oldest outbox row a relay pass took had waited",
+    ),
+    (HANDLERS_RUNNING, None, "Handler calls under way"),
+];
+
+/// Each histogram, with its unit and help text.
+const HISTOGRAM_HELP: [(&str, metrics::Unit, &str); 7] = [
+    (
+        HANDLER_DURATION,
+        metrics::Unit::Seconds,
+        "Time spent in the handler",
+    ),
+    (
+        CLAIM_DURATION,
+        metrics::Unit::Seconds,
+        "Time spent claiming dedup keys",
+    ),
+    (
+        COMMIT_DURATION,
+        metrics::Unit::Seconds,
+        "Time spent committing the transaction of a message or a batch",
+    ),
+    (
+        BATCH_DELIVERIES,
+        metrics::Unit::Count,
+        "Deliveries per batch (below the batch size when the linger ended the gathering)",
+    ),
+    (
+        BATCH_FILL,
+        metrics::Unit::Seconds,
+        "From a batch's first delivery until it was gathered (at most the linger)",
+    ),
+    (
+        BATCH_WAIT,
+        metrics::Unit::Seconds,
+        "How long a batch worker ready for its next batch waited for that batch's first delivery",
+    ),
+    (
+        OUTBOX_DISPATCH,
+        metrics::Unit::Seconds,
+        "From a commit that staged messages until the broker confirmed them",
+    ),
+];
+
 /// Describes every metric to the installed recorder (units and help texts).
 pub fn describe() {
-    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(MESSAGES, "Deliveries settled, by consumer and outcome");
-    describe_counter!(
-        DEAD_LETTERS,
-        "Deliveries dead-lettered, by consumer and reason"
-    );
-    describe_counter!(
-        DEAD_LETTERS_UNRECORDED,
-        "Dead letters moved without their record (it could not be written), by consumer"
-    );
-    describe_histogram!(HANDLER_DURATION, Unit::Seconds, "Time spent in the handler");
-    describe_histogram!(
-        CLAIM_DURATION,
-        Unit::Seconds,
-        "Time spent claiming dedup keys"
-    );
-    describe_histogram!(
-        COMMIT_DURATION,
-        Unit::Seconds,
-        "Time spent committing the transaction of a message or a batch"
-    );
-    describe_counter!(ROWS_SWEPT, "Expired inbox rows deleted by the sweeper");
-    describe_gauge!(
-        SWEEPER_LAG,
-        Unit::Seconds,
-        "Age of the oldest expired inbox row left after a sweep"
-    );
-    describe_gauge!(INBOX_ROWS, "Inbox rows after the last sweep (estimated)");
-    describe_gauge!(
-        INBOX_OLDEST,
-        Unit::Seconds,
-        "Age of the inbox row that expires first, after the last sweep"
-    );
-    describe_gauge!(
-        INBOX_EXPIRED,
-        "Expired inbox rows the last sweep left (counted up to 1,000,000)"
-    );
-    describe_gauge!(
-        SWEEP_BUSY,
-        Unit::Seconds,
-        "Time the last inbox sweep spent in its delete statements"
-    );
-    describe_gauge!(
-        SWEEP_PAUSED,
-        Unit::Seconds,
-        "Time the last inbox sweep paused between its delete statements"
-    );
-    describe_counter!(PANICS, "Handler panics (the message is retried)");
-    describe_counter!(
-        SETTLE_FAILURES,
-        "Settlements the transport could not send (the broker redelivers)"
-    );
-    describe_gauge!(MAILBOX_DEPTH, "Deliveries waiting in the handler's mailbox");
-    describe_histogram!(
-        BATCH_DELIVERIES,
-        Unit::Count,
-        "Deliveries per batch (below the batch size when the linger ended the gathering)"
-    );
-    describe_histogram!(
-        BATCH_FILL,
-        Unit::Seconds,
-        "From a batch's first delivery until it was gathered (at most the linger)"
-    );
-    describe_histogram!(
-        BATCH_WAIT,
-        Unit::Seconds,
-        "How long a batch worker ready for its next batch waited for that batch's first delivery"
-    );
-    describe_gauge!(
-        BROKER_CONNECTED,
-        "1 while the queue's consumer is consuming, else 0"
-    );
-    describe_counter!(
-        RECONNECTS,
-        "Lost connections or channels of the queue's consumer"
-    );
-    describe_gauge!(
-        STORE_PAUSED,
-        "1 while the store cannot write and its handlers' consumption is paused, else 0"
-    );
-    describe_counter!(
-        STORE_PAUSES,
-        "Times the store could not write and paused its handlers' consumption"
-    );
-    describe_counter!(OUTBOX_PUBLISHED, "Outbox messages published and removed");
-    describe_counter!(
-        OUTBOX_UNROUTABLE,
-        "Outbox messages the broker could not route (kept and retried)"
-    );
-    describe_counter!(
-        OUTBOX_PARKED,
-        "Outbox rows the broker refused (unroutable, not carriable, nacked, a channel closed over them), parked"
-    );
-    describe_counter!(
-        OUTBOX_GIVEN_UP,
-        "Parked outbox rows the broker kept refusing, given up as outbox dead letters"
-    );
-    describe_gauge!(
-        OUTBOX_LAG,
-        Unit::Seconds,
-        "How long the oldest outbox row a relay pass took had waited"
-    );
-    describe_counter!(
-        OUTBOX_STAGED,
-        "Messages staged by handlers that committed (replies included)"
-    );
-    describe_histogram!(
-        OUTBOX_DISPATCH,
-        Unit::Seconds,
-        "From a commit that staged messages until the broker confirmed them"
-    );
-    describe_counter!(
-        OUTBOX_RELAY_FAILURES,
-        "Outbox relay passes that failed (the database or the broker)"
-    );
-    describe_gauge!(HANDLERS_RUNNING, "Handler calls under way");
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    for (name, help) in COUNTER_HELP {
+        describe_counter!(name, help);
+    }
+    for (name, unit, help) in GAUGE_HELP {
+        match unit {
+            Some(unit) => describe_gauge!(name, unit, help),
+            None => describe_gauge!(name, help),
+        }
+    }
+    for (name, unit, help) in HISTOGRAM_HELP {
+        describe_histogram!(name, unit, help);
+    }
 }
 
 /// Counts `count` messages staged by `consumer` in a transaction that committed.
