@@ -13,7 +13,7 @@ use super::{batch_worker, lanes, worker};
 use crate::outbox::relay::{self, RelaySettings};
 use crate::pipeline::ErasedHandler;
 use crate::store::Stores;
-use crate::transport::{DeadLetterLog, Demand, QueueSpec, Transport};
+use crate::transport::{DeadLetterLog, Delivery, Demand, QueueSpec, StopSignal, Transport, Wants};
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
@@ -64,93 +64,13 @@ impl Runtime {
         self.start(&specs).await?;
 
         let (stop_tx, stop) = watch::channel(false);
-        let mut consumers = JoinSet::new();
-        let mut workers = JoinSet::new();
+        let mut tasks = Tasks::default();
         // An ordered handler's partitions share its concurrency.
         let mut permits: HashMap<&str, Arc<Semaphore>> = HashMap::new();
         for actor in &self.actors {
-            let (mailbox_tx, mailbox) = mpsc::channel(usize::from(actor.prefetch));
-            let handler = actor.registration.handler();
-            let mut spec = actor.spec.clone();
-            spec.dead_letters = dead_letter_log(handler, &self.stores);
-            // Batch workers want deliveries only while a batch gathers.
-            let (wants, demand) = Demand::gated();
-            if actor.batch.is_some() {
-                spec.demand = demand;
-            }
-            let wants = Arc::new(wants);
-            consumers.spawn(
-                self.transport
-                    .consume(spec, actor.prefetch, mailbox_tx, stop.clone()),
-            );
-            let shared = Arc::new(Shared {
-                handler,
-                stores: self.stores.clone(),
-                queue: Arc::from(actor.spec.queue.as_str()),
-                retry: self.retry.clone(),
-                stats: self.stats.clone(),
-                in_place: actor.ordered,
-                permits: actor.ordered.then(|| {
-                    permits
-                        .entry(handler.consumer())
-                        .or_insert_with(|| Arc::new(Semaphore::new(actor.workers)))
-                        .clone()
-                }),
-                pause: self.pauses.of(handler, &self.stores),
-            });
-            match actor.batch {
-                None if actor.ordered => {
-                    let mut lanes = Vec::with_capacity(actor.workers);
-                    for _ in 0..actor.workers {
-                        let (lane_tx, lane) = mpsc::channel(usize::from(actor.prefetch));
-                        lanes.push(lane_tx);
-                        let lane = Arc::new(Mutex::new(lane));
-                        workers.spawn(worker::run(shared.clone(), lane, stop.clone()));
-                    }
-                    workers.spawn(lanes::dispatch(mailbox, lanes));
-                }
-                None => {
-                    let mailbox = Arc::new(Mutex::new(mailbox));
-                    for _ in 0..actor.workers {
-                        workers.spawn(worker::run(shared.clone(), mailbox.clone(), stop.clone()));
-                    }
-                }
-                Some(spec) => {
-                    let mailbox = Arc::new(Mutex::new(mailbox));
-                    for _ in 0..actor.workers {
-                        workers.spawn(batch_worker::run(
-                            shared.clone(),
-                            mailbox.clone(),
-                            stop.clone(),
-                            spec,
-                            wants.clone(),
-                        ));
-                    }
-                }
-            }
-            tracing::info!(
-                consumer = actor.spec.consumer,
-                queue = actor.spec.queue,
-                workers = actor.workers,
-                prefetch = actor.prefetch,
-                batch = actor.batch.map(|b| b.size),
-                ordered = actor.ordered,
-                "handler started"
-            );
+            self.start_actor(actor, &stop, &mut tasks, &mut permits);
         }
-
-        let mut sweepers = JoinSet::new();
-        if let Some(settings) = self.sweep {
-            for sweeper in self.stores.sweepers() {
-                sweepers.spawn(sweeper::run(sweeper.clone(), settings, stop.clone()));
-            }
-        }
-        if let (Some(settings), Some(outbound)) = (self.relay, self.stores.outbound()) {
-            for store in self.stores.relays() {
-                let pass = relay::run(store.clone(), outbound.clone(), settings, stop.clone());
-                sweepers.spawn(pass);
-            }
-        }
+        let mut background = self.start_background(&stop);
         crate::telemetry::describe();
         self.health.set_consuming(true);
 
@@ -162,18 +82,102 @@ impl Runtime {
         // holds the sweeper lock is closed rather than returned to the pool. A relay pass in
         // progress is dropped too: its transaction rolls back, and its rows stay for a later
         // pass (those it had published go out again, with the same ids).
-        sweepers.abort_all();
+        background.abort_all();
+        self.drain(tasks).await;
+        tracing::info!("runtime stopped");
+        Ok(())
+    }
+
+    /// Starts `actor`: the transport's consumer of its queue, feeding its mailbox, and its
+    /// workers, draining it.
+    fn start_actor<'a>(
+        &self,
+        actor: &'a Actor,
+        stop: &StopSignal,
+        tasks: &mut Tasks,
+        permits: &mut HashMap<&'a str, Arc<Semaphore>>,
+    ) {
+        let (mailbox_tx, mailbox) = mpsc::channel(usize::from(actor.prefetch));
+        let handler = actor.registration.handler();
+        let mut spec = actor.spec.clone();
+        spec.dead_letters = dead_letter_log(handler, &self.stores);
+        // Batch workers want deliveries only while a batch gathers.
+        let (wants, demand) = Demand::gated();
+        if actor.batch.is_some() {
+            spec.demand = demand;
+        }
+        tasks.consumers.spawn(self.transport.consume(
+            spec,
+            actor.prefetch,
+            mailbox_tx,
+            stop.clone(),
+        ));
+        let shared = Arc::new(Shared {
+            handler,
+            stores: self.stores.clone(),
+            queue: Arc::from(actor.spec.queue.as_str()),
+            retry: self.retry.clone(),
+            stats: self.stats.clone(),
+            in_place: actor.ordered,
+            permits: actor.ordered.then(|| {
+                permits
+                    .entry(handler.consumer())
+                    .or_insert_with(|| Arc::new(Semaphore::new(actor.workers)))
+                    .clone()
+            }),
+            pause: self.pauses.of(handler, &self.stores),
+        });
+        start_workers(
+            actor,
+            shared,
+            mailbox,
+            Arc::new(wants),
+            stop,
+            &mut tasks.workers,
+        );
+        tracing::info!(
+            consumer = actor.spec.consumer,
+            queue = actor.spec.queue,
+            workers = actor.workers,
+            prefetch = actor.prefetch,
+            batch = actor.batch.map(|b| b.size),
+            ordered = actor.ordered,
+            "handler started"
+        );
+    }
+
+    /// Starts the sweepers and the outbox relays.
+    fn start_background(&self, stop: &StopSignal) -> JoinSet<()> {
+        let mut background = JoinSet::new();
+        if let Some(settings) = self.sweep {
+            for sweeper in self.stores.sweepers() {
+                background.spawn(sweeper::run(sweeper.clone(), settings, stop.clone()));
+            }
+        }
+        if let (Some(settings), Some(outbound)) = (self.relay, self.stores.outbound()) {
+            for store in self.stores.relays() {
+                let pass = relay::run(store.clone(), outbound.clone(), settings, stop.clone());
+                background.spawn(pass);
+            }
+        }
+        background
+    }
+
+    /// After the stop: the consumers and workers finish within the grace period (else they
+    /// are abandoned, uncommitted), what they staged is dispatched within it, and the
+    /// transport is closed.
+    async fn drain(&self, mut tasks: Tasks) {
         let grace_ends = tokio::time::Instant::now() + self.shutdown_grace;
         let drained = tokio::time::timeout_at(grace_ends, async {
-            while consumers.join_next().await.is_some() {}
-            while workers.join_next().await.is_some() {}
+            while tasks.consumers.join_next().await.is_some() {}
+            while tasks.workers.join_next().await.is_some() {}
         })
         .await;
         if drained.is_err() {
             tracing::warn!(grace = ?self.shutdown_grace, "in-flight deliveries did not finish in time; abandoning them uncommitted");
-            consumers.abort_all();
-            workers.abort_all();
-            while workers.join_next().await.is_some() {}
+            tasks.consumers.abort_all();
+            tasks.workers.abort_all();
+            while tasks.workers.join_next().await.is_some() {}
         }
         // What the handlers staged goes out, and its rows are removed, before the publisher's
         // connection closes: a graceful stop leaves the relay nothing to publish again.
@@ -196,8 +200,55 @@ impl Runtime {
                 "the transport did not close in time; leaving it to the broker to notice"
             );
         }
-        tracing::info!("runtime stopped");
-        Ok(())
+    }
+}
+
+/// The consumers and the workers of a running runtime.
+#[derive(Default)]
+struct Tasks {
+    consumers: JoinSet<()>,
+    workers: JoinSet<()>,
+}
+
+/// Starts `actor`'s workers on its mailbox: per-message workers sharing it, an ordered
+/// handler's workers each on a lane of its own (a dispatcher routes by key), or batch workers.
+fn start_workers(
+    actor: &Actor,
+    shared: Arc<Shared>,
+    mailbox: mpsc::Receiver<Delivery>,
+    wants: Arc<Wants>,
+    stop: &StopSignal,
+    workers: &mut JoinSet<()>,
+) {
+    match actor.batch {
+        None if actor.ordered => {
+            let mut lanes = Vec::with_capacity(actor.workers);
+            for _ in 0..actor.workers {
+                let (lane_tx, lane) = mpsc::channel(usize::from(actor.prefetch));
+                lanes.push(lane_tx);
+                let lane = Arc::new(Mutex::new(lane));
+                workers.spawn(worker::run(shared.clone(), lane, stop.clone()));
+            }
+            workers.spawn(lanes::dispatch(mailbox, lanes));
+        }
+        None => {
+            let mailbox = Arc::new(Mutex::new(mailbox));
+            for _ in 0..actor.workers {
+                workers.spawn(worker::run(shared.clone(), mailbox.clone(), stop.clone()));
+            }
+        }
+        Some(spec) => {
+            let mailbox = Arc::new(Mutex::new(mailbox));
+            for _ in 0..actor.workers {
+                workers.spawn(batch_worker::run(
+                    shared.clone(),
+                    mailbox.clone(),
+                    stop.clone(),
+                    spec,
+                    wants.clone(),
+                ));
+            }
+        }
     }
 }
 
