@@ -39,23 +39,8 @@ impl<DB: Dialect> SqlInbox<DB> {
         let fail = |e| store_error("relay", e);
         let mut report = RelayReport::default();
         if let OutboxSelect::Older { limit, .. } = select {
-            // Rows parked long enough go back behind the rows staged since; those refused too
-            // long are given up.
-            let (given_up, released) = self
-                .release_due(crate::outbox::parked::PARK_RETRY, *limit)
-                .await?;
-            if released > 0 {
-                tracing::info!(
-                    released,
-                    "parked outbox rows put back for the relay to try again"
-                );
-            }
-            if given_up > 0 {
-                tracing::error!(given_up, after = ?self.give_up, "outbox rows the broker kept refusing were given up: they are outbox dead letters (`idem outbox parked`)");
-            }
-            report.given_up = given_up;
+            report.given_up = self.release_parked_due(*limit).await?;
         }
-        let sql = &self.sql.outbox;
         let mut conn = self.pool.acquire().await.map_err(fail)?;
         if let Some(prelude) = DB::STATEMENTS.outbox.prelude {
             DB::execute_raw(&mut *conn, prelude).await.map_err(fail)?;
@@ -63,14 +48,86 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut tx = crate::migrate::begin::<DB>(&mut *conn)
             .await
             .map_err(fail)?;
+        let rows = self.take_rows(&mut tx, select).await.map_err(fail)?;
+        let mut runs = Vec::with_capacity(rows.len());
+        let mut messages = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let age = Duration::from_millis(DB::int(row, "age_ms").map_err(fail)?.max(0) as u64);
+            report.oldest = report.oldest.max(Some(age));
+            runs.push(Run {
+                seq: DB::int(row, "seq").map_err(fail)?,
+                consumer: DB::text(row, "consumer").map_err(fail)?,
+                key: DB::text(row, "key").map_err(fail)?,
+            });
+            messages.push(message::<DB>(row).map_err(fail)?);
+        }
+        // All sent before any confirm is awaited, then judged row by row: every confirmed row
+        // goes, and is never sent again; a row the broker refused is parked out of the way of
+        // the rows behind it (`parked.rs`); a row that failed for the broker's state (a lost
+        // connection, a timeout) stays for a later pass; and the pass goes on to the end.
+        let mut results = publish.publish_all(&messages).await;
+        isolate(publish, &messages, &mut results).await;
+        let (mut done, parked) = judge(&runs, results, &mut report);
+        for (seq, failure) in &parked {
+            crate::outbox::parked::park::<DB>(&self.sql.parked, &mut *tx, *seq, failure)
+                .await
+                .map_err(fail)?;
+            done.push(*seq);
+        }
+        report.parked = parked.len() as u64;
+        // After the publishes, so that its round trip is not theirs to wait for.
+        if let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit {
+            DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
+        }
+        if !done.is_empty() {
+            // Integers written into the text: a primary-key lookup per row, in every dialect.
+            let seqs: Vec<String> = done.iter().map(i64::to_string).collect();
+            let delete: std::sync::Arc<str> = self
+                .sql
+                .outbox
+                .delete
+                .replace("{seqs}", &seqs.join(","))
+                .into();
+            DB::execute(&mut *tx, &delete, &[]).await.map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        report.published = done.len() as u64 - report.parked;
+        Ok(report)
+    }
+
+    /// Puts rows parked long enough back behind the rows staged since, and gives up those
+    /// refused too long; how many it gave up.
+    async fn release_parked_due(&self, limit: u32) -> Result<u64, StoreError> {
+        let (given_up, released) = self
+            .release_due(crate::outbox::parked::PARK_RETRY, limit)
+            .await?;
+        if released > 0 {
+            tracing::info!(
+                released,
+                "parked outbox rows put back for the relay to try again"
+            );
+        }
+        if given_up > 0 {
+            tracing::error!(given_up, after = ?self.give_up, "outbox rows the broker kept refusing were given up: they are outbox dead letters (`idem outbox parked`)");
+        }
+        Ok(given_up)
+    }
+
+    /// The rows `select` names, taken in `tx` (in the order staged where a scan takes them).
+    async fn take_rows(
+        &self,
+        tx: &mut DB::Connection,
+        select: &OutboxSelect,
+    ) -> Result<Vec<DB::Row>, sqlx::Error> {
+        let sql = &self.sql.outbox;
         let scan = matches!(
             select,
             OutboxSelect::Older { .. } | OutboxSelect::Unowned { .. }
         );
         if scan && let Some(in_order) = DB::STATEMENTS.outbox.in_order {
-            DB::execute_raw(&mut *tx, in_order).await.map_err(fail)?;
+            DB::execute_raw(&mut *tx, in_order).await?;
         }
-        let rows = match select {
+        match select {
             OutboxSelect::Runs { runs } if runs.is_empty() => Ok(Vec::new()),
             OutboxSelect::Runs { runs } => {
                 let matches: Vec<String> = (0..runs.len())
@@ -86,78 +143,56 @@ impl<DB: Dialect> SqlInbox<DB> {
                     .iter()
                     .flat_map(|(consumer, key)| [Param::Text(consumer), Param::Text(key)])
                     .collect();
-                DB::fetch_all(&mut *tx, &statement, &params).await
+                DB::fetch_all(tx, &statement, &params).await
             }
             OutboxSelect::Older { age, limit } => {
                 let age = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
                 let params = [Param::Int(age), Param::Int(i64::from(*limit))];
-                DB::fetch_all(&mut *tx, &sql.older, &params).await
+                DB::fetch_all(tx, &sql.older, &params).await
             }
             OutboxSelect::Unowned { limit } => {
                 let params = [Param::Int(i64::from(*limit))];
-                DB::fetch_all(&mut *tx, &sql.unowned, &params).await
+                DB::fetch_all(tx, &sql.unowned, &params).await
             }
             _ => Ok(Vec::new()),
         }
-        .map_err(fail)?;
-        let mut runs = Vec::with_capacity(rows.len());
-        let mut messages = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let run = (DB::text(row, "consumer"), DB::text(row, "key"));
-            let age = Duration::from_millis(DB::int(row, "age_ms").map_err(fail)?.max(0) as u64);
-            report.oldest = report.oldest.max(Some(age));
-            runs.push((
-                DB::int(row, "seq").map_err(fail)?,
-                run.0.map_err(fail)?,
-                run.1.map_err(fail)?,
-            ));
-            messages.push(message::<DB>(row).map_err(fail)?);
-        }
-        // All sent before any confirm is awaited, then judged row by row: every confirmed row
-        // goes, and is never sent again; a row the broker refused is parked out of the way of
-        // the rows behind it (`parked.rs`); a row that failed for the broker's state (a lost
-        // connection, a timeout) stays for a later pass; and the pass goes on to the end.
-        let mut results = publish.publish_all(&messages).await;
-        isolate(publish, &messages, &mut results).await;
-        let mut done = Vec::with_capacity(rows.len());
-        let mut parked = Vec::new();
-        for ((seq, consumer, key), result) in runs.iter().zip(results) {
-            match result {
-                Ok(()) => done.push(*seq),
-                Err(e) if refused(&e) => {
-                    tracing::warn!(seq, consumer, key, error = %e, "the broker refused an outbox row; parking it (`idem outbox parked`)");
-                    report.unroutable += u64::from(matches!(
-                        e,
-                        OutboundError::Unroutable { .. } | OutboundError::Invalid(_)
-                    ));
-                    parked.push((*seq, e.to_string()));
-                }
-                Err(e) => {
-                    report.failure.get_or_insert_with(|| e.to_string());
-                }
+    }
+}
+
+/// One row a pass took: its sequence number and the run that staged it.
+struct Run {
+    seq: i64,
+    consumer: String,
+    key: String,
+}
+
+/// The rows of `runs` to remove (confirmed) and to park (refused, with why), judged by their
+/// publishes' `results`; a row that failed for the broker's state is neither, and the first
+/// such failure is the pass's.
+fn judge(
+    runs: &[Run],
+    results: Vec<Result<(), OutboundError>>,
+    report: &mut RelayReport,
+) -> (Vec<i64>, Vec<(i64, String)>) {
+    let mut done = Vec::with_capacity(runs.len());
+    let mut parked = Vec::new();
+    for (Run { seq, consumer, key }, result) in runs.iter().zip(results) {
+        match result {
+            Ok(()) => done.push(*seq),
+            Err(e) if refused(&e) => {
+                tracing::warn!(seq, consumer, key, error = %e, "the broker refused an outbox row; parking it (`idem outbox parked`)");
+                report.unroutable += u64::from(matches!(
+                    e,
+                    OutboundError::Unroutable { .. } | OutboundError::Invalid(_)
+                ));
+                parked.push((*seq, e.to_string()));
+            }
+            Err(e) => {
+                report.failure.get_or_insert_with(|| e.to_string());
             }
         }
-        for (seq, failure) in &parked {
-            crate::outbox::parked::park::<DB>(&self.sql.parked, &mut *tx, *seq, failure)
-                .await
-                .map_err(fail)?;
-            done.push(*seq);
-        }
-        report.parked = parked.len() as u64;
-        // After the publishes, so that its round trip is not theirs to wait for.
-        if let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit {
-            DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
-        }
-        if !done.is_empty() {
-            // Integers written into the text: a primary-key lookup per row, in every dialect.
-            let seqs: Vec<String> = done.iter().map(i64::to_string).collect();
-            let delete: std::sync::Arc<str> = sql.delete.replace("{seqs}", &seqs.join(",")).into();
-            DB::execute(&mut *tx, &delete, &[]).await.map_err(fail)?;
-        }
-        tx.commit().await.map_err(fail)?;
-        report.published = done.len() as u64 - report.parked;
-        Ok(report)
     }
+    (done, parked)
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
