@@ -123,73 +123,99 @@ pub(crate) async fn settle(
         // back to the broker unsettled.
         Settlement::Hold => settle.release().await,
         Settlement::DeadLetter(reason) => {
-            tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
-            let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);
-            let reason = match record_dead_letter(shared, &record, stop).await {
-                Recorded::Written => reason,
-                Recorded::Refused(e) => {
-                    // The store refuses this record for what it holds, and always will: moved
-                    // all the same, its reason in its headers and logged here, and counted.
-                    tracing::error!(error = %e, key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "the store refuses the dead letter's record; moving it without one");
-                    telemetry::dead_letter_unrecorded(consumer);
-                    reason.unrecorded()
-                }
-                Recorded::Stopped => {
-                    release(Delivery {
-                        envelope: envelope.clone(),
-                        settle,
-                    })
-                    .await;
-                    return;
-                }
-                Recorded::Later(e) => {
-                    // Not moved without its reason: delivered again later, and decided again.
-                    tracing::warn!(error = %e, tries = RECORD_TRIES, "the dead letter's record keeps failing; delivering it again later");
-                    Stats::add(&stats.retried);
-                    telemetry::message(consumer, "retried");
-                    let delay = shared
-                        .retry
-                        .delays()
-                        .first()
-                        .copied()
-                        .unwrap_or(RECORD_LONGEST);
-                    let settled = match shared.in_place {
-                        // An ordered partition has no delay queues: given back in its place.
-                        true => {
-                            tokio::time::sleep(jittered(delay)).await;
-                            settle.release().await
-                        }
-                        false => settle.retry(envelope, delay).await,
-                    };
-                    if let Err(e) = settled {
-                        Stats::add(&stats.settle_failures);
-                        telemetry::settle_failed(consumer);
-                        tracing::warn!(error = %e, "settling failed; the broker will redeliver");
-                    }
-                    return;
-                }
-            };
-            let label = match outcome {
-                Outcome::Conflict { .. } => {
-                    Stats::add(&stats.conflicts);
-                    "conflict"
-                }
-                Outcome::Rejected(_) => {
-                    Stats::add(&stats.rejected);
-                    "rejected"
-                }
-                _ => "dead_lettered",
-            };
-            Stats::add(&stats.dead_lettered);
-            telemetry::message(consumer, label);
-            telemetry::dead_letter(consumer, &reason.reason);
-            settle.dead_letter(envelope, &reason).await
+            match dead_letter(shared, outcome, envelope, reason, settle, stop).await {
+                Some(settled) => settled,
+                None => return,
+            }
         }
     };
     if let Err(e) = settled {
-        Stats::add(&stats.settle_failures);
-        telemetry::settle_failed(consumer);
-        tracing::warn!(error = %e, "settling failed; the broker will redeliver and the inbox will recognise what committed");
+        settle_failed(shared, &e, "the inbox will recognise what committed");
+    }
+}
+
+/// Counts and logs a settlement the transport could not send.
+fn settle_failed(shared: &Shared, error: &crate::TransportError, then: &str) {
+    Stats::add(&shared.stats.settle_failures);
+    telemetry::settle_failed(shared.handler.consumer());
+    tracing::warn!(error = %error, "settling failed; the broker will redeliver; {then}");
+}
+
+/// Dead-letters the delivery once its record is written (or refused for good, then moved
+/// with its reason in its headers); `None` when it settled the delivery otherwise: given back
+/// at a stop, or delivered again later because the record keeps failing.
+async fn dead_letter(
+    shared: &Shared,
+    outcome: &Outcome,
+    envelope: &Envelope,
+    reason: DeadLetter,
+    settle: Box<dyn Settle>,
+    stop: &StopSignal,
+) -> Option<Result<(), crate::TransportError>> {
+    let (stats, consumer) = (&shared.stats, shared.handler.consumer());
+    tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
+    let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);
+    let reason = match record_dead_letter(shared, &record, stop).await {
+        Recorded::Written => reason,
+        Recorded::Refused(e) => {
+            // The store refuses this record for what it holds, and always will: moved all the
+            // same, its reason in its headers and logged here, and counted.
+            tracing::error!(error = %e, key = outcome.key(), reason = %reason.reason, detail = %reason.detail, "the store refuses the dead letter's record; moving it without one");
+            telemetry::dead_letter_unrecorded(consumer);
+            reason.unrecorded()
+        }
+        Recorded::Stopped => {
+            release(Delivery {
+                envelope: envelope.clone(),
+                settle,
+            })
+            .await;
+            return None;
+        }
+        Recorded::Later(e) => {
+            // Not moved without its reason: delivered again later, and decided again.
+            tracing::warn!(error = %e, tries = RECORD_TRIES, "the dead letter's record keeps failing; delivering it again later");
+            deliver_again_later(shared, envelope, settle).await;
+            return None;
+        }
+    };
+    let label = match outcome {
+        Outcome::Conflict { .. } => {
+            Stats::add(&stats.conflicts);
+            "conflict"
+        }
+        Outcome::Rejected(_) => {
+            Stats::add(&stats.rejected);
+            "rejected"
+        }
+        _ => "dead_lettered",
+    };
+    Stats::add(&stats.dead_lettered);
+    telemetry::message(consumer, label);
+    telemetry::dead_letter(consumer, &reason.reason);
+    Some(settle.dead_letter(envelope, &reason).await)
+}
+
+/// A delivery whose dead letter's record keeps failing, retried after the policy's first
+/// delay (an ordered partition, which has no delay queues, gives it back in its place).
+async fn deliver_again_later(shared: &Shared, envelope: &Envelope, settle: Box<dyn Settle>) {
+    Stats::add(&shared.stats.retried);
+    telemetry::message(shared.handler.consumer(), "retried");
+    let delay = shared
+        .retry
+        .delays()
+        .first()
+        .copied()
+        .unwrap_or(RECORD_LONGEST);
+    let settled = match shared.in_place {
+        true => {
+            tokio::time::sleep(jittered(delay)).await;
+            settle.release().await
+        }
+        false => settle.retry(envelope, delay).await,
+    };
+    if let Err(e) = settled {
+        settle_failed(shared, &e, "it is decided again then");
     }
 }
 
