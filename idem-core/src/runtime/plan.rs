@@ -133,57 +133,9 @@ impl RuntimeBuilder {
                 format!("queue name {queue:?} must be 1 to 200 characters"),
             ));
         }
-        let size = self
-            .per_handler_batch
-            .get(consumer)
-            .copied()
-            .or(registration.batch_size())
-            .unwrap_or(self.batch);
-        let batch = (size > 0).then_some(BatchSpec {
-            size,
-            linger: self.linger,
-        });
-        let workers = self
-            .per_handler
-            .get(consumer)
-            .copied()
-            .or(self.concurrency)
-            .unwrap_or(match batch {
-                Some(_) => DEFAULT_BATCHES_IN_FLIGHT,
-                None => DEFAULT_CONCURRENCY,
-            });
-        if workers == 0 {
-            return Err(RuntimeError::setting(
-                "concurrency",
-                format!("concurrency of `{consumer}` must be at least 1"),
-            ));
-        }
-        let prefetch = match (self.prefetch, batch) {
-            (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
-                return Err(RuntimeError::setting(
-                    "prefetch",
-                    format!(
-                        "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
-                        batch.size,
-                        batch.size.saturating_mul(3).min(usize::from(u16::MAX)),
-                    ),
-                ));
-            }
-            (Some(prefetch), Some(batch)) => {
-                if batch.size * 2 > usize::from(prefetch) {
-                    tracing::warn!(
-                        consumer,
-                        batch = batch.size,
-                        prefetch,
-                        "batch size is above prefetch / 2: the next batch cannot gather while one commits"
-                    );
-                }
-                prefetch
-            }
-            (Some(prefetch), None) => prefetch,
-            (None, Some(batch)) => default_batch_prefetch(consumer, batch.size)?,
-            (None, None) => DEFAULT_PREFETCH,
-        };
+        let batch = self.batch_of(registration);
+        let workers = self.workers_of(consumer, batch)?;
+        let prefetch = self.prefetch_of(consumer, batch)?;
         let spec = QueueSpec {
             queue: queue.to_owned(),
             consumer: consumer.to_owned(),
@@ -233,6 +185,80 @@ impl RuntimeBuilder {
                 ordered: true,
             })
             .collect())
+    }
+
+    /// The handler's batching: the builder's setting for it, its macro's, the builder's
+    /// default; none at size 0.
+    fn batch_of(&self, registration: &'static Registration) -> Option<BatchSpec> {
+        let size = self
+            .per_handler_batch
+            .get(registration.consumer())
+            .copied()
+            .or(registration.batch_size())
+            .unwrap_or(self.batch);
+        (size > 0).then_some(BatchSpec {
+            size,
+            linger: self.linger,
+        })
+    }
+
+    /// How many deliveries (batch mode: batches) the handler processes at once.
+    fn workers_of(
+        &self,
+        consumer: &'static str,
+        batch: Option<BatchSpec>,
+    ) -> Result<usize, RuntimeError> {
+        let workers = self
+            .per_handler
+            .get(consumer)
+            .copied()
+            .or(self.concurrency)
+            .unwrap_or(match batch {
+                Some(_) => DEFAULT_BATCHES_IN_FLIGHT,
+                None => DEFAULT_CONCURRENCY,
+            });
+        if workers == 0 {
+            return Err(RuntimeError::setting(
+                "concurrency",
+                format!("concurrency of `{consumer}` must be at least 1"),
+            ));
+        }
+        Ok(workers)
+    }
+
+    /// The handler's prefetch: set, or the default for its batching; a batch that could never
+    /// fill is refused, one above half the prefetch warned about.
+    fn prefetch_of(
+        &self,
+        consumer: &'static str,
+        batch: Option<BatchSpec>,
+    ) -> Result<u16, RuntimeError> {
+        Ok(match (self.prefetch, batch) {
+            (Some(prefetch), Some(batch)) if batch.size > usize::from(prefetch) => {
+                return Err(RuntimeError::setting(
+                    "prefetch",
+                    format!(
+                        "`{consumer}` batches {} deliveries but prefetch is {prefetch}: a batch could never fill; set .prefetch({}) or a smaller batch",
+                        batch.size,
+                        batch.size.saturating_mul(3).min(usize::from(u16::MAX)),
+                    ),
+                ));
+            }
+            (Some(prefetch), Some(batch)) => {
+                if batch.size * 2 > usize::from(prefetch) {
+                    tracing::warn!(
+                        consumer,
+                        batch = batch.size,
+                        prefetch,
+                        "batch size is above prefetch / 2: the next batch cannot gather while one commits"
+                    );
+                }
+                prefetch
+            }
+            (Some(prefetch), None) => prefetch,
+            (None, Some(batch)) => default_batch_prefetch(consumer, batch.size)?,
+            (None, None) => DEFAULT_PREFETCH,
+        })
     }
 
     /// Refuses an ordered handler that is not run.
