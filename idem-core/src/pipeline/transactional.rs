@@ -40,8 +40,9 @@ pub(crate) async fn process<H: Handler>(
     outcome
 }
 
-/// [`process`] once the delivery is read and its handler's run counted: claim, run, complete,
-/// commit.
+/// [`process`] once the delivery is read and its handler's run counted: the transaction is
+/// begun, everything in it runs ([`inside`]), and it is committed, or rolled back here, the
+/// one place where it is.
 async fn run<H: Handler>(
     store: &H::Store,
     envelope: &Envelope,
@@ -50,74 +51,115 @@ async fn run<H: Handler>(
     limits: Limits<'_>,
     held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Outcome {
-    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
     let key = &keyed.key;
     let mut tx = match store.begin_on(held).await {
         Ok(tx) => tx,
         Err(e) => return store_failure(e, key),
     };
+    match inside::<H>(store, &mut tx, envelope, payload, keyed, &limits).await {
+        Ok(done) => commit::<H>(store, tx, key, done, limits.dispatch).await,
+        Err(abort) => {
+            store.rollback(tx).await;
+            match abort {
+                Abort::With(outcome) => outcome,
+                // A stored reply is sent again once the transaction is over.
+                Abort::Duplicate(found) => {
+                    reply_again(H::CONSUMER, envelope, found, limits.dispatch).await
+                }
+            }
+        }
+    }
+}
+
+/// Why a transaction is rolled back: the outcome, or a key found already claimed (whose
+/// stored reply goes out again after the rollback).
+enum Abort {
+    With(Outcome),
+    Duplicate(Outcome),
+}
+
+impl From<Outcome> for Abort {
+    fn from(outcome: Outcome) -> Self {
+        Self::With(outcome)
+    }
+}
+
+/// What a run that is to commit leaves: its output, and the messages it staged (those kept in
+/// memory for the dispatch after the commit).
+struct Done {
+    output: crate::model::StoredOutput,
+    staged: u32,
+    kept: Option<Vec<crate::model::Outgoing>>,
+}
+
+/// Everything in the transaction: claim, poison verdict, version, the handler, completion and
+/// the reply staged.
+async fn inside<H: Handler>(
+    store: &H::Store,
+    tx: &mut <H::Store as InboxStore>::Tx<'_>,
+    envelope: &Envelope,
+    payload: H::Payload,
+    keyed: &Keyed,
+    limits: &Limits<'_>,
+) -> Result<Done, Abort> {
+    let request = keyed.request(H::CONSUMER, envelope, limits.retention);
+    let key = &keyed.key;
     if limits.inject_failure {
-        store.rollback(tx).await;
-        return super::steps::injected_failure(key);
+        return Err(super::steps::injected_failure(key).into());
     }
     let claiming = Instant::now();
-    let claim = store.claim(&mut tx, &request).await;
+    let claim = store.claim(tx, &request).await;
     telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
     match claim.map(|claim| Admission::of_claim(Some(claim), &keyed.fingerprint)) {
         Ok(Admission::Run { .. }) => {}
         Ok(Admission::Refused(refusal)) => {
-            store.rollback(tx).await;
             let fingerprint = &keyed.fingerprint;
             let found = refused(H::CONSUMER, envelope, key.clone(), fingerprint, refusal);
-            return reply_again(H::CONSUMER, envelope, found, limits.dispatch).await;
+            return Err(Abort::Duplicate(found));
         }
-        Err(e) => {
-            store.rollback(tx).await;
-            return store_failure(e, key);
-        }
+        Err(e) => return Err(store_failure(e, key).into()),
     }
-
     if let Some(refused) = poison_verdict::<H>(keyed, limits.poison) {
-        store.rollback(tx).await;
-        return refused;
+        return Err(refused.into());
     }
-    match advance::<H>(store, &mut tx, keyed, &limits).await {
+    match advance::<H>(store, tx, keyed, limits).await {
         Ok(None) => {}
-        Ok(Some(stale)) => {
-            store.rollback(tx).await;
-            return stale;
-        }
-        Err(e) => {
-            store.rollback(tx).await;
-            return store_failure(e, key);
-        }
+        Ok(Some(stale)) => return Err(stale.into()),
+        Err(e) => return Err(store_failure(e, key).into()),
     }
-    let called = call::<H>(store, &mut tx, payload, envelope, key, key, limits.state).await;
-    let output = match encode_result::<H>(store, called.result, key) {
-        Ok(output) => output,
-        Err(failed) => {
-            store.rollback(tx).await;
-            return failed;
-        }
-    };
+    let called = call::<H>(store, tx, payload, envelope, key, key, limits.state).await;
+    let output = encode_result::<H>(store, called.result, key).map_err(Abort::With)?;
     if !output.is_null()
-        && let Err(e) = store.complete(&mut tx, &request, &output).await
+        && let Err(e) = store.complete(tx, &request, &output).await
     {
-        store.rollback(tx).await;
-        return store_failure(e, key);
+        return Err(store_failure(e, key).into());
     }
     let (mut staged, mut kept) = (called.staged, called.kept);
     if let Some(reply) = reply(envelope, H::CONSUMER, key, &output) {
         let replies = std::slice::from_ref(&reply);
-        if let Err(e) = store.stage_rows(&mut tx, H::CONSUMER, key, replies).await {
-            store.rollback(tx).await;
-            return store_failure(e, key);
+        if let Err(e) = store.stage_rows(tx, H::CONSUMER, key, replies).await {
+            return Err(store_failure(e, key).into());
         }
         staged += 1;
         if let Some(kept) = &mut kept {
             kept.push(reply);
         }
     }
+    Ok(Done {
+        output,
+        staged,
+        kept,
+    })
+}
+
+/// Commits the transaction, then dispatches what it staged.
+async fn commit<H: Handler>(
+    store: &H::Store,
+    tx: <H::Store as InboxStore>::Tx<'_>,
+    key: &str,
+    done: Done,
+    dispatch: Option<crate::outbox::Dispatch<'_>>,
+) -> Outcome {
     #[cfg(feature = "fault-injection")]
     crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
     let committing = Instant::now();
@@ -125,19 +167,19 @@ async fn run<H: Handler>(
     telemetry::commit_duration(H::CONSUMER, committing.elapsed());
     match committed {
         Ok(()) => {
-            if staged > 0 {
-                telemetry::staged(H::CONSUMER, u64::from(staged));
+            if done.staged > 0 {
+                telemetry::staged(H::CONSUMER, u64::from(done.staged));
             }
-            if staged > 0
-                && let Some(dispatch) = limits.dispatch
+            if done.staged > 0
+                && let Some(dispatch) = dispatch
             {
                 #[cfg(feature = "fault-injection")]
                 crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
-                dispatch.after_commit(H::CONSUMER, key, kept).await;
+                dispatch.after_commit(H::CONSUMER, key, done.kept).await;
             }
             Outcome::Processed {
-                key: key.clone(),
-                output,
+                key: key.to_owned(),
+                output: done.output,
             }
         }
         // The commit may or may not have happened; a retry finds out (it is a duplicate if it
