@@ -19,8 +19,25 @@ pub(super) async fn handle<H: Handler>(
     run: &mut Run<'_, '_, H>,
     tx: &mut <H::Store as InboxStore>::Tx<'_>,
     claims: Vec<Claim>,
-    mut payloads: Vec<Option<H::Payload>>,
+    payloads: Vec<Option<H::Payload>>,
 ) -> Result<SetEnd, StoreError> {
+    let (fresh, unclaimed) = judge(run, tx, claims, payloads).await?;
+    if fresh.is_empty() {
+        return Ok(SetEnd::Failed(unclaimed));
+    }
+    let fresh_items: Vec<usize> = fresh.iter().map(|(k, _)| *k).collect();
+    let result = call(run, tx, fresh).await;
+    Ok(sort_out(run, result, &fresh_items, unclaimed))
+}
+
+/// The members' claims judged: duplicates and conflicts settled, poison and stale messages
+/// left out (their markers go: `unclaimed`), and the new messages with their payloads.
+async fn judge<H: Handler>(
+    run: &mut Run<'_, '_, H>,
+    tx: &mut <H::Store as InboxStore>::Tx<'_>,
+    claims: Vec<Claim>,
+    mut payloads: Vec<Option<H::Payload>>,
+) -> Result<(Vec<(usize, H::Payload)>, Vec<usize>), StoreError> {
     let Batch {
         store,
         envelopes,
@@ -59,16 +76,29 @@ pub(super) async fn handle<H: Handler>(
             }
         }
     }
-    let Some(&(first, _)) = fresh.first() else {
-        return Ok(SetEnd::Failed(unclaimed));
-    };
+    Ok((fresh, unclaimed))
+}
+
+/// The batch handler, called once on the new messages (`fresh`, not empty), each with a
+/// context of its own and the batch's context over them; what it staged is counted in `run`.
+async fn call<H: Handler>(
+    run: &mut Run<'_, '_, H>,
+    tx: &mut <H::Store as InboxStore>::Tx<'_>,
+    fresh: Vec<(usize, H::Payload)>,
+) -> Result<Vec<H::Output>, BatchError> {
+    let Batch {
+        store,
+        envelopes,
+        limits,
+    } = *run.batch;
     let fresh_items: Vec<usize> = fresh.iter().map(|(k, _)| *k).collect();
+    let first = fresh_items[0];
     let batch = crate::model::Batch::new(
         fresh
             .into_iter()
             .map(|(k, payload)| (run.items[k].keyed.key.clone(), payload)),
     );
-    let result = {
+    let (result, staged, kept) = {
         let run_key = run.run_key();
         let outbox = store.outbox_table();
         let transaction = store.transaction_identity(tx);
@@ -87,11 +117,22 @@ pub(super) async fn handle<H: Handler>(
         running.end();
         (result, ctx.staged(), ctx.kept())
     };
-    let (result, staged, kept) = result;
     run.staged += staged;
     // Published from memory after the commit when the handler staged every message through
     // the batch's context (as `stage_all` does), else read back.
     run.kept = kept;
+    result
+}
+
+/// The handler's results sorted out per message: every output recorded, or the pass run
+/// again without the message at fault, in halves, or aborted as the error's class says.
+fn sort_out<H: Handler>(
+    run: &mut Run<'_, '_, H>,
+    result: Result<Vec<H::Output>, BatchError>,
+    fresh_items: &[usize],
+    unclaimed: Vec<usize>,
+) -> SetEnd {
+    let store = run.batch.store;
     let error = match result {
         Ok(outputs) if outputs.len() == fresh_items.len() => {
             for (&k, output) in fresh_items.iter().zip(outputs) {
@@ -102,10 +143,10 @@ pub(super) async fn handle<H: Handler>(
                         let key = key.clone();
                         run.outcomes[item.index] = Some(Outcome::Processed { key, output });
                     }
-                    Err(failure) => return Ok(SetEnd::Again(Pass::Exclude(k, failure))),
+                    Err(failure) => return SetEnd::Again(Pass::Exclude(k, failure)),
                 }
             }
-            return Ok(SetEnd::Failed(unclaimed));
+            return SetEnd::Failed(unclaimed);
         }
         Ok(outputs) => HandlerError::permanent(format!(
             "the batch handler returned {} results for {} messages",
@@ -116,7 +157,7 @@ pub(super) async fn handle<H: Handler>(
             Some(&k) => {
                 let error = error.classify(|e| store.classify(e));
                 let outcome = handler_failure(error, &run.items[k].keyed.key);
-                return Ok(SetEnd::Again(Pass::Exclude(k, outcome)));
+                return SetEnd::Again(Pass::Exclude(k, outcome));
             }
             None => HandlerError::permanent(format!(
                 "the batch handler failed message {index} of a batch of {}: {error}",
@@ -125,7 +166,7 @@ pub(super) async fn handle<H: Handler>(
         },
         Err(BatchError::Batch(error)) => error.classify(|e| store.classify(e)),
     };
-    Ok(match (error.class(), &fresh_items[..]) {
+    match (error.class(), fresh_items) {
         (Some(ErrorClass::Permanent), [only]) => {
             let outcome = handler_failure(error, &run.items[*only].keyed.key);
             SetEnd::Again(Pass::Exclude(*only, outcome))
@@ -135,5 +176,5 @@ pub(super) async fn handle<H: Handler>(
             SetEnd::Abort(ErrorClass::Unavailable, error.to_string())
         }
         _ => SetEnd::Abort(ErrorClass::Transient, error.to_string()),
-    })
+    }
 }
