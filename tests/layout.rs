@@ -1,7 +1,7 @@
 //! The shape of the code, as the book describes it: no two modules of a crate refer to each
 //! other (a folder and a file in it included), no files or folders import each other in a
-//! loop of any length, idem-core names no database, and the files of the book's delivery path
-//! exist.
+//! loop of any length, no library function is over 100 lines, idem-core names no database,
+//! and the files of the book's delivery path exist.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -532,4 +532,91 @@ fn the_loop_check_sees_a_loop_of_three_and_no_loop_in_a_chain() {
         Some((vec!["f".into(), "p".into()], vec!["f".into(), "q".into()]))
     );
     assert_eq!(siblings(&["f".into(), "p".into()], &["f".into()]), None);
+}
+
+/// Every library function's length in lines, from its `fn` line to its closing brace (test
+/// modules left out): `(lines, file, line, name)`.
+fn function_lengths(file: &Path) -> Vec<(usize, String, usize, String)> {
+    let text = std::fs::read_to_string(file).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        let indent = line.len() - line.trim_start().len();
+        let closing = format!("{}}}", " ".repeat(indent));
+        let trimmed = line.trim_start();
+        if trimmed.starts_with("mod tests {") {
+            // Past the test module.
+            i += lines[i..]
+                .iter()
+                .position(|l| *l == closing)
+                .unwrap_or(lines.len() - i);
+            continue;
+        }
+        let signature = ["pub(crate) ", "pub(super) ", "pub ", ""]
+            .iter()
+            .find_map(|vis| trimmed.strip_prefix(vis))
+            .map(|rest| {
+                rest.trim_start_matches("async ")
+                    .trim_start_matches("const ")
+            });
+        if let Some(rest) = signature.and_then(|s| s.strip_prefix("fn ")) {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            // A declaration without a body (a trait's required method) ends at its `;`
+            // before any `{`.
+            let opens = lines[i..]
+                .iter()
+                .position(|l| l.contains('{') || l.trim_end().ends_with(';'));
+            let has_body = opens.is_some_and(|at| lines[i + at].contains('{'));
+            let end = lines[i..].iter().position(|l| *l == closing);
+            if let (true, Some(end)) = (has_body, end) {
+                found.push((end + 1, file.display().to_string(), i + 1, name));
+            }
+        }
+        i += 1;
+    }
+    found
+}
+
+/// No library function is longer than 100 lines: a long one is split into steps named for
+/// what they do.
+#[test]
+fn no_library_function_is_longer_than_100_lines() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut long = Vec::new();
+    for krate in CRATES.iter().copied().chain(["."]) {
+        for file in modules(&root.join(krate).join("src")).values() {
+            for (lines, file, line, name) in function_lengths(file) {
+                if lines > 100 {
+                    long.push(format!("{file}:{line} {name}: {lines} lines"));
+                }
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over 100 lines:\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn the_length_check_measures_a_function() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("f.rs");
+    let body = "    let x = 1;\n".repeat(101);
+    std::fs::write(
+        &file,
+        format!(
+            "trait T {{\n    fn required(&self);\n}}\n\npub(crate) async fn long() {{\n{body}}}\n\n#[cfg(test)]\nmod tests {{\n    fn ignored() {{\n{body}    }}\n}}\n"
+        ),
+    )
+    .unwrap();
+    let found = function_lengths(&file);
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!((found[0].0, found[0].3.as_str()), (103, "long"));
 }
