@@ -6,11 +6,14 @@
 pub use idem_core::registry;
 pub use idem_core::runtime::shutdown_signal;
 pub use idem_core::{
-    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DEFAULT_POISON_LIMIT,
-    DEFAULT_START_DEADLINE, DEFAULT_SWEEP_PAUSE, Destination, Envelope, ErrorClass, HandlerError,
-    HeaderValue, Headers, Health, MAX_PARTITIONS, Outcome, Outgoing, Readiness, RejectReason,
-    Rejection, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
-    Stale, Stats, StopSignal, Transient, VersionValue,
+    model::Batch, model::BatchError, model::BatchOutput, model::BatchResult, model::BoxError,
+    model::Context, model::Destination, model::Envelope, model::ErrorClass, model::HandlerError,
+    model::HeaderValue, model::Headers, model::Outcome, model::Outgoing, model::RejectReason,
+    model::Rejection, model::Stale, model::Transient, model::VersionValue,
+    runtime::DEFAULT_POISON_LIMIT, runtime::DEFAULT_START_DEADLINE, runtime::DEFAULT_SWEEP_PAUSE,
+    runtime::Health, runtime::MAX_PARTITIONS, runtime::Readiness, runtime::RetryPolicy,
+    runtime::RetryPolicyError, runtime::Runtime, runtime::RuntimeBuilder, runtime::RuntimeError,
+    runtime::Snapshot, runtime::Stats, transport::StopSignal,
 };
 pub mod telemetry;
 pub use idem_macros::idempotent;
@@ -34,8 +37,8 @@ pub mod outbox {
     pub use idem_core::model::outgoing::{reply, reply_message_id};
     pub use idem_core::model::{CAUSATION_HEADER, TRACEPARENT_HEADER};
     pub use idem_core::{
-        MAX_SHORT_TEXT, Outgoing, OutgoingError, batch_message_id, check_outgoing,
-        outbox_message_id,
+        model::MAX_SHORT_TEXT, model::Outgoing, model::OutgoingError, model::batch_message_id,
+        model::check_outgoing, model::outbox_message_id,
     };
     pub use idem_sqlx::outbox::{stage, stage_all};
 }
@@ -52,9 +55,10 @@ pub mod store {
         settle_lease,
     };
     pub use idem_core::{
-        Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterRecord, Fingerprint, InboxStore,
-        KeyValue, Lease, LeaseEnd, MAX_KEY_LEN, OutboxSelect, RelayReport, StoreError, StoreKind,
-        StoredOutput, Stores, SweepReport,
+        model::DeadLetterRecord, model::Fingerprint, model::KeyValue, model::MAX_KEY_LEN,
+        model::StoreError, model::StoredOutput, outbox::OutboxSelect, outbox::RelayReport,
+        store::Claim, store::ClaimRequest, store::DEFAULT_RETENTION, store::InboxStore,
+        store::Lease, store::LeaseEnd, store::StoreKind, store::Stores, store::SweepReport,
     };
 }
 
@@ -62,16 +66,19 @@ pub mod store {
 /// names, the kit a transport is built on (the consumer's life, the due-copy forwarder, idem's
 /// headers, copy ids), and the in-memory transport.
 pub mod transport {
-    pub use idem_core::BoxFuture;
+    pub use idem_core::future::BoxFuture;
     pub use idem_core::transport::{
         BROKERS, Began, Broker, BrokerScheme, Consuming, CopyId, CopyPurpose, DeliveryOrigin,
         DueCopies, Ended, FORWARD_RETRY, IdemHeader, Session, Supervision, UnknownBroker,
         forward_due, supervise,
     };
     pub use idem_core::{
-        DeadLetter, DeadLetterLog, DeadLetterReader, Delivery, Demand, Gathering, HeldLetter,
-        MemoryTransport, Outbound, OutboundError, Partition, QueueSpec, Settle, StopSignal,
-        Transport, TransportError, Wants, Watermark, lane_of,
+        model::DeadLetter, transport::DeadLetterLog, transport::DeadLetterReader,
+        transport::Delivery, transport::Demand, transport::Gathering, transport::HeldLetter,
+        transport::MemoryTransport, transport::Outbound, transport::OutboundError,
+        transport::Partition, transport::QueueSpec, transport::Settle, transport::StopSignal,
+        transport::Transport, transport::TransportError, transport::Wants, transport::Watermark,
+        transport::lane_of,
     };
 }
 
@@ -79,9 +86,10 @@ pub mod transport {
 /// over one delivery or a batch without a runtime.
 pub mod handler {
     pub use idem_core::{
-        DEFAULT_LEASE, DispatchError, ErasedHandler, Handler, HandlerResult, HeldConnection,
-        KeyError, KeySource, Mode, Registration, RegistryError, State, StateType, process,
-        process_batch,
+        handler::DEFAULT_LEASE, handler::Handler, handler::HandlerResult, handler::Mode,
+        model::KeyError, model::KeySource, pipeline::DispatchError, pipeline::ErasedHandler,
+        pipeline::HeldConnection, pipeline::process, pipeline::process_batch,
+        registry::Registration, registry::RegistryError, state::State, state::StateType,
     };
 }
 
@@ -120,9 +128,11 @@ pub mod testing;
 pub mod __private {
     pub use idem_core::model::context::extract_state;
     pub use idem_core::{
-        Batch, BatchError, BatchOutput, BatchResult, Context, DEFAULT_LEASE, Envelope, Handler,
-        HandlerError, HandlerResult, InboxStore, KeyError, KeySource, Mode, Registration,
-        StateType, VersionError, Versioned, field_key, version_value, versioned,
+        handler::DEFAULT_LEASE, handler::Handler, handler::HandlerResult, handler::Mode,
+        model::Batch, model::BatchError, model::BatchOutput, model::BatchResult, model::Context,
+        model::Envelope, model::HandlerError, model::KeyError, model::KeySource,
+        model::VersionError, model::Versioned, model::field_key, model::version_value,
+        model::versioned, registry::Registration, state::StateType, store::InboxStore,
     };
     /// The store types `store = ...` names.
     pub use idem_sqlx::stores;

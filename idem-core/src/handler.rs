@@ -63,7 +63,7 @@ pub trait Handler: Send + Sync + 'static {
     /// sets the handler's batch.
     const BATCH_SIZE: Option<usize> = None;
 
-    /// The [`State`](crate::State) types the function's parameters ask for; `build()` refuses
+    /// The [`State`](crate::state::State) types the function's parameters ask for; `build()` refuses
     /// a runtime that lacks one. The function reads them with [`Context::state`].
     fn state_types() -> Vec<StateType> {
         Vec::new()

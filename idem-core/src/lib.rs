@@ -1,7 +1,7 @@
 //! The transport-neutral core of idem.
 //!
 //! ```
-//! use idem_core::{Envelope, Outcome, StoredOutput};
+//! use idem_core::{model::Envelope, model::Outcome, model::StoredOutput};
 //!
 //! // A transport hands the runtime envelopes; the pipeline answers with an outcome.
 //! let envelope = Envelope::new(r#"{"order_id":"o-1"}"#).with_message_id("o-1");
@@ -14,9 +14,9 @@
 //! Applications depend on `idem`, which re-exports what a handler author uses; this crate is
 //! for implementing a transport or a store.
 //!
-//! A transport turns deliveries into [`Envelope`]s; the pipeline decodes each one, reads its
-//! dedup key, claims the key in an [`InboxStore`] transaction, runs the [`Handler`] in that
-//! same transaction and commits; the resulting [`Outcome`] says whether to ack, retry or
+//! A transport turns deliveries into [`Envelope`](crate::model::Envelope)s; the pipeline decodes each one, reads its
+//! dedup key, claims the key in an [`InboxStore`](crate::store::InboxStore) transaction, runs the [`Handler`](crate::handler::Handler) in that
+//! same transaction and commits; the resulting [`Outcome`](crate::model::Outcome) says whether to ack, retry or
 //! dead-letter. Handlers are found through the [`registry`].
 //!
 //! The modules, in the order a delivery meets them:
@@ -24,17 +24,17 @@
 //! | module | holds |
 //! |---|---|
 //! | [`model`] | the envelope, dedup keys, fingerprints, outcomes, error classes, the handler's context |
-//! | [`transport`] | the [`Transport`] and [`Settle`] contract, and the in-memory transport |
-//! | [`handler`], [`registry`] | the [`Handler`] trait `#[idempotent]` implements, and the registrations |
+//! | [`transport`] | the [`Transport`](crate::transport::Transport) and [`Settle`](crate::transport::Settle) contract, and the in-memory transport |
+//! | [`handler`], [`registry`] | the [`Handler`](crate::handler::Handler) trait `#[idempotent]` implements, and the registrations |
 //! | [`pipeline`] | the entry point that picks a handler's mode, and one pipeline per mode |
 //! | [`outbox`] | the outbox as the runtime drives it: relay passes, the dispatch after a commit, the relay task |
-//! | [`store`] | the store contract by role ([`InboxStore`] and the optional ones) the SQL stores implement, and the set of stores |
+//! | [`store`] | the store contract by role ([`InboxStore`](crate::store::InboxStore) and the optional ones) the SQL stores implement, and the set of stores |
 //! | [`state`] | the shared values handlers ask for by type |
 //! | [`runtime`] | the actor runtime: mailboxes, workers, settlement, the sweeper |
 //! | [`telemetry`] | the delivery span and the metrics |
 //!
 //! Nothing here knows RabbitMQ or a particular SQL dialect: each store describes itself
-//! ([`StoreKind`]) and classifies its database's errors ([`InboxStore::classify`]). The one
+//! ([`StoreKind`](crate::model::StoreKind)) and classifies its database's errors ([`InboxStore::classify`](crate::store::InboxStore::classify)). The one
 //! mention of sqlx is `From<sqlx::Error> for HandlerError` (feature `sqlx`), which the orphan
 //! rule keeps here; it wraps the error for the store to classify.
 
@@ -59,33 +59,3 @@ pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
-
-pub use future::BoxFuture;
-pub use handler::{DEFAULT_LEASE, Handler, HandlerResult, Mode};
-pub use model::{
-    Batch, BatchError, BatchOutput, BatchResult, BoxError, Context, DeadLetter, DeadLetterRecord,
-    Destination, Envelope, ErrorClass, Fingerprint, HandlerError, HeaderValue, Headers, KeyError,
-    KeySource, KeyValue, MAX_KEY_LEN, MAX_SHORT_TEXT, Outcome, Outgoing, OutgoingError,
-    RejectReason, Rejection, Stale, StoreError, StoredOutput, Transient, VersionError,
-    VersionValue, Versioned, batch_message_id, check_outgoing, field_key, outbox_message_id,
-    version_value, versioned,
-};
-pub use outbox::{OutboxSelect, RelayReport};
-pub use pipeline::{DispatchError, ErasedHandler, HeldConnection, Stages, process, process_batch};
-pub use registry::{Registration, RegistryError};
-pub use runtime::{
-    DEFAULT_POISON_LIMIT, DEFAULT_START_DEADLINE, DEFAULT_SWEEP_PAUSE, Health, MAX_PARTITIONS,
-    Readiness, RetryPolicy, RetryPolicyError, Runtime, RuntimeBuilder, RuntimeError, Snapshot,
-    Stats,
-};
-pub use state::{State, StateType};
-pub use store::{
-    Admission, Claim, ClaimRequest, DEFAULT_RETENTION, DeadLetterStore, InboxStore, Lease,
-    LeaseEnd, LeaseStore, OutboxStore, Refusal, RuntimeStore, StoreKind, Stores, SweepReport,
-    SweepStore,
-};
-pub use transport::{
-    DeadLetterLog, DeadLetterReader, Delivery, Demand, Gathering, HeldLetter, MemoryTransport,
-    Outbound, OutboundError, Partition, QueueSpec, Settle, StopSignal, Transport, TransportError,
-    Wants, Watermark, lane_of,
-};

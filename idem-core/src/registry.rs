@@ -31,7 +31,7 @@ impl Registration {
         self.handler
     }
 
-    /// Whether this handler's store can write now (see [`InboxStore::probe`](crate::InboxStore::probe)).
+    /// Whether this handler's store can write now (see [`InboxStore::probe`](crate::store::InboxStore::probe)).
     pub fn probe_store<'a>(&'a self, stores: &'a Stores) -> BoxFuture<'a, Result<(), StoreError>> {
         self.handler.probe_store(stores)
     }

@@ -1,7 +1,7 @@
 //! Shared state for handlers: values given to the runtime once ([`RuntimeBuilder::state`]), one
 //! per type, that a handler asks for with a parameter `name: &T`.
 //!
-//! [`RuntimeBuilder::state`]: crate::RuntimeBuilder::state
+//! [`RuntimeBuilder::state`]: crate::runtime::RuntimeBuilder::state
 
 use std::any::{Any, TypeId, type_name};
 use std::collections::BTreeMap;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 /// The state values a runtime holds, one per type.
 ///
 /// ```
-/// use idem_core::State;
+/// use idem_core::state::State;
 ///
 /// struct Mailer { from: &'static str }
 /// let mut state = State::new();

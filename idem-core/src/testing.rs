@@ -59,7 +59,7 @@ pub struct DeadLettered {
 /// Runs registered handlers over given inbox stores, one delivery at a time.
 ///
 /// ```no_run
-/// # async fn demo(stores: idem_core::Stores) -> Result<(), idem_core::testing::HarnessError> {
+/// # async fn demo(stores: idem_core::store::Stores) -> Result<(), idem_core::testing::HarnessError> {
 /// use idem_core::testing::Harness;
 /// let harness = Harness::new(stores);
 /// let order = serde_json::json!({"order_id": "o-1", "customer": "c", "amount_cents": 100});
@@ -100,7 +100,7 @@ impl Harness {
 
     /// Gives the handlers a state value of type `T`, as [`RuntimeBuilder::state`] does.
     ///
-    /// [`RuntimeBuilder::state`]: crate::RuntimeBuilder::state
+    /// [`RuntimeBuilder::state`]: crate::runtime::RuntimeBuilder::state
     pub fn state<T: Send + Sync + 'static>(mut self, value: T) -> Self {
         self.stores.state_mut().insert(value);
         self

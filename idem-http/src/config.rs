@@ -3,7 +3,7 @@
 
 use crate::key::DEFAULT_MAX_KEY_LEN;
 use http::request::Parts;
-use idem_core::{DEFAULT_LEASE, RuntimeStore};
+use idem_core::{handler::DEFAULT_LEASE, store::RuntimeStore};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -290,7 +290,7 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
             });
         }
         // The stored key is `<22 base64url characters>:<key>`.
-        let max = idem_core::MAX_KEY_LEN - 23;
+        let max = idem_core::model::MAX_KEY_LEN - 23;
         if self.max_key_len > max {
             return Err(ConfigError::KeyTooLong {
                 operation,

@@ -9,7 +9,7 @@ use crate::tx::Execution;
 use axum_core::body::Body;
 use http::{Request, Response};
 use idem_core::store::{LeasedRun, Leasing};
-use idem_core::{LeaseEnd, LeaseStore, StoredOutput};
+use idem_core::{model::StoredOutput, store::LeaseEnd, store::LeaseStore};
 use std::convert::Infallible;
 use std::time::Duration;
 
@@ -89,9 +89,9 @@ where
     };
     let settled = match StoredOutput::encode(&stored) {
         Ok(output) => run.settle(end, &output).await,
-        Err(e) => Err(idem_core::StoreError::new(
+        Err(e) => Err(idem_core::model::StoreError::new(
             "encode response",
-            idem_core::ErrorClass::Permanent,
+            idem_core::model::ErrorClass::Permanent,
             e.to_string(),
         )),
     };

@@ -10,7 +10,7 @@ use crate::{external, transactional};
 use axum_core::body::Body;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
-use idem_core::RuntimeStore;
+use idem_core::store::RuntimeStore;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;

@@ -9,7 +9,7 @@ use crate::tx::Tx;
 use axum::handler::Handler;
 use axum_core::extract::Request;
 use axum_core::response::Response;
-use idem_core::RuntimeStore;
+use idem_core::store::RuntimeStore;
 use sqlx::{Database, Transaction};
 use std::fmt;
 use std::future::Future;

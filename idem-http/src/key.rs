@@ -4,7 +4,7 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use http::HeaderValue;
 use http::request::Parts;
-use idem_core::Fingerprint;
+use idem_core::model::Fingerprint;
 use sha2::{Digest, Sha256};
 
 /// The request header carrying the key.

@@ -12,7 +12,9 @@ use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
-use idem_core::{ClaimRequest, Fingerprint, InboxStore, Refusal, StoreError};
+use idem_core::{
+    model::Fingerprint, model::StoreError, store::ClaimRequest, store::InboxStore, store::Refusal,
+};
 use std::convert::Infallible;
 use std::time::Duration;
 use tower_service::Service;

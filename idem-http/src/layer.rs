@@ -8,7 +8,7 @@ use crate::keyed::Shared;
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response};
-use idem_core::RuntimeStore;
+use idem_core::store::RuntimeStore;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;

@@ -4,7 +4,7 @@
 use axum::Router;
 use axum::http::StatusCode;
 use axum::routing::get;
-use idem_core::Health;
+use idem_core::runtime::Health;
 use std::sync::Arc;
 
 /// `GET /healthz`: 200 while the process answers (a liveness probe). `GET /readyz`: 200 while
@@ -15,7 +15,7 @@ use std::sync::Arc;
 /// `idem::telemetry::prometheus()` installed).
 ///
 /// ```no_run
-/// # fn app(runtime: &idem_core::Runtime, handle: fn() -> String) -> axum::Router {
+/// # fn app(runtime: &idem_core::runtime::Runtime, handle: fn() -> String) -> axum::Router {
 /// // Beside your own routes, or on a port of its own with `axum::serve`.
 /// axum::Router::new().merge(idem_http::probes(runtime.health(), move || handle()))
 /// # }

@@ -1,6 +1,6 @@
 //! Expiring keys in a service that runs no idem `Runtime` (whose sweeper would do it).
 
-use idem_core::SweepStore;
+use idem_core::store::SweepStore;
 use std::time::Duration;
 
 /// Deletes expired keys (and every other expired row of the inbox) every `interval`, the first

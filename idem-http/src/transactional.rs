@@ -15,7 +15,10 @@ use crate::telemetry::{self, Result as Seen};
 use crate::tx::{Execution, TxSlot};
 use axum_core::body::Body;
 use http::{Request, Response, StatusCode};
-use idem_core::{Admission, ClaimRequest, ErrorClass, InboxStore, StoreError, StoredOutput};
+use idem_core::{
+    model::ErrorClass, model::StoreError, model::StoredOutput, store::Admission,
+    store::ClaimRequest, store::InboxStore,
+};
 use std::convert::Infallible;
 
 /// How a request's transaction ends; [`end`] carries it out.

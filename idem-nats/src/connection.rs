@@ -5,7 +5,7 @@ use crate::acks::Acks;
 use crate::config::NatsConfig;
 use async_nats::jetstream::{self, Context};
 use idem_core::transport::{Consuming, lane_of};
-use idem_core::{Partition, TransportError};
+use idem_core::{transport::Partition, transport::TransportError};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -15,7 +15,9 @@ use crate::{envelope, quarantine, retry, topology};
 use async_nats::jetstream::consumer::PullConsumer;
 use idem_core::model::BoxError;
 use idem_core::transport::{Began, Ended, Session, Supervision, supervise};
-use idem_core::{BoxFuture, Delivery, QueueSpec, StopSignal};
+use idem_core::{
+    future::BoxFuture, transport::Delivery, transport::QueueSpec, transport::StopSignal,
+};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -13,7 +13,10 @@ use async_nats::header::HeaderValue;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::context::PublishErrorKind;
 use idem_core::transport::{CopyId, CopyPurpose, DeliveryOrigin};
-use idem_core::{BoxFuture, DeadLetterReader, HeldLetter, OutboundError, TransportError};
+use idem_core::{
+    future::BoxFuture, transport::DeadLetterReader, transport::HeldLetter,
+    transport::OutboundError, transport::TransportError,
+};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -144,7 +147,7 @@ impl DeadLetterReader for NatsDeadLetters {
             copy.insert(MSG_ID_HEADER, HeaderValue::from_lossy(&msg_id));
             let failed = |e: async_nats::jetstream::context::PublishError| match e.kind() {
                 PublishErrorKind::StreamNotFound => OutboundError::Unroutable {
-                    destination: idem_core::Destination::queue(queue),
+                    destination: idem_core::model::Destination::queue(queue),
                 },
                 _ => OutboundError::Broker(e.into()),
             };

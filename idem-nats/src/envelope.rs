@@ -7,7 +7,7 @@
 use async_nats::HeaderMap;
 use async_nats::header::{HeaderName, HeaderValue as NatsValue};
 use idem_core::transport::IdemHeader;
-use idem_core::{Envelope, HeaderValue, Headers};
+use idem_core::{model::Envelope, model::HeaderValue, model::Headers};
 use std::str::FromStr;
 
 /// JetStream's duplicate-window id.

@@ -43,8 +43,8 @@ impl Names {
 }
 
 /// The names of `queue`, or a topology error saying why it cannot be a subject.
-pub(crate) fn of(queue: &str) -> Result<Names, idem_core::TransportError> {
-    Names::of(queue).map_err(|why| idem_core::TransportError::Topology {
+pub(crate) fn of(queue: &str) -> Result<Names, idem_core::transport::TransportError> {
+    Names::of(queue).map_err(|why| idem_core::transport::TransportError::Topology {
         queue: queue.to_owned(),
         action: "naming its subject",
         source: why.into(),

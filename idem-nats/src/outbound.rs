@@ -10,7 +10,10 @@ use crate::connection::Shared;
 use crate::envelope;
 use async_nats::jetstream::Context;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
-use idem_core::{BoxFuture, Destination, Outbound, OutboundError, Outgoing};
+use idem_core::{
+    future::BoxFuture, model::Destination, model::Outgoing, transport::Outbound,
+    transport::OutboundError,
+};
 
 /// How many messages [`NatsOutbound::publish_all`] has sent and not seen confirmed, at most.
 const IN_FLIGHT: usize = 1024;

@@ -9,7 +9,7 @@
 use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::stream::{Config, DiscardPolicy, RetentionPolicy, StorageType};
 use async_nats::jetstream::{Context, ErrorCode};
-use idem_core::TransportError;
+use idem_core::transport::TransportError;
 
 /// What the record's description says before the count.
 const PREFIX: &str = "idem partitions: ";

@@ -5,7 +5,7 @@
 
 use crate::connection::Shared;
 use async_nats::Subject;
-use idem_core::StopSignal;
+use idem_core::transport::StopSignal;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;

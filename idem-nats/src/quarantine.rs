@@ -9,7 +9,7 @@
 //! and the last delivered sequence) by sequence, through JetStream's message API, which returns
 //! the header block as bytes and leaves the parsing to idem. Each message whose header block
 //! the client would refuse is dead-lettered once: its reason recorded in the handler's store
-//! (reason `unparsable`, see [`idem_core::DeadLetterLog`]), then published to the dead-letter
+//! (reason `unparsable`, see [`idem_core::transport::DeadLetterLog`]), then published to the dead-letter
 //! stream with its body as it was and its headers mended, named after its sequence so that a
 //! second pass publishes nothing new ([`CopyId`]), then deleted from the work stream, which
 //! JetStream then stops redelivering. The connection is cut once for it.
@@ -22,7 +22,10 @@ use async_nats::{HeaderName, StatusCode};
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use idem_core::transport::{CopyId, CopyPurpose, DeliveryOrigin};
-use idem_core::{DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Headers, QueueSpec};
+use idem_core::{
+    model::DeadLetter, model::DeadLetterRecord, model::Envelope, model::ErrorClass, model::Headers,
+    transport::QueueSpec,
+};
 use std::str::FromStr;
 
 /// The reason code of a message taken out this way (the same as on RabbitMQ).
@@ -36,7 +39,7 @@ pub(crate) enum QuarantineError {
     JetStream(String),
     /// The reason could not be recorded, so the message was left in the stream.
     #[error("recording why a delivery is dead-lettered failed: {0}")]
-    Record(#[from] idem_core::StoreError),
+    Record(#[from] idem_core::model::StoreError),
 }
 
 fn jetstream(e: impl std::fmt::Display) -> QuarantineError {
@@ -317,11 +320,11 @@ mod tests {
         assert_eq!(envelope.correlation_id.as_deref(), Some("c-1"));
         assert_eq!(
             envelope.headers.get("Tenant"),
-            Some(&idem_core::HeaderValue::from("caf\u{FFFD}"))
+            Some(&idem_core::model::HeaderValue::from("caf\u{FFFD}"))
         );
         assert_eq!(
             envelope.headers.get("Bad Name"),
-            Some(&idem_core::HeaderValue::from("x"))
+            Some(&idem_core::model::HeaderValue::from("x"))
         );
         assert_eq!(envelope.headers.len(), 2, "{:?}", envelope.headers);
     }

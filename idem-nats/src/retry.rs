@@ -12,7 +12,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::consumer::pull::Stream;
 use async_nats::jetstream::{AckKind, Context, Message};
 use futures_util::StreamExt;
-use idem_core::BoxFuture;
+use idem_core::future::BoxFuture;
 use idem_core::model::BoxError;
 use idem_core::transport::{DueCopies, forward_due};
 use std::time::Duration;

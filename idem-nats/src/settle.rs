@@ -21,7 +21,10 @@ use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{AckKind, Context, message::Acker};
 use bytes::Bytes;
 use idem_core::transport::{CopyId, CopyPurpose, DeliveryOrigin};
-use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
+use idem_core::{
+    future::BoxFuture, model::DeadLetter, model::Envelope, transport::Settle,
+    transport::TransportError,
+};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

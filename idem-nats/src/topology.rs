@@ -9,7 +9,7 @@ use crate::names::{Names, durable};
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 use async_nats::jetstream::stream::{Config, RetentionPolicy, Stream};
 use async_nats::jetstream::{self, Context};
-use idem_core::{QueueSpec, TransportError};
+use idem_core::{transport::QueueSpec, transport::TransportError};
 use std::time::Duration;
 
 /// The durable consumer of a queue's retry stream, shared by every process.

@@ -8,8 +8,9 @@ use crate::names;
 use crate::outbound::NatsOutbound;
 use crate::topology;
 use idem_core::{
-    BoxFuture, DeadLetterReader, Delivery, Destination, Envelope, Outbound, OutboundError,
-    QueueSpec, StopSignal, Transport, TransportError,
+    future::BoxFuture, model::Destination, model::Envelope, transport::DeadLetterReader,
+    transport::Delivery, transport::Outbound, transport::OutboundError, transport::QueueSpec,
+    transport::StopSignal, transport::Transport, transport::TransportError,
 };
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -161,7 +162,7 @@ impl Transport for NatsTransport {
         Box::pin(consumer.run())
     }
 
-    /// Waits until JetStream confirmed the acks sent ([`crate::acks`]) and flushes what the
+    /// Waits until JetStream confirmed the acks sent (they are confirmed in bulk) and flushes what the
     /// connection has buffered; unsettled deliveries are redelivered by JetStream once their
     /// ack wait ends.
     fn close(&self) -> BoxFuture<'_, ()> {

@@ -1,5 +1,5 @@
 //! Consuming one queue, reconnecting with backoff: this is where a delivery **enters** idem. Each
-//! delivery becomes an [`idem_core::Envelope`] with its settlement handle ([`RabbitSettle`]) and
+//! delivery becomes an [`idem_core::model::Envelope`] with its settlement handle ([`RabbitSettle`]) and
 //! waits in its handler's mailbox.
 
 use crate::answer::{lost, on_channel, unless_lost};
@@ -12,7 +12,8 @@ use crate::topology;
 use futures_util::StreamExt;
 use idem_core::transport::{Began, Ended, Session, Supervision, supervise};
 use idem_core::{
-    BoxFuture, DeadLetter, DeadLetterRecord, Delivery, QueueSpec, StopSignal, TransportError,
+    future::BoxFuture, model::DeadLetter, model::DeadLetterRecord, transport::Delivery,
+    transport::QueueSpec, transport::StopSignal, transport::TransportError,
 };
 use lapin::options::{
     BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions,
@@ -295,7 +296,7 @@ impl Consumer {
         let record = DeadLetterRecord::new(&reason, &envelope, &self.spec.queue);
         match self.spec.dead_letters.record(record).await {
             Ok(()) => {}
-            Err(e) if e.class() == idem_core::ErrorClass::Permanent => {
+            Err(e) if e.class() == idem_core::model::ErrorClass::Permanent => {
                 // Retrying will not write it: moved all the same (its reason in its headers
                 // and logged), counted.
                 tracing::error!(error = %e, detail = %reason.detail, "the dead letter's record cannot be written; moving it without one");

@@ -7,7 +7,10 @@ use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::ATTEMPT_HEADER;
 use crate::topology::dlq;
-use idem_core::{BoxFuture, DeadLetterReader, HeldLetter, OutboundError, TransportError};
+use idem_core::{
+    future::BoxFuture, transport::DeadLetterReader, transport::HeldLetter,
+    transport::OutboundError, transport::TransportError,
+};
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
     QueueDeclareOptions,
@@ -180,7 +183,7 @@ impl DeadLetterReader for RabbitDeadLetters {
             match confirm {
                 Confirmation::Ack(None) => Ok(()),
                 Confirmation::Ack(Some(_)) => Err(OutboundError::Unroutable {
-                    destination: idem_core::Destination::queue(queue),
+                    destination: idem_core::model::Destination::queue(queue),
                 }),
                 Confirmation::Nack(_) | Confirmation::NotRequested => Err(OutboundError::Refused),
             }

@@ -1,7 +1,7 @@
 //! Mapping between lapin deliveries and idem envelopes.
 
 use idem_core::transport::IdemHeader;
-use idem_core::{Envelope, HeaderValue, Headers, OutgoingError};
+use idem_core::{model::Envelope, model::HeaderValue, model::Headers, model::OutgoingError};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
@@ -52,7 +52,7 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
 }
 
 /// `text` as an AMQP short string, or what is wrong with it: over
-/// [`MAX_SHORT_TEXT`](idem_core::MAX_SHORT_TEXT) bytes
+/// [`MAX_SHORT_TEXT`](idem_core::model::MAX_SHORT_TEXT) bytes
 /// (lapin's `ShortString::from` would panic on it).
 pub(crate) fn short(field: &str, text: &str) -> Result<ShortString, OutgoingError> {
     ShortString::try_new(text).map_err(|_| OutgoingError {
@@ -63,7 +63,7 @@ pub(crate) fn short(field: &str, text: &str) -> Result<ShortString, OutgoingErro
 
 /// The AMQP properties of an outgoing message: its message id, correlation id, content type,
 /// reply-to queue and headers (text as long strings, integers as 64-bit, bytes as byte arrays),
-/// persistent; a short field over [`MAX_SHORT_TEXT`](idem_core::MAX_SHORT_TEXT) bytes is an
+/// persistent; a short field over [`MAX_SHORT_TEXT`](idem_core::model::MAX_SHORT_TEXT) bytes is an
 /// error, never a panic.
 pub(crate) fn properties(message: &Envelope) -> Result<BasicProperties, OutgoingError> {
     let mut properties = BasicProperties::default().with_delivery_mode(2);

@@ -3,7 +3,10 @@
 
 use crate::config::RabbitConfig;
 use crate::publisher::{PublishError, Publisher};
-use idem_core::{BoxFuture, Destination, Outbound, OutboundError, Outgoing};
+use idem_core::{
+    future::BoxFuture, model::Destination, model::Outgoing, transport::Outbound,
+    transport::OutboundError,
+};
 use tokio::sync::OnceCell;
 
 /// Publishes outbox messages through one confirm-mode connection of the transport's brokers.

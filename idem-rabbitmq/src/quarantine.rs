@@ -6,14 +6,17 @@
 //! consumer's connection fails to parse, idem reads the head of the queue with its own reader
 //! ([`crate::wire`]), judges every frame with lapin's parser, rejects (without requeue) each
 //! delivery it refuses, so that the broker dead-letters it into `<queue>.dlq` once, after
-//! recording why in the handler's store (reason `unparsable`, see [`idem_core::DeadLetterLog`]),
+//! recording why in the handler's store (reason `unparsable`, see [`idem_core::transport::DeadLetterLog`]),
 //! and closes: every other delivery it held goes back to the queue, untouched but flagged
 //! redelivered.
 
 use crate::config::RabbitConfig;
 use crate::wire::{BODY, Frame, HEADER, METHOD, RawConnection, long, short};
 use idem_core::model::reasons::UNPARSABLE as REASON;
-use idem_core::{DeadLetter, DeadLetterRecord, Fingerprint, QueueSpec, StoreError};
+use idem_core::{
+    model::DeadLetter, model::DeadLetterRecord, model::Fingerprint, model::StoreError,
+    transport::QueueSpec,
+};
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 use tokio::time::{Instant, timeout};
@@ -190,7 +193,7 @@ async fn record(spec: &QueueSpec, deliveries: &[Refused]) -> Result<(), StoreErr
         match spec.dead_letters.record(record).await {
             Ok(()) => {}
             // Retrying will not write it: it is taken out all the same, and counted.
-            Err(e) if e.class() == idem_core::ErrorClass::Permanent => {
+            Err(e) if e.class() == idem_core::model::ErrorClass::Permanent => {
                 tracing::error!(queue = spec.queue, error = %e, "the dead letter's record cannot be written; taking it out without one");
                 idem_core::telemetry::dead_letter_unrecorded(spec.consumer.as_str());
             }

@@ -4,7 +4,7 @@
 use crate::envelope::{ATTEMPT_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, with_headers};
 use crate::settle::RabbitSettle;
 use crate::topology::{dlq, retry_queue};
-use idem_core::{DeadLetter, Envelope, TransportError};
+use idem_core::{model::DeadLetter, model::Envelope, transport::TransportError};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, LongString};
 use std::time::Duration;

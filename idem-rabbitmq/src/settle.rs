@@ -17,7 +17,10 @@
 
 use crate::answer::on_channel;
 use idem_core::transport::Watermark;
-use idem_core::{BoxFuture, DeadLetter, Envelope, Settle, TransportError};
+use idem_core::{
+    future::BoxFuture, model::DeadLetter, model::Envelope, transport::Settle,
+    transport::TransportError,
+};
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicRejectOptions};
 use lapin::{BasicProperties, Channel};
 use std::sync::Arc;

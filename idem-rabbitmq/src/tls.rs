@@ -3,7 +3,7 @@
 //! in which case `amqps://` is refused with the features to enable. Both trust the PEM
 //! certificates of [`crate::RabbitConfig::tls_ca_pem`] besides the system's roots.
 
-use idem_core::TransportError;
+use idem_core::transport::TransportError;
 use std::io;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;

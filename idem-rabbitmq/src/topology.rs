@@ -2,7 +2,7 @@
 
 use crate::config::{QueueType, RabbitConfig};
 use crate::connections::Connections;
-use idem_core::{Partition, QueueSpec, TransportError};
+use idem_core::{transport::Partition, transport::QueueSpec, transport::TransportError};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, Connection};

@@ -7,8 +7,8 @@ use crate::dead_letters::RabbitDeadLetters;
 use crate::outbound::RabbitOutbound;
 use crate::topology;
 use idem_core::{
-    BoxFuture, DeadLetterReader, Delivery, Outbound, QueueSpec, StopSignal, Transport,
-    TransportError,
+    future::BoxFuture, transport::DeadLetterReader, transport::Delivery, transport::Outbound,
+    transport::QueueSpec, transport::StopSignal, transport::Transport, transport::TransportError,
 };
 use std::sync::Arc;
 use tokio::sync::mpsc;

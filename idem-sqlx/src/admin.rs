@@ -7,7 +7,7 @@ use crate::dialect::Dialect;
 use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
-use idem_core::{Fingerprint, StoreError};
+use idem_core::{model::Fingerprint, model::StoreError};
 
 /// Rows of one consumer in one status.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,7 +8,9 @@ use crate::error::{existing_claim, store_error};
 use crate::exec::{Param, Sql};
 use crate::statements::{Prepared, RowStatements};
 use idem_core::store::owner_token;
-use idem_core::{Claim, ClaimRequest, ErrorClass, StoreError, StoredOutput};
+use idem_core::{
+    model::ErrorClass, model::StoreError, model::StoredOutput, store::Claim, store::ClaimRequest,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 

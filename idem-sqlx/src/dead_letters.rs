@@ -7,7 +7,9 @@ use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use crate::keys;
-use idem_core::{ClaimRequest, DeadLetterRecord, Fingerprint, StoreError};
+use idem_core::{
+    model::DeadLetterRecord, model::Fingerprint, model::StoreError, store::ClaimRequest,
+};
 use std::time::Duration;
 
 /// One dead-letter record, as read back.

@@ -6,7 +6,7 @@ use crate::dialect::Dialect;
 use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
-use idem_core::{ClaimRequest, StoreError};
+use idem_core::{model::StoreError, store::ClaimRequest};
 
 impl<DB: Dialect> SqlInbox<DB> {
     /// Adds one to the count of `request`'s message and returns it.

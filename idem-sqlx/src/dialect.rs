@@ -7,7 +7,9 @@
 use crate::claim;
 use crate::exec::Sql;
 use crate::statements::{MigrationStatements, Prepared, Statements};
-use idem_core::{Claim, ClaimRequest, StoreError, StoreKind, StoredOutput};
+use idem_core::{
+    model::StoreError, model::StoredOutput, store::Claim, store::ClaimRequest, store::StoreKind,
+};
 use std::future::Future;
 
 /// A SQL database idem can keep an inbox in.

@@ -3,10 +3,10 @@
 //! their messages were acked. The runtime's start asks the store ([`SqlInbox::check`]); each
 //! dialect names what it can read without privileges ([`Dialect::DURABILITY`]).
 //!
-//! [`SqlInbox::check`]: idem_core::InboxStore::check
+//! [`SqlInbox::check`]: idem_core::store::InboxStore::check
 
 use crate::dialect::Dialect;
-use idem_core::{ErrorClass, StoreError};
+use idem_core::{model::ErrorClass, model::StoreError};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,8 +1,10 @@
 //! Classifying sqlx errors: transient ones are retried, permanent ones dead-lettered. This is
 //! the one place that reads SQLSTATEs, SQLite result codes and MySQL error numbers; the
-//! stores classify their handlers' database errors with it ([`idem_core::InboxStore::classify`]).
+//! stores classify their handlers' database errors with it ([`idem_core::store::InboxStore::classify`]).
 
-use idem_core::{Claim, ErrorClass, Fingerprint, StoreError, StoredOutput};
+use idem_core::{
+    model::ErrorClass, model::Fingerprint, model::StoreError, model::StoredOutput, store::Claim,
+};
 
 /// Classifies a sqlx error by what it means for the message.
 ///
@@ -139,7 +141,7 @@ pub(crate) fn stored_fingerprint(bytes: &[u8]) -> Result<Fingerprint, StoreError
 #[cfg(test)]
 mod tests {
     use super::*;
-    use idem_core::HandlerError;
+    use idem_core::model::HandlerError;
 
     #[test]
     fn mysql_numbers() {

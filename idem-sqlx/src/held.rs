@@ -13,11 +13,11 @@
 //! replaced when its `BEGIN` fails; [`crate::SqlInbox::hold_connections`] changes that time,
 //! or turns keeping off.
 //!
-//! [`InboxStore::begin_on`]: idem_core::InboxStore::begin_on
+//! [`InboxStore::begin_on`]: idem_core::store::InboxStore::begin_on
 
 use crate::dialect::Dialect;
 use crate::error::store_error;
-use idem_core::StoreError;
+use idem_core::model::StoreError;
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, Pool, Transaction};
 use std::collections::BTreeMap;
@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 /// How long a worker keeps one connection before it gives it back to the pool, by default.
 pub const HOLD_FOR: Duration = Duration::from_secs(60);
 
-/// A pooled connection one worker keeps ([`idem_core::InboxStore::Held`] of the SQL stores).
+/// A pooled connection one worker keeps ([`idem_core::store::InboxStore::Held`] of the SQL stores).
 pub struct Held<DB: Dialect> {
     conn: PoolConnection<DB>,
     since: Instant,

@@ -11,8 +11,10 @@ use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
 use idem_core::store::{DeadLetterStore, LeaseStore, OutboxStore, Pace, SweepStore};
 use idem_core::{
-    Claim, ClaimRequest, DeadLetterRecord, ErrorClass, InboxStore, Lease, LeaseEnd, Outbound,
-    OutboxSelect, Outgoing, RelayReport, StoreError, StoreKind, StoredOutput, SweepReport,
+    model::DeadLetterRecord, model::ErrorClass, model::Outgoing, model::StoreError,
+    model::StoredOutput, outbox::OutboxSelect, outbox::RelayReport, store::Claim,
+    store::ClaimRequest, store::InboxStore, store::Lease, store::LeaseEnd, store::StoreKind,
+    store::SweepReport, transport::Outbound,
 };
 use sqlx::{Pool, Transaction};
 use std::fmt;
@@ -460,7 +462,7 @@ impl Drop for SweepGuard<'_> {
     }
 }
 
-/// The identity of `tx` that [`idem_core::Context::keep_staged`] compares: the address of
+/// The identity of `tx` that [`idem_core::model::Context::keep_staged`] compares: the address of
 /// its connection, which stays put while a handler borrows the transaction.
 pub(crate) fn transaction_identity<DB: Dialect>(tx: &Transaction<'_, DB>) -> usize {
     let connection: &DB::Connection = tx;

@@ -6,7 +6,10 @@ use crate::dialect::Dialect;
 use crate::error::{store_error, stored_fingerprint};
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
-use idem_core::{ClaimRequest, ErrorClass, Lease, LeaseEnd, StoreError, StoredOutput};
+use idem_core::{
+    model::ErrorClass, model::StoreError, model::StoredOutput, store::ClaimRequest, store::Lease,
+    store::LeaseEnd,
+};
 use std::time::Duration;
 
 impl<DB: Dialect> SqlInbox<DB> {

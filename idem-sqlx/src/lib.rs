@@ -19,7 +19,7 @@
 //! - [`SqliteInbox`]: SQLite, the embedded default (feature `sqlite`); see [`sqlite::pool`] for
 //!   a pool set up as idem needs (WAL, busy timeout).
 //!
-//! All three are [`SqlInbox<DB>`], one generic [`idem_core::InboxStore`] over a [`Dialect`]: a
+//! All three are [`SqlInbox<DB>`], one generic [`idem_core::store::InboxStore`] over a [`Dialect`]: a
 //! dialect module (`postgres.rs`, `mysql.rs`, `sqlite.rs`) holds its statements by name
 //! ([`statements`]), its migrations and the claims it makes its own way; the code they share
 //! is generic (`inbox.rs`, `claim.rs`, `lease.rs`, `sweep.rs`, `migrate.rs`), with sqlx's

@@ -19,7 +19,7 @@ use crate::statements::{
     AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, RowStatements,
     SavepointStatements, Statements, SweepStatements,
 };
-use idem_core::{ClaimRequest, ErrorClass, StoreError, StoreKind};
+use idem_core::{model::ErrorClass, model::StoreError, store::ClaimRequest, store::StoreKind};
 use sqlx::MySql;
 use sqlx::mysql::MySqlQueryResult;
 
@@ -359,14 +359,14 @@ fn check_lengths(request: &ClaimRequest<'_>) -> Result<(), StoreError> {
             ),
         ));
     }
-    if request.key.len() > idem_core::MAX_KEY_LEN {
+    if request.key.len() > idem_core::model::MAX_KEY_LEN {
         return Err(StoreError::new(
             "claim",
             ErrorClass::Permanent,
             format!(
                 "the key has {} bytes; a key holds at most {}",
                 request.key.len(),
-                idem_core::MAX_KEY_LEN
+                idem_core::model::MAX_KEY_LEN
             ),
         ));
     }

@@ -10,7 +10,8 @@ use crate::statements::{
     PROBE, Prepared, SAVEPOINTS, Statements, SweepStatements,
 };
 use idem_core::{
-    Claim, ClaimRequest, ErrorClass, Fingerprint, StoreError, StoreKind, StoredOutput,
+    model::ErrorClass, model::Fingerprint, model::StoreError, model::StoredOutput, store::Claim,
+    store::ClaimRequest, store::StoreKind,
 };
 use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Postgres, Row};

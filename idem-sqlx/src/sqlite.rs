@@ -12,7 +12,7 @@ use crate::statements::{
     AdminStatements, DeliveryStatements, LeaseStatements, MigrationStatements, PROBE,
     RowStatements, SAVEPOINTS, Statements, SweepStatements,
 };
-use idem_core::StoreKind;
+use idem_core::store::StoreKind;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteQueryResult};
 use sqlx::{Sqlite, SqlitePool};
 use std::str::FromStr;

@@ -9,7 +9,7 @@ use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use crate::session::LockedSession;
 use idem_core::store::Pace;
-use idem_core::{StoreError, SweepReport};
+use idem_core::{model::StoreError, store::SweepReport};
 use std::time::{Duration, Instant};
 
 impl<DB: Dialect> SqlInbox<DB> {

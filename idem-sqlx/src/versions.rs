@@ -6,7 +6,7 @@
 use crate::error::store_error;
 use crate::exec::{Param, Sql};
 use crate::statements::{Prepared, VersionStatements};
-use idem_core::StoreError;
+use idem_core::model::StoreError;
 
 /// PostgreSQL: one upsert that raises the version only upwards; the row it conflicts on is
 /// locked, so the read after a stale answer sees the latest committed version.

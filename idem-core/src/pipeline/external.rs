@@ -1,4 +1,4 @@
-//! The pipeline of an external-mode handler ([`crate::Mode::External`]): lease the key, run the
+//! The pipeline of an external-mode handler ([`crate::handler::Mode::External`]): lease the key, run the
 //! handler outside any transaction, then settle the row as completed or failed.
 //!
 //! State machine of one key: *absent* → `in_progress` (lease held) → `completed` or `failed`.

@@ -131,7 +131,7 @@ impl RuntimeBuilder {
     }
 
     /// Consumes the handler with consumer identity `consumer` in order per partition key, over
-    /// `partitions` partition queues (1 to [`MAX_PARTITIONS`](crate::MAX_PARTITIONS)). Its queue name (from
+    /// `partitions` partition queues (1 to [`MAX_PARTITIONS`](crate::runtime::MAX_PARTITIONS)). Its queue name (from
     /// `#[idempotent(queue = ...)]` or [`Self::handler_queue`]) becomes an exchange that routes
     /// each message by its routing key, the partition key, to one of the queues
     /// `<queue>.p0` … (on RabbitMQ, a consistent-hash exchange). One process at a time
@@ -230,7 +230,7 @@ impl RuntimeBuilder {
     }
 
     /// After each delete statement the sweeper pauses `pause` times as long as the statement
-    /// took (default [`DEFAULT_SWEEP_PAUSE`](crate::DEFAULT_SWEEP_PAUSE), 9: it deletes at
+    /// took (default [`DEFAULT_SWEEP_PAUSE`](crate::runtime::DEFAULT_SWEEP_PAUSE), 9: it deletes at
     /// most a tenth of the time, so that a backlog of expired rows leaves the database to the
     /// consumers); 0 deletes as fast as the database can. Without a sweeper it does nothing.
     pub fn sweep_pause(mut self, pause: u32) -> Self {
@@ -284,7 +284,7 @@ impl RuntimeBuilder {
 
     /// How long start-up waits for a database or broker that is not reachable yet (it is
     /// restarting, or starting beside this process), trying again with backoff (default
-    /// [`DEFAULT_START_DEADLINE`](crate::DEFAULT_START_DEADLINE), 30 s). A failure that waiting
+    /// [`DEFAULT_START_DEADLINE`](crate::runtime::DEFAULT_START_DEADLINE), 30 s). A failure that waiting
     /// will not mend (an inbox table never migrated, topology the broker refuses) ends the
     /// start at once.
     pub fn start_deadline(mut self, deadline: Duration) -> Self {

@@ -12,7 +12,7 @@ use std::time::Duration;
 /// How long a readiness check waits for a store before calling it unreachable.
 const STORE_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// A runtime's health, readable while it runs ([`crate::Runtime::health`]).
+/// A runtime's health, readable while it runs ([`crate::runtime::Runtime::health`]).
 #[non_exhaustive]
 pub struct Health {
     transport: Arc<dyn Transport>,

@@ -1,9 +1,9 @@
 //! A store that cannot write for now (read-only after a failover, disk full, restarting) pauses
 //! the consumption of its handlers instead of failing their messages: the delivery that met
-//! the failure ([`crate::Outcome::Unavailable`]) waits in its worker, unsettled, and no worker of
+//! the failure ([`crate::model::Outcome::Unavailable`]) waits in its worker, unsettled, and no worker of
 //! the store's handlers takes another delivery, so the rest stay in the mailbox and the broker
 //! (within the prefetch). One task probes the store with a write
-//! ([`crate::InboxStore::probe`]), backing off with jitter; once a probe commits, the store
+//! ([`crate::store::InboxStore::probe`]), backing off with jitter; once a probe commits, the store
 //! resumes and the waiting deliveries run again as the same attempt. No attempt is spent and
 //! nothing is dead-lettered for the store's state. While paused, readiness is false and the
 //! gauge `idem_store_paused` is 1.
@@ -224,7 +224,7 @@ mod tests {
                     true => Ok(()),
                     false => Err(StoreError::new(
                         "probe",
-                        crate::ErrorClass::Unavailable,
+                        crate::model::ErrorClass::Unavailable,
                         "read-only",
                     )),
                 }
@@ -260,7 +260,7 @@ mod tests {
             Box::pin(async {
                 Err(StoreError::new(
                     "probe",
-                    crate::ErrorClass::Unavailable,
+                    crate::model::ErrorClass::Unavailable,
                     "disk full",
                 ))
             })

@@ -135,7 +135,7 @@ pub(crate) async fn settle(
 }
 
 /// Counts and logs a settlement the transport could not send.
-fn settle_failed(shared: &Shared, error: &crate::TransportError, then: &str) {
+fn settle_failed(shared: &Shared, error: &crate::transport::TransportError, then: &str) {
     Stats::add(&shared.stats.settle_failures);
     telemetry::settle_failed(shared.handler.consumer());
     tracing::warn!(error = %error, "settling failed; the broker will redeliver; {then}");
@@ -151,7 +151,7 @@ async fn dead_letter(
     reason: DeadLetter,
     settle: Box<dyn Settle>,
     stop: &StopSignal,
-) -> Option<Result<(), crate::TransportError>> {
+) -> Option<Result<(), crate::transport::TransportError>> {
     let (stats, consumer) = (&shared.stats, shared.handler.consumer());
     tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
     let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);

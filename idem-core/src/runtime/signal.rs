@@ -2,7 +2,7 @@
 
 /// Completes when the process is asked to stop: SIGINT (Ctrl-C) or, on Unix, SIGTERM, which
 /// Kubernetes, systemd and Docker send before they kill a process. Pass it to
-/// [`Runtime::run_until`](crate::Runtime::run_until) so that a deploy stops consuming and
+/// [`Runtime::run_until`](crate::runtime::Runtime::run_until) so that a deploy stops consuming and
 /// finishes the deliveries in flight instead of being killed in the middle of them.
 pub async fn shutdown_signal() {
     let interrupt = tokio::signal::ctrl_c();

@@ -1,7 +1,7 @@
 //! Start-up: every handler's store checked and the topology declared, each waited for with
 //! backoff while it fails in a way that passes (a database or broker that is restarting, or
 //! one that does not answer yet), up to
-//! the runtime's start deadline ([`crate::RuntimeBuilder::start_deadline`]). A failure that
+//! the runtime's start deadline ([`crate::runtime::RuntimeBuilder::start_deadline`]). A failure that
 //! waiting will not mend (a table never migrated, topology the broker refuses) ends the start at
 //! once.
 
@@ -29,7 +29,7 @@ impl Runtime {
             let checked = patiently(
                 deadline,
                 "the inbox",
-                |e: &crate::StoreError| e.class() != ErrorClass::Permanent,
+                |e: &crate::model::StoreError| e.class() != ErrorClass::Permanent,
                 || actor.registration.check_store(&self.stores),
             )
             .await;

@@ -49,7 +49,7 @@ pub enum Refusal {
 
 impl Admission {
     /// The admission of a request with fingerprint `received` from a transactional claim's
-    /// answer; `None` is a non-blocking claim ([`crate::InboxStore::try_claim`]) that found the
+    /// answer; `None` is a non-blocking claim ([`crate::store::InboxStore::try_claim`]) that found the
     /// key locked by another transaction.
     pub fn of_claim(claim: Option<Claim>, received: &Fingerprint) -> Self {
         match claim {

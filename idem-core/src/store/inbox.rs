@@ -129,7 +129,7 @@ pub trait InboxStore: Send + Sync + 'static {
     /// Which database this is.
     const KIND: StoreKind;
 
-    /// Classifies an error a handler got from this store's database ([`crate::HandlerError::Database`]),
+    /// Classifies an error a handler got from this store's database ([`crate::model::HandlerError::Database`]),
     /// knowing the database's error codes. The default calls every such error transient: a
     /// retry costs little, a lost message a lot.
     fn classify(&self, error: &(dyn std::error::Error + 'static)) -> ErrorClass {

@@ -176,7 +176,7 @@ pub trait SweepStore: InboxStore {
 /// (`Context::outgoing`), with their relay. Needed when handlers stage messages; the defaults
 /// keep no outbox and refuse to stage.
 pub trait OutboxStore: InboxStore {
-    /// The table the store's handlers stage outgoing messages in ([`crate::Context::outgoing`]);
+    /// The table the store's handlers stage outgoing messages in ([`crate::model::Context::outgoing`]);
     /// `None` (the default): the store keeps no outbox.
     fn outbox_table(&self) -> Option<&str> {
         None
@@ -228,7 +228,7 @@ pub trait OutboxStore: InboxStore {
     }
 
     /// An identity of the transaction `tx` that stays the same while a handler runs in it,
-    /// which the store's staging recognises ([`crate::Context::keep_staged`]); `None` (the
+    /// which the store's staging recognises ([`crate::model::Context::keep_staged`]); `None` (the
     /// default): the dispatch reads what was staged back from the outbox.
     fn transaction_identity(&self, tx: &Self::Tx<'_>) -> Option<usize> {
         let _ = tx;

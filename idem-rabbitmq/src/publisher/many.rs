@@ -3,7 +3,7 @@
 
 use super::{Current, MANDATORY, PublishError, Publisher, broker, prepared};
 use crate::answer::on_channel;
-use idem_core::Envelope;
+use idem_core::model::Envelope;
 use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, PublisherConfirm};
 use tokio::time::{Instant, timeout_at};

@@ -4,7 +4,7 @@ use crate::answer::{lost, on_channel, unless_lost};
 use crate::config::RabbitConfig;
 use crate::connections::Connections;
 use crate::envelope::properties;
-use idem_core::{BoxError, Envelope};
+use idem_core::{model::BoxError, model::Envelope};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::ShortString;
 use lapin::{Channel, Confirmation, Connection, PublisherConfirm};
@@ -37,7 +37,7 @@ pub enum PublishError {
     /// The message cannot be carried as it is (a short field over 255 bytes); nothing was
     /// sent.
     #[error(transparent)]
-    Invalid(#[from] idem_core::OutgoingError),
+    Invalid(#[from] idem_core::model::OutgoingError),
     /// The broker refused the message (nack).
     #[error("the broker refused the message")]
     Refused,
@@ -69,7 +69,7 @@ pub enum PublishError {
 }
 
 /// What `basic.publish` takes for `message` to `exchange` with `routing_key`, or why a broker
-/// cannot carry it (the short fields [`idem_core::check_outgoing`] checks, each as it is made).
+/// cannot carry it (the short fields [`idem_core::model::check_outgoing`] checks, each as it is made).
 fn prepared(
     exchange: &str,
     routing_key: &str,

@@ -5,7 +5,7 @@
 //! the way (`parked`); the notifications that wake a relay are `crate::wake`. Each dialect's
 //! statements and table are here.
 //!
-//! A row's destination is kept as its two [`idem_core::Destination::parts`]: its topic
+//! A row's destination is kept as its two [`idem_core::model::Destination::parts`]: its topic
 //! (`""` for a queue) in `exchange` and its key (a queue's name) in `routing_key`. The columns
 //! keep their first names so that processes of an older idem stage into the same table during
 //! a rolling upgrade.
@@ -20,7 +20,7 @@ use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use crate::statements::OutboxStatements;
 use idem_core::model::outgoing::headers_to_json;
-use idem_core::{Context, ErrorClass, Outgoing, StoreError};
+use idem_core::{model::Context, model::ErrorClass, model::Outgoing, model::StoreError};
 use sqlx::Transaction;
 use sqlx_core::transaction::TransactionManager;
 

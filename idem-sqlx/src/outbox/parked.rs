@@ -13,7 +13,7 @@ use crate::dialect::Dialect;
 use crate::error::store_error;
 use crate::exec::Param;
 use crate::inbox::SqlInbox;
-use idem_core::StoreError;
+use idem_core::model::StoreError;
 use std::time::Duration;
 
 pub use crate::config::DEFAULT_GIVE_UP;

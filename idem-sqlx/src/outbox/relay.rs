@@ -9,7 +9,10 @@ use crate::exec::Param;
 use crate::inbox::SqlInbox;
 use idem_core::model::outgoing::headers_from_json;
 use idem_core::transport::{Outbound, OutboundError};
-use idem_core::{Destination, Envelope, OutboxSelect, Outgoing, RelayReport, StoreError};
+use idem_core::{
+    model::Destination, model::Envelope, model::Outgoing, model::StoreError, outbox::OutboxSelect,
+    outbox::RelayReport,
+};
 use std::time::Duration;
 
 impl<DB: Dialect> SqlInbox<DB> {
