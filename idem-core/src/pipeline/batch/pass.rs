@@ -54,43 +54,10 @@ impl<H: Handler> Batch<'_, H> {
         };
         // The keys are ours; the handlers wait for the previous batch's commit.
         stages.wait_for_previous().await;
-        let handled = match how {
-            How::Set => set::handle(&mut run, &mut tx, claims, payloads).await,
-            How::Fast | How::Isolated => {
-                let handled = run.handle(&mut tx, claims, payloads, how == How::Isolated);
-                match handled.await {
-                    Ok(Some(failed)) => Ok(SetEnd::Failed(failed)),
-                    Ok(None) => Ok(SetEnd::Again(Pass::NeedsIsolation)),
-                    Err(e) => Err(e),
-                }
-            }
-        };
-        let failed = match handled {
-            Ok(SetEnd::Failed(failed)) => failed,
-            Ok(SetEnd::Again(again)) => {
-                store.rollback(tx).await;
-                return again;
-            }
-            Ok(SetEnd::Abort(class, message)) => {
-                store.rollback(tx).await;
-                return run.abort(class, message);
-            }
-            Err(e) => {
-                store.rollback(tx).await;
-                return run.abort_store(e);
-            }
-        };
-        match run.complete(&mut tx, &failed).await {
-            Ok(replies) => {
-                run.staged += u32::try_from(replies.len()).unwrap_or(u32::MAX);
-                if let Some(kept) = &mut run.kept {
-                    kept.extend(replies);
-                }
-            }
-            Err(e) => {
-                store.rollback(tx).await;
-                return run.abort_store(e);
-            }
+        // Everything in the transaction; rolled back here, the one place where it is.
+        if let Err(again) = run.inside(&mut tx, claims, payloads, how).await {
+            store.rollback(tx).await;
+            return again;
         }
         #[cfg(feature = "fault-injection")]
         crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
@@ -109,6 +76,46 @@ impl<H: Handler> Batch<'_, H> {
 }
 
 impl<'a, H: Handler> Run<'a, '_, H> {
+    /// What the pass does in its transaction once its keys are claimed: the handlers (or the
+    /// batch handler), then the results stored and the failed members' markers removed; `Err`
+    /// says how the pass ends instead, once its transaction is rolled back.
+    async fn inside(
+        &mut self,
+        tx: &mut <H::Store as InboxStore>::Tx<'_>,
+        claims: Vec<Claim>,
+        payloads: Vec<Option<H::Payload>>,
+        how: How,
+    ) -> Result<(), Pass> {
+        let handled = match how {
+            How::Set => set::handle(self, tx, claims, payloads).await,
+            How::Fast | How::Isolated => {
+                match self
+                    .handle(tx, claims, payloads, how == How::Isolated)
+                    .await
+                {
+                    Ok(Some(failed)) => Ok(SetEnd::Failed(failed)),
+                    Ok(None) => Ok(SetEnd::Again(Pass::NeedsIsolation)),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let failed = match handled {
+            Ok(SetEnd::Failed(failed)) => failed,
+            Ok(SetEnd::Again(again)) => return Err(again),
+            Ok(SetEnd::Abort(class, message)) => return Err(self.abort(class, message)),
+            Err(e) => return Err(self.abort_store(e)),
+        };
+        let replies = self
+            .complete(tx, &failed)
+            .await
+            .map_err(|e| self.abort_store(e))?;
+        self.staged += u32::try_from(replies.len()).unwrap_or(u32::MAX);
+        if let Some(kept) = &mut self.kept {
+            kept.extend(replies);
+        }
+        Ok(())
+    }
+
     /// The claims of the members, in order.
     fn requests(&self) -> Vec<ClaimRequest<'_>> {
         let Batch {
