@@ -100,6 +100,16 @@ async fn start<S: idem::store::RuntimeStore>(handler: &str, store: S) -> Result<
 /// shares `idem_outbox` with other tests.
 const TABLE: &str = "idem_dur_inbox";
 
+/// The PostgreSQL inbox of these tests on `pool`.
+fn pg(pool: sqlx::PgPool) -> PgInbox {
+    PgInbox::new(pool).table(TABLE).unwrap()
+}
+
+/// The MariaDB inbox of these tests on `pool`.
+fn mariadb(pool: sqlx::MySqlPool) -> MySqlInbox {
+    MySqlInbox::new(pool).table(TABLE).unwrap()
+}
+
 /// The message of a start the store's settings refused.
 fn refusal(started: Result<(), RuntimeError>) -> String {
     let refused = started.expect_err("the start was refused");
@@ -113,32 +123,18 @@ fn refusal(started: Result<(), RuntimeError>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_commits_that_are_not_flushed_are_named_at_the_start() {
     let pool = common::postgres(2).await;
-    PgInbox::new(pool.clone())
-        .table(TABLE)
-        .unwrap()
-        .migrate()
+    pg(pool.clone()).migrate().await.unwrap();
+    // The package's settings lose nothing: even the strict check starts.
+    start("dur.pg", pg(pool).durability(Durability::Require))
         .await
         .unwrap();
-    // The package's settings lose nothing: even the strict check starts.
-    start(
-        "dur.pg",
-        PgInbox::new(pool)
-            .table(TABLE)
-            .unwrap()
-            .durability(Durability::Require),
-    )
-    .await
-    .unwrap();
 
     let url = format!("{}?options[synchronous_commit]=off", common::postgres_url());
     let unflushed = sqlx::PgPool::connect(&url).await.unwrap();
     let refused = refusal(
         start(
             "dur.pg",
-            PgInbox::new(unflushed.clone())
-                .table(TABLE)
-                .unwrap()
-                .durability(Durability::Require),
+            pg(unflushed.clone()).durability(Durability::Require),
         )
         .await,
     );
@@ -148,22 +144,16 @@ async fn postgres_commits_that_are_not_flushed_are_named_at_the_start() {
         "{refused}"
     );
     // By default the start goes on, and says it once for the store, however many starts.
-    let inbox = PgInbox::new(unflushed.clone()).table(TABLE).unwrap();
+    let inbox = pg(unflushed.clone());
     start("dur.pg", inbox.clone()).await.unwrap();
     start("dur.pg", inbox).await.unwrap();
     let said = logged(&["WARN", "setting=synchronous_commit", "found=off"]);
     assert_eq!(said.len(), 1, "{said:?}");
     assert!(said[0].contains("set synchronous_commit = on"), "{said:?}");
     // Unchecked: not even looked at.
-    start(
-        "dur.pg",
-        PgInbox::new(unflushed)
-            .table(TABLE)
-            .unwrap()
-            .durability(Durability::Unchecked),
-    )
-    .await
-    .unwrap();
+    start("dur.pg", pg(unflushed).durability(Durability::Unchecked))
+        .await
+        .unwrap();
     assert_eq!(
         logged(&["WARN", "setting=synchronous_commit"]).len(),
         1,
@@ -177,22 +167,8 @@ async fn a_standby_streamed_to_asynchronously_is_named_and_a_synchronous_one_pas
         return;
     };
     let pool = sqlx::PgPool::connect(&servers.primary_url).await.unwrap();
-    PgInbox::new(pool.clone())
-        .table(TABLE)
-        .unwrap()
-        .migrate()
-        .await
-        .unwrap();
-    let refused = refusal(
-        start(
-            "dur.pg",
-            PgInbox::new(pool.clone())
-                .table(TABLE)
-                .unwrap()
-                .durability(Durability::Require),
-        )
-        .await,
-    );
+    pg(pool.clone()).migrate().await.unwrap();
+    let refused = refusal(start("dur.pg", pg(pool.clone()).durability(Durability::Require)).await);
     assert!(
         refused.contains("synchronous_standby_names is empty while a standby streams")
             && refused.contains("a failover to an asynchronous standby can lose commits"),
@@ -221,15 +197,9 @@ async fn a_standby_streamed_to_asynchronously_is_named_and_a_synchronous_one_pas
         }
     })
     .await;
-    start(
-        "dur.pg",
-        PgInbox::new(pool)
-            .table(TABLE)
-            .unwrap()
-            .durability(Durability::Require),
-    )
-    .await
-    .unwrap();
+    start("dur.pg", pg(pool).durability(Durability::Require))
+        .await
+        .unwrap();
 
     // A role that may not read the replication view: the strict start is refused, saying so.
     let admin = sqlx::PgPool::connect(&servers.primary_url).await.unwrap();
@@ -259,16 +229,7 @@ async fn a_standby_streamed_to_asynchronously_is_named_and_a_synchronous_one_pas
     // Commits that do not wait for the synchronous standby.
     let local = format!("{}?options[synchronous_commit]=local", servers.primary_url);
     let local = sqlx::PgPool::connect(&local).await.unwrap();
-    let refused = refusal(
-        start(
-            "dur.pg",
-            PgInbox::new(local)
-                .table(TABLE)
-                .unwrap()
-                .durability(Durability::Require),
-        )
-        .await,
-    );
+    let refused = refusal(start("dur.pg", pg(local).durability(Durability::Require)).await);
     assert!(
         refused
             .contains("synchronous_commit is local: set synchronous_commit = on or remote_apply"),
@@ -308,19 +269,8 @@ async fn sqlite_without_sync_is_named_at_the_start() {
 async fn mariadb_as_its_package_installs_it_passes_the_strict_check() {
     // Strict: a query MariaDB refused would refuse the start too.
     let pool = common::mysql(2).await;
-    MySqlInbox::new(pool.clone())
-        .table(TABLE)
-        .unwrap()
-        .migrate()
+    mariadb(pool.clone()).migrate().await.unwrap();
+    start("dur.mysql", mariadb(pool).durability(Durability::Require))
         .await
         .unwrap();
-    start(
-        "dur.mysql",
-        MySqlInbox::new(pool)
-            .table(TABLE)
-            .unwrap()
-            .durability(Durability::Require),
-    )
-    .await
-    .unwrap();
 }

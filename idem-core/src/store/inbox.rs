@@ -342,17 +342,7 @@ mod tests {
                 Some(4000.0)
             );
             crate::telemetry::not_sweeping("s");
-            use crate::telemetry::{
-                INBOX_EXPIRED, INBOX_OLDEST, INBOX_ROWS, SWEEP_BUSY, SWEEP_PAUSED, SWEEPER_LAG,
-            };
-            for gauge in [
-                SWEEPER_LAG,
-                INBOX_ROWS,
-                INBOX_OLDEST,
-                INBOX_EXPIRED,
-                SWEEP_BUSY,
-                SWEEP_PAUSED,
-            ] {
+            for gauge in crate::telemetry::SWEEP_GAUGES {
                 let value = captured.gauge(&format!("{gauge}{{store=s}}"));
                 assert!(value.is_some_and(f64::is_nan), "{gauge}: {value:?}");
             }

@@ -370,18 +370,21 @@ pub fn reconnect(queue: &str) {
     metrics::counter!(RECONNECTS, "queue" => queue.to_owned()).increment(1);
 }
 
+/// The gauges a sweep sets.
+pub(crate) const SWEEP_GAUGES: [&str; 6] = [
+    SWEEPER_LAG,
+    INBOX_ROWS,
+    INBOX_OLDEST,
+    INBOX_EXPIRED,
+    SWEEP_BUSY,
+    SWEEP_PAUSED,
+];
+
 /// Marks `store`'s sweep gauges as not this process's to tell: another process holds the
 /// sweeper's lock. They are set to NaN, which Prometheus's `max` and comparisons pass over, so
 /// the value of a sweep this process made earlier does not stay behind as if it were current.
 pub(crate) fn not_sweeping(store: &'static str) {
-    for gauge in [
-        SWEEPER_LAG,
-        INBOX_ROWS,
-        INBOX_OLDEST,
-        INBOX_EXPIRED,
-        SWEEP_BUSY,
-        SWEEP_PAUSED,
-    ] {
+    for gauge in SWEEP_GAUGES {
         metrics::gauge!(gauge, "store" => store).set(f64::NAN);
     }
 }
