@@ -7,8 +7,10 @@
 //! The transport's `close` waits for the last confirm ([`Acks::confirmed`]), so that a
 //! shutdown ends with its settlements known.
 //!
-//! An ack the connection lost is not confirmed by a later one: its delivery comes again after
-//! the ack wait, and the inbox makes the run a duplicate.
+//! The acks sent on a connection the client has since replaced may have been lost with it:
+//! they are sent again on the new one before its confirm. An ack lost for good (the confirms
+//! kept failing for a while) brings its delivery back after the ack wait, and the inbox makes
+//! the run a duplicate.
 
 use async_nats::Subject;
 use bytes::Bytes;
@@ -36,14 +38,19 @@ pub(crate) struct Acks {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Acks sent.
-    sent: u64,
-    /// Acks confirmed (or left to redelivery): every one up to this count.
-    confirmed: u64,
-    /// The reply subject of the last ack sent: its confirm confirms the others.
-    last: Option<Subject>,
+    /// The acks sent and not confirmed yet, in the order sent, each with the connection it
+    /// went out on (the client's count of connects then).
+    unconfirmed: Vec<(Subject, u64)>,
     /// Whether a confirm task runs.
     confirming: bool,
+}
+
+/// The client's count of connects: which connection it is on now.
+fn connection(client: &async_nats::Client) -> u64 {
+    client
+        .statistics()
+        .connects
+        .load(std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Acks {
@@ -54,13 +61,13 @@ impl Acks {
         client: &async_nats::Client,
         reply: &Subject,
     ) -> Result<(), async_nats::Error> {
+        let on = connection(client);
         client
             .publish(reply.clone(), Bytes::from_static(b"+ACK"))
             .await?;
         let start = {
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            state.sent += 1;
-            state.last = Some(reply.clone());
+            state.unconfirmed.push((reply.clone(), on));
             !std::mem::replace(&mut state.confirming, true)
         };
         if start {
@@ -69,7 +76,9 @@ impl Acks {
         Ok(())
     }
 
-    /// Confirms the last ack sent until every ack sent is confirmed.
+    /// Confirms the last ack sent until every ack sent is confirmed. Acks sent on a connection
+    /// the client has since replaced may have been lost with it: they are sent again on the
+    /// current one before its confirm, which then covers them too.
     async fn confirm(self: Arc<Self>, client: async_nats::Client) {
         let mut failing_since = None;
         let mut pause = Duration::from_millis(50);
@@ -78,32 +87,47 @@ impl Acks {
                 () = tokio::time::sleep(LINGER) => {}
                 () = self.hurry.notified() => {}
             }
-            let (upto, last) = {
+            let on = connection(&client);
+            let (covered, again, last) = {
                 let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                match (&state.last, state.confirmed < state.sent) {
-                    (Some(last), true) => (state.sent, last.clone()),
-                    _ => {
-                        state.confirming = false;
-                        drop(state);
-                        self.settled.notify_waiters();
-                        return;
+                let Some((last, _)) = state.unconfirmed.last().cloned() else {
+                    state.confirming = false;
+                    drop(state);
+                    self.settled.notify_waiters();
+                    return;
+                };
+                let mut again = Vec::new();
+                for (reply, sent_on) in &mut state.unconfirmed {
+                    if *sent_on != on {
+                        again.push(reply.clone());
+                        *sent_on = on;
                     }
                 }
+                (state.unconfirmed.len(), again, last)
             };
-            if let Err(e) = confirm_ack(&client, Some(&last)).await {
-                let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
-                if since.elapsed() < PATIENCE {
-                    tracing::debug!(error = %e, "acks were not confirmed; asking again");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
-                    continue;
+            for reply in again {
+                let _ = client.publish(reply, Bytes::from_static(b"+ACK")).await;
+            }
+            match confirm_ack(&client, Some(&last)).await {
+                // Confirmed on the connection they went out on: every ack up to `last` is in.
+                Ok(()) if connection(&client) == on => {}
+                // The connection changed under the confirm: the next round sends them again.
+                Ok(()) => continue,
+                Err(e) => {
+                    let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+                    if since.elapsed() < PATIENCE {
+                        tracing::debug!(error = %e, "acks were not confirmed; asking again");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(Duration::from_secs(1));
+                        continue;
+                    }
+                    tracing::debug!(error = %e, "acks not confirmed are left to redelivery");
                 }
-                tracing::debug!(error = %e, "acks not confirmed are left to redelivery");
             }
             failing_since = None;
             pause = Duration::from_millis(50);
             let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            state.confirmed = state.confirmed.max(upto);
+            state.unconfirmed.drain(..covered);
         }
     }
 
@@ -116,7 +140,7 @@ impl Acks {
             settled.as_mut().enable();
             {
                 let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-                if state.confirmed >= state.sent {
+                if state.unconfirmed.is_empty() {
                     return;
                 }
             }
