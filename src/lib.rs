@@ -82,13 +82,15 @@ pub mod transport {
     };
 }
 
-/// The handler contract `#[idempotent]` implements, and the entry points that run a handler
-/// over one delivery or a batch without a runtime.
+/// The handler contract `#[idempotent]` implements (what every handler declares, and the trait
+/// of its kind), and the entry points that run a handler over one delivery or a batch without
+/// a runtime.
 pub mod handler {
     pub use idem_core::{
-        handler::DEFAULT_LEASE, handler::Handler, handler::HandlerResult, handler::Mode,
+        handler::BatchHandler, handler::DEFAULT_LEASE, handler::ExternalHandler, handler::Handler,
+        handler::HandlerResult, handler::Mode, handler::TransactionalHandler, handler::kind,
         model::KeyError, model::KeySource, pipeline::DispatchError, pipeline::ErasedHandler,
-        pipeline::HeldConnection, pipeline::process, pipeline::process_batch,
+        pipeline::HeldConnection, pipeline::Pipeline, pipeline::process, pipeline::process_batch,
         registry::Registration, registry::RegistryError, state::State, state::StateType,
     };
 }
@@ -128,11 +130,12 @@ pub mod testing;
 pub mod __private {
     pub use idem_core::model::context::extract_state;
     pub use idem_core::{
-        handler::DEFAULT_LEASE, handler::Handler, handler::HandlerResult, handler::Mode,
-        model::Batch, model::BatchError, model::BatchOutput, model::BatchResult, model::Context,
-        model::Envelope, model::HandlerError, model::KeyError, model::KeySource,
-        model::VersionError, model::Versioned, model::field_key, model::version_value,
-        model::versioned, registry::Registration, state::StateType, store::InboxStore,
+        handler::BatchHandler, handler::ExternalHandler, handler::Handler, handler::HandlerResult,
+        handler::TransactionalHandler, handler::kind, model::Batch, model::BatchError,
+        model::BatchOutput, model::BatchResult, model::Context, model::Envelope,
+        model::HandlerError, model::KeyError, model::KeySource, model::VersionError,
+        model::Versioned, model::field_key, model::version_value, model::versioned,
+        registry::Registration, state::StateType, store::InboxStore,
     };
     /// The store types `store = ...` names.
     pub use idem_sqlx::stores;

@@ -25,8 +25,8 @@
 //! |---|---|
 //! | [`model`] | the envelope, dedup keys, fingerprints, outcomes, error classes, the handler's context |
 //! | [`transport`] | the [`Transport`](crate::transport::Transport) and [`Settle`](crate::transport::Settle) contract, and the in-memory transport |
-//! | [`handler`], [`registry`] | the [`Handler`](crate::handler::Handler) trait `#[idempotent]` implements, and the registrations |
-//! | [`pipeline`] | the entry point that picks a handler's mode, and one pipeline per mode |
+//! | [`handler`], [`registry`] | the [`Handler`](crate::handler::Handler) trait `#[idempotent]` implements, the trait of each [kind](crate::handler::kind), and the registrations |
+//! | [`pipeline`] | the entry point every registered handler is, and the pipeline of each kind ([`Pipeline`](crate::pipeline::Pipeline)), chosen by the kind's type |
 //! | [`outbox`] | the outbox as the runtime drives it: relay passes, the dispatch after a commit, the relay task |
 //! | [`store`] | the store contract by role ([`InboxStore`](crate::store::InboxStore) and the optional ones) the SQL stores implement, and the set of stores |
 //! | [`state`] | the shared values handlers ask for by type |

@@ -302,6 +302,7 @@ mod tests {
         type Store = Never<S>;
         type Payload = ();
         type Output = ();
+        type Kind = crate::handler::kind::Transactional;
         const NAME: &'static str = ["a", "b", "c"][NAME];
         const CONSUMER: &'static str = "billing";
         const QUEUE: Option<&'static str> = None;
@@ -310,7 +311,9 @@ mod tests {
         fn key(envelope: &Envelope, _: &()) -> Result<String, KeyError> {
             Self::KEY.from_envelope(envelope)
         }
+    }
 
+    impl<const NAME: usize, const S: usize> crate::handler::TransactionalHandler for Billing<NAME, S> {
         async fn call<'a, 'c: 'a>(
             _: &'a mut <Never<S> as InboxStore>::Tx<'c>,
             _: (),

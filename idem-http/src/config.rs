@@ -1,62 +1,13 @@
 //! [`Idempotency`]: what a route's idempotency layer is configured with, checked when the layer
 //! is built.
 
-use crate::key::DEFAULT_MAX_KEY_LEN;
+use crate::mode::{External, Mode, Transactional};
+use crate::settings::Settings;
 use http::request::Parts;
 use idem_core::{handler::DEFAULT_LEASE, store::RuntimeStore};
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// How long a key and its stored response are kept unless [`Idempotency::retention`] says
-/// otherwise: 24 hours, Stripe's policy.
-pub const DEFAULT_KEY_RETENTION: Duration = Duration::from_secs(24 * 3600);
-
-/// The largest request body the layer reads (it fingerprints the body) unless
-/// [`Idempotency::max_request_bytes`] says otherwise: 2 MiB.
-pub const DEFAULT_MAX_REQUEST_BYTES: usize = 2 * 1024 * 1024;
-
-/// The largest response body stored for replay unless [`Idempotency::max_response_bytes`] says
-/// otherwise: 256 KiB.
-pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 256 * 1024;
-
-/// Finds the client a request comes from (e.g. the authenticated principal that an
-/// authentication layer put in the request's extensions); `None`: the request is answered 401.
-pub type IdentityFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
-
-/// How the handler's effects and the key's record commit: the mode of the [`Transactional`] or
-/// [`External`] configuration, as its requests read it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum HttpMode {
-    /// The handler writes in the request's transaction ([`crate::Tx`]); its writes, the key's
-    /// row and the stored response commit together. A crash leaves nothing behind.
-    Transactional,
-    /// The handler calls other services: the key is leased `in_progress` for `lease` in a
-    /// transaction of its own, then settled with the response. A crash leaves the lease, which
-    /// a retry takes over once it expires.
-    External {
-        /// How long a lease lasts; it must outlast the handler's longest run.
-        lease: Duration,
-    },
-}
-
-/// The type of a transactional [`Idempotency`]: the handler writes in the request's transaction
-/// ([`crate::Tx`]); its writes, the key's row and the stored response commit together, and a
-/// crash leaves nothing behind. Its layer wraps handlers ([`crate::IdempotencyLayer::handler`]),
-/// whose `Tx` is checked against the layer's store.
-#[derive(Debug, Clone, Copy)]
-pub struct Transactional;
-
-/// The type of an external [`Idempotency`]: the handler calls other services; the key is leased
-/// `in_progress` in a transaction of its own, then settled with the response, and a lease left
-/// by a crash is taken over once it expires. Its layer is a tower layer around any route
-/// ([`crate::IdempotencyLayer`] implements `tower::Layer`).
-#[derive(Debug, Clone, Copy)]
-pub struct External;
-
-/// The mode of an [`Idempotency`] once its layer is built: what every request reads.
-pub(crate) struct Built;
 
 /// A wrong idempotency configuration, found when the layer is built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -124,26 +75,14 @@ pub enum ConfigError {
 /// # let _ = layer; Ok(()) }
 /// ```
 pub struct Idempotency<S, M> {
-    pub(crate) store: S,
-    pub(crate) operation: String,
-    pub(crate) mode: HttpMode,
-    pub(crate) identity: Option<Arc<IdentityFn>>,
-    pub(crate) shared: bool,
-    pub(crate) required: bool,
-    pub(crate) max_key_len: usize,
-    pub(crate) max_request_bytes: usize,
-    pub(crate) max_response_bytes: usize,
-    pub(crate) retention: Duration,
-    pub(crate) policy: Option<String>,
-    /// Response headers never stored nor replayed, besides those idem never stores.
-    pub(crate) unstored: Vec<http::HeaderName>,
-    pub(crate) built_as: PhantomData<fn() -> M>,
+    pub(crate) settings: Settings<S>,
+    pub(crate) mode: M,
 }
 
 impl<S: RuntimeStore> Idempotency<S, Transactional> {
     /// Transactional mode ([`Transactional`]) for `operation`, keys in `store`.
     pub fn transactional(store: S, operation: impl Into<String>) -> Self {
-        Self::new(store, operation, HttpMode::Transactional)
+        Self::new(store, operation, Transactional)
     }
 }
 
@@ -151,39 +90,22 @@ impl<S: RuntimeStore> Idempotency<S, External> {
     /// External mode ([`External`]) for `operation`, keys in `store`, with the default lease
     /// (30 s).
     pub fn external(store: S, operation: impl Into<String>) -> Self {
-        Self::new(
-            store,
-            operation,
-            HttpMode::External {
-                lease: DEFAULT_LEASE,
-            },
-        )
+        Self::new(store, operation, External::new(DEFAULT_LEASE))
     }
 
     /// How long the lease of a key lasts while its handler runs: it must outlast the
     /// handler's longest run.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.mode = HttpMode::External { lease };
+        self.mode = External::new(lease);
         self
     }
 }
 
 impl<S: RuntimeStore, M> Idempotency<S, M> {
-    fn new(store: S, operation: impl Into<String>, mode: HttpMode) -> Self {
+    fn new(store: S, operation: impl Into<String>, mode: M) -> Self {
         Self {
-            store,
-            operation: operation.into(),
+            settings: Settings::new(store, operation.into()),
             mode,
-            identity: None,
-            shared: false,
-            required: true,
-            max_key_len: DEFAULT_MAX_KEY_LEN,
-            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
-            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-            retention: DEFAULT_KEY_RETENTION,
-            policy: None,
-            unstored: Vec::new(),
-            built_as: PhantomData,
         }
     }
 
@@ -194,23 +116,23 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
         mut self,
         identity: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        self.identity = Some(Arc::new(identity));
-        self.shared = false;
+        self.settings.identity = Some(Arc::new(identity));
+        self.settings.shared = false;
         self
     }
 
     /// One key space for every client: for services without client identities, where a key
     /// is a global name (a webhook's delivery id).
     pub fn shared_key_space(mut self) -> Self {
-        self.identity = None;
-        self.shared = true;
+        self.settings.identity = None;
+        self.settings.shared = true;
         self
     }
 
     /// Requests without an `Idempotency-Key` pass through unguarded, instead of being answered
     /// 400.
     pub fn optional(mut self) -> Self {
-        self.required = false;
+        self.settings.required = false;
         self
     }
 
@@ -218,20 +140,20 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
     /// headers of one connection or transfer, which are never stored): for headers that belong
     /// to the session that got the response, not to the operation.
     pub fn never_store_header(mut self, name: http::HeaderName) -> Self {
-        self.unstored.push(name);
+        self.settings.unstored.push(name);
         self
     }
 
     /// The longest key accepted ([`DEFAULT_MAX_KEY_LEN`]); a longer one is answered 400.
     pub fn max_key_len(mut self, len: usize) -> Self {
-        self.max_key_len = len;
+        self.settings.max_key_len = len;
         self
     }
 
     /// The largest request body read ([`DEFAULT_MAX_REQUEST_BYTES`]); a larger one is
     /// answered 413.
     pub fn max_request_bytes(mut self, bytes: usize) -> Self {
-        self.max_request_bytes = bytes;
+        self.settings.max_request_bytes = bytes;
         self
     }
 
@@ -239,7 +161,7 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
     /// mode a larger response is rolled back and answered 500; in external mode its status
     /// and headers are stored without the body.
     pub fn max_response_bytes(mut self, bytes: usize) -> Self {
-        self.max_response_bytes = bytes;
+        self.settings.max_response_bytes = bytes;
         self
     }
 
@@ -247,54 +169,56 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
     /// policy. A key sent again after it expired is a new request. The rows are deleted by the
     /// inbox's retention sweeper (a `Runtime` on the same store, or [`crate::sweep_every`]).
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
+        self.settings.retention = retention;
         self
     }
 
     /// A document describing the operation's idempotency (the expiry policy, how to retry):
     /// the `type` of the layer's problem answers and their `Link: rel="describedby"`.
     pub fn policy(mut self, url: impl Into<String>) -> Self {
-        self.policy = Some(url.into());
+        self.settings.policy = Some(url.into());
         self
     }
+}
 
+impl<S, M: Mode> Idempotency<S, M> {
     /// Checks the configuration ([`Idempotency::layer`] calls it).
     pub(crate) fn check(&self) -> Result<(), ConfigError> {
-        let operation = self.operation.clone();
+        let settings = &self.settings;
+        let operation = settings.operation.clone();
         if operation.is_empty() || operation.len() > 100 {
             return Err(ConfigError::Operation(operation));
         }
-        if self.identity.is_none() && !self.shared {
+        if settings.identity.is_none() && !settings.shared {
             return Err(ConfigError::NoIdentity(operation));
         }
-        let lease = match self.mode {
-            HttpMode::External { lease } => lease,
-            HttpMode::Transactional => DEFAULT_LEASE,
-        };
+        let lease = self.mode.lease();
         for (setting, zero) in [
-            ("max_key_len", self.max_key_len == 0),
-            ("max_request_bytes", self.max_request_bytes == 0),
-            ("max_response_bytes", self.max_response_bytes == 0),
-            ("retention", self.retention.is_zero()),
-            ("lease", lease.is_zero()),
+            ("max_key_len", settings.max_key_len == 0),
+            ("max_request_bytes", settings.max_request_bytes == 0),
+            ("max_response_bytes", settings.max_response_bytes == 0),
+            ("retention", settings.retention.is_zero()),
+            ("lease", lease.is_some_and(|lease| lease.is_zero())),
         ] {
             if zero {
                 return Err(ConfigError::Zero { operation, setting });
             }
         }
-        if matches!(self.mode, HttpMode::External { .. }) && self.retention <= lease {
+        if let Some(lease) = lease
+            && settings.retention <= lease
+        {
             return Err(ConfigError::RetentionWithinLease {
                 operation,
-                retention: self.retention,
+                retention: settings.retention,
                 lease,
             });
         }
         // The stored key is `<22 base64url characters>:<key>`.
         let max = idem_core::model::MAX_KEY_LEN - 23;
-        if self.max_key_len > max {
+        if settings.max_key_len > max {
             return Err(ConfigError::KeyTooLong {
                 operation,
-                len: self.max_key_len,
+                len: settings.max_key_len,
                 max,
             });
         }
@@ -302,35 +226,11 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
     }
 }
 
-impl<S, M> Idempotency<S, M> {
-    /// The configuration as every request of the built layer reads it.
-    pub(crate) fn built(self) -> Idempotency<S, Built> {
-        Idempotency {
-            store: self.store,
-            operation: self.operation,
-            mode: self.mode,
-            identity: self.identity,
-            shared: self.shared,
-            required: self.required,
-            max_key_len: self.max_key_len,
-            max_request_bytes: self.max_request_bytes,
-            max_response_bytes: self.max_response_bytes,
-            retention: self.retention,
-            policy: self.policy,
-            unstored: self.unstored,
-            built_as: PhantomData,
-        }
-    }
-}
-
-impl<S, M> fmt::Debug for Idempotency<S, M> {
+impl<S, M: fmt::Debug> fmt::Debug for Idempotency<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
-            .field("operation", &self.operation)
             .field("mode", &self.mode)
-            .field("scoped_by_identity", &self.identity.is_some())
-            .field("required", &self.required)
-            .field("retention", &self.retention)
-            .finish_non_exhaustive()
+            .field("settings", &self.settings)
+            .finish()
     }
 }

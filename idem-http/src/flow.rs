@@ -1,12 +1,11 @@
 //! Where a request enters: its key, client and fingerprint are read, its scope is held in this
-//! process, and it goes on to the transactional or the external path.
+//! process, and it goes on to the path of its layer's [`Mode`].
 
-use crate::config::HttpMode;
 use crate::key::{self, KeyError, Scope};
 use crate::keyed::{self, Inner, Keyed, ResponseBody, Shared, answer};
+use crate::mode::Mode;
 use crate::problem::Problem;
 use crate::telemetry::{self, Result as Seen};
-use crate::{external, transactional};
 use axum_core::body::Body;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt as _, LengthLimitError, Limited};
@@ -17,13 +16,15 @@ use std::time::Duration;
 use tracing::Instrument as _;
 
 /// Handles one request of an idempotent route.
-pub(crate) async fn handle<S, I, B>(
+pub(crate) async fn handle<S, M, I, B>(
     shared: Arc<Shared<S>>,
+    mode: M,
     inner: I,
     request: Request<Body>,
 ) -> Result<Response<Body>, Infallible>
 where
     S: RuntimeStore,
+    M: Mode,
     I: Inner<B>,
     B: ResponseBody,
 {
@@ -41,14 +42,7 @@ where
             Ok(None) if !config.required => {
                 telemetry::request(&config.operation, Seen::Unkeyed);
                 let request = Request::from_parts(parts, body);
-                return match config.mode {
-                    HttpMode::Transactional => {
-                        transactional::run_unkeyed(&shared, inner, request).await
-                    }
-                    HttpMode::External { .. } => keyed::call(inner, request)
-                        .await
-                        .map(|r| r.map(Body::new)),
-                };
+                return mode.unkeyed(&shared, inner, request).await;
             }
             Ok(None) => return Ok(bad_key(&shared, &KeyError::Missing)),
             Err(e) => return Ok(bad_key(&shared, &e)),
@@ -99,10 +93,7 @@ where
             return Ok(keyed::in_progress(&keyed, Duration::from_secs(1)));
         };
         let request = Request::from_parts(parts, Body::from(body));
-        match config.mode {
-            HttpMode::Transactional => transactional::run(&keyed, inner, request).await,
-            HttpMode::External { lease } => external::run(&keyed, lease, inner, request).await,
-        }
+        mode.keyed(&keyed, inner, request).await
     }
     .instrument(span)
     .await

@@ -1,10 +1,10 @@
 //! A transactional operation's handlers: [`IdempotencyLayer::handler`] wraps one, once the
 //! compiler has checked that it writes in the [`Tx`] of the layer's store ([`WritesIn`]).
 
-use crate::config::Transactional;
 use crate::flow;
 use crate::keyed::Shared;
 use crate::layer::IdempotencyLayer;
+use crate::mode::Transactional;
 use crate::tx::Tx;
 use axum::handler::Handler;
 use axum_core::extract::Request;
@@ -70,7 +70,7 @@ where
     fn call(self, request: Request, state: St) -> Self::Future {
         let inner = self.handler.with_state(state);
         Box::pin(async move {
-            match flow::handle(self.shared, inner, request).await {
+            match flow::handle(self.shared, Transactional, inner, request).await {
                 Ok(response) => response,
                 Err(never) => match never {},
             }

@@ -2,10 +2,10 @@
 //! scope and fingerprint, replays, the layer's own answers, calling the handler and reading
 //! its response.
 
-use crate::config::{Built, Idempotency};
 use crate::inflight::InFlight;
 use crate::key::Scope;
 use crate::problem::Problem;
+use crate::settings::Settings;
 use crate::stored::StoredResponse;
 use crate::telemetry::{self, Result as Seen};
 use axum_core::body::Body;
@@ -20,7 +20,7 @@ use std::time::Duration;
 use tower_service::Service;
 
 /// The handler a layer wraps: a service answering `Response<B>` (axum's routes are).
-pub(crate) trait Inner<B>:
+pub trait Inner<B>:
     Service<Request<Body>, Response = Response<B>, Error = Infallible, Future: Send> + Send
 {
 }
@@ -31,7 +31,7 @@ impl<T, B> Inner<B> for T where
 }
 
 /// The body of a handler's response.
-pub(crate) trait ResponseBody:
+pub trait ResponseBody:
     http_body::Body<Data = Bytes, Error: Into<axum_core::BoxError>> + Send + 'static
 {
 }
@@ -42,13 +42,13 @@ impl<T> ResponseBody for T where
 }
 
 /// What every request of one layer shares.
-pub(crate) struct Shared<S> {
-    pub(crate) config: Idempotency<S, Built>,
+pub struct Shared<S> {
+    pub(crate) config: Settings<S>,
     pub(crate) in_flight: InFlight,
 }
 
 /// A request on its way through the layer: what both paths need.
-pub(crate) struct Keyed<'a, S> {
+pub struct Keyed<'a, S> {
     pub(crate) shared: &'a Shared<S>,
     pub(crate) scope: Scope,
     pub(crate) fingerprint: Fingerprint,

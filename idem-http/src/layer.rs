@@ -1,10 +1,11 @@
 //! The built layer of one operation, and the tower [`Layer`] and [`Service`] that put an
 //! external route behind an `Idempotency-Key`.
 
-use crate::config::{ConfigError, External, Idempotency};
+use crate::config::{ConfigError, Idempotency};
 use crate::flow;
 use crate::inflight::InFlight;
 use crate::keyed::Shared;
+use crate::mode::{External, Mode};
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{Request, Response};
@@ -12,7 +13,6 @@ use idem_core::store::RuntimeStore;
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -20,80 +20,86 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 /// The layer of one operation, built by [`Idempotency::layer`]. Cloning it is cheap; every
-/// route of the operation shares its keys.
+/// route of the operation shares its keys. Either mode's layer is a tower layer on the
+/// operation's routes (axum: `post(handler).layer(layer)`), generic over the request body.
 ///
-/// - A [`Transactional`](crate::Transactional) layer wraps each handler of the operation
-///   (axum: `post(layer.handler(create))`); the handler's [`crate::Tx`] is checked against the
-///   layer's store when it compiles.
-/// - An [`External`] layer is a tower layer on the operation's routes (axum:
-///   `post(handler).layer(layer)`).
+/// - A [`Transactional`](crate::Transactional) layer also wraps each handler of the operation
+///   (axum: `post(layer.handler(create))`), which checks, when it compiles, that the handler's
+///   [`crate::Tx`] is of the layer's store. As a tower layer, a handler taking the `Tx` of
+///   another database is answered 500 ([`crate::TxRejection::Missing`]) at run time.
+/// - An [`External`] layer's handler calls other services and takes no `Tx`.
 pub struct IdempotencyLayer<S, M> {
     pub(crate) shared: Arc<Shared<S>>,
-    built_as: PhantomData<fn() -> M>,
+    pub(crate) mode: M,
 }
 
-impl<S: RuntimeStore, M> Idempotency<S, M> {
+impl<S: RuntimeStore, M: Mode> Idempotency<S, M> {
     /// Checks the configuration and builds the layer.
     pub fn layer(self) -> Result<IdempotencyLayer<S, M>, ConfigError> {
         self.check()?;
         let shared = Shared {
-            config: self.built(),
+            config: self.settings,
             in_flight: InFlight::default(),
         };
         Ok(IdempotencyLayer {
             shared: Arc::new(shared),
-            built_as: PhantomData,
+            mode: self.mode,
         })
     }
 }
 
-impl<S, M> Clone for IdempotencyLayer<S, M> {
+impl<S, M: Copy> Clone for IdempotencyLayer<S, M> {
     fn clone(&self) -> Self {
         Self {
             shared: self.shared.clone(),
-            built_as: PhantomData,
+            mode: self.mode,
         }
     }
 }
 
-impl<S, M> fmt::Debug for IdempotencyLayer<S, M> {
+impl<S, M: fmt::Debug> fmt::Debug for IdempotencyLayer<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("IdempotencyLayer")
-            .field(&self.shared.config)
+        f.debug_struct("IdempotencyLayer")
+            .field("mode", &self.mode)
+            .field("settings", &self.shared.config)
             .finish()
     }
 }
 
-impl<S, I> Layer<I> for IdempotencyLayer<S, External> {
-    type Service = IdempotencyService<S, I>;
+impl<S, I, M: Mode> Layer<I> for IdempotencyLayer<S, M> {
+    type Service = IdempotencyService<S, I, M>;
 
     fn layer(&self, inner: I) -> Self::Service {
         IdempotencyService {
             shared: self.shared.clone(),
+            mode: self.mode,
             inner,
         }
     }
 }
 
-/// The service an [`External`] [`IdempotencyLayer`] wraps around a route.
-pub struct IdempotencyService<S, I> {
+/// The service an [`IdempotencyLayer`] wraps around a route.
+pub struct IdempotencyService<S, I, M = External> {
     shared: Arc<Shared<S>>,
+    mode: M,
     inner: I,
 }
 
-impl<S, I: Clone> Clone for IdempotencyService<S, I> {
+impl<S, I: Clone, M: Copy> Clone for IdempotencyService<S, I, M> {
     fn clone(&self) -> Self {
         Self {
             shared: self.shared.clone(),
+            mode: self.mode,
             inner: self.inner.clone(),
         }
     }
 }
 
-impl<S, I> fmt::Debug for IdempotencyService<S, I> {
+impl<S, I, M: fmt::Debug> fmt::Debug for IdempotencyService<S, I, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyService")
-            .field("config", &self.shared.config)
+            .field("mode", &self.mode)
+            .field("settings", &self.shared.config)
             .finish_non_exhaustive()
     }
 }
@@ -101,9 +107,10 @@ impl<S, I> fmt::Debug for IdempotencyService<S, I> {
 /// The service takes requests of any body type (hyper's, axum's, a test's `String`), as
 /// tower-http's layers do; its handler gets the body, once read for the fingerprint, as axum's
 /// [`Body`].
-impl<S, I, B, ReqB> Service<Request<ReqB>> for IdempotencyService<S, I>
+impl<S, I, M, B, ReqB> Service<Request<ReqB>> for IdempotencyService<S, I, M>
 where
     S: RuntimeStore,
+    M: Mode,
     I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
     I::Future: Send,
     B: http_body::Body<Data = Bytes> + Send + 'static,
@@ -125,6 +132,7 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(flow::handle(
             self.shared.clone(),
+            self.mode,
             inner,
             request.map(Body::new),
         ))

@@ -54,20 +54,23 @@ mod inflight;
 pub mod key;
 mod keyed;
 mod layer;
+mod mode;
 mod probes;
 mod problem;
+mod settings;
 pub mod stored;
 mod sweep;
 pub mod telemetry;
 mod transactional;
 mod tx;
 
-pub use config::{
-    ConfigError, DEFAULT_KEY_RETENTION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES,
-    External, Idempotency, IdentityFn, Transactional,
-};
+pub use config::{ConfigError, Idempotency};
 pub use handler::{At, IdempotentHandler, WritesIn};
 pub use layer::{IdempotencyLayer, IdempotencyService};
+pub use mode::{External, Mode, Transactional};
 pub use probes::probes;
+pub use settings::{
+    DEFAULT_KEY_RETENTION, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_RESPONSE_BYTES, IdentityFn,
+};
 pub use sweep::sweep_every;
 pub use tx::{Execution, Tx, TxRejection};

@@ -126,11 +126,10 @@ fn emit(
     let associated = associated(&krate, args, sig, key);
     let key_fn = key_fn(&krate, args, sig, key);
     let (_, _, state_types) = extras(&krate, sig);
-    let call_future = call_future(&krate, sig);
-    let (call, call_other) = match sig.tx_ty {
-        Some(tx_ty) if sig.batch => batch_calls(&krate, func, sig, tx_ty),
-        Some(tx_ty) => (transactional_call(&krate, func, sig, tx_ty), quote!()),
-        None => external_calls(&krate, func, sig),
+    let kind_impl = match sig.tx_ty {
+        Some(tx_ty) if sig.batch => batch_impl(&krate, func, sig, tx_ty),
+        Some(tx_ty) => transactional_impl(&krate, func, sig, tx_ty),
+        None => external_impl(&krate, func, args, sig),
     };
     quote! {
         #func
@@ -147,25 +146,17 @@ fn emit(
                 #versioned
 
                 #key_fn
-
-                fn call<'__idem, '__idem_c: '__idem>(
-                    __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
-                    __idem_payload: Self::Payload,
-                    __idem_ctx: &'__idem #krate::Context<'__idem>,
-                ) -> #call_future {
-                    #call
-                }
-
-                #call_other
             }
+
+            #kind_impl
 
             #krate::inventory::submit! { #krate::Registration::new(&__IdemHandler) }
         };
     }
 }
 
-/// The handler's types and constants: its store, payload and output, name, consumer, queue,
-/// key source, mode, retention and batching.
+/// The handler's types and constants: its store, payload, output and kind, name, consumer,
+/// queue, key source, retention and batch size.
 fn associated(
     krate: &TokenStream,
     args: &Args,
@@ -193,25 +184,15 @@ fn associated(
     };
     let source = key.source(krate, args.key.as_ref());
     let millis = |ms: u64| quote!(::core::time::Duration::from_millis(#ms));
-    let mode = match args.mode {
-        crate::args::Mode::Transactional => quote!(#krate::Mode::Transactional),
-        crate::args::Mode::External => {
-            let lease = match args.lease_ms {
-                Some(ms) => millis(ms),
-                None => quote!(#krate::DEFAULT_LEASE),
-            };
-            quote!(#krate::Mode::External { lease: #lease })
-        }
+    let kind = match (sig.tx_ty, sig.batch) {
+        (None, _) => quote!(#krate::kind::External),
+        (Some(_), true) => quote!(#krate::kind::Batch),
+        (Some(_), false) => quote!(#krate::kind::Transactional),
     };
     let retention = match args.retention_ms.map(millis) {
         Some(duration) => quote!(::core::option::Option::Some(#duration)),
         None => quote!(::core::option::Option::None),
     };
-    let batching = sig.batch.then(|| {
-        quote!(
-            const TAKES_BATCH: bool = true;
-        )
-    });
     let batch_size = args.batch.map(|size| {
         quote!(const BATCH_SIZE: ::core::option::Option<usize> = ::core::option::Option::Some(#size);)
     });
@@ -219,13 +200,12 @@ fn associated(
         type Store = #store;
         type Payload = #payload_ty;
         type Output = #output;
+        type Kind = #kind;
         const NAME: &'static str = #name_str;
         const CONSUMER: &'static str = #consumer;
         const QUEUE: ::core::option::Option<&'static str> = #queue;
         const KEY: #krate::KeySource = #source;
-        const MODE: #krate::Mode = #mode;
         const RETENTION: ::core::option::Option<::core::time::Duration> = #retention;
-        #batching
         #batch_size
     }
 }
@@ -272,9 +252,9 @@ fn into_result(krate: &TokenStream, sig: &HandlerSig<'_>) -> TokenStream {
     quote_spanned!(returns.span()=> <#returns as #krate::HandlerResult>::into_handler_result)
 }
 
-/// A transactional handler's `call`: the handler with the inbox transaction (the argument
-/// spanned at the user's tokens, so type errors point at the parameter at fault).
-fn transactional_call(
+/// A transactional handler's kind trait: `call` runs the function with the inbox transaction
+/// (the argument spanned at the user's tokens, so type errors point at the parameter at fault).
+fn transactional_impl(
     krate: &TokenStream,
     func: &ItemFn,
     sig: &HandlerSig<'_>,
@@ -283,23 +263,34 @@ fn transactional_call(
     let name = sig.name;
     let (extract_state, extra_args, _) = extras(krate, sig);
     let into_result = into_result(krate, sig);
+    let call_future = call_future(krate, sig);
     let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
-    quote_spanned!(func.sig.span()=>
+    let future = quote_spanned!(func.sig.span()=>
         async move {
             #extract_state
             #into_result(#name(#tx_arg, __idem_payload #(, #extra_args)*).await)
         }
-    )
+    );
+    quote! {
+        impl #krate::TransactionalHandler for __IdemHandler {
+            fn call<'__idem, '__idem_c: '__idem>(
+                __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
+                __idem_payload: Self::Payload,
+                __idem_ctx: &'__idem #krate::Context<'__idem>,
+            ) -> #call_future {
+                #future
+            }
+        }
+    }
 }
 
-/// A batch handler's `call` (a permanent error: a batch handler is called with batches) and
-/// its `call_batch`.
-fn batch_calls(
+/// A batch handler's kind trait: `call` runs the function on the new messages of a batch.
+fn batch_impl(
     krate: &TokenStream,
     func: &ItemFn,
     sig: &HandlerSig<'_>,
     tx_ty: &syn::Type,
-) -> (TokenStream, TokenStream) {
+) -> TokenStream {
     let (name, returns) = (sig.name, sig.returns);
     let (extract_state, extra_args, _) = extras(krate, sig);
     let tx_arg = quote_spanned!(tx_ty.span()=> __idem_tx);
@@ -321,60 +312,50 @@ fn batch_calls(
             #into_batch(#name(#tx_arg, __idem_payload #(, #extra_args)*).await, __idem_len)
         }
     );
-    let call = refused(
-        krate,
-        "a batch handler takes the new messages of a batch at once",
-    );
-    let call_batch = quote! {
-        fn call_batch<'__idem, '__idem_c: '__idem>(
-            __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
-            __idem_payload: #krate::Batch<Self::Payload>,
-            __idem_ctx: &'__idem #krate::Context<'__idem>,
-        ) -> #batch_future {
-            #future
+    quote! {
+        impl #krate::BatchHandler for __IdemHandler {
+            fn call<'__idem, '__idem_c: '__idem>(
+                __idem_tx: &'__idem mut <Self::Store as #krate::InboxStore>::Tx<'__idem_c>,
+                __idem_payload: #krate::Batch<Self::Payload>,
+                __idem_ctx: &'__idem #krate::Context<'__idem>,
+            ) -> #batch_future {
+                #future
+            }
         }
-    };
-    (call, call_batch)
+    }
 }
 
-/// An external handler's `call` (a permanent error: it runs outside the inbox transaction)
-/// and its `call_external`.
-fn external_calls(
+/// An external handler's kind trait: its lease, and `call` running the function outside the
+/// inbox transaction.
+fn external_impl(
     krate: &TokenStream,
     func: &ItemFn,
+    args: &Args,
     sig: &HandlerSig<'_>,
-) -> (TokenStream, TokenStream) {
+) -> TokenStream {
     let name = sig.name;
     let (extract_state, extra_args, _) = extras(krate, sig);
     let into_result = into_result(krate, sig);
     let call_future = call_future(krate, sig);
+    let lease = args.lease_ms.map(|ms| {
+        quote!(const LEASE: ::core::time::Duration = ::core::time::Duration::from_millis(#ms);)
+    });
     let future = quote_spanned!(func.sig.span()=>
         async move {
             #extract_state
             #into_result(#name(__idem_payload #(, #extra_args)*).await)
         }
     );
-    let call = refused(
-        krate,
-        "an external handler runs outside the inbox transaction",
-    );
-    let call_external = quote! {
-        fn call_external<'__idem>(
-            __idem_payload: Self::Payload,
-            __idem_ctx: &'__idem #krate::Context<'__idem>,
-        ) -> #call_future {
-            #future
-        }
-    };
-    (call, call_external)
-}
-
-/// A `call` that refuses, for the handler kinds the runtime never calls through it.
-fn refused(krate: &TokenStream, why: &str) -> TokenStream {
     quote! {
-        let _ = (__idem_tx, __idem_payload, __idem_ctx);
-        async move {
-            ::core::result::Result::Err(#krate::HandlerError::permanent(#why))
+        impl #krate::ExternalHandler for __IdemHandler {
+            #lease
+
+            fn call<'__idem>(
+                __idem_payload: Self::Payload,
+                __idem_ctx: &'__idem #krate::Context<'__idem>,
+            ) -> #call_future {
+                #future
+            }
         }
     }
 }

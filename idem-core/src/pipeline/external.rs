@@ -1,4 +1,4 @@
-//! The pipeline of an external-mode handler ([`crate::handler::Mode::External`]): lease the key, run the
+//! The pipeline of an external-mode handler ([`crate::handler::ExternalHandler`]): lease the key, run the
 //! handler outside any transaction, then settle the row as completed or failed.
 //!
 //! State machine of one key: *absent* → `in_progress` (lease held) → `completed` or `failed`.
@@ -9,7 +9,7 @@ use super::steps::{
     Keyed, Limits, count_start, encode_result, poison_verdict, prepare, refused, settle_counts,
     store_failure,
 };
-use crate::handler::Handler;
+use crate::handler::{ExternalHandler, Handler};
 use crate::model::{Context, Envelope, Fingerprint, Outcome, StoreError, StoredOutput, Transient};
 use crate::store::{DeadLetterStore, LeaseEnd, LeasedRun, Leasing, Refusal};
 use crate::telemetry;
@@ -17,12 +17,12 @@ use std::time::{Duration, Instant};
 
 /// Processes one delivery with external-mode handler `H`, holding each lease for `lease`,
 /// within `limits`.
-pub(crate) async fn process<H: Handler>(
+pub(crate) async fn process<H: ExternalHandler>(
     store: &H::Store,
     envelope: &Envelope,
-    lease: Duration,
     limits: Limits<'_>,
 ) -> Outcome {
+    let lease = H::LEASE;
     let (payload, mut keyed) = match prepare::<H>(envelope) {
         Ok(prepared) => prepared,
         Err(rejected) => return rejected,
@@ -50,7 +50,7 @@ enum Ran {
 }
 
 /// [`process`] once the delivery is read and its handler's run counted: lease, run, settle.
-async fn run<H: Handler>(
+async fn run<H: ExternalHandler>(
     store: &H::Store,
     envelope: &Envelope,
     payload: H::Payload,
@@ -83,7 +83,7 @@ async fn run<H: Handler>(
 
     let ctx = Context::new(envelope, H::CONSUMER, key).with_state(limits.state);
     let running = telemetry::HandlerRun::start(H::CONSUMER);
-    let result = H::call_external(payload, &ctx).await;
+    let result = <H as ExternalHandler>::call(payload, &ctx).await;
     running.end();
     let (end, output, outcome) = match encode_result::<H>(store, result, key) {
         Ok(output) => {

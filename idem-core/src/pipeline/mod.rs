@@ -1,9 +1,11 @@
 //! The inbox pipelines, and their one entry point: [`ErasedHandler`], which every registered
-//! handler is, picks the handler's mode once and runs its pipeline:
+//! handler is, runs the pipeline of the handler's kind ([`Pipeline`], in `kinds.rs`), chosen
+//! by its type when the handler is registered:
 //!
-//! | mode | one delivery | a batch |
+//! | kind | one delivery | a batch |
 //! |---|---|---|
-//! | transactional | `transactional`: one transaction, claim, handler, commit | `batch`: one transaction for the batch |
+//! | transactional | `transactional`: one transaction, claim, handler, commit | `batch`: one transaction for the batch, a handler run per message |
+//! | batch | `batch`, as a batch of one | `batch`: one transaction, one handler run |
 //! | external | `external`: lease, handler, settle | each delivery on its own, after the previous batch |
 //!
 //! `steps` holds what every mode shares (decode, key and fingerprint; duplicate or conflict;
@@ -11,10 +13,12 @@
 
 mod batch;
 mod external;
+mod kinds;
 pub mod stages;
 mod steps;
 mod transactional;
 
+pub use kinds::Pipeline;
 pub use stages::Stages;
 
 use steps::Limits;
@@ -31,14 +35,17 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-/// Processes one delivery with handler `H` in `store`, in `H`'s mode, keeping its row for the
-/// handler's retention (else the store's), with no poison limit.
+/// Processes one delivery with handler `H` in `store`, through its kind's pipeline, keeping
+/// its row for the handler's retention (else the store's), with no poison limit.
 ///
 /// In transactional mode the marker row and the handler's writes commit together or not at
 /// all: nothing is committed unless the outcome is [`Outcome::Processed`].
-pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outcome {
+pub async fn process<H: Handler<Kind: Pipeline<H>>>(
+    store: &H::Store,
+    envelope: &Envelope,
+) -> Outcome {
     let limits = Limits::of::<H>(store, None, None);
-    run::<H>(store, envelope, limits, &mut None).await
+    H::Kind::one(store, envelope, limits, &mut None).await
 }
 
 /// Processes `envelopes` with handler `H` in `store` (transactional mode: one transaction),
@@ -46,57 +53,12 @@ pub async fn process<H: Handler>(store: &H::Store, envelope: &Envelope) -> Outco
 ///
 /// A key that occurs twice in the batch is processed once; its later copies are duplicates (or
 /// conflicts) of the first once that has committed, and are retried if it did not.
-pub async fn process_batch<H: Handler>(store: &H::Store, envelopes: &[Envelope]) -> Vec<Outcome> {
-    let limits = Limits::of::<H>(store, None, None);
-    run_batch::<H>(store, envelopes, Stages::default(), limits, &mut None).await
-}
-
-/// The one place the mode is picked, for one delivery; a transaction runs on the connection
-/// in `held` (see [`InboxStore::begin_on`]).
-async fn run<H: Handler>(
-    store: &H::Store,
-    envelope: &Envelope,
-    limits: Limits<'_>,
-    held: &mut Option<<H::Store as InboxStore>::Held>,
-) -> Outcome {
-    if H::TAKES_BATCH {
-        // A batch handler given one delivery runs it as a batch of one.
-        let envelopes = std::slice::from_ref(envelope);
-        let outcomes = batch::process::<H>(store, envelopes, Stages::default(), limits, held).await;
-        return outcomes.into_iter().next().unwrap_or_else(|| {
-            Outcome::Retry(crate::model::Transient {
-                message: "a batch of one gave no outcome".to_owned(),
-                key: None,
-            })
-        });
-    }
-    match H::MODE {
-        Mode::Transactional => transactional::process::<H>(store, envelope, limits, held).await,
-        Mode::External { lease } => external::process::<H>(store, envelope, lease, limits).await,
-    }
-}
-
-/// The one place the mode is picked, for a batch; a transaction runs on the connection in
-/// `held`. An external handler shares no transaction, so its batch is its messages one after
-/// another, each leased and settled on its own, after the previous batch.
-async fn run_batch<H: Handler>(
+pub async fn process_batch<H: Handler<Kind: Pipeline<H>>>(
     store: &H::Store,
     envelopes: &[Envelope],
-    mut stages: Stages,
-    limits: Limits<'_>,
-    held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
-    let Mode::External { lease } = H::MODE else {
-        return batch::process::<H>(store, envelopes, stages, limits, held).await;
-    };
-    stages.wait_for_previous().await;
-    let mut outcomes = Vec::with_capacity(envelopes.len());
-    for envelope in envelopes {
-        outcomes.push(external::process::<H>(store, envelope, lease, limits).await);
-    }
-    stages.fire_committing();
-    stages.fire_committed();
-    outcomes
+    let limits = Limits::of::<H>(store, None, None);
+    H::Kind::batch(store, envelopes, Stages::default(), limits, &mut None).await
 }
 
 /// A handler with its types erased: what the registry holds and the runtime calls. Every
@@ -156,7 +118,7 @@ pub trait ErasedHandler: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>>;
 }
 
-impl<H: Handler> ErasedHandler for H {
+impl<H: Handler<Kind: Pipeline<H>>> ErasedHandler for H {
     fn name(&self) -> &'static str {
         H::NAME
     }
@@ -178,7 +140,7 @@ impl<H: Handler> ErasedHandler for H {
     }
 
     fn mode(&self) -> Mode {
-        H::MODE
+        H::Kind::mode()
     }
 
     fn state_types(&self) -> Vec<StateType> {
@@ -258,7 +220,7 @@ impl<H: Handler> ErasedHandler for H {
             }
             .with_stores::<H::Store>(stores);
             let held = held.of::<H::Store>();
-            let processed = unwound(run::<H>(store, envelope, limits, held)).await;
+            let processed = unwound(H::Kind::one(store, envelope, limits, held)).await;
             if processed.is_err() {
                 // A panic may have left the connection mid-way; the pool checks it.
                 *held = None;
@@ -279,7 +241,7 @@ impl<H: Handler> ErasedHandler for H {
             let limits = Limits::of::<H>(store, stores.retention(), stores.poison_limit())
                 .with_stores::<H::Store>(stores);
             let held = held.of::<H::Store>();
-            let processed = unwound(run_batch::<H>(store, envelopes, stages, limits, held)).await;
+            let processed = unwound(H::Kind::batch(store, envelopes, stages, limits, held)).await;
             if processed.is_err() {
                 // A panic may have left the connection mid-way; the pool checks it.
                 *held = None;

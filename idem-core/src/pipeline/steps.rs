@@ -2,7 +2,7 @@
 //! exists (duplicate or conflict), and turn a handler's result or a store's failure into an
 //! outcome.
 
-use crate::handler::Handler;
+use crate::handler::{Handler, TransactionalHandler};
 use crate::model::{
     Context, Envelope, ErrorClass, Fingerprint, HandlerError, Outcome, Outgoing, RejectReason,
     Rejection, Stale, StoreError, StoredOutput, Transient, Versioned,
@@ -111,7 +111,7 @@ pub(crate) async fn advance<H: Handler>(
 }
 
 /// Runs handler `H` on `payload` in the inbox transaction `tx`, with `state`, timed.
-pub(crate) async fn call<H: Handler>(
+pub(crate) async fn call<H: TransactionalHandler>(
     store: &H::Store,
     tx: &mut <H::Store as InboxStore>::Tx<'_>,
     payload: H::Payload,
@@ -299,7 +299,7 @@ pub(crate) fn failure(class: ErrorClass, message: String, key: &str) -> Outcome 
 
 /// What bounds one handler's rows and deliveries.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Limits<'a> {
+pub struct Limits<'a> {
     /// How long its rows are kept.
     pub(crate) retention: Duration,
     /// After how many deliveries without a settlement a message is refused as poison.

@@ -9,7 +9,7 @@ use super::steps::{
     Keyed, Limits, advance, call, count_start, encode_result, poison_verdict, prepare, refused,
     reply_again, settle_counts, store_failure,
 };
-use crate::handler::Handler;
+use crate::handler::{Handler, TransactionalHandler};
 use crate::model::outgoing::reply;
 use crate::model::{Envelope, Outcome};
 use crate::store::{Admission, InboxStore, OutboxStore};
@@ -22,7 +22,7 @@ use std::time::Instant;
 /// The marker row and the handler's writes commit together or not at all. Nothing is
 /// committed unless the outcome is [`Outcome::Processed`]; every other outcome leaves the
 /// database as it was.
-pub(crate) async fn process<H: Handler>(
+pub(crate) async fn process<H: TransactionalHandler>(
     store: &H::Store,
     envelope: &Envelope,
     limits: Limits<'_>,
@@ -43,7 +43,7 @@ pub(crate) async fn process<H: Handler>(
 /// [`process`] once the delivery is read and its handler's run counted: the transaction is
 /// begun, everything in it runs ([`inside`]), and it is committed, or rolled back here, the
 /// one place where it is.
-async fn run<H: Handler>(
+async fn run<H: TransactionalHandler>(
     store: &H::Store,
     envelope: &Envelope,
     payload: H::Payload,
@@ -94,7 +94,7 @@ struct Done {
 
 /// Everything in the transaction: claim, poison verdict, version, the handler, completion and
 /// the reply staged.
-async fn inside<H: Handler>(
+async fn inside<H: TransactionalHandler>(
     store: &H::Store,
     tx: &mut <H::Store as InboxStore>::Tx<'_>,
     envelope: &Envelope,
@@ -316,6 +316,7 @@ mod tests {
         type Store = MemStore;
         type Payload = Order;
         type Output = u32;
+        type Kind = crate::handler::kind::Transactional;
         const NAME: &'static str = "order";
         const CONSUMER: &'static str = "test::order";
         const QUEUE: Option<&'static str> = None;
@@ -324,7 +325,9 @@ mod tests {
         fn key(_: &Envelope, order: &Order) -> Result<String, KeyError> {
             field_key(&order.id, Self::KEY)
         }
+    }
 
+    impl TransactionalHandler for OrderHandler {
         async fn call<'a, 'c: 'a>(
             tx: &'a mut <MemStore as InboxStore>::Tx<'c>,
             order: Order,

@@ -7,7 +7,7 @@ use crate::pipeline::steps::{Keyed, existing, prepare};
 use std::collections::HashMap;
 
 /// One distinct key of a batch (its payload is kept apart: payloads need not be `Sync`).
-pub(super) struct Item {
+pub(crate) struct Item {
     /// Its delivery's position in the batch.
     pub(super) index: usize,
     pub(super) keyed: Keyed,

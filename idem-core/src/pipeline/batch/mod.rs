@@ -17,7 +17,7 @@
 //!    member that fails alone is dead-lettered;
 //! 3. [`finish`]: the outcomes of the copies and of every delivery.
 //!
-//! A batch handler ([`Handler::TAKES_BATCH`]) runs once per pass on every new message
+//! A batch handler ([`crate::handler::BatchHandler`]) runs once per pass on every new message
 //! ([`set`]); a pass that fails one message runs again without it, one that fails permanently
 //! with no culprit runs again in halves. Only the last pass lets the next batch run its
 //! handlers (`stages`): a half that committed keeps it waiting for the other half.
@@ -33,7 +33,7 @@ use crate::model::{Envelope, Outcome, Transient};
 use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{Limits, count_start, reply_again, settle_counts};
 use crate::store::InboxStore;
-use run::{Batch, How, Pass, Place};
+use run::{Batch, Pass, Passes, Place};
 use std::collections::VecDeque;
 
 /// Processes `envelopes` with handler `H` in one transaction of `store` on the connection in
@@ -46,7 +46,7 @@ use std::collections::VecDeque;
 /// A batch with a redelivery in it, under a poison limit, runs one message per transaction
 /// instead ([`one_by_one`]): only a handler that starts may count toward the limit, and in one
 /// transaction the members behind a handler that never returns would never start.
-pub(crate) async fn process<H: Handler>(
+pub(crate) async fn process<H: Handler<Kind: Passes<H>>>(
     store: &H::Store,
     envelopes: &[Envelope],
     stages: Stages,
@@ -63,7 +63,7 @@ pub(crate) async fn process<H: Handler>(
 /// [`process`] for a batch after a crash: each message in a transaction of its own, after the
 /// batch before it and before the one after it, each redelivery counted just before its handler
 /// starts.
-async fn one_by_one<H: Handler>(
+async fn one_by_one<H: Handler<Kind: Passes<H>>>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
@@ -89,7 +89,7 @@ async fn one_by_one<H: Handler>(
 }
 
 /// [`process`] in one transaction.
-async fn together<H: Handler>(
+async fn together<H: Handler<Kind: Passes<H>>>(
     store: &H::Store,
     envelopes: &[Envelope],
     mut stages: Stages,
@@ -170,7 +170,7 @@ async fn reply_to_duplicates<H: Handler>(
     replied
 }
 
-impl<H: Handler> Batch<'_, H> {
+impl<H: Handler<Kind: Passes<H>>> Batch<'_, H> {
     /// Runs the handler over `members` (their payloads in `payloads`), again without a message
     /// a batch handler failed, and in halves after a permanent failure with no culprit (a batch
     /// handler's, or the store's), until every member has its outcome.
@@ -197,9 +197,7 @@ impl<H: Handler> Batch<'_, H> {
                 let stages = &mut *place.stages;
                 Some((stages.committing.take(), stages.committed.take()))
             };
-            let ended = self
-                .pass_of(items, &members, decoded, outcomes, place)
-                .await;
+            let ended = H::Kind::pass_of(self, items, &members, decoded, outcomes, place).await;
             if let Some((committing, committed)) = held {
                 place.stages.committing = committing;
                 place.stages.committed = committed;
@@ -244,37 +242,5 @@ impl<H: Handler> Batch<'_, H> {
                 }
             }
         }
-    }
-}
-
-impl<H: Handler> Batch<'_, H> {
-    /// One pass over `members`: a batch handler's, or single handlers' run back to back and,
-    /// when one of them failed (the fast pass was rolled back), again with every message
-    /// under its own savepoint, its payloads decoded anew.
-    async fn pass_of(
-        &self,
-        items: &mut [gather::Item],
-        members: &[usize],
-        payloads: Vec<Option<H::Payload>>,
-        outcomes: &mut [Option<Outcome>],
-        place: &mut Place<'_, H::Store>,
-    ) -> Pass {
-        if H::TAKES_BATCH {
-            return self
-                .pass(items, members, payloads, outcomes, How::Set, place)
-                .await;
-        }
-        let fast = self
-            .pass(items, members, payloads, outcomes, How::Fast, place)
-            .await;
-        if fast != Pass::NeedsIsolation {
-            return fast;
-        }
-        let payloads = gather::decode_again::<H>(items, members, self.envelopes);
-        for &k in members {
-            outcomes[items[k].index] = None;
-        }
-        self.pass(items, members, payloads, outcomes, How::Isolated, place)
-            .await
     }
 }

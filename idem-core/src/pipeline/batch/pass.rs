@@ -5,12 +5,12 @@
 //! [`How::Fast`]: handlers run back to back (no extra round trip per message), and the first
 //! handler failure rolls everything back and asks for an isolated pass; [`How::Isolated`]: each
 //! new message runs under its own savepoint, and a failure undoes that message only;
-//! [`How::Set`]: a batch handler runs once on every new message (see [`super::set`]).
+//! a batch handler runs once on every new message (see [`super::set`]).
 
 use super::gather::Item;
-use super::run::{Batch, How, Pass, Place, Run, SetEnd};
-use super::set;
-use crate::handler::Handler;
+use super::run::{Batch, How, Pass, Passes, Place, Run, SetEnd};
+use crate::future::BoxFuture;
+use crate::handler::{Handler, TransactionalHandler, kind};
 use crate::model::outgoing::reply;
 use crate::model::{ErrorClass, Outcome, Outgoing, StoreError, StoredOutput};
 use crate::pipeline::steps::{advance, call, encode_result, failure, poison_verdict};
@@ -18,7 +18,53 @@ use crate::store::{Claim, ClaimRequest, InboxStore, OutboxStore};
 use crate::telemetry;
 use std::time::Instant;
 
-impl<H: Handler> Batch<'_, H> {
+/// A transactional handler's passes: the fast pass, and when one of its handlers failed (the
+/// fast pass was rolled back) the pass again with every message under its own savepoint, its
+/// payloads decoded anew.
+impl<H: TransactionalHandler> Passes<H> for kind::Transactional {
+    fn pass_of<'x>(
+        batch: &'x Batch<'_, H>,
+        items: &'x mut [Item],
+        members: &'x [usize],
+        payloads: Vec<Option<H::Payload>>,
+        outcomes: &'x mut [Option<Outcome>],
+        place: &'x mut Place<'_, H::Store>,
+    ) -> BoxFuture<'x, Pass> {
+        Box::pin(async move {
+            let fast = batch
+                .pass(items, members, payloads, outcomes, How::Fast, place)
+                .await;
+            if fast != Pass::NeedsIsolation {
+                return fast;
+            }
+            let payloads = super::gather::decode_again::<H>(items, members, batch.envelopes);
+            for &k in members {
+                outcomes[items[k].index] = None;
+            }
+            batch
+                .pass(items, members, payloads, outcomes, How::Isolated, place)
+                .await
+        })
+    }
+
+    fn handle<'x, 'c: 'x>(
+        run: &'x mut Run<'_, '_, H>,
+        tx: &'x mut <H::Store as InboxStore>::Tx<'c>,
+        claims: Vec<Claim>,
+        payloads: Vec<Option<H::Payload>>,
+        how: How,
+    ) -> BoxFuture<'x, Result<SetEnd, StoreError>> {
+        Box::pin(async move {
+            let isolate = how == How::Isolated;
+            Ok(match run.handle(tx, claims, payloads, isolate).await? {
+                Some(failed) => SetEnd::Failed(failed),
+                None => SetEnd::Again(Pass::NeedsIsolation),
+            })
+        })
+    }
+}
+
+impl<H: Handler<Kind: Passes<H>>> Batch<'_, H> {
     /// Runs one pass over the `members` of `items` (their payloads in `payloads`, by item),
     /// filling `outcomes` for every member when it ends [`Pass::Done`].
     pub(super) async fn pass(
@@ -75,7 +121,7 @@ impl<H: Handler> Batch<'_, H> {
     }
 }
 
-impl<'a, H: Handler> Run<'a, '_, H> {
+impl<'a, H: Handler<Kind: Passes<H>>> Run<'a, '_, H> {
     /// What the pass does in its transaction once its keys are claimed: the handlers (or the
     /// batch handler), then the results stored and the failed members' markers removed; `Err`
     /// says how the pass ends instead, once its transaction is rolled back.
@@ -86,20 +132,7 @@ impl<'a, H: Handler> Run<'a, '_, H> {
         payloads: Vec<Option<H::Payload>>,
         how: How,
     ) -> Result<(), Pass> {
-        let handled = match how {
-            How::Set => set::handle(self, tx, claims, payloads).await,
-            How::Fast | How::Isolated => {
-                match self
-                    .handle(tx, claims, payloads, how == How::Isolated)
-                    .await
-                {
-                    Ok(Some(failed)) => Ok(SetEnd::Failed(failed)),
-                    Ok(None) => Ok(SetEnd::Again(Pass::NeedsIsolation)),
-                    Err(e) => Err(e),
-                }
-            }
-        };
-        let failed = match handled {
+        let failed = match H::Kind::handle(self, tx, claims, payloads, how).await {
             Ok(SetEnd::Failed(failed)) => failed,
             Ok(SetEnd::Again(again)) => return Err(again),
             Ok(SetEnd::Abort(class, message)) => return Err(self.abort(class, message)),
@@ -165,75 +198,6 @@ impl<'a, H: Handler> Run<'a, '_, H> {
                 Err(e)
             }
         }
-    }
-
-    /// Judges the keys that existed and runs the handler of each new message. `Ok(Some(k))`:
-    /// the items whose handler failed (isolated pass); `Ok(None)`: a handler failed in a fast
-    /// pass, which must be rolled back and isolated.
-    async fn handle(
-        &mut self,
-        tx: &mut <H::Store as InboxStore>::Tx<'_>,
-        claims: Vec<Claim>,
-        mut payloads: Vec<Option<H::Payload>>,
-        isolate: bool,
-    ) -> Result<Option<Vec<usize>>, StoreError> {
-        let Batch {
-            store, envelopes, ..
-        } = *self.batch;
-        let mut first = true;
-        let mut failed = Vec::new();
-        let run_key = self.run_key().to_owned();
-        for (&k, claim) in self.members.iter().zip(claims) {
-            let item = &mut self.items[k];
-            let envelope = &envelopes[item.index];
-            let slot = &mut self.outcomes[item.index];
-            let key = &item.keyed.key;
-            match claim {
-                Claim::Existing {
-                    fingerprint: stored,
-                    output,
-                } => *slot = Some(item.existed(H::CONSUMER, envelope, stored, output)),
-                Claim::Claimed => {
-                    if isolate {
-                        store.savepoint(tx, first).await?;
-                        first = false;
-                    }
-                    let Some(payload) = payloads[k].take() else {
-                        continue;
-                    };
-                    let limits = &self.batch.limits;
-                    if let Some(refused) = poison_verdict::<H>(&item.keyed, limits.poison) {
-                        // Nothing was written for it; its marker goes.
-                        *slot = Some(refused);
-                        failed.push(k);
-                        continue;
-                    }
-                    if let Some(stale) = advance::<H>(store, tx, &item.keyed, limits).await? {
-                        // Nothing was written for it; its marker goes.
-                        *slot = Some(stale);
-                        failed.push(k);
-                        continue;
-                    }
-                    let run = &run_key;
-                    let called = call::<H>(store, tx, payload, envelope, key, run, limits.state);
-                    let called = called.await;
-                    match encode_result::<H>(store, called.result, key) {
-                        Ok(output) => {
-                            self.staged += called.staged;
-                            let key = key.clone();
-                            *slot = Some(Outcome::Processed { key, output });
-                        }
-                        Err(_) if !isolate => return Ok(None),
-                        Err(failure) => {
-                            *slot = Some(failure);
-                            failed.push(k);
-                            store.rollback_to_savepoint(tx).await?;
-                        }
-                    }
-                }
-            }
-        }
-        Ok(Some(failed))
     }
 
     /// Stores the results of the processed items, stages the replies of those whose request
@@ -336,5 +300,76 @@ impl<'a, H: Handler> Run<'a, '_, H> {
             }
         }
         Pass::Done
+    }
+}
+
+impl<H: TransactionalHandler> Run<'_, '_, H> {
+    /// Judges the keys that existed and runs the handler of each new message. `Ok(Some(k))`:
+    /// the items whose handler failed (isolated pass); `Ok(None)`: a handler failed in a fast
+    /// pass, which must be rolled back and isolated.
+    async fn handle(
+        &mut self,
+        tx: &mut <H::Store as InboxStore>::Tx<'_>,
+        claims: Vec<Claim>,
+        mut payloads: Vec<Option<H::Payload>>,
+        isolate: bool,
+    ) -> Result<Option<Vec<usize>>, StoreError> {
+        let Batch {
+            store, envelopes, ..
+        } = *self.batch;
+        let mut first = true;
+        let mut failed = Vec::new();
+        let run_key = self.run_key().to_owned();
+        for (&k, claim) in self.members.iter().zip(claims) {
+            let item = &mut self.items[k];
+            let envelope = &envelopes[item.index];
+            let slot = &mut self.outcomes[item.index];
+            let key = &item.keyed.key;
+            match claim {
+                Claim::Existing {
+                    fingerprint: stored,
+                    output,
+                } => *slot = Some(item.existed(H::CONSUMER, envelope, stored, output)),
+                Claim::Claimed => {
+                    if isolate {
+                        store.savepoint(tx, first).await?;
+                        first = false;
+                    }
+                    let Some(payload) = payloads[k].take() else {
+                        continue;
+                    };
+                    let limits = &self.batch.limits;
+                    if let Some(refused) = poison_verdict::<H>(&item.keyed, limits.poison) {
+                        // Nothing was written for it; its marker goes.
+                        *slot = Some(refused);
+                        failed.push(k);
+                        continue;
+                    }
+                    if let Some(stale) = advance::<H>(store, tx, &item.keyed, limits).await? {
+                        // Nothing was written for it; its marker goes.
+                        *slot = Some(stale);
+                        failed.push(k);
+                        continue;
+                    }
+                    let run = &run_key;
+                    let called = call::<H>(store, tx, payload, envelope, key, run, limits.state);
+                    let called = called.await;
+                    match encode_result::<H>(store, called.result, key) {
+                        Ok(output) => {
+                            self.staged += called.staged;
+                            let key = key.clone();
+                            *slot = Some(Outcome::Processed { key, output });
+                        }
+                        Err(_) if !isolate => return Ok(None),
+                        Err(failure) => {
+                            *slot = Some(failure);
+                            failed.push(k);
+                            store.rollback_to_savepoint(tx).await?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Some(failed))
     }
 }

@@ -1,4 +1,4 @@
-//! The pass of a batch handler ([`Handler::TAKES_BATCH`]): the claims judged and the versions
+//! The pass of a batch handler ([`BatchHandler`]): the claims judged and the versions
 //! advanced as for single handlers, then the user's function once on every new message, and
 //! its results, or its failure, sorted out per message.
 //!
@@ -7,15 +7,41 @@
 //! no culprit rolls back and splits the members in halves, so the message that fails alone is
 //! found and only it is dead-lettered; a transient one retries every member.
 
-use super::run::{Batch, Pass, Run, SetEnd};
-use crate::handler::Handler;
+use super::gather::Item;
+use super::run::{Batch, How, Pass, Passes, Place, Run, SetEnd};
+use crate::future::BoxFuture;
+use crate::handler::{BatchHandler, Handler, kind};
 use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, StoreError};
 use crate::pipeline::steps::{advance, encode_result, handler_failure, poison_verdict};
 use crate::store::{Claim, InboxStore, OutboxStore};
 use crate::telemetry;
 
+/// A batch handler's passes: one each time, the handler once on every new message.
+impl<H: BatchHandler> Passes<H> for kind::Batch {
+    fn pass_of<'x>(
+        batch: &'x Batch<'_, H>,
+        items: &'x mut [Item],
+        members: &'x [usize],
+        payloads: Vec<Option<H::Payload>>,
+        outcomes: &'x mut [Option<Outcome>],
+        place: &'x mut Place<'_, H::Store>,
+    ) -> BoxFuture<'x, Pass> {
+        Box::pin(batch.pass(items, members, payloads, outcomes, How::Fast, place))
+    }
+
+    fn handle<'x, 'c: 'x>(
+        run: &'x mut Run<'_, '_, H>,
+        tx: &'x mut <H::Store as InboxStore>::Tx<'c>,
+        claims: Vec<Claim>,
+        payloads: Vec<Option<H::Payload>>,
+        _: How,
+    ) -> BoxFuture<'x, Result<SetEnd, StoreError>> {
+        Box::pin(handle(run, tx, claims, payloads))
+    }
+}
+
 /// Judges the members' claims and runs the batch handler once on the new ones.
-pub(super) async fn handle<H: Handler>(
+async fn handle<H: BatchHandler>(
     run: &mut Run<'_, '_, H>,
     tx: &mut <H::Store as InboxStore>::Tx<'_>,
     claims: Vec<Claim>,
@@ -81,7 +107,7 @@ async fn judge<H: Handler>(
 
 /// The batch handler, called once on the new messages (`fresh`, not empty), each with a
 /// context of its own and the batch's context over them; what it staged is counted in `run`.
-async fn call<H: Handler>(
+async fn call<H: BatchHandler>(
     run: &mut Run<'_, '_, H>,
     tx: &mut <H::Store as InboxStore>::Tx<'_>,
     fresh: Vec<(usize, H::Payload)>,
@@ -113,7 +139,7 @@ async fn call<H: Handler>(
         let items: Vec<Context<'_>> = fresh_items.iter().map(|&k| context(k)).collect();
         let ctx = context(first).with_items(&items);
         let running = telemetry::HandlerRun::start(H::CONSUMER);
-        let result = H::call_batch(tx, batch, &ctx).await;
+        let result = <H as BatchHandler>::call(tx, batch, &ctx).await;
         running.end();
         (result, ctx.staged(), ctx.kept())
     };

@@ -1,4 +1,7 @@
-//! The contract between `#[idempotent]` and the pipeline.
+//! The contract between `#[idempotent]` and the pipeline: what every handler declares
+//! ([`Handler`]), and the trait of its kind through which it is called ([`kind`]).
+
+pub mod kind;
 
 use crate::model::{
     Batch, BatchError, Context, Envelope, HandlerError, KeyError, KeySource, RejectReason,
@@ -14,7 +17,8 @@ use std::time::Duration;
 /// The lease an external-mode handler gets unless it sets `lease = "..."`.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
-/// How a handler's work relates to the inbox row.
+/// How a handler's work relates to the inbox row, as the runtime reports it; a handler's
+/// [`Handler::Kind`] says it in its type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Mode {
@@ -32,10 +36,11 @@ pub enum Mode {
     },
 }
 
-/// An idempotent message handler. `#[idempotent]` implements this for each annotated function
-/// (on a unit struct) and registers it; implement it by hand only to build a handler the
-/// attribute cannot express, and register it with
-/// `inventory::submit!(idem::Registration::new(&MyHandler))`.
+/// An idempotent message handler: what every kind of handler declares. `#[idempotent]`
+/// implements it, and the trait of the handler's kind ([`TransactionalHandler`],
+/// [`ExternalHandler`] or [`BatchHandler`]), for each annotated function (on a unit struct)
+/// and registers it. Implement them by hand only to build a handler the attribute cannot
+/// express, and register it with `inventory::submit!(idem::handler::Registration::new(&MyHandler))`.
 pub trait Handler: Send + Sync + 'static {
     /// The inbox store whose transaction the handler writes in.
     type Store: RuntimeStore;
@@ -43,6 +48,9 @@ pub trait Handler: Send + Sync + 'static {
     type Payload: DeserializeOwned + Send;
     /// The handler's result, stored on the inbox row and replayed to duplicates.
     type Output: Serialize + DeserializeOwned + Send;
+    /// The handler's kind ([`kind::Transactional`], [`kind::External`] or [`kind::Batch`]):
+    /// the pipeline that runs it, and the trait through which it is called.
+    type Kind: kind::Kind;
 
     /// The function's name.
     const NAME: &'static str;
@@ -52,13 +60,8 @@ pub trait Handler: Send + Sync + 'static {
     const QUEUE: Option<&'static str>;
     /// Where the dedup key comes from.
     const KEY: KeySource;
-    /// Transactional (the default) or external.
-    const MODE: Mode = Mode::Transactional;
     /// How long this consumer's inbox rows are kept (`None`: the runtime's or the store's).
     const RETENTION: Option<Duration> = None;
-    /// Whether the function takes the new messages of a batch at once ([`Handler::call_batch`],
-    /// a parameter `idem::Batch<T>`) instead of one message ([`Handler::call`]).
-    const TAKES_BATCH: bool = false;
     /// The deliveries per batch the handler asks for (`batch = N`), unless the runtime builder
     /// sets the handler's batch.
     const BATCH_SIZE: Option<usize> = None;
@@ -92,43 +95,44 @@ pub trait Handler: Send + Sync + 'static {
         let _ = payload;
         None
     }
+}
 
+/// A handler that writes in the inbox transaction, one message at a time: its writes and the
+/// key's marker commit together.
+pub trait TransactionalHandler: Handler<Kind = kind::Transactional> {
     /// Runs the user's function inside the inbox transaction.
     fn call<'a, 'c: 'a>(
         tx: &'a mut <Self::Store as InboxStore>::Tx<'c>,
         payload: Self::Payload,
         ctx: &'a Context<'a>,
     ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a;
+}
 
-    /// Runs a batch handler's function ([`Handler::TAKES_BATCH`]) on the new messages of a batch,
-    /// in the inbox transaction; one result per message. `ctx` is the first message's (it
-    /// carries the runtime's state). Single-message handlers keep this default, which refuses.
-    fn call_batch<'a, 'c: 'a>(
+/// A handler that calls something that cannot join a transaction (a payment API, a mailer):
+/// see [`Mode::External`].
+pub trait ExternalHandler: Handler<Kind = kind::External> {
+    /// How long a claim holds the key before another copy may take it over (`lease = "..."`):
+    /// longer than the handler ever runs.
+    const LEASE: Duration = DEFAULT_LEASE;
+
+    /// Runs the user's function outside any transaction, with the key leased.
+    fn call<'a>(
+        payload: Self::Payload,
+        ctx: &'a Context<'a>,
+    ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a;
+}
+
+/// A handler that takes the new messages of a batch at once (a parameter `idem::Batch<T>`), in
+/// the inbox transaction.
+pub trait BatchHandler: Handler<Kind = kind::Batch> {
+    /// Runs the user's function on the new messages of a batch, in the inbox transaction; one
+    /// result per message. `ctx` is the first message's (it carries the runtime's state), and
+    /// holds each message's own ([`Context::item`]).
+    fn call<'a, 'c: 'a>(
         tx: &'a mut <Self::Store as InboxStore>::Tx<'c>,
         batch: Batch<Self::Payload>,
         ctx: &'a Context<'a>,
-    ) -> impl Future<Output = Result<Vec<Self::Output>, BatchError>> + Send + 'a {
-        let _ = (tx, batch, ctx);
-        async {
-            Err(BatchError::Batch(HandlerError::permanent(
-                "this handler takes one message at a time",
-            )))
-        }
-    }
-
-    /// Runs the user's function outside any transaction ([`Mode::External`]). Handlers of the
-    /// transactional mode keep this default, which refuses.
-    fn call_external<'a>(
-        payload: Self::Payload,
-        ctx: &'a Context<'a>,
-    ) -> impl Future<Output = Result<Self::Output, HandlerError>> + Send + 'a {
-        let _ = (payload, ctx);
-        async {
-            Err(HandlerError::permanent(
-                "this handler runs in a transaction (mode = \"transactional\")",
-            ))
-        }
-    }
+    ) -> impl Future<Output = Result<Vec<Self::Output>, BatchError>> + Send + 'a;
 }
 
 /// What an `#[idempotent]` function may return: `Result<T, E>` with `E: Into<HandlerError>`
