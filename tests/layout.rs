@@ -1,7 +1,7 @@
 //! The shape of the code, as the book describes it: no two modules of a crate refer to each
 //! other (a folder and a file in it included), no files or folders import each other in a
 //! loop of any length, no library function is over 100 lines, idem-core names no database,
-//! and the files of the book's delivery path exist.
+//! every inbox transaction ends in one place, and the files of the book's delivery path exist.
 
 #![allow(clippy::unwrap_used)] // tests unwrap: a panic is a failure with its message
 
@@ -230,6 +230,41 @@ fn idem_core_names_no_database() {
             assert!(!code.contains(name), "{} names {name}", file.display());
         }
     }
+}
+
+/// Every inbox transaction of idem-core and idem-http ends in one place, `end_transaction`
+/// (`idem-core/src/store/inbox.rs`): no other library code commits or rolls one back.
+#[test]
+fn inbox_transactions_end_in_one_place() {
+    let owner = Path::new("idem-core/src/store/inbox.rs");
+    let mut ends = Vec::new();
+    for krate in ["idem-core", "idem-http"] {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(krate)
+            .join("src");
+        for file in modules(&root).values() {
+            let code = code(file);
+            let code = code.split("#[cfg(test)]").next().unwrap_or("");
+            for (n, line) in code.lines().enumerate() {
+                if line.contains(".commit(") || line.contains(".rollback(") {
+                    ends.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+                }
+            }
+        }
+    }
+    let elsewhere: Vec<&String> = ends
+        .iter()
+        .filter(|end| !end.contains(owner.to_str().unwrap()))
+        .collect();
+    assert!(
+        elsewhere.is_empty(),
+        "transactions ended outside end_transaction:\n{elsewhere:#?}"
+    );
+    assert_eq!(
+        ends.len(),
+        2,
+        "end_transaction commits once and rolls back once: {ends:#?}"
+    );
 }
 
 #[test]

@@ -141,7 +141,9 @@ impl Mode for External {
 }
 
 mod sealed {
+    use crate::mode::{External, Transactional};
+
     pub trait Sealed {}
-    impl Sealed for super::Transactional {}
-    impl Sealed for super::External {}
+    impl Sealed for Transactional {}
+    impl Sealed for External {}
 }

@@ -1,8 +1,8 @@
 //! Transactional mode: the key's row is claimed in the request's transaction, the handler
 //! writes in it ([`crate::Tx`]), and the response is stored in it before it commits. Where
 //! the transaction is opened ([`run`]), the key claimed ([`attempt`]) and the transaction
-//! ended, committed with the stored response or rolled back ([`end`], the one place that does
-//! either).
+//! ended, committed with the stored response or rolled back ([`end`], through core's
+//! `end_transaction`, where every inbox transaction ends).
 //!
 //! A response is stored once the handler used its transaction (or said [`Execution::Began`]).
 //! With a 2xx-4xx response the handler's writes commit with it; a 5xx response rolls them back
@@ -17,7 +17,7 @@ use axum_core::body::Body;
 use http::{Request, Response, StatusCode};
 use idem_core::{
     model::ErrorClass, model::StoreError, model::StoredOutput, store::Admission,
-    store::ClaimRequest, store::InboxStore,
+    store::ClaimRequest, store::Ended, store::InboxStore, store::end_transaction,
 };
 use std::convert::Infallible;
 
@@ -175,29 +175,32 @@ where
 }
 
 /// Ends a request's transaction `tx` as `how` says, and answers `response`, or 503 when what
-/// was to be kept was not.
+/// was to be kept was not. Every transaction of a request ends in core's [`end_transaction`].
 async fn end<S: InboxStore>(
     shared: &Shared<S>,
     claim: Option<&ClaimRequest<'_>>,
-    tx: S::Tx<'static>,
+    mut tx: S::Tx<'static>,
     how: End,
     response: Response<Body>,
 ) -> Response<Body> {
     let store = &shared.config.store;
-    let (tx, output) = match how {
+    let output = match how {
         End::Rollback => {
-            store.rollback(tx).await;
+            roll_back(store, tx).await;
             return response;
         }
-        End::Commit(output) => (tx, output),
+        End::Commit(output) => output,
         End::Alone(output) => {
-            store.rollback(tx).await;
+            roll_back(store, tx).await;
             let again = match claim {
                 Some(claim) => claim_again(store, claim).await,
                 None => None,
             };
             match again {
-                Some(tx) => (tx, Some(output)),
+                Some(again) => {
+                    tx = again;
+                    Some(output)
+                }
                 None => {
                     telemetry::request(&shared.config.operation, Seen::NotStored);
                     return response;
@@ -205,11 +208,12 @@ async fn end<S: InboxStore>(
             }
         }
     };
+    // The claimed key's row is completed with the stored response, in the same transaction.
     let completed = match (claim, &output) {
-        (Some(claim), Some(output)) => record(store, tx, claim, output).await,
-        _ => store.commit(tx).await,
+        (Some(claim), Some(output)) => store.complete(&mut tx, claim, output).await,
+        _ => Ok(()),
     };
-    match completed {
+    match end_transaction(store, tx, completed).await {
         Ok(()) => {
             if output.is_some() {
                 telemetry::request(&shared.config.operation, Seen::Executed);
@@ -218,23 +222,8 @@ async fn end<S: InboxStore>(
         }
         // The commit did not happen (or its outcome is unknown: a retry then finds the row and
         // replays it): the client must retry.
-        Err(e) => keyed::unavailable(shared, &e),
+        Err(Ended::RolledBack(e) | Ended::NotCommitted(e)) => keyed::unavailable(shared, &e),
     }
-}
-
-/// Completes the claimed key's row with `output` in `tx` and commits; rolls back when the row
-/// cannot be completed.
-async fn record<S: InboxStore>(
-    store: &S,
-    mut tx: S::Tx<'static>,
-    claim: &ClaimRequest<'_>,
-    output: &StoredOutput,
-) -> Result<(), StoreError> {
-    if let Err(e) = store.complete(&mut tx, claim, output).await {
-        store.rollback(tx).await;
-        return Err(e);
-    }
-    store.commit(tx).await
 }
 
 /// Claims the key again in a fresh transaction, after a server error rolled the first one back;
@@ -250,15 +239,18 @@ async fn claim_again<S: InboxStore>(store: &S, claim: &ClaimRequest<'_>) -> Opti
     };
     let claimed = store.try_claim(&mut tx, claim).await;
     match claimed.map(|answer| Admission::of_claim(answer, claim.fingerprint)) {
-        Ok(Admission::Run { .. }) => Some(tx),
-        Ok(Admission::Refused(_)) => {
-            store.rollback(tx).await;
-            None
-        }
+        Ok(Admission::Run { .. }) => return Some(tx),
+        Ok(Admission::Refused(_)) => {}
         Err(e) => {
             tracing::warn!(error = %e, "the server error is not recorded; a retry runs the handler again");
-            store.rollback(tx).await;
-            None
         }
     }
+    roll_back(store, tx).await;
+    None
+}
+
+/// Rolls `tx` back: nothing of it is kept.
+async fn roll_back<S: InboxStore>(store: &S, tx: S::Tx<'static>) {
+    let rolled_back: Result<(), _> = end_transaction(store, tx, Err(())).await;
+    debug_assert!(matches!(rolled_back, Err(Ended::RolledBack(()))));
 }

@@ -37,8 +37,10 @@ impl Kind for Batch {
 }
 
 mod sealed {
+    use crate::handler::kind::{Batch, External, Transactional};
+
     pub trait Sealed {}
-    impl Sealed for super::Transactional {}
-    impl Sealed for super::External {}
-    impl Sealed for super::Batch {}
+    impl Sealed for Transactional {}
+    impl Sealed for External {}
+    impl Sealed for Batch {}
 }

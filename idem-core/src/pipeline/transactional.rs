@@ -1,8 +1,8 @@
 //! The per-message pipeline of a transactional handler: decode, key, claim, run, complete,
 //! commit.
 //!
-//! This is where the inbox transaction is **opened** and where the store **writes the inbox
-//! row** (its claim); the ack decision is made by whoever reads the returned [`Outcome`]
+//! This is where the inbox transaction is **opened**, where the store **writes the inbox
+//! row** (its claim), and where it ends (through [`end_transaction`]); the ack decision is made by whoever reads the returned [`Outcome`]
 //! (`runtime/settle.rs`).
 
 use super::steps::{
@@ -12,7 +12,7 @@ use super::steps::{
 use crate::handler::{Handler, TransactionalHandler};
 use crate::model::outgoing::reply;
 use crate::model::{Envelope, Outcome};
-use crate::store::{Admission, InboxStore, OutboxStore};
+use crate::store::{Admission, Ended, InboxStore, OutboxStore, end_transaction};
 use crate::telemetry;
 use std::time::Instant;
 
@@ -41,8 +41,8 @@ pub(crate) async fn process<H: TransactionalHandler>(
 }
 
 /// [`process`] once the delivery is read and its handler's run counted: the transaction is
-/// begun, everything in it runs ([`inside`]), and it is committed, or rolled back here, the
-/// one place where it is.
+/// begun, everything in it runs ([`inside`]), and it ends as that says ([`end_transaction`]:
+/// committed, or rolled back).
 async fn run<H: TransactionalHandler>(
     store: &H::Store,
     envelope: &Envelope,
@@ -56,17 +56,25 @@ async fn run<H: TransactionalHandler>(
         Ok(tx) => tx,
         Err(e) => return store_failure(e, key),
     };
-    match inside::<H>(store, &mut tx, envelope, payload, keyed, &limits).await {
-        Ok(done) => commit::<H>(store, tx, key, done, limits.dispatch).await,
-        Err(abort) => {
-            store.rollback(tx).await;
-            match abort {
-                Abort::With(outcome) => outcome,
-                // A stored reply is sent again once the transaction is over.
-                Abort::Duplicate(found) => {
-                    reply_again(H::CONSUMER, envelope, found, limits.dispatch).await
-                }
-            }
+    let inside = inside::<H>(store, &mut tx, envelope, payload, keyed, &limits).await;
+    #[cfg(feature = "fault-injection")]
+    if inside.is_ok() {
+        crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
+    }
+    let committing = inside.is_ok().then(Instant::now);
+    let ended = end_transaction(store, tx, inside).await;
+    if let Some(committing) = committing {
+        telemetry::commit_duration(H::CONSUMER, committing.elapsed());
+    }
+    match ended {
+        Ok(done) => committed::<H>(key, done, limits.dispatch).await,
+        // The commit may or may not have happened; a retry finds out (it is a duplicate if it
+        // did). Retrying is safe either way, acking is not.
+        Err(Ended::NotCommitted(e)) => store_failure(e, key),
+        Err(Ended::RolledBack(Abort::With(outcome))) => outcome,
+        // A stored reply is sent again once the transaction is over.
+        Err(Ended::RolledBack(Abort::Duplicate(found))) => {
+            reply_again(H::CONSUMER, envelope, found, limits.dispatch).await
         }
     }
 }
@@ -152,39 +160,23 @@ async fn inside<H: TransactionalHandler>(
     })
 }
 
-/// Commits the transaction, then dispatches what it staged.
-async fn commit<H: Handler>(
-    store: &H::Store,
-    tx: <H::Store as InboxStore>::Tx<'_>,
+/// After the commit: dispatches what the run staged, and the outcome.
+async fn committed<H: Handler>(
     key: &str,
     done: Done,
     dispatch: Option<crate::outbox::Dispatch<'_>>,
 ) -> Outcome {
-    #[cfg(feature = "fault-injection")]
-    crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
-    let committing = Instant::now();
-    let committed = store.commit(tx).await;
-    telemetry::commit_duration(H::CONSUMER, committing.elapsed());
-    match committed {
-        Ok(()) => {
-            if done.staged > 0 {
-                telemetry::staged(H::CONSUMER, u64::from(done.staged));
-            }
-            if done.staged > 0
-                && let Some(dispatch) = dispatch
-            {
-                #[cfg(feature = "fault-injection")]
-                crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
-                dispatch.after_commit(H::CONSUMER, key, done.kept).await;
-            }
-            Outcome::Processed {
-                key: key.to_owned(),
-                output: done.output,
-            }
+    if done.staged > 0 {
+        telemetry::staged(H::CONSUMER, u64::from(done.staged));
+        if let Some(dispatch) = dispatch {
+            #[cfg(feature = "fault-injection")]
+            crate::fault::maybe_crash(crate::fault::Point::AfterCommitBeforeDispatch);
+            dispatch.after_commit(H::CONSUMER, key, done.kept).await;
         }
-        // The commit may or may not have happened; a retry finds out (it is a duplicate if it
-        // did). Retrying is safe either way, acking is not.
-        Err(e) => store_failure(e, key),
+    }
+    Outcome::Processed {
+        key: key.to_owned(),
+        output: done.output,
     }
 }
 

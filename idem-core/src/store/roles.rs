@@ -4,8 +4,9 @@
 //! [`RuntimeStore`] is all of them: what a runtime and the `#[idempotent]` handlers ask of a
 //! store.
 
-use super::inbox::{ClaimRequest, InboxStore, Pace, StoreKind, SweepReport};
+use super::inbox::{ClaimRequest, InboxStore, StoreKind};
 use super::lease::{Lease, LeaseEnd};
+use super::sweep::{Pace, SweepReport};
 use crate::model::{DeadLetterRecord, ErrorClass, Outgoing, StoreError, StoredOutput};
 use crate::outbox::{OutboxSelect, RelayReport};
 use crate::transport::Outbound;

@@ -1,8 +1,9 @@
 //! The set of inbox stores a runtime holds, one per store type, with their sweepers and the
 //! state its handlers ask for.
 
-use super::inbox::{InboxStore, Pace, StoreKind, SweepReport};
+use super::inbox::{InboxStore, StoreKind};
 use super::roles::RuntimeStore;
+use super::sweep::{Pace, SweepReport};
 use crate::future::BoxFuture;
 use crate::model::StoreError;
 use crate::outbox::{Dispatch, Relay, RelayFn, RemoveFn, WakeupFn};

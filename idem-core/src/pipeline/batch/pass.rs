@@ -13,8 +13,9 @@ use crate::future::BoxFuture;
 use crate::handler::{Handler, TransactionalHandler, kind};
 use crate::model::outgoing::reply;
 use crate::model::{ErrorClass, Outcome, Outgoing, StoreError, StoredOutput};
+use crate::pipeline::stages::Stages;
 use crate::pipeline::steps::{advance, call, encode_result, failure, poison_verdict};
-use crate::store::{Claim, ClaimRequest, InboxStore, OutboxStore};
+use crate::store::{Claim, ClaimRequest, Ended, InboxStore, OutboxStore, end_transaction};
 use crate::telemetry;
 use std::time::Instant;
 
@@ -86,38 +87,32 @@ impl<H: Handler<Kind: Passes<H>>> Batch<'_, H> {
             kept: None,
         };
         let store = self.store;
-        let (mut tx, claims) = match run.claim(held).await {
-            Ok(claimed) => claimed,
-            Err(e) if e.class() == ErrorClass::Transient && members.len() > 1 => {
-                tracing::info!(consumer = H::CONSUMER, members = members.len(), error = %e,
-                    "a batch's claim failed for now (a key held elsewhere?); running its members one by one");
-                for &k in members {
-                    run.outcomes[run.items[k].index] = None;
-                }
-                return Pass::OneByOne;
-            }
-            Err(e) => return run.abort_store(e),
+        let mut tx = match store.begin_on(held).await {
+            Ok(tx) => tx,
+            Err(e) => return run.claim_failed(e),
         };
-        // The keys are ours; the handlers wait for the previous batch's commit.
-        stages.wait_for_previous().await;
-        // Everything in the transaction; rolled back here, the one place where it is.
-        if let Err(again) = run.inside(&mut tx, claims, payloads, how).await {
-            store.rollback(tx).await;
-            return again;
+        // Everything in the transaction, which then ends as that says (`end_transaction`).
+        let inside = run.inside(&mut tx, payloads, how, stages).await;
+        let committing = inside.is_ok().then(|| {
+            #[cfg(feature = "fault-injection")]
+            crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
+            stages.fire_committing();
+            Instant::now()
+        });
+        let ended = end_transaction(store, tx, inside).await;
+        if let Some(committing) = committing {
+            telemetry::commit_duration(H::CONSUMER, committing.elapsed());
+            stages.fire_committed();
         }
-        #[cfg(feature = "fault-injection")]
-        crate::fault::maybe_crash(crate::fault::Point::BeforeCommit);
-        stages.fire_committing();
-        let committing = Instant::now();
-        let committed = store.commit(tx).await;
-        telemetry::commit_duration(H::CONSUMER, committing.elapsed());
-        stages.fire_committed();
-        if let Err(e) = committed {
+        match ended {
+            Ok(()) => {
+                run.dispatch().await;
+                Pass::Done
+            }
             // It may or may not have committed; the retries find out (duplicates if it did).
-            return run.abort_store(e);
+            Err(Ended::NotCommitted(e)) => run.abort_store(e),
+            Err(Ended::RolledBack(again)) => again,
         }
-        run.dispatch().await;
-        Pass::Done
     }
 }
 
@@ -128,10 +123,16 @@ impl<'a, H: Handler<Kind: Passes<H>>> Run<'a, '_, H> {
     async fn inside(
         &mut self,
         tx: &mut <H::Store as InboxStore>::Tx<'_>,
-        claims: Vec<Claim>,
         payloads: Vec<Option<H::Payload>>,
         how: How,
+        stages: &mut Stages,
     ) -> Result<(), Pass> {
+        let claims = match self.claim(tx).await {
+            Ok(claims) => claims,
+            Err(e) => return Err(self.claim_failed(e)),
+        };
+        // The keys are ours; the handlers wait for the previous batch's commit.
+        stages.wait_for_previous().await;
         let failed = match H::Kind::handle(self, tx, claims, payloads, how).await {
             Ok(SetEnd::Failed(failed)) => failed,
             Ok(SetEnd::Again(again)) => return Err(again),
@@ -165,39 +166,40 @@ impl<'a, H: Handler<Kind: Passes<H>>> Run<'a, '_, H> {
             .collect()
     }
 
-    /// Begins the transaction on the connection in `held` and claims every item's key with
-    /// one statement.
-    async fn claim<'c>(
+    /// Claims every member's key in `tx` with one statement.
+    async fn claim(
         &mut self,
-        held: &'c mut Option<<H::Store as InboxStore>::Held>,
-    ) -> Result<(<H::Store as InboxStore>::Tx<'c>, Vec<Claim>), StoreError>
-    where
-        'a: 'c,
-    {
+        tx: &mut <H::Store as InboxStore>::Tx<'_>,
+    ) -> Result<Vec<Claim>, StoreError> {
         let store = self.batch.store;
-        let mut tx = store.begin_on(held).await?;
-        let claimed = {
-            let requests = self.requests();
-            let claiming = Instant::now();
-            let claimed = store.claim_batch(&mut tx, &requests).await;
-            telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
-            claimed
-        };
+        let requests = self.requests();
+        let claiming = Instant::now();
+        let claimed = store.claim_batch(tx, &requests).await;
+        telemetry::claim_duration(H::CONSUMER, claiming.elapsed());
         match claimed {
-            Ok(claims) if claims.len() == self.members.len() => Ok((tx, claims)),
-            Ok(_) => {
-                store.rollback(tx).await;
-                Err(StoreError::new(
-                    "claim",
-                    ErrorClass::Permanent,
-                    "the store answered a batch claim with the wrong number of rows",
-                ))
-            }
-            Err(e) => {
-                store.rollback(tx).await;
-                Err(e)
-            }
+            Ok(claims) if claims.len() == self.members.len() => Ok(claims),
+            Ok(_) => Err(StoreError::new(
+                "claim",
+                ErrorClass::Permanent,
+                "the store answered a batch claim with the wrong number of rows",
+            )),
+            Err(e) => Err(e),
         }
+    }
+
+    /// How the pass ends when its claim failed: a transient failure of several members runs
+    /// them one by one (a key held elsewhere waits alone), anything else as
+    /// [`Run::abort_store`] says.
+    fn claim_failed(&mut self, error: StoreError) -> Pass {
+        if error.class() == ErrorClass::Transient && self.members.len() > 1 {
+            tracing::info!(consumer = H::CONSUMER, members = self.members.len(), error = %error,
+                "a batch's claim failed for now (a key held elsewhere?); running its members one by one");
+            for &k in self.members {
+                self.outcomes[self.items[k].index] = None;
+            }
+            return Pass::OneByOne;
+        }
+        self.abort_store(error)
     }
 
     /// Stores the results of the processed items, stages the replies of those whose request
