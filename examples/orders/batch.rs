@@ -8,7 +8,7 @@
 //! by that order's context (`ctx.item(i)`): the same message ids as the one-order handlers.
 
 use crate::handlers::{Billing, OrderPlaced};
-use idem::sql::Dialect;
+use idem::sql::Driver;
 use idem::sqlx::{self, MySql, Postgres, QueryBuilder, Sqlite, Transaction};
 use idem::{Batch, BatchError, Context, idempotent};
 use std::collections::BTreeMap;
@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 const ROWS_PER_STATEMENT: usize = 1_000;
 
 /// Stages every order's `OrderBilled` event, each caused by its own order.
-async fn stage_events<DB: Dialect>(
+async fn stage_events<DB: Driver>(
     tx: &mut Transaction<'_, DB>,
     orders: &Batch<OrderPlaced>,
     ctx: &Context<'_>,

@@ -2,7 +2,7 @@
 //! row; and the `OrderBilled` event it stages in the outbox, in that transaction too, for the
 //! shipping handler (`shipping.rs`).
 
-use idem::sql::Dialect;
+use idem::sql::Driver;
 use idem::sqlx::{self, MySql, Postgres, Sqlite, Transaction};
 use idem::{Context, HandlerError, Outgoing, idempotent};
 use serde::{Deserialize, Serialize};
@@ -54,7 +54,7 @@ impl Billing {
     }
 
     /// Stages the event of `order` in the order's transaction.
-    async fn stage<DB: Dialect>(
+    async fn stage<DB: Driver>(
         &self,
         tx: &mut Transaction<'_, DB>,
         ctx: &Context<'_>,

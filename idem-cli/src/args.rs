@@ -79,7 +79,9 @@ pub enum Command {
     Schema {
         /// The database: `postgres`, `mysql` (MariaDB) or `sqlite`; by default the one
         /// DATABASE_URL names.
-        #[arg(long, value_parser = ["postgres", "mysql", "sqlite"])]
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(
+            idem::sql::dialect::DIALECTS.iter().map(|entry| entry.name)
+        ))]
         dialect: Option<String>,
     },
 }

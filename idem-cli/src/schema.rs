@@ -3,6 +3,7 @@
 use crate::args::Cli;
 use crate::error::CliError;
 use idem::sql::TableName;
+use idem::sql::dialect::{self, Dialect, Entry, WithDialect};
 
 /// Prints the statements that create `cli.table` at this idem's schema version, in `dialect`
 /// (else the one `DATABASE_URL` names), each ended by `;`.
@@ -10,33 +11,38 @@ pub fn print(cli: &Cli, dialect: Option<&str>) -> Result<(), CliError> {
     let table = TableName::new(&cli.table)
         .map_err(|e| CliError::Usage(format!("IDEM_INBOX_TABLE: {e}")))?;
     let url = cli.database_url.as_str();
-    let dialect = match dialect {
-        Some(dialect) => dialect,
-        None if url.starts_with("postgres://") || url.starts_with("postgresql://") => "postgres",
-        None if url.starts_with("mysql://") || url.starts_with("mariadb://") => "mysql",
-        None if url.starts_with("sqlite:") || !url.contains("://") => "sqlite",
-        None => {
-            return Err(CliError::Usage(
-                "DATABASE_URL is not a postgres://, mysql:// or sqlite: URL: name the database with --dialect".to_owned(),
-            ));
+    let printed = match dialect {
+        Some(name) => dialect::by_name(name, Print { table: &table }),
+        None => dialect::by_url(url, Print { table: &table }),
+    };
+    printed.map_err(|e| {
+        CliError::Usage(format!(
+            "{e}: name the database of DATABASE_URL with a known scheme, or with --dialect"
+        ))
+    })
+}
+
+/// Prints the schema of `table` in a dialect.
+struct Print<'a> {
+    table: &'a TableName,
+}
+
+impl WithDialect for Print<'_> {
+    type Output = ();
+
+    fn run<D: Dialect>(self, entry: &'static Entry) {
+        let how = match entry.transactional_ddl {
+            true => "run them in one transaction",
+            false => "the database commits each statement by itself; each can be run again",
+        };
+        println!(
+            "-- idem inbox `{}`, schema version {}, {}: {how}.",
+            self.table.as_str(),
+            idem::sql::SCHEMA_VERSION,
+            entry.name
+        );
+        for statement in idem::sql::schema::<D>(self.table) {
+            println!("{statement};\n");
         }
-    };
-    let statements = match dialect {
-        "postgres" => idem::sql::schema::<sqlx::Postgres>(&table),
-        "mysql" => idem::sql::schema::<sqlx::MySql>(&table),
-        _ => idem::sql::schema::<sqlx::Sqlite>(&table),
-    };
-    let how = match dialect {
-        "mysql" => "MariaDB commits each statement by itself; each can be run again",
-        _ => "run them in one transaction",
-    };
-    println!(
-        "-- idem inbox `{}`, schema version {}, {dialect}: {how}.",
-        table.as_str(),
-        idem::sql::SCHEMA_VERSION
-    );
-    for statement in statements {
-        println!("{statement};\n");
     }
-    Ok(())
 }

@@ -1,46 +1,45 @@
-//! Opening the inbox named by `DATABASE_URL`, in its own dialect.
+//! Opening the inbox named by `DATABASE_URL`, in the dialect the table of dialects gives for
+//! its URL (`idem::sql::dialect::DIALECTS`).
 
 use crate::args::Cli;
 use crate::error::CliError;
-use idem::sql::{Dialect, MySqlInbox, PgInbox, SCHEMA_VERSION, SqlInbox, SqliteInbox};
+use idem::sql::dialect::{self, Dialect, Entry, WithDialect};
+use idem::sql::{SCHEMA_VERSION, SqlInbox};
 use idem::store::InboxStore;
 use idem::telemetry::redact_url;
+use idem::transport::BoxFuture;
 
 /// Connects to the database of `cli` and runs its command there.
 pub async fn dispatch(cli: &Cli) -> Result<(), CliError> {
     let url = cli.database_url.as_str();
-    let failed = |e: &dyn std::fmt::Display| CliError::Database {
-        url: redact_url(url),
-        message: e.to_string(),
-    };
-    let table = |e: idem::sql::ConfigError| CliError::Usage(format!("IDEM_INBOX_TABLE: {e}"));
-    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let options = idem::sql::urls::postgres_options(url).map_err(|e| failed(&e))?;
-        let pool = sqlx::postgres::PgPoolOptions::new()
-            .max_connections(2)
-            .connect_with(options)
-            .await
-            .map_err(|e| failed(&e))?;
-        run_checked(cli, PgInbox::new(pool).table(&cli.table).map_err(table)?).await
-    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
-        let pool = sqlx::mysql::MySqlPoolOptions::new()
-            .max_connections(2)
-            .connect(url)
-            .await
-            .map_err(|e| failed(&e))?;
-        run_checked(cli, MySqlInbox::new(pool).table(&cli.table).map_err(table)?).await
-    } else if url.starts_with("sqlite:") || !url.contains("://") {
-        let pool = idem::sql::sqlite::pool(url).await.map_err(|e| failed(&e))?;
-        run_checked(
-            cli,
-            SqliteInbox::new(pool).table(&cli.table).map_err(table)?,
-        )
-        .await
-    } else {
-        Err(CliError::Usage(format!(
-            "DATABASE_URL {} is not a postgres://, mysql:// or sqlite: URL",
-            redact_url(url)
-        )))
+    match dialect::by_url(url, Open { cli }) {
+        Ok(opened) => opened.await,
+        Err(e) => Err(CliError::Usage(format!("DATABASE_URL: {e}"))),
+    }
+}
+
+/// Opens the inbox of `cli` in a dialect, and runs its command there.
+struct Open<'a> {
+    cli: &'a Cli,
+}
+
+impl<'a> WithDialect for Open<'a> {
+    type Output = BoxFuture<'a, Result<(), CliError>>;
+
+    fn run<D: Dialect>(self, _: &'static Entry) -> Self::Output {
+        let cli = self.cli;
+        Box::pin(async move {
+            let pool = D::connect(&cli.database_url, 2)
+                .await
+                .map_err(|e| CliError::Database {
+                    url: redact_url(&cli.database_url),
+                    message: e.to_string(),
+                })?;
+            let inbox = SqlInbox::<D>::new(pool)
+                .table(&cli.table)
+                .map_err(|e| CliError::Usage(format!("IDEM_INBOX_TABLE: {e}")))?;
+            run_checked(cli, inbox).await
+        })
     }
 }
 

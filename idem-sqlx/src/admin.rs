@@ -6,6 +6,7 @@ use crate::dead_letters::DeadLetterRow;
 use crate::dialect::Dialect;
 use crate::error::store_error;
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use idem_core::{model::Fingerprint, model::StoreError};
 
@@ -99,32 +100,32 @@ impl<DB: Dialect> SqlInbox<DB> {
         let fail = |e| store_error("inbox stats", e);
         let mut conn = self.pool.acquire().await.map_err(fail)?;
         let admin = &self.sql.admin;
-        let rows = DB::fetch_all(&mut *conn, &admin.stats, &[])
+        let rows = DB::Db::fetch_all(&mut *conn, &admin.stats, &[])
             .await
             .map_err(fail)?;
         let statuses = rows
             .iter()
             .map(|row| {
                 Ok(StatusCount {
-                    consumer: DB::text(row, "consumer")?,
-                    status: DB::text(row, "status")?,
-                    rows: count(DB::int(row, "row_count")?),
-                    oldest_ms: DB::int(row, "oldest_ms")?,
-                    expired: count(DB::int(row, "expired")?),
+                    consumer: DB::Db::text(row, "consumer")?,
+                    status: DB::Db::text(row, "status")?,
+                    rows: count(DB::Db::int(row, "row_count")?),
+                    oldest_ms: DB::Db::int(row, "oldest_ms")?,
+                    expired: count(DB::Db::int(row, "expired")?),
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
             .map_err(fail)?;
-        let rows = DB::fetch_all(&mut *conn, &admin.dead_letter_stats, &[])
+        let rows = DB::Db::fetch_all(&mut *conn, &admin.dead_letter_stats, &[])
             .await
             .map_err(fail)?;
         let dead_letters = rows
             .iter()
             .map(|row| {
                 Ok(DeadLetterCount {
-                    consumer: DB::text(row, "consumer")?,
-                    rows: count(DB::int(row, "row_count")?),
-                    oldest_ms: DB::int(row, "oldest_ms")?,
+                    consumer: DB::Db::text(row, "consumer")?,
+                    rows: count(DB::Db::int(row, "row_count")?),
+                    oldest_ms: DB::Db::int(row, "oldest_ms")?,
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
@@ -142,30 +143,30 @@ impl<DB: Dialect> SqlInbox<DB> {
         let params = [Param::Text(consumer), Param::Text(key)];
         let admin = &self.sql.admin;
         let mut conn = self.pool.acquire().await.map_err(fail)?;
-        let row = DB::fetch_optional(&mut *conn, &admin.show, &params)
+        let row = DB::Db::fetch_optional(&mut *conn, &admin.show, &params)
             .await
             .map_err(fail)?;
         let row = row
             .map(|row| {
                 let nonzero = |ms: i64| (ms != 0).then_some(ms);
                 Ok(InboxRow {
-                    status: DB::text(&row, "status")?,
-                    attempts: u32::try_from(DB::int32(&row, "attempts")?).unwrap_or(0),
-                    outcome: DB::optional_text(&row, "outcome")?,
-                    fingerprint: Fingerprint::from_slice(&DB::bytes(&row, "fingerprint")?),
-                    created_ms: DB::int(&row, "created_ms")?,
-                    completed_ms: nonzero(DB::int(&row, "completed_ms")?),
-                    expires_ms: DB::int(&row, "expires_ms")?,
-                    owner: DB::optional_text(&row, "owner")?,
-                    locked_until_ms: nonzero(DB::int(&row, "locked_ms")?),
+                    status: DB::Db::text(&row, "status")?,
+                    attempts: u32::try_from(DB::Db::int32(&row, "attempts")?).unwrap_or(0),
+                    outcome: DB::Db::optional_text(&row, "outcome")?,
+                    fingerprint: Fingerprint::from_slice(&DB::Db::bytes(&row, "fingerprint")?),
+                    created_ms: DB::Db::int(&row, "created_ms")?,
+                    completed_ms: nonzero(DB::Db::int(&row, "completed_ms")?),
+                    expires_ms: DB::Db::int(&row, "expires_ms")?,
+                    owner: DB::Db::optional_text(&row, "owner")?,
+                    locked_until_ms: nonzero(DB::Db::int(&row, "locked_ms")?),
                 })
             })
             .transpose()
             .map_err(fail)?;
-        let deliveries = DB::fetch_optional(&mut *conn, &admin.deliveries_of, &params)
+        let deliveries = DB::Db::fetch_optional(&mut *conn, &admin.deliveries_of, &params)
             .await
             .map_err(fail)?
-            .map(|row| DB::int(&row, "deliveries"))
+            .map(|row| DB::Db::int(&row, "deliveries"))
             .transpose()
             .map_err(fail)?
             .map(count);
@@ -211,7 +212,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             (&admin.forget_deliveries, &mut removed.deliveries),
             (&admin.forget_dead_letter, &mut removed.dead_letter),
         ] {
-            *flag = DB::execute(&mut *tx, statement, &params)
+            *flag = DB::Db::execute(&mut *tx, statement, &params)
                 .await
                 .map_err(fail)?
                 > 0;

@@ -2,9 +2,10 @@
 //! key) in `{table}_dead_letters`, written before the message is moved to the dead-letter
 //! queue and removed when an operator replays or forgets it.
 
-use crate::dialect::Dialect;
+use crate::dialect::{Dialect, Row};
 use crate::error::store_error;
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use crate::keys;
 use idem_core::{
@@ -83,7 +84,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         ];
         let fail = |e| store_error("record dead letter", e);
         let mut tx = self.begin_tx().await?;
-        DB::execute(&mut *tx, &self.sql.admin.record, &params)
+        DB::Db::execute(&mut *tx, &self.sql.admin.record, &params)
             .await
             .map_err(fail)?;
         tx.commit().await.map_err(fail)
@@ -93,7 +94,7 @@ impl<DB: Dialect> SqlInbox<DB> {
     pub async fn dead_letters(&self, queue: &str) -> Result<Vec<DeadLetterRow>, StoreError> {
         let fail = |e| store_error("read dead letters", e);
         let mut conn = self.pool.acquire().await.map_err(fail)?;
-        let rows = DB::fetch_all(
+        let rows = DB::Db::fetch_all(
             &mut *conn,
             &self.sql.admin.dead_letters,
             &[Param::Text(&keys::stored::<DB>(queue))],
@@ -116,7 +117,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut conn = self.pool.acquire().await.map_err(fail)?;
         let key = keys::stored::<DB>(key);
         let params = [Param::Text(consumer), Param::Text(&key)];
-        let row = DB::fetch_optional(&mut *conn, &self.sql.admin.dead_letter_of, &params)
+        let row = DB::Db::fetch_optional(&mut *conn, &self.sql.admin.dead_letter_of, &params)
             .await
             .map_err(fail)?;
         row.as_ref().map(read_row::<DB>).transpose().map_err(fail)
@@ -124,19 +125,19 @@ impl<DB: Dialect> SqlInbox<DB> {
 }
 
 /// A record as stored, its texts read back as they were given ([`keys::shown`]).
-fn read_row<DB: Dialect>(row: &DB::Row) -> Result<DeadLetterRow, sqlx::Error> {
-    let text = |column| DB::text(row, column).map(keys::shown::<DB>);
+fn read_row<DB: Dialect>(row: &Row<DB>) -> Result<DeadLetterRow, sqlx::Error> {
+    let text = |column| DB::Db::text(row, column).map(keys::shown::<DB>);
     let message_id = text("message_id")?;
     Ok(DeadLetterRow {
-        consumer: DB::text(row, "consumer")?,
+        consumer: DB::Db::text(row, "consumer")?,
         key: text("key")?,
-        keyed: DB::int32(row, "keyed")? != 0,
+        keyed: DB::Db::int32(row, "keyed")? != 0,
         queue: text("queue")?,
-        reason: DB::text(row, "reason")?,
+        reason: DB::Db::text(row, "reason")?,
         detail: text("detail")?,
-        attempts: u32::try_from(DB::int32(row, "attempts")?).unwrap_or(0),
+        attempts: u32::try_from(DB::Db::int32(row, "attempts")?).unwrap_or(0),
         message_id: (!message_id.is_empty()).then_some(message_id),
-        fingerprint: Fingerprint::from_slice(&DB::bytes(row, "fingerprint")?),
-        dead_lettered_at_ms: DB::int(row, "at_ms")?,
+        fingerprint: Fingerprint::from_slice(&DB::Db::bytes(row, "fingerprint")?),
+        dead_lettered_at_ms: DB::Db::int(row, "at_ms")?,
     })
 }

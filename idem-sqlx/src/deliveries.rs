@@ -5,6 +5,7 @@
 use crate::dialect::Dialect;
 use crate::error::store_error;
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use idem_core::{model::StoreError, store::ClaimRequest};
 
@@ -23,9 +24,9 @@ impl<DB: Dialect> SqlInbox<DB> {
         ];
         let mut tx = self.begin_tx().await?;
         let count = match &sql.read {
-            None => DB::fetch_int(&mut *tx, &sql.count, &params).await,
-            Some(read) => match DB::execute(&mut *tx, &sql.count, &params).await {
-                Ok(_) => DB::fetch_int(&mut *tx, read, &params[..2]).await,
+            None => DB::Db::fetch_int(&mut *tx, &sql.count, &params).await,
+            Some(read) => match DB::Db::execute(&mut *tx, &sql.count, &params).await {
+                Ok(_) => DB::Db::fetch_int(&mut *tx, read, &params[..2]).await,
                 Err(e) => Err(e),
             },
         }
@@ -46,7 +47,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let fail = |e| store_error("uncount delivery", e);
         let params = [Param::Text(consumer), Param::Text(key)];
         let mut conn = self.begin_tx().await?;
-        DB::execute(&mut *conn, &self.sql.deliveries.uncount, &params)
+        DB::Db::execute(&mut *conn, &self.sql.deliveries.uncount, &params)
             .await
             .map_err(fail)?;
         conn.commit().await.map_err(fail)
@@ -64,7 +65,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut tx = self.begin_tx().await?;
         for key in keys {
             let params = [Param::Text(consumer), Param::Text(key)];
-            DB::execute(&mut *tx, uncount, &params)
+            DB::Db::execute(&mut *tx, uncount, &params)
                 .await
                 .map_err(fail)?;
         }
@@ -83,7 +84,9 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut tx = self.begin_tx().await?;
         for key in keys {
             let params = [Param::Text(consumer), Param::Text(key)];
-            DB::execute(&mut *tx, forget, &params).await.map_err(fail)?;
+            DB::Db::execute(&mut *tx, forget, &params)
+                .await
+                .map_err(fail)?;
         }
         tx.commit().await.map_err(fail)
     }

@@ -6,6 +6,7 @@
 //! [`SqlInbox::check`]: idem_core::store::InboxStore::check
 
 use crate::dialect::Dialect;
+use crate::exec::Sql;
 use idem_core::{model::ErrorClass, model::StoreError};
 use std::fmt;
 use std::sync::Arc;
@@ -45,7 +46,7 @@ impl fmt::Display for Risk {
 /// Looks for settings of `pool`'s database that can lose acked commits and does what
 /// `durability` says; `told` is set once they were logged, so that a start logs them once.
 pub(crate) async fn check<DB: Dialect>(
-    pool: &sqlx::Pool<DB>,
+    pool: &sqlx::Pool<DB::Db>,
     durability: Durability,
     told: &AtomicBool,
 ) -> Result<(), StoreError> {
@@ -94,18 +95,18 @@ pub(crate) async fn check<DB: Dialect>(
 
 /// The risks `DB`'s settings hold, read on a connection of `pool`; `Err` when the database
 /// would not say (a dialect that names nothing to read finds nothing).
-async fn risks<DB: Dialect>(pool: &sqlx::Pool<DB>) -> Result<Vec<Risk>, sqlx::Error> {
+async fn risks<DB: Dialect>(pool: &sqlx::Pool<DB::Db>) -> Result<Vec<Risk>, sqlx::Error> {
     if DB::DURABILITY.is_empty() {
         return Ok(Vec::new());
     }
     let mut conn = pool.acquire().await?;
-    let rows = DB::fetch_all(&mut conn, &Arc::from(DB::DURABILITY), &[]).await?;
+    let rows = DB::Db::fetch_all(&mut conn, &Arc::from(DB::DURABILITY), &[]).await?;
     rows.iter()
         .map(|row| {
             Ok(Risk {
-                setting: DB::text(row, "setting")?,
-                found: DB::text(row, "found")?,
-                fix: DB::text(row, "fix")?,
+                setting: DB::Db::text(row, "setting")?,
+                found: DB::Db::text(row, "found")?,
+                fix: DB::Db::text(row, "fix")?,
             })
         })
         .collect()

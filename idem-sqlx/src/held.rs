@@ -31,7 +31,7 @@ pub const HOLD_FOR: Duration = Duration::from_secs(60);
 
 /// A pooled connection one worker keeps ([`idem_core::store::InboxStore::Held`] of the SQL stores).
 pub struct Held<DB: Dialect> {
-    conn: PoolConnection<DB>,
+    conn: PoolConnection<DB::Db>,
     since: Instant,
     /// Set when a `BEGIN` on it failed: it is replaced at the next transaction.
     broken: Arc<AtomicBool>,
@@ -63,7 +63,7 @@ struct HeldCount(usize);
 impl HeldCount {
     /// A place among the connections of `pool` workers keep, if one is left: fewer than
     /// [`spare`] kept, and more than the reserve idle or not yet opened.
-    fn take<DB: Dialect>(pool: &Pool<DB>) -> Option<Self> {
+    fn take<DB: sqlx::Database>(pool: &Pool<DB>) -> Option<Self> {
         let id = std::ptr::from_ref(pool.options()) as usize;
         let max = pool.options().get_max_connections() as usize;
         let available = pool.num_idle() + max.saturating_sub(pool.size() as usize);
@@ -99,15 +99,15 @@ fn reserve(max: usize) -> usize {
 }
 
 /// How many connections of `pool` workers may keep at once: its size less the reserve.
-pub(crate) fn spare<DB: Dialect>(pool: &Pool<DB>) -> usize {
+pub(crate) fn spare<DB: sqlx::Database>(pool: &Pool<DB>) -> usize {
     let max = pool.options().get_max_connections() as usize;
     max.saturating_sub(reserve(max))
 }
 
 /// Opens an inbox transaction on a connection of `pool`, the way the dialect starts them.
 pub(crate) async fn begin_pooled<DB: Dialect>(
-    pool: &Pool<DB>,
-) -> Result<Transaction<'static, DB>, StoreError> {
+    pool: &Pool<DB::Db>,
+) -> Result<Transaction<'static, DB::Db>, StoreError> {
     let begun = match DB::BEGIN {
         Some(begin) => pool.begin_with(begin).await,
         None => pool.begin().await,
@@ -120,10 +120,10 @@ pub(crate) async fn begin_pooled<DB: Dialect>(
 /// old or broken. Without a connection to keep (`hold_for` zero, none to spare), or when
 /// `BEGIN` fails on the kept one, the transaction is opened on the pool.
 pub(crate) async fn begin_on<'c, DB: Dialect>(
-    pool: &'c Pool<DB>,
+    pool: &'c Pool<DB::Db>,
     hold_for: Duration,
     held: &'c mut Option<Held<DB>>,
-) -> Result<Transaction<'c, DB>, StoreError> {
+) -> Result<Transaction<'c, DB::Db>, StoreError> {
     if held
         .as_ref()
         .is_some_and(|h| h.broken.load(Ordering::Acquire) || h.since.elapsed() >= hold_for)
@@ -134,7 +134,7 @@ pub(crate) async fn begin_on<'c, DB: Dialect>(
         *held = take(pool).await?;
     }
     let Some(kept) = held.as_mut() else {
-        return begin_pooled(pool).await;
+        return begin_pooled::<DB>(pool).await;
     };
     let broken = kept.broken.clone();
     let begun = match DB::BEGIN {
@@ -146,13 +146,13 @@ pub(crate) async fn begin_on<'c, DB: Dialect>(
         Err(e) => {
             tracing::debug!(error = %e, "a held connection failed to begin; using the pool");
             broken.store(true, Ordering::Release);
-            begin_pooled(pool).await
+            begin_pooled::<DB>(pool).await
         }
     }
 }
 
 /// A connection for a worker to keep, when its pool has one to spare.
-async fn take<DB: Dialect>(pool: &Pool<DB>) -> Result<Option<Held<DB>>, StoreError> {
+async fn take<DB: Dialect>(pool: &Pool<DB::Db>) -> Result<Option<Held<DB>>, StoreError> {
     let Some(place) = HeldCount::take(pool) else {
         return Ok(None);
     };

@@ -3,9 +3,10 @@
 
 use crate::claim;
 use crate::config::{ConfigError, InboxConfig};
-use crate::dialect::Dialect;
+use crate::dialect::{Conn, Dialect};
 use crate::durability::{self, Durability};
 use crate::error::{classify_error, store_error};
+use crate::exec::Sql;
 use crate::keys;
 use crate::migrate::{self, MigrateError};
 use crate::statements::Prepared;
@@ -25,7 +26,7 @@ use std::time::Duration;
 /// An inbox in a database of dialect `DB`; see [`crate::PgInbox`], [`crate::MySqlInbox`] and
 /// [`crate::SqliteInbox`].
 pub struct SqlInbox<DB: Dialect> {
-    pub(crate) pool: Pool<DB>,
+    pub(crate) pool: Pool<DB::Db>,
     pub(crate) config: InboxConfig,
     pub(crate) sql: Arc<Prepared>,
     /// The outbox table beside the inbox table.
@@ -47,12 +48,12 @@ pub struct SqlInbox<DB: Dialect> {
 
 impl<DB: Dialect> SqlInbox<DB> {
     /// An inbox in table `idem_inbox` with the default retention.
-    pub fn new(pool: Pool<DB>) -> Self {
+    pub fn new(pool: Pool<DB::Db>) -> Self {
         Self::with_config(pool, InboxConfig::default())
     }
 
     /// An inbox with `config`.
-    pub fn with_config(pool: Pool<DB>, config: InboxConfig) -> Self {
+    pub fn with_config(pool: Pool<DB::Db>, config: InboxConfig) -> Self {
         let sql = Arc::new(DB::STATEMENTS.fill(&config.table, DB::NOW));
         Self {
             pool,
@@ -124,7 +125,7 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 
     /// The pool.
-    pub fn pool(&self) -> &Pool<DB> {
+    pub fn pool(&self) -> &Pool<DB::Db> {
         &self.pool
     }
 
@@ -135,8 +136,8 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 
     /// Starts an inbox transaction the way the dialect's start.
-    pub(crate) async fn begin_tx(&self) -> Result<Transaction<'static, DB>, StoreError> {
-        crate::held::begin_pooled(&self.pool).await
+    pub(crate) async fn begin_tx(&self) -> Result<Transaction<'static, DB::Db>, StoreError> {
+        crate::held::begin_pooled::<DB>(&self.pool).await
     }
 
     /// This process's sweeper lock where the dialect needs one; `None` when another sweeper
@@ -153,7 +154,7 @@ impl<DB: Dialect> SqlInbox<DB> {
 }
 
 impl<DB: Dialect> InboxStore for SqlInbox<DB> {
-    type Tx<'c> = Transaction<'c, DB>;
+    type Tx<'c> = Transaction<'c, DB::Db>;
     type Held = crate::held::Held<DB>;
     const KIND: StoreKind = DB::KIND;
 
@@ -164,7 +165,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
     async fn check(&self) -> Result<(), StoreError> {
         let probed = async {
             let mut conn = self.pool.acquire().await?;
-            DB::execute(&mut *conn, &self.sql.probe, &[]).await
+            DB::Db::execute(&mut *conn, &self.sql.probe, &[]).await
         };
         // A database that cannot be reached, or is restarting (57P01), fails transiently;
         // a missing table or column for good.
@@ -222,7 +223,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
     ) -> Result<(), StoreError> {
         let key = keys::stored::<DB>(request.key);
         let request = &with_key(request, &key);
-        claim::complete::<DB>(&self.sql, &mut **tx, request, output).await
+        claim::complete::<DB::Db>(&self.sql, &mut **tx, request, output).await
     }
 
     async fn claim_batch(
@@ -264,13 +265,13 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         } else {
             savepoint.next
         };
-        DB::execute_raw(&mut **tx, statement)
+        DB::Db::execute_raw(&mut **tx, statement)
             .await
             .map_err(|e| store_error("savepoint", e))
     }
 
     async fn rollback_to_savepoint(&self, tx: &mut Self::Tx<'_>) -> Result<(), StoreError> {
-        DB::execute_raw(&mut **tx, self.sql.savepoint.rollback)
+        DB::Db::execute_raw(&mut **tx, self.sql.savepoint.rollback)
             .await
             .map_err(|e| store_error("rollback to savepoint", e))
     }
@@ -283,7 +284,7 @@ impl<DB: Dialect> InboxStore for SqlInbox<DB> {
         version: i64,
     ) -> Result<Option<i64>, StoreError> {
         let entity = keys::stored::<DB>(entity);
-        crate::versions::advance::<DB>(&self.sql, &mut **tx, consumer, &entity, version).await
+        crate::versions::advance::<DB::Db>(&self.sql, &mut **tx, consumer, &entity, version).await
     }
 
     async fn unclaim(
@@ -464,8 +465,8 @@ impl Drop for SweepGuard<'_> {
 
 /// The identity of `tx` that [`idem_core::model::Context::keep_staged`] compares: the address of
 /// its connection, which stays put while a handler borrows the transaction.
-pub(crate) fn transaction_identity<DB: Dialect>(tx: &Transaction<'_, DB>) -> usize {
-    let connection: &DB::Connection = tx;
+pub(crate) fn transaction_identity<DB: Dialect>(tx: &Transaction<'_, DB::Db>) -> usize {
+    let connection: &Conn<DB> = tx;
     std::ptr::from_ref(connection) as usize
 }
 

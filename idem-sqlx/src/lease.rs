@@ -5,6 +5,7 @@
 use crate::dialect::Dialect;
 use crate::error::{store_error, stored_fingerprint};
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use idem_core::{
     model::ErrorClass, model::StoreError, model::StoredOutput, store::ClaimRequest, store::Lease,
@@ -35,7 +36,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             Param::Text(owner),
             Param::Int(lease_ms),
         ];
-        let inserted = DB::execute(&mut *tx, &sql.insert, &insert)
+        let inserted = DB::Db::execute(&mut *tx, &sql.insert, &insert)
             .await
             .map_err(fail)?;
         let taken = inserted == 1 || {
@@ -46,12 +47,12 @@ impl<DB: Dialect> SqlInbox<DB> {
                 key[1],
                 fingerprint,
             ];
-            DB::execute(&mut *tx, &sql.takeover, &takeover)
+            DB::Db::execute(&mut *tx, &sql.takeover, &takeover)
                 .await
                 .map_err(fail)?
                 == 1
         };
-        let row = DB::fetch_optional(&mut *tx, &sql.read, &key)
+        let row = DB::Db::fetch_optional(&mut *tx, &sql.read, &key)
             .await
             .map_err(fail)?;
         tx.commit().await.map_err(fail)?;
@@ -63,17 +64,17 @@ impl<DB: Dialect> SqlInbox<DB> {
                 "the key's row vanished while it was leased",
             ));
         };
-        let attempts = DB::int32(&row, "attempts").map_err(fail)?;
+        let attempts = DB::Db::int32(&row, "attempts").map_err(fail)?;
         if taken {
             return Ok(Lease::Acquired {
                 attempts: u32::try_from(attempts).unwrap_or(0),
             });
         }
         found(
-            &DB::text(&row, "status").map_err(fail)?,
-            &DB::bytes(&row, "fingerprint").map_err(fail)?,
-            DB::optional_text(&row, "outcome").map_err(fail)?,
-            DB::int(&row, "remaining_ms").map_err(fail)?,
+            &DB::Db::text(&row, "status").map_err(fail)?,
+            &DB::Db::bytes(&row, "fingerprint").map_err(fail)?,
+            DB::Db::optional_text(&row, "outcome").map_err(fail)?,
+            DB::Db::int(&row, "remaining_ms").map_err(fail)?,
         )
     }
 
@@ -95,7 +96,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             Param::Text(owner),
         ];
         let mut conn = self.pool.acquire().await.map_err(fail)?;
-        let settled = DB::execute(&mut *conn, &self.sql.lease.settle, &params)
+        let settled = DB::Db::execute(&mut *conn, &self.sql.lease.settle, &params)
             .await
             .map_err(fail)?;
         Ok(settled == 1)
@@ -114,7 +115,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             Param::Text(owner),
         ];
         let mut conn = self.pool.acquire().await.map_err(fail)?;
-        DB::execute(&mut *conn, &self.sql.lease.release, &params)
+        DB::Db::execute(&mut *conn, &self.sql.lease.release, &params)
             .await
             .map(drop)
             .map_err(fail)
@@ -136,7 +137,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             Param::Text(owner),
         ];
         let mut conn = self.pool.acquire().await.map_err(fail)?;
-        DB::execute(&mut *conn, &self.sql.lease.abandon, &params)
+        DB::Db::execute(&mut *conn, &self.sql.lease.abandon, &params)
             .await
             .map(|removed| removed > 0)
             .map_err(fail)

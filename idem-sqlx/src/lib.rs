@@ -19,8 +19,11 @@
 //! - [`SqliteInbox`]: SQLite, the embedded default (feature `sqlite`); see [`sqlite::pool`] for
 //!   a pool set up as idem needs (WAL, busy timeout).
 //!
-//! All three are [`SqlInbox<DB>`], one generic [`idem_core::store::InboxStore`] over a [`Dialect`]: a
-//! dialect module (`postgres.rs`, `mysql.rs`, `sqlite.rs`) holds its statements by name
+//! All three are [`SqlInbox<DB>`], one generic [`idem_core::store::InboxStore`] over a [`Dialect`],
+//! a marker type ([`PgDialect`], [`MySqlDialect`], [`SqliteDialect`]) whose sqlx driver is an
+//! associated type, so that dialects can share a driver; tools pick one by URL from
+//! [`dialect::DIALECTS`]. A dialect module (`postgres.rs`, `mysql.rs`, `sqlite.rs`) holds its
+//! statements by name
 //! ([`statements`]), its migrations and the claims it makes its own way; the code they share
 //! is generic (`inbox.rs`, `claim.rs`, `lease.rs`, `sweep.rs`, `migrate.rs`), with sqlx's
 //! per-type bounds written once ([`exec`]). Database errors are classified here
@@ -32,8 +35,9 @@
 //! published by relay passes (`relay.rs`), which PostgreSQL's notifications wake
 //! (`wake.rs`).
 //!
-//! Adding a database: a dialect module implementing [`Dialect`] (and [`exec::RowsAffected`]
-//! for its query result), a feature for it, its alias in `stores.rs`, its error codes in
+//! Adding a database: a dialect module with a marker type implementing [`Dialect`] (and
+//! [`Driver`] and [`exec::RowsAffected`] for a driver of its own), its entry in
+//! [`dialect::DIALECTS`] and [`dialect::by_name`], a feature for it, its alias in `stores.rs`, its error codes in
 //! `error.rs` if they need more than SQLSTATEs, and its name in the `#[idempotent]` macro's
 //! store list.
 
@@ -72,7 +76,7 @@ pub(crate) mod wake;
 pub use admin::{DeadLetterCount, InboxRow, InboxStats, KeyReport, Removed, StatusCount};
 pub use config::{ConfigError, DEFAULT_RETENTION, DEFAULT_TABLE, InboxConfig, TableName};
 pub use dead_letters::DeadLetterRow;
-pub use dialect::Dialect;
+pub use dialect::{Dialect, Driver};
 pub use durability::{Durability, Risk};
 pub use error::{classify_database_code, classify_error, classify_mysql_number, classify_sqlx};
 pub use held::Held;
@@ -81,8 +85,8 @@ pub use migrate::{
     InboxPool, MigrateError, READERS_FROM, SCHEMA_TABLE, SCHEMA_VERSION, migrate, schema,
 };
 #[cfg(feature = "mysql")]
-pub use mysql::MySqlInbox;
+pub use mysql::{MySqlDialect, MySqlInbox};
 #[cfg(feature = "postgres")]
-pub use postgres::PgInbox;
+pub use postgres::{PgDialect, PgInbox};
 #[cfg(feature = "sqlite")]
-pub use sqlite::SqliteInbox;
+pub use sqlite::{SqliteDialect, SqliteInbox};

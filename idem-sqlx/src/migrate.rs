@@ -2,8 +2,9 @@
 //! processes by the dialect's lock, recording each table's schema version.
 
 use crate::config::TableName;
-use crate::dialect::Dialect;
+use crate::dialect::{Conn, Dialect, Driver};
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::session::LockedSession;
 use crate::statements::fill;
 use sqlx::{Connection, Pool, Transaction};
@@ -71,10 +72,10 @@ pub trait InboxPool {
     fn migrate_inbox(&self) -> impl std::future::Future<Output = Result<(), MigrateError>> + Send;
 }
 
-impl<DB: Dialect> InboxPool for Pool<DB> {
+impl<DB: Driver> InboxPool for Pool<DB> {
     fn migrate_inbox(&self) -> impl std::future::Future<Output = Result<(), MigrateError>> + Send {
         let pool = self.clone();
-        async move { run::<DB>(&pool, &TableName::default()).await }
+        async move { run::<DB::Dialect>(&pool, &TableName::default()).await }
     }
 }
 
@@ -87,7 +88,7 @@ pub async fn migrate<P: InboxPool>(pool: &P) -> Result<(), MigrateError> {
 /// Creates or upgrades `table` in `pool`'s database, in one transaction that concurrent
 /// migrations (from other processes too) wait for.
 pub(crate) async fn run<DB: Dialect>(
-    pool: &Pool<DB>,
+    pool: &Pool<DB::Db>,
     table: &TableName,
 ) -> Result<(), MigrateError> {
     let steps = DB::MIGRATION;
@@ -95,11 +96,11 @@ pub(crate) async fn run<DB: Dialect>(
     let mut conn = pool.acquire().await.map_err(err(table))?;
     if let (Some(read), Some(supported)) = (steps.server_version, steps.server) {
         let read: std::sync::Arc<str> = read.into();
-        let row = DB::fetch_optional(&mut *conn, &read, &[])
+        let row = DB::Db::fetch_optional(&mut *conn, &read, &[])
             .await
             .map_err(err(table))?;
         let version = match row {
-            Some(row) => DB::text(&row, "version"),
+            Some(row) => DB::Db::text(&row, "version"),
             None => Ok(String::new()),
         }
         .map_err(err(table))?;
@@ -109,7 +110,7 @@ pub(crate) async fn run<DB: Dialect>(
         })?;
     }
     if let Some(prepare) = steps.prepare {
-        DB::execute_raw(&mut *conn, prepare)
+        DB::Db::execute_raw(&mut *conn, prepare)
             .await
             .map_err(err(table))?;
     }
@@ -125,7 +126,7 @@ pub(crate) async fn run<DB: Dialect>(
         // After the commit, so the next migration reads the version this one wrote; also
         // after a failure (its rollback runs first). Should the unlock fail, the session
         // closes on drop, which releases the lock.
-        let unlocked = DB::execute_raw(&mut *session.conn, unlock).await;
+        let unlocked = DB::Db::execute_raw(&mut *session.conn, unlock).await;
         session.released = unlocked.is_ok();
         unlocked.map_err(err(table))?;
     }
@@ -135,13 +136,13 @@ pub(crate) async fn run<DB: Dialect>(
 /// Inside the migration's transaction: takes the lock, reads the table's version and runs the
 /// steps after it.
 async fn upgrade<DB: Dialect>(
-    tx: &mut Transaction<'_, DB>,
+    tx: &mut Transaction<'_, DB::Db>,
     table: &TableName,
 ) -> Result<(), MigrateError> {
     let steps = DB::MIGRATION;
     let err = MigrateError::database;
     for statement in steps.lock.into_iter().chain([steps.version_table]) {
-        DB::execute_raw(&mut **tx, statement)
+        DB::Db::execute_raw(&mut **tx, statement)
             .await
             .map_err(err(table))?;
     }
@@ -175,7 +176,7 @@ async fn upgrade<DB: Dialect>(
     }
     let write = fill(steps.write_version, table, DB::NOW);
     let recorded = [Param::Text(&readers), Param::Int32(READERS_FROM)];
-    DB::execute(&mut **tx, &write, &recorded)
+    DB::Db::execute(&mut **tx, &write, &recorded)
         .await
         .map_err(err(table))?;
     if current == SCHEMA_VERSION {
@@ -188,13 +189,13 @@ async fn upgrade<DB: Dialect>(
         .flat_map(|(_, statements)| statements.iter());
     for statement in pending {
         let statement = fill(statement, table, DB::NOW);
-        DB::execute(&mut **tx, &statement, &[])
+        DB::Db::execute(&mut **tx, &statement, &[])
             .await
             .map_err(err(table))?;
     }
     let write = fill(steps.write_version, table, DB::NOW);
     let version = [Param::Text(table.as_str()), Param::Int32(SCHEMA_VERSION)];
-    DB::execute(&mut **tx, &write, &version)
+    DB::Db::execute(&mut **tx, &write, &version)
         .await
         .map_err(err(table))?;
     Ok(())
@@ -244,20 +245,20 @@ fn readers_row(table: &TableName) -> String {
 
 /// The version `idem_schema_version` records under `name`, if any.
 async fn read_version<DB: Dialect>(
-    tx: &mut Transaction<'_, DB>,
+    tx: &mut Transaction<'_, DB::Db>,
     name: &str,
 ) -> Result<Option<i32>, sqlx::Error> {
     let read = fill(DB::MIGRATION.read_version, &TableName::default(), DB::NOW);
-    match DB::fetch_optional(&mut **tx, &read, &[Param::Text(name)]).await? {
-        Some(row) => DB::int32(&row, "version").map(Some),
+    match DB::Db::fetch_optional(&mut **tx, &read, &[Param::Text(name)]).await? {
+        Some(row) => DB::Db::int32(&row, "version").map(Some),
         None => Ok(None),
     }
 }
 
 /// Starts a transaction on `conn` the way the dialect's inbox transactions start.
 pub(crate) async fn begin<DB: Dialect>(
-    conn: &mut DB::Connection,
-) -> Result<Transaction<'_, DB>, sqlx::Error> {
+    conn: &mut Conn<DB>,
+) -> Result<Transaction<'_, DB::Db>, sqlx::Error> {
     match DB::BEGIN {
         Some(begin) => conn.begin_with(sqlx::SqlStr::from_static(begin)).await,
         None => conn.begin().await,

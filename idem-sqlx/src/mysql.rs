@@ -12,7 +12,7 @@
 //! [`crate::classify_mysql_number`]): the message is retried, never lost. Keys compare byte
 //! for byte (`utf8mb4_bin`): `A-1` and `a-1` are different messages. Timestamps are UTC.
 
-use crate::dialect::Dialect;
+use crate::dialect::{Dialect, Driver, Entry};
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
@@ -261,7 +261,15 @@ const WRITE_VERSION: &str = "INSERT INTO idem_schema_version (inbox_table, versi
 /// The MySQL / MariaDB inbox. `migrate()` takes a named lock (`GET_LOCK`), so several processes
 /// may run it at once. MySQL runs DDL outside transactions; every migration statement is
 /// idempotent for that reason.
-pub type MySqlInbox = SqlInbox<MySql>;
+pub type MySqlInbox = SqlInbox<MySqlDialect>;
+
+/// The dialect of MySQL and MariaDB, on sqlx's `MySql` driver.
+#[derive(Debug, Clone, Copy)]
+pub struct MySqlDialect;
+
+impl Driver for MySql {
+    type Dialect = MySqlDialect;
+}
 
 impl RowsAffected for MySqlQueryResult {
     fn rows_affected(&self) -> u64 {
@@ -269,7 +277,21 @@ impl RowsAffected for MySqlQueryResult {
     }
 }
 
-impl Dialect for MySql {
+impl Dialect for MySqlDialect {
+    type Db = MySql;
+    const ENTRY: Entry = Entry {
+        name: "mysql",
+        schemes: &["mysql://", "mariadb://"],
+        bare_path: false,
+        transactional_ddl: false,
+    };
+
+    async fn connect(url: &str, max: u32) -> Result<sqlx::MySqlPool, sqlx::Error> {
+        sqlx::mysql::MySqlPoolOptions::new()
+            .max_connections(max)
+            .connect(url)
+            .await
+    }
     const DURABILITY: &'static str = crate::durability::MARIADB;
     const KIND: StoreKind = StoreKind::new("MySql", "mysql", "idem::sql::MySqlInbox");
     const STATEMENTS: Statements = Statements {

@@ -1,7 +1,7 @@
 //! The PostgreSQL inbox: a claim in one round trip (the insert returns the existing row), and
 //! a batch's claims, results and removals with array parameters.
 
-use crate::dialect::Dialect;
+use crate::dialect::{Dialect, Driver, Entry};
 use crate::error::{existing_claim, store_error};
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
@@ -331,7 +331,15 @@ const WRITE_VERSION: &str = "INSERT INTO idem_schema_version (inbox_table, versi
 
 /// The PostgreSQL inbox. `migrate()` takes an advisory lock, so several processes may run it
 /// at once.
-pub type PgInbox = SqlInbox<Postgres>;
+pub type PgInbox = SqlInbox<PgDialect>;
+
+/// The dialect of PostgreSQL, on sqlx's `Postgres` driver.
+#[derive(Debug, Clone, Copy)]
+pub struct PgDialect;
+
+impl Driver for Postgres {
+    type Dialect = PgDialect;
+}
 
 impl RowsAffected for PgQueryResult {
     fn rows_affected(&self) -> u64 {
@@ -339,15 +347,30 @@ impl RowsAffected for PgQueryResult {
     }
 }
 
-impl Dialect for Postgres {
+impl Dialect for PgDialect {
+    type Db = Postgres;
+    const ENTRY: Entry = Entry {
+        name: "postgres",
+        schemes: &["postgres://", "postgresql://"],
+        bare_path: false,
+        transactional_ddl: true,
+    };
     const DURABILITY: &'static str = crate::durability::POSTGRES;
     const ESCAPES_NUL: bool = true;
     fn placeholder(n: usize) -> String {
         format!("${n}")
     }
 
+    async fn connect(url: &str, max: u32) -> Result<sqlx::PgPool, sqlx::Error> {
+        let options = crate::urls::postgres_options(url)?;
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(max)
+            .connect_with(options)
+            .await
+    }
+
     fn listen(
-        pool: sqlx::Pool<Self>,
+        pool: sqlx::Pool<Postgres>,
         outbox: String,
         wake: std::sync::Arc<crate::wake::Wake>,
     ) -> bool {

@@ -5,7 +5,7 @@
 //! `SQLITE_BUSY` and `SQLITE_LOCKED` are classified as transient, so a claim that waited too
 //! long is retried, never lost. Timestamps are Unix milliseconds.
 
-use crate::dialect::Dialect;
+use crate::dialect::{Dialect, Driver, Entry};
 use crate::exec::RowsAffected;
 use crate::inbox::SqlInbox;
 use crate::statements::{
@@ -253,7 +253,15 @@ pub fn connect_options(url: &str) -> Result<SqliteConnectOptions, sqlx::Error> {
 }
 
 /// The SQLite inbox. `migrate()` also switches the database to WAL mode.
-pub type SqliteInbox = SqlInbox<Sqlite>;
+pub type SqliteInbox = SqlInbox<SqliteDialect>;
+
+/// The dialect of SQLite, on sqlx's `Sqlite` driver.
+#[derive(Debug, Clone, Copy)]
+pub struct SqliteDialect;
+
+impl Driver for Sqlite {
+    type Dialect = SqliteDialect;
+}
 
 impl RowsAffected for SqliteQueryResult {
     fn rows_affected(&self) -> u64 {
@@ -261,7 +269,21 @@ impl RowsAffected for SqliteQueryResult {
     }
 }
 
-impl Dialect for Sqlite {
+impl Dialect for SqliteDialect {
+    type Db = Sqlite;
+    const ENTRY: Entry = Entry {
+        name: "sqlite",
+        schemes: &["sqlite:"],
+        bare_path: true,
+        transactional_ddl: true,
+    };
+
+    async fn connect(url: &str, max: u32) -> Result<SqlitePool, sqlx::Error> {
+        SqlitePoolOptions::new()
+            .max_connections(max)
+            .connect_with(connect_options(url)?)
+            .await
+    }
     const DURABILITY: &'static str = crate::durability::SQLITE;
     const KIND: StoreKind = StoreKind::new("Sqlite", "sqlite", "idem::sql::SqliteInbox");
     // SQLite runs in process: the single-row statements of a batch cost no round trips.

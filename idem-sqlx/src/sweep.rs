@@ -3,9 +3,10 @@
 //! (`pg_try_advisory_lock` on PostgreSQL, `GET_LOCK` on MySQL; on SQLite a lock of this
 //! process, and every batch takes the database's write lock).
 
-use crate::dialect::Dialect;
+use crate::dialect::{Conn, Dialect};
 use crate::error::store_error;
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use crate::session::LockedSession;
 use idem_core::store::Pace;
@@ -33,7 +34,11 @@ impl<DB: Dialect> SqlInbox<DB> {
         let conn = self.pool.acquire().await.map_err(fail)?;
         let mut session = LockedSession::new(conn);
         let conn = &mut *session.conn;
-        if DB::fetch_int(conn, &sql.lock, &[]).await.map_err(fail)? != 1 {
+        if DB::Db::fetch_int(conn, &sql.lock, &[])
+            .await
+            .map_err(fail)?
+            != 1
+        {
             session.released = true;
             return Ok(report);
         }
@@ -41,7 +46,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let swept = async {
             while report.batches < max_batches {
                 let started = Instant::now();
-                let deleted = DB::execute(conn, &sql.delete, &[Param::Int(i64::from(batch))])
+                let deleted = DB::Db::execute(conn, &sql.delete, &[Param::Int(i64::from(batch))])
                     .await
                     .map_err(fail)?;
                 report.batches += 1;
@@ -60,7 +65,7 @@ impl<DB: Dialect> SqlInbox<DB> {
             for _ in 0..max_batches {
                 let started = Instant::now();
                 let delete = &sql.delete_deliveries;
-                let deleted = DB::execute(conn, delete, &[Param::Int(i64::from(batch))])
+                let deleted = DB::Db::execute(conn, delete, &[Param::Int(i64::from(batch))])
                     .await
                     .map_err(fail)?;
                 report.counts_deleted += deleted;
@@ -74,19 +79,25 @@ impl<DB: Dialect> SqlInbox<DB> {
                     pause_for(&mut report, took, pace.pause).await;
                 }
             }
-            let lag_ms = DB::fetch_int(conn, &sql.lag, &[]).await.map_err(fail)?;
+            let lag_ms = DB::Db::fetch_int(conn, &sql.lag, &[]).await.map_err(fail)?;
             report.lag = Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0));
             // What the inbox holds after the sweep, for the operator's gauges.
-            let rows = DB::fetch_int(conn, &sql.rows, &[]).await.map_err(fail)?;
+            let rows = DB::Db::fetch_int(conn, &sql.rows, &[])
+                .await
+                .map_err(fail)?;
             report.rows = u64::try_from(rows).unwrap_or(0);
-            let oldest_ms = DB::fetch_int(conn, &sql.oldest, &[]).await.map_err(fail)?;
+            let oldest_ms = DB::Db::fetch_int(conn, &sql.oldest, &[])
+                .await
+                .map_err(fail)?;
             report.oldest = Duration::from_millis(u64::try_from(oldest_ms).unwrap_or(0));
-            let expired = DB::fetch_int(conn, &sql.expired, &[]).await.map_err(fail)?;
+            let expired = DB::Db::fetch_int(conn, &sql.expired, &[])
+                .await
+                .map_err(fail)?;
             report.expired = u64::try_from(expired).unwrap_or(0);
             Ok::<_, StoreError>(())
         }
         .await;
-        match DB::execute(conn, &sql.unlock, &[]).await {
+        match DB::Db::execute(conn, &sql.unlock, &[]).await {
             Ok(_) => session.released = true,
             // The session closes on drop, which releases the lock.
             Err(e) => {
@@ -101,11 +112,11 @@ impl<DB: Dialect> SqlInbox<DB> {
 /// the oldest, in milliseconds), and none expired more than `behind_after` ago (the sweeper has
 /// caught up). Behind, it deletes back to back; with none left, the next statement ends it.
 async fn paced<DB: Dialect>(
-    conn: &mut DB::Connection,
+    conn: &mut Conn<DB>,
     lag: &std::sync::Arc<str>,
     behind_after: Duration,
 ) -> Result<bool, StoreError> {
-    let lag_ms = DB::fetch_int(conn, lag, &[])
+    let lag_ms = DB::Db::fetch_int(conn, lag, &[])
         .await
         .map_err(|e| store_error("sweep", e))?;
     let lag = Duration::from_millis(u64::try_from(lag_ms).unwrap_or(0));

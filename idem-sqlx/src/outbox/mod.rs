@@ -14,9 +14,10 @@ pub mod parked;
 mod relay;
 
 use crate::config::TableName;
-use crate::dialect::Dialect;
+use crate::dialect::{Conn, Dialect, Driver};
 use crate::error::store_error;
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use crate::statements::OutboxStatements;
 use idem_core::model::outgoing::headers_to_json;
@@ -175,8 +176,8 @@ pub(crate) const SQLITE_TABLE: &[&str] = &[
 /// it is published once `tx` commits, and never if it rolls back. The message is stamped by
 /// [`Context::outgoing`] first (its id derived from the consumer, the key and its ordinal in
 /// this run; correlation and causation from the message being processed). Returns its
-/// message id.
-pub async fn stage<DB: Dialect>(
+/// message id. The statement is that of the driver's own dialect ([`Driver`]).
+pub async fn stage<DB: Driver>(
     tx: &mut Transaction<'_, DB>,
     ctx: &Context<'_>,
     message: Outgoing,
@@ -186,17 +187,17 @@ pub async fn stage<DB: Dialect>(
         Some(table) => table.to_owned(),
         None => TableName::default().outbox(),
     };
-    let id = insert::<DB>(tx, &table, ctx.consumer(), ctx.run_key(), &message).await?;
-    keep::<DB>(tx, ctx, std::slice::from_ref(&message));
+    let id = insert::<DB::Dialect>(tx, &table, ctx.consumer(), ctx.run_key(), &message).await?;
+    keep::<DB::Dialect>(tx, ctx, std::slice::from_ref(&message));
     Ok(id)
 }
 
 /// Tells `ctx` that `messages` were staged in `tx`, at `tx`'s savepoint depth: the dispatch
 /// publishes them from memory when that is the handler's own transaction, outside any
 /// savepoint.
-fn keep<DB: Dialect>(tx: &Transaction<'_, DB>, ctx: &Context<'_>, messages: &[Outgoing]) {
-    let connection: &DB::Connection = tx;
-    let depth = <DB::TransactionManager as TransactionManager>::get_transaction_depth(connection);
+fn keep<DB: Dialect>(tx: &Transaction<'_, DB::Db>, ctx: &Context<'_>, messages: &[Outgoing]) {
+    let connection: &Conn<DB> = tx;
+    let depth = <<DB::Db as sqlx::Database>::TransactionManager as TransactionManager>::get_transaction_depth(connection);
     ctx.keep_staged(
         messages,
         crate::inbox::transaction_identity::<DB>(tx),
@@ -211,7 +212,7 @@ impl<DB: Dialect> SqlInbox<DB> {
     /// which the outbox holds once (a second staging of it fails); returns it.
     pub async fn stage(
         &self,
-        tx: &mut Transaction<'_, DB>,
+        tx: &mut Transaction<'_, DB::Db>,
         message: Outgoing,
     ) -> Result<String, StoreError> {
         let Some(id) = message.message_id() else {
@@ -225,7 +226,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         insert::<DB>(tx, &self.outbox, "", &id, &message).await?;
         if let Some(notify) = &self.sql.outbox.notify {
             // Delivered at the commit: the relays listening take the row at once.
-            DB::execute(&mut **tx, notify, &[])
+            DB::Db::execute(&mut **tx, notify, &[])
                 .await
                 .map_err(|e| store_error("stage", e))?;
         }
@@ -236,7 +237,7 @@ impl<DB: Dialect> SqlInbox<DB> {
     /// under `run` (the store's side of `OutboxStore::stage_rows`).
     pub(crate) async fn stage_in(
         &self,
-        tx: &mut Transaction<'_, DB>,
+        tx: &mut Transaction<'_, DB::Db>,
         consumer: &str,
         run: &str,
         messages: &[Outgoing],
@@ -251,7 +252,7 @@ const ROWS_PER_STATEMENT: usize = 500;
 /// Inserts `message` (stamped, with its id) into `table` in `tx`, as staged by `consumer`
 /// grouped under `run`.
 async fn insert<DB: Dialect>(
-    tx: &mut Transaction<'_, DB>,
+    tx: &mut Transaction<'_, DB::Db>,
     table: &str,
     consumer: &str,
     run: &str,
@@ -264,7 +265,7 @@ async fn insert<DB: Dialect>(
 /// Inserts `messages` (stamped, with their ids) into `table` in `tx`, in order, with
 /// multi-row statements.
 async fn insert_rows<DB: Dialect>(
-    tx: &mut Transaction<'_, DB>,
+    tx: &mut Transaction<'_, DB::Db>,
     table: &str,
     consumer: &str,
     run: &str,
@@ -327,7 +328,7 @@ async fn insert_rows<DB: Dialect>(
             .replace("{rows}", &rows.join(", "))
             .replace("{now}", DB::NOW)
             .into();
-        DB::execute(&mut **tx, &sql, &params)
+        DB::Db::execute(&mut **tx, &sql, &params)
             .await
             .map_err(|e| store_error("stage", e))?;
     }
@@ -338,7 +339,7 @@ async fn insert_rows<DB: Dialect>(
 /// `(index, message)` is caused by message `index` of a batch handler's batch and stamped by
 /// its context (`ctx.item(index)`, see [`stage`]); for a single message's context, index 0.
 /// Returns their message ids, in order. An index outside the batch is refused.
-pub async fn stage_all<DB: Dialect>(
+pub async fn stage_all<DB: Driver>(
     tx: &mut Transaction<'_, DB>,
     ctx: &Context<'_>,
     messages: impl IntoIterator<Item = (usize, Outgoing)>,
@@ -358,8 +359,8 @@ pub async fn stage_all<DB: Dialect>(
         Some(table) => table.to_owned(),
         None => TableName::default().outbox(),
     };
-    insert_rows::<DB>(tx, &table, ctx.consumer(), ctx.run_key(), &stamped).await?;
-    keep::<DB>(tx, ctx, &stamped);
+    insert_rows::<DB::Dialect>(tx, &table, ctx.consumer(), ctx.run_key(), &stamped).await?;
+    keep::<DB::Dialect>(tx, ctx, &stamped);
     Ok(stamped
         .iter()
         .map(|m| m.message_id().unwrap_or_default().to_owned())

@@ -9,9 +9,10 @@
 //! staged again while its row was parked is one message, so releasing merges the two instead
 //! of failing on the outbox's unique id (which would stop every later pass).
 
-use crate::dialect::Dialect;
+use crate::dialect::{Conn, Dialect};
 use crate::error::store_error;
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use idem_core::model::StoreError;
 use std::time::Duration;
@@ -191,22 +192,22 @@ impl<DB: Dialect> SqlInbox<DB> {
     pub async fn parked(&self) -> Result<Vec<ParkedRow>, StoreError> {
         let fail = |e| store_error("read parked rows", e);
         let mut conn = self.pool.acquire().await.map_err(fail)?;
-        let rows = DB::fetch_all(&mut *conn, &self.sql.parked.list, &[])
+        let rows = DB::Db::fetch_all(&mut *conn, &self.sql.parked.list, &[])
             .await
             .map_err(fail)?;
         rows.iter()
             .map(|row| {
-                let text = |column| DB::text(row, column);
+                let text = |column| DB::Db::text(row, column);
                 Ok(ParkedRow {
-                    seq: DB::int(row, "seq")?,
+                    seq: DB::Db::int(row, "seq")?,
                     message_id: text("message_id").map(crate::keys::shown::<DB>)?,
                     consumer: text("consumer")?,
                     key: text("key").map(crate::keys::shown::<DB>)?,
                     exchange: text("exchange").map(crate::keys::shown::<DB>)?,
                     routing_key: text("routing_key").map(crate::keys::shown::<DB>)?,
                     failure: text("failure")?,
-                    parked_at_ms: DB::int(row, "parked_ms")?,
-                    given_up_at_ms: DB::int_opt(row, "given_up_ms")?,
+                    parked_at_ms: DB::Db::int(row, "parked_ms")?,
+                    given_up_at_ms: DB::Db::int_opt(row, "given_up_ms")?,
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
@@ -240,12 +241,12 @@ impl<DB: Dialect> SqlInbox<DB> {
         let sql = &self.sql.parked;
         let mut tx = self.begin_tx().await?;
         let millis = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
-        let given_up = DB::execute(&mut *tx, &sql.give_up, &[Param::Int(millis(self.give_up))])
+        let given_up = DB::Db::execute(&mut *tx, &sql.give_up, &[Param::Int(millis(self.give_up))])
             .await
             .map_err(fail)?;
         let after = millis(after);
         let params = [Param::Int(after), Param::Int(i64::from(limit))];
-        let due = DB::fetch_all(&mut *tx, &sql.due, &params)
+        let due = DB::Db::fetch_all(&mut *tx, &sql.due, &params)
             .await
             .map_err(fail)?;
         if due.is_empty() {
@@ -254,7 +255,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         }
         let seqs = due
             .iter()
-            .map(|row| DB::int(row, "seq"))
+            .map(|row| DB::Db::int(row, "seq"))
             .collect::<Result<Vec<_>, _>>()
             .map_err(fail)?;
         let released = unpark::<DB>(sql, &mut tx, &seqs).await.map_err(fail)?;
@@ -269,7 +270,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut tx = self.begin_tx().await?;
         let mut dropped = 0;
         for seq in seqs {
-            dropped += DB::execute(&mut *tx, &self.sql.parked.remove, &[Param::Int(*seq)])
+            dropped += DB::Db::execute(&mut *tx, &self.sql.parked.remove, &[Param::Int(*seq)])
                 .await
                 .map_err(fail)?;
         }
@@ -282,14 +283,14 @@ impl<DB: Dialect> SqlInbox<DB> {
 /// there); how many parked rows it removed.
 async fn unpark<DB: Dialect>(
     sql: &ParkedStatements<std::sync::Arc<str>>,
-    tx: &mut sqlx::Transaction<'_, DB>,
+    tx: &mut sqlx::Transaction<'_, DB::Db>,
     seqs: &[i64],
 ) -> Result<u64, sqlx::Error> {
     let mut released = 0;
     for seq in seqs {
         let params = [Param::Int(*seq)];
-        DB::execute(&mut **tx, &sql.unpark, &params).await?;
-        released += DB::execute(&mut **tx, &sql.remove, &params).await?;
+        DB::Db::execute(&mut **tx, &sql.unpark, &params).await?;
+        released += DB::Db::execute(&mut **tx, &sql.remove, &params).await?;
     }
     Ok(released)
 }
@@ -299,10 +300,10 @@ async fn unpark<DB: Dialect>(
 /// published).
 pub(crate) async fn park<DB: Dialect>(
     sql: &ParkedStatements<std::sync::Arc<str>>,
-    conn: &mut DB::Connection,
+    conn: &mut Conn<DB>,
     seq: i64,
     failure: &str,
 ) -> Result<(), sqlx::Error> {
     let params = [Param::Text(failure), Param::Int(seq)];
-    DB::execute(conn, &sql.park, &params).await.map(drop)
+    DB::Db::execute(conn, &sql.park, &params).await.map(drop)
 }

@@ -3,9 +3,10 @@
 //! the confirmed rows deleted; and the wake-ups that start a pass for rows staged outside any
 //! handler.
 
-use crate::dialect::Dialect;
+use crate::dialect::{Conn, Dialect, Row};
 use crate::error::store_error;
 use crate::exec::Param;
+use crate::exec::Sql;
 use crate::inbox::SqlInbox;
 use idem_core::model::outgoing::headers_from_json;
 use idem_core::transport::{Outbound, OutboundError};
@@ -46,7 +47,9 @@ impl<DB: Dialect> SqlInbox<DB> {
         }
         let mut conn = self.pool.acquire().await.map_err(fail)?;
         if let Some(prelude) = DB::STATEMENTS.outbox.prelude {
-            DB::execute_raw(&mut *conn, prelude).await.map_err(fail)?;
+            DB::Db::execute_raw(&mut *conn, prelude)
+                .await
+                .map_err(fail)?;
         }
         let mut tx = crate::migrate::begin::<DB>(&mut *conn)
             .await
@@ -55,12 +58,13 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut runs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
         for row in &rows {
-            let age = Duration::from_millis(DB::int(row, "age_ms").map_err(fail)?.max(0) as u64);
+            let age =
+                Duration::from_millis(DB::Db::int(row, "age_ms").map_err(fail)?.max(0) as u64);
             report.oldest = report.oldest.max(Some(age));
             runs.push(Run {
-                seq: DB::int(row, "seq").map_err(fail)?,
-                consumer: DB::text(row, "consumer").map_err(fail)?,
-                key: DB::text(row, "key").map_err(fail)?,
+                seq: DB::Db::int(row, "seq").map_err(fail)?,
+                consumer: DB::Db::text(row, "consumer").map_err(fail)?,
+                key: DB::Db::text(row, "key").map_err(fail)?,
             });
             messages.push(message::<DB>(row).map_err(fail)?);
         }
@@ -80,7 +84,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         report.parked = parked.len() as u64;
         // After the publishes, so that its round trip is not theirs to wait for.
         if let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit {
-            DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
+            DB::Db::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
         }
         if !done.is_empty() {
             // Integers written into the text: a primary-key lookup per row, in every dialect.
@@ -91,7 +95,9 @@ impl<DB: Dialect> SqlInbox<DB> {
                 .delete
                 .replace("{seqs}", &seqs.join(","))
                 .into();
-            DB::execute(&mut *tx, &delete, &[]).await.map_err(fail)?;
+            DB::Db::execute(&mut *tx, &delete, &[])
+                .await
+                .map_err(fail)?;
         }
         tx.commit().await.map_err(fail)?;
         report.published = done.len() as u64 - report.parked;
@@ -119,16 +125,16 @@ impl<DB: Dialect> SqlInbox<DB> {
     /// The rows `select` names, taken in `tx` (in the order staged where a scan takes them).
     async fn take_rows(
         &self,
-        tx: &mut DB::Connection,
+        tx: &mut Conn<DB>,
         select: &OutboxSelect,
-    ) -> Result<Vec<DB::Row>, sqlx::Error> {
+    ) -> Result<Vec<Row<DB>>, sqlx::Error> {
         let sql = &self.sql.outbox;
         let scan = matches!(
             select,
             OutboxSelect::Older { .. } | OutboxSelect::Unowned { .. }
         );
         if scan && let Some(in_order) = DB::STATEMENTS.outbox.in_order {
-            DB::execute_raw(&mut *tx, in_order).await?;
+            DB::Db::execute_raw(&mut *tx, in_order).await?;
         }
         match select {
             OutboxSelect::Runs { runs } if runs.is_empty() => Ok(Vec::new()),
@@ -146,16 +152,16 @@ impl<DB: Dialect> SqlInbox<DB> {
                     .iter()
                     .flat_map(|(consumer, key)| [Param::Text(consumer), Param::Text(key)])
                     .collect();
-                DB::fetch_all(tx, &statement, &params).await
+                DB::Db::fetch_all(tx, &statement, &params).await
             }
             OutboxSelect::Older { age, limit } => {
                 let age = i64::try_from(age.as_millis()).unwrap_or(i64::MAX);
                 let params = [Param::Int(age), Param::Int(i64::from(*limit))];
-                DB::fetch_all(tx, &sql.older, &params).await
+                DB::Db::fetch_all(tx, &sql.older, &params).await
             }
             OutboxSelect::Unowned { limit } => {
                 let params = [Param::Int(i64::from(*limit))];
-                DB::fetch_all(tx, &sql.unowned, &params).await
+                DB::Db::fetch_all(tx, &sql.unowned, &params).await
             }
             _ => Ok(Vec::new()),
         }
@@ -222,7 +228,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         let params: Vec<Param<'_>> = stored.iter().map(|id| Param::Text(id)).collect();
         let mut conn = self.pool.acquire().await.map_err(fail)?;
         let Some(lazy) = DB::STATEMENTS.outbox.lazy_commit else {
-            return DB::execute(&mut *conn, &statement, &params)
+            return DB::Db::execute(&mut *conn, &statement, &params)
                 .await
                 .map_err(fail);
         };
@@ -230,8 +236,8 @@ impl<DB: Dialect> SqlInbox<DB> {
         let mut tx = crate::migrate::begin::<DB>(&mut *conn)
             .await
             .map_err(fail)?;
-        DB::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
-        let removed = DB::execute(&mut *tx, &statement, &params)
+        DB::Db::execute_raw(&mut *tx, lazy).await.map_err(fail)?;
+        let removed = DB::Db::execute(&mut *tx, &statement, &params)
             .await
             .map_err(fail)?;
         tx.commit().await.map_err(fail)?;
@@ -297,13 +303,13 @@ async fn isolate(
 }
 
 /// The message of an outbox row.
-fn message<DB: Dialect>(row: &DB::Row) -> Result<Outgoing, sqlx::Error> {
-    let text = |column| DB::text(row, column).map(crate::keys::shown::<DB>);
-    let mut envelope = Envelope::new(DB::bytes(row, "body")?);
+fn message<DB: Dialect>(row: &Row<DB>) -> Result<Outgoing, sqlx::Error> {
+    let text = |column| DB::Db::text(row, column).map(crate::keys::shown::<DB>);
+    let mut envelope = Envelope::new(DB::Db::bytes(row, "body")?);
     envelope.message_id = Some(text("message_id")?);
     envelope.correlation_id = Some(text("correlation_id")?).filter(|c| !c.is_empty());
     envelope.content_type = Some(text("content_type")?).filter(|c| !c.is_empty());
-    envelope.headers = headers_from_json(&DB::text(row, "headers")?)
+    envelope.headers = headers_from_json(&DB::Db::text(row, "headers")?)
         .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
     let destination = Destination::from_parts(text("exchange")?, text("routing_key")?);
     let mut message = Outgoing::new(destination, Vec::new());
