@@ -20,14 +20,14 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 /// The layer of one operation, built by [`Idempotency::layer`]. Cloning it is cheap; every
-/// route of the operation shares its keys. Either mode's layer is a tower layer on the
-/// operation's routes (axum: `post(handler).layer(layer)`), generic over the request body.
+/// route of the operation shares its keys.
 ///
-/// - A [`Transactional`](crate::Transactional) layer also wraps each handler of the operation
-///   (axum: `post(layer.handler(create))`), which checks, when it compiles, that the handler's
-///   [`crate::Tx`] is of the layer's store. As a tower layer, a handler taking the `Tx` of
-///   another database is answered 500 ([`crate::TxRejection::Missing`]) at run time.
-/// - An [`External`] layer's handler calls other services and takes no `Tx`.
+/// - A [`Transactional`](crate::Transactional) layer wraps each handler of the operation
+///   (axum: `post(layer.handler(create))`); the handler's [`crate::Tx`] is checked against the
+///   layer's store when it compiles. It is not a tower layer: there the check would wait for a
+///   request.
+/// - An [`External`] layer is a tower layer on the operation's routes (axum:
+///   `post(handler).layer(layer)`).
 pub struct IdempotencyLayer<S, M> {
     pub(crate) shared: Arc<Shared<S>>,
     pub(crate) mode: M,
@@ -66,8 +66,8 @@ impl<S, M: fmt::Debug> fmt::Debug for IdempotencyLayer<S, M> {
     }
 }
 
-impl<S, I, M: Mode> Layer<I> for IdempotencyLayer<S, M> {
-    type Service = IdempotencyService<S, I, M>;
+impl<S, I> Layer<I> for IdempotencyLayer<S, External> {
+    type Service = IdempotencyService<S, I>;
 
     fn layer(&self, inner: I) -> Self::Service {
         IdempotencyService {
@@ -78,14 +78,14 @@ impl<S, I, M: Mode> Layer<I> for IdempotencyLayer<S, M> {
     }
 }
 
-/// The service an [`IdempotencyLayer`] wraps around a route.
-pub struct IdempotencyService<S, I, M = External> {
+/// The service an [`External`] [`IdempotencyLayer`] wraps around a route.
+pub struct IdempotencyService<S, I> {
     shared: Arc<Shared<S>>,
-    mode: M,
+    mode: External,
     inner: I,
 }
 
-impl<S, I: Clone, M: Copy> Clone for IdempotencyService<S, I, M> {
+impl<S, I: Clone> Clone for IdempotencyService<S, I> {
     fn clone(&self) -> Self {
         Self {
             shared: self.shared.clone(),
@@ -95,7 +95,7 @@ impl<S, I: Clone, M: Copy> Clone for IdempotencyService<S, I, M> {
     }
 }
 
-impl<S, I, M: fmt::Debug> fmt::Debug for IdempotencyService<S, I, M> {
+impl<S, I> fmt::Debug for IdempotencyService<S, I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyService")
             .field("mode", &self.mode)
@@ -107,10 +107,9 @@ impl<S, I, M: fmt::Debug> fmt::Debug for IdempotencyService<S, I, M> {
 /// The service takes requests of any body type (hyper's, axum's, a test's `String`), as
 /// tower-http's layers do; its handler gets the body, once read for the fingerprint, as axum's
 /// [`Body`].
-impl<S, I, M, B, ReqB> Service<Request<ReqB>> for IdempotencyService<S, I, M>
+impl<S, I, B, ReqB> Service<Request<ReqB>> for IdempotencyService<S, I>
 where
     S: RuntimeStore,
-    M: Mode,
     I: Service<Request<Body>, Response = Response<B>, Error = Infallible> + Clone + Send + 'static,
     I::Future: Send,
     B: http_body::Body<Data = Bytes> + Send + 'static,

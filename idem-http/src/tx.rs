@@ -87,9 +87,8 @@ pub enum TxRejection {
     /// No transaction is on the request: the handler was routed without a transactional
     /// layer (`layer.handler(create)`).
     #[error(
-        "no idempotent transaction of this handler's database on this request: route the \
-         handler as `layer.handler(handler)` with a transactional idem_http::Idempotency layer \
-         of its store"
+        "no idempotent transaction on this request: route the handler as \
+         `layer.handler(handler)` with a transactional idem_http::Idempotency layer"
     )]
     Missing,
     /// Another extractor of this request holds the transaction.
