@@ -57,8 +57,9 @@ pub mod store {
     pub use idem_core::{
         model::DeadLetterRecord, model::Fingerprint, model::KeyValue, model::MAX_KEY_LEN,
         model::StoreError, model::StoredOutput, outbox::OutboxSelect, outbox::RelayReport,
-        store::Claim, store::ClaimRequest, store::DEFAULT_RETENTION, store::InboxStore,
-        store::Lease, store::LeaseEnd, store::StoreKind, store::Stores, store::SweepReport,
+        store::Claim, store::ClaimRequest, store::DEFAULT_RETENTION, store::Ended,
+        store::InboxStore, store::Lease, store::LeaseEnd, store::StoreKind, store::Stores,
+        store::SweepReport, store::end_transaction,
     };
 }
 
