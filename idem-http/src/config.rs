@@ -144,20 +144,20 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
         self
     }
 
-    /// The longest key accepted ([`DEFAULT_MAX_KEY_LEN`]); a longer one is answered 400.
+    /// The longest key accepted ([`DEFAULT_MAX_KEY_LEN`](crate::key::DEFAULT_MAX_KEY_LEN)); a longer one is answered 400.
     pub fn max_key_len(mut self, len: usize) -> Self {
         self.settings.max_key_len = len;
         self
     }
 
-    /// The largest request body read ([`DEFAULT_MAX_REQUEST_BYTES`]); a larger one is
+    /// The largest request body read ([`DEFAULT_MAX_REQUEST_BYTES`](crate::DEFAULT_MAX_REQUEST_BYTES)); a larger one is
     /// answered 413.
     pub fn max_request_bytes(mut self, bytes: usize) -> Self {
         self.settings.max_request_bytes = bytes;
         self
     }
 
-    /// The largest response body stored ([`DEFAULT_MAX_RESPONSE_BYTES`]). In transactional
+    /// The largest response body stored ([`DEFAULT_MAX_RESPONSE_BYTES`](crate::DEFAULT_MAX_RESPONSE_BYTES)). In transactional
     /// mode a larger response is rolled back and answered 500; in external mode its status
     /// and headers are stored without the body.
     pub fn max_response_bytes(mut self, bytes: usize) -> Self {
@@ -165,7 +165,7 @@ impl<S: RuntimeStore, M> Idempotency<S, M> {
         self
     }
 
-    /// How long a key and its response are kept ([`DEFAULT_KEY_RETENTION`]): the expiry
+    /// How long a key and its response are kept ([`DEFAULT_KEY_RETENTION`](crate::DEFAULT_KEY_RETENTION)): the expiry
     /// policy. A key sent again after it expired is a new request. The rows are deleted by the
     /// inbox's retention sweeper (a `Runtime` on the same store, or [`crate::sweep_every`]).
     pub fn retention(mut self, retention: Duration) -> Self {
