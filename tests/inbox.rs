@@ -534,9 +534,11 @@ use idem::store::{Stores};
             }
 
             /// A dead letter's record: written in a transaction of its own, replaced (not added)
-            /// when the same key is dead-lettered again, read back by queue and by key, tied to
-            /// its message; `clear_failure` removes it with the poison count but keeps a completed
-            /// row, `forget` removes everything.
+            /// when the same key is dead-lettered again but keeping the earliest first failure,
+            /// read back by queue and by key with its history, tied to its message;
+            /// `clear_failure` removes the poison count but keeps a completed row and the
+            /// record, which goes only while no later failure replaced it; `forget` removes
+            /// everything.
             #[tokio::test]
             async fn a_dead_letter_record_is_replaced_cleared_and_forgotten() {
                 use idem::store::DeadLetterStore;
@@ -551,14 +553,27 @@ use idem::store::{Stores};
                     Some(id.clone()),
                     2,
                 );
-                for reason in ["conflict", "handler"] {
-                    let record = idem::store::DeadLetterRecord::new(&letter(reason), &envelope, &queue);
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis() as i64;
+                let (first, hour) = (now - 60_000, Duration::from_secs(3600));
+                for (reason, began, retention) in [
+                    ("conflict", first, Duration::from_secs(7 * 86_400)),
+                    ("handler", now - 1_000, hour),
+                ] {
+                    let record = idem::store::DeadLetterRecord::new(&letter(reason), &envelope, &queue)
+                        .with_history(Some(began), retention);
                     inbox.record_dead_letter(&record).await.unwrap();
                 }
                 let records = inbox.dead_letters(&queue).await.unwrap();
                 assert_eq!(records.len(), 1, "replaced, not added: {records:?}");
                 let r = &records[0];
                 assert_eq!((r.reason.as_str(), r.key.as_str(), r.keyed, r.attempts), ("handler", id.as_str(), true, 2));
+                assert_eq!(r.first_failed_at_ms, Some(first), "the earliest first failure is kept");
+                assert_eq!(r.retention, Some(hour), "the latest retention");
+                assert_eq!(r.dedup_window_ends_ms(), Some(first + 3_600_000));
+                assert!((r.dead_lettered_at_ms - now).abs() < 60_000, "{r:?}");
                 assert!(r.describes(envelope.message_id.as_deref(), &envelope.body));
                 assert!(!r.describes(Some("another id"), &envelope.body));
                 assert_eq!(inbox.dead_letter(&consumer("record"), &id).await.unwrap().as_ref(), Some(r));
@@ -578,8 +593,22 @@ use idem::store::{Stores};
                 // The key was processed after all: clearing its failure keeps the completed row.
                 assert_eq!(run(&f, "record", &envelope).await.label(), "processed");
                 let cleared = inbox.clear_failure(&consumer("record"), &id).await.unwrap();
-                assert_eq!((cleared.row, cleared.dead_letter), (false, true));
+                assert_eq!((cleared.row, cleared.dead_letter), (false, false));
+                assert_eq!(inbox.dead_letters(&queue).await.unwrap().len(), 1);
+                // A record read before a later failure replaced it is not removed; the one
+                // read now is.
+                let mut earlier = r.clone();
+                earlier.dead_lettered_at_ms -= 1;
+                assert!(!inbox.forget_dead_letter(&earlier).await.unwrap());
+                assert!(inbox.forget_dead_letter(r).await.unwrap());
                 assert!(inbox.dead_letters(&queue).await.unwrap().is_empty());
+                // A record written without a history takes the time it is written.
+                let plain = idem::store::DeadLetterRecord::new(&letter("handler"), &envelope, &queue);
+                inbox.record_dead_letter(&plain).await.unwrap();
+                let r = inbox.dead_letter(&consumer("record"), &id).await.unwrap().unwrap();
+                assert_eq!(r.first_failed_at_ms, Some(r.dead_lettered_at_ms), "{r:?}");
+                assert_eq!((r.retention, r.dedup_window_ends_ms()), (None, None));
+                assert!(inbox.forget_dead_letter(&r).await.unwrap());
                 let shown = inbox.show(&consumer("record"), &id).await.unwrap();
                 assert_eq!(shown.row.map(|row| row.status).as_deref(), Some("completed"));
                 let stats = inbox.stats().await.unwrap();

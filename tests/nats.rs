@@ -26,8 +26,8 @@ use std::time::Duration;
 struct Order {
     id: String,
     cents: i64,
-    /// `once`: fails transiently on its first attempt; `always`: fails for good; `brief`: takes
-    /// 1.5 s; `slow`: 3.5 s; `slower`: 8 s.
+    /// `once`: fails transiently on its first attempt; `transient`: on every attempt;
+    /// `always`: fails for good; `brief`: takes 1.5 s; `slow`: 3.5 s; `slower`: 8 s.
     fail: Option<String>,
     /// A queue to send the order on to, through the outbox.
     forward_to: Option<String>,
@@ -41,6 +41,7 @@ async fn nats_orders(
 ) -> Result<(), HandlerError> {
     match order.fail.as_deref() {
         Some("once") if ctx.attempt() == 1 => return Err(HandlerError::transient("not yet")),
+        Some("transient") => return Err(HandlerError::transient("still not")),
         Some("always") => return Err(HandlerError::permanent("no such customer")),
         Some("brief") => tokio::time::sleep(Duration::from_millis(1500)).await,
         Some("slow") => tokio::time::sleep(Duration::from_millis(3500)).await,
@@ -1181,6 +1182,42 @@ async fn a_dead_letter_replayed_and_dead_lettered_again_is_in_the_stream() {
         ("handler", "g-1")
     );
     assert!(w.applied_ids().await.is_empty());
+    w.cleanup().await;
+}
+
+/// A message that fails transiently on every attempt: its retry copies carry when its first
+/// attempt failed, and its dead letter's record keeps that beside the last failure, with the
+/// attempts counted and the consumer's retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_record_keeps_when_its_failures_began() {
+    let w = World::new("history").await;
+    let stuck = Order {
+        fail: Some("transient".to_owned()),
+        ..order("h-1", 7)
+    };
+    w.publish("h-1", &stuck).await;
+    let running = start(w.runtime());
+    wait_until("dead-lettered", DEADLINE, || async {
+        running.now().dead_lettered == 1
+    })
+    .await;
+    running.shut_down().await;
+    let inbox = SqliteInbox::new(w.pool.clone());
+    let record = inbox
+        .dead_letter("nats.orders", "h-1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (record.reason.as_str(), record.attempts),
+        ("retries-exhausted", 3)
+    );
+    let first = record.first_failed_at_ms.unwrap();
+    assert!(
+        record.dead_lettered_at_ms - first >= 675,
+        "two retries of 300 and 600 ms, less a quarter of jitter at most, lie between the first failure and the last: {record:?}"
+    );
+    assert_eq!(record.retention, Some(idem::sql::DEFAULT_RETENTION));
     w.cleanup().await;
 }
 

@@ -255,6 +255,14 @@ async fn retries_exhausted_end_in_the_dead_letter_queue() {
         ("retries-exhausted", 3)
     );
     assert_eq!(records[0].key, f.key(0));
+    // The retry copies carried when the first attempt failed: the record keeps it before the
+    // last failure, at least the two delays (50 and 100 ms) apart.
+    let first = records[0].first_failed_at_ms.unwrap();
+    assert!(
+        records[0].dead_lettered_at_ms - first >= 150,
+        "{:?}",
+        records[0]
+    );
     let dlq = broker::drain(&idem::rabbitmq::dlq(&f.queue)).await;
     assert_eq!(dlq.len(), 1);
     assert_eq!(dlq[0].message_id(), Some(f.key(0)));

@@ -140,8 +140,11 @@ pub enum Dlq {
         id: String,
     },
     /// Publish dead letters again, to their queue or `--to`: the message id, body and headers
-    /// stay, RabbitMQ's `x-death` and idem's attempt count go, and the inbox's record of the
-    /// failure is cleared first so that the message is processed again.
+    /// stay, RabbitMQ's `x-death` and idem's attempt count go. The inbox is asked first: a key
+    /// it applied with the same payload is resolved without publishing; one applied with
+    /// another payload, or whose dedup window is over (its first failure is longer ago than
+    /// its consumer's retention), is refused. Else the failure is cleared so that the message
+    /// is processed again.
     Replay {
         #[command(flatten)]
         queue: QueueArg,
@@ -157,6 +160,12 @@ pub enum Dlq {
         /// Leave the dead letters in the DLQ (copy rather than move).
         #[arg(long)]
         keep: bool,
+        /// Replay dead letters beyond their dedup window too (their first failure is longer
+        /// ago than their consumer's retention, or their record does not say): a copy applied
+        /// meanwhile may have been swept from the inbox, and the message would then be
+        /// applied twice.
+        #[arg(long)]
+        force: bool,
     },
 }
 

@@ -12,7 +12,7 @@
 use crate::args::{Cli, Dlq};
 use crate::broker::{Broker, Named};
 use crate::error::CliError;
-use crate::output::{age, cut, json, table};
+use crate::output::{age, cut, json, now_ms, span, table};
 use crate::replay;
 use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
 use idem::transport::HeldLetter;
@@ -56,6 +56,7 @@ pub async fn run<DB: Dialect>(
             all,
             to,
             keep,
+            force,
         } => {
             let plan = replay::Replay {
                 queue: &queue.queue,
@@ -63,6 +64,7 @@ pub async fn run<DB: Dialect>(
                 all: *all,
                 to: to.as_deref(),
                 keep: *keep,
+                force: *force,
             };
             replay::replay(cli, inbox, &plan).await
         }
@@ -149,7 +151,22 @@ fn show(cli: &Cli, letter: &HeldLetter, record: Option<&DeadLetterRow>) {
                 }
             );
             println!("attempts       {}", r.attempts);
+            if let Some(first) = r.first_failed_at_ms {
+                println!("first failure  {}", age(first));
+            }
             println!("dead-lettered  {}", age(r.dead_lettered_at_ms));
+            match (r.dedup_window_ends_ms(), r.retention) {
+                (Some(end), Some(retention)) => {
+                    let now = now_ms();
+                    let window = match end < now {
+                        true => format!("over {} ago: a replay needs --force", span(now - end)),
+                        false => format!("ends in {}", span(end - now)),
+                    };
+                    let retention = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+                    println!("dedup window   {window} (retention {})", span(retention));
+                }
+                _ => println!("dedup window   unknown (the record does not say the retention)"),
+            }
         }
         None => println!("reason         (no record)"),
     }
@@ -164,7 +181,10 @@ fn show(cli: &Cli, letter: &HeldLetter, record: Option<&DeadLetterRow>) {
 pub fn record_json(r: &DeadLetterRow) -> Value {
     json!({"consumer": r.consumer, "key": r.key, "keyed": r.keyed, "queue": r.queue,
            "reason": r.reason, "detail": r.detail, "attempts": r.attempts,
-           "message_id": r.message_id, "dead_lettered_at_ms": r.dead_lettered_at_ms})
+           "message_id": r.message_id, "dead_lettered_at_ms": r.dead_lettered_at_ms,
+           "first_failed_at_ms": r.first_failed_at_ms,
+           "retention_ms": r.retention.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+           "dedup_window_ends_ms": r.dedup_window_ends_ms()})
 }
 
 fn letter_json(letter: &HeldLetter, record: Option<&DeadLetterRow>, body: bool) -> Value {

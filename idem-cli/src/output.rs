@@ -32,14 +32,18 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
 
 /// How long ago `ms` (milliseconds since the Unix epoch) was, as `3d 4h`, `12m 5s`, `800ms`.
 pub fn age(ms: i64) -> String {
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
-    let elapsed = now.saturating_sub(ms);
+    let elapsed = now_ms().saturating_sub(ms);
     if elapsed < 0 {
         return format!("in {}", span(-elapsed));
     }
     format!("{} ago", span(elapsed))
+}
+
+/// Now, in milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// `ms` milliseconds, in the two largest units.

@@ -1,15 +1,25 @@
-//! `idem dlq replay`: for each dead letter asked for, the inbox's record of its failure is
-//! cleared, its copy published (confirmed, mandatory, without the broker's dead-lettering
-//! headers) to the queue idem consumed it from (its record's, else the queue whose dead letters
-//! these are; `--to` overrides) and only then the dead letter acknowledged. Interrupted at any point, it leaves
-//! the dead letter in place; replayed again, the first copy's inbox row makes the second a
-//! duplicate.
+//! `idem dlq replay`: for each dead letter asked for, the inbox is asked first what it knows
+//! of its key ([`judge`]):
+//!
+//! - applied, with the same payload: the dead letter is resolved (removed with its record,
+//!   unless `--keep`) and not published;
+//! - applied with another payload: refused (a replay would be a conflict again);
+//! - its dead-letter record says the dedup window is over (its first failure is longer ago
+//!   than its consumer's retention, so a copy applied meanwhile may have been swept) or does
+//!   not say: refused unless `--force`;
+//! - else the failure's traces in the inbox are cleared, its copy published (confirmed,
+//!   mandatory, without the broker's dead-lettering headers) to the queue idem consumed it from
+//!   (its record's, else the queue whose dead letters these are; `--to` overrides), and only
+//!   then the dead letter acknowledged and its record removed (unless a later failure wrote
+//!   another meanwhile). Interrupted at any point, it leaves the dead letter in place; replayed
+//!   again, the first copy's inbox row makes the second resolved, or a duplicate.
 
 use crate::args::Cli;
 use crate::broker::{Broker, Named};
 use crate::error::CliError;
 use crate::output::json;
-use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
+use crate::output::{age, now_ms, span};
+use idem::sql::{DeadLetterRow, Dialect, KeyReport, SqlInbox};
 use idem::transport::{HeldLetter, OutboundError};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -21,6 +31,59 @@ pub(crate) struct Replay<'a> {
     pub(crate) all: bool,
     pub(crate) to: Option<&'a str>,
     pub(crate) keep: bool,
+    pub(crate) force: bool,
+}
+
+/// What the inbox says of one dead letter's replay.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// Publish it.
+    Replay,
+    /// Its key was applied with its payload: not published, and the dead letter goes.
+    Resolved(String),
+    /// Not published; it stays in the DLQ, for this reason.
+    Refused(String),
+}
+
+/// What a replay of the dead letter with `record` should do, given the inbox's `report` of its
+/// key (`None`: the key was never read) at `now_ms`; `force` replays beyond the dedup window.
+pub(crate) fn judge(
+    record: &DeadLetterRow,
+    report: Option<&KeyReport>,
+    now_ms: i64,
+    force: bool,
+) -> Verdict {
+    if let Some(row) = report.and_then(|r| r.row.as_ref())
+        && row.status == "completed"
+    {
+        let when = row
+            .completed_ms
+            .map_or_else(String::new, |ms| format!(" {}", age(ms)));
+        if row.fingerprint == record.fingerprint {
+            return Verdict::Resolved(format!(
+                "key {} of {} was applied{when}, with this payload: not replayed",
+                record.key, record.consumer
+            ));
+        }
+        return Verdict::Refused(format!(
+            "key {} of {} was applied{when} with another payload: a replay would be dead-lettered as a conflict again (`idem inbox forget {} {}` first applies this one as new)",
+            record.key, record.consumer, record.consumer, record.key
+        ));
+    }
+    if force {
+        return Verdict::Replay;
+    }
+    match (record.dedup_window_ends_ms(), record.retention) {
+        (Some(end), Some(retention)) if now_ms > end => Verdict::Refused(format!(
+            "beyond the dedup window: its failures began {} and its consumer's inbox keeps a key's row for {}, so a copy applied meanwhile may have been swept and the replay would apply it again; --force replays it anyway",
+            age(record.first_failed_at_ms.unwrap_or(record.dead_lettered_at_ms)),
+            span(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
+        )),
+        (Some(_), _) => Verdict::Replay,
+        (None, _) => Verdict::Refused(
+            "its record does not say its consumer's retention (written by an earlier idem), so whether a copy applied since was swept cannot be told; --force replays it anyway".to_owned(),
+        ),
+    }
 }
 
 /// What a replay did.
@@ -29,7 +92,21 @@ struct Replayed {
     replayed: u64,
     cleared: u64,
     without_record: u64,
+    /// Found applied: not published.
+    resolved: Vec<String>,
+    /// Left in the DLQ, with why.
+    refused: Vec<String>,
     failed: Vec<String>,
+}
+
+/// What became of one dead letter asked for.
+enum Done {
+    /// Published; whether it had a record (whose failure was cleared).
+    Replayed(bool),
+    /// Not published, for this reason.
+    Resolved(String),
+    /// Left in the DLQ, for this reason.
+    Refused(String),
 }
 
 /// Replays the dead letters `plan` names (see the module).
@@ -51,9 +128,11 @@ pub(crate) async fn replay<DB: Dialect>(
         .map(|(id, _)| id.as_str())
         .collect();
     summarize(cli, plan, &done, &missing);
-    if !done.failed.is_empty() {
+    if !done.failed.is_empty() || !done.refused.is_empty() {
         return Err(CliError::Partial(format!(
-            "{} dead letters were not replayed and stay in the DLQ",
+            "{} dead letters were not replayed and stay in the DLQ ({} refused, {} failed)",
+            done.failed.len() + done.refused.len(),
+            done.refused.len(),
             done.failed.len()
         )));
     }
@@ -98,14 +177,15 @@ async fn replay_letters<DB: Dialect>(
                 continue;
             }
             match replay_one(broker, inbox, plan, &letter, &records).await {
-                Ok(cleared) => {
+                Ok(Done::Replayed(recorded)) => {
                     done.replayed += 1;
-                    match cleared {
-                        Some(true) => done.cleared += 1,
-                        Some(false) => {}
-                        None => done.without_record += 1,
+                    match recorded {
+                        true => done.cleared += 1,
+                        false => done.without_record += 1,
                     }
                 }
+                Ok(Done::Resolved(why)) => done.resolved.push(format!("{}: {why}", letter.id())),
+                Ok(Done::Refused(why)) => done.refused.push(format!("{}: {why}", letter.id())),
                 // A broker that does not answer would make every next letter wait as long.
                 Err(CliError::NoAnswer(why)) => {
                     return Err(CliError::NoAnswer(format!(
@@ -124,15 +204,16 @@ async fn replay_letters<DB: Dialect>(
     result.map(|()| (done, found))
 }
 
-/// Clears the failure of `letter`'s key, publishes its copy and acknowledges it (unless the
-/// replay keeps dead letters). `Some(cleared)` when it had a record, `None` when not.
+/// Asks the inbox about `letter`'s key ([`judge`]); then resolves it, leaves it, or clears
+/// its failure, publishes its copy and removes it with its record (unless the replay keeps
+/// dead letters).
 async fn replay_one<DB: Dialect>(
     broker: &Broker,
     inbox: &SqlInbox<DB>,
     plan: &Replay<'_>,
     letter: &HeldLetter,
     records: &[DeadLetterRow],
-) -> Result<Option<bool>, CliError> {
+) -> Result<Done, CliError> {
     // Where idem consumed it: its record says, else the queue whose dead letters these are;
     // never a header, which a producer may have written.
     let record = letter.record(records);
@@ -141,13 +222,28 @@ async fn replay_one<DB: Dialect>(
         (None, Some(record)) => record.queue.as_str(),
         (None, None) => plan.queue,
     };
-    let cleared = match record {
+    let verdict = match record {
         Some(r) => {
-            let removed = inbox.clear_failure(&r.consumer, &r.key).await?;
-            Some(removed.row || removed.deliveries || removed.dead_letter)
+            let report = match r.keyed {
+                true => Some(inbox.show(&r.consumer, &r.key).await?),
+                false => None,
+            };
+            judge(r, report.as_ref(), now_ms(), plan.force)
         }
-        None => None,
+        None => Verdict::Replay,
     };
+    match verdict {
+        Verdict::Refused(why) => return Ok(Done::Refused(why)),
+        Verdict::Resolved(why) => {
+            remove(broker, inbox, plan, letter, record).await?;
+            return Ok(Done::Resolved(why));
+        }
+        Verdict::Replay => {
+            if let Some(r) = record {
+                inbox.clear_failure(&r.consumer, &r.key).await?;
+            }
+        }
+    }
     let published = broker.answer("publishing", async {
         match broker.reader.replay(letter, target).await {
             Err(OutboundError::Unroutable { .. }) => Err(format!("no queue {target} takes it")),
@@ -158,11 +254,28 @@ async fn replay_one<DB: Dialect>(
         }
     });
     published.await?;
-    if !plan.keep {
-        let removed = broker.reader.remove(letter);
-        broker.answer("removing the dead letter", removed).await?;
+    remove(broker, inbox, plan, letter, record).await?;
+    Ok(Done::Replayed(record.is_some()))
+}
+
+/// Removes `letter` from the DLQ and then its record (if no later failure replaced it), unless
+/// the replay keeps dead letters.
+async fn remove<DB: Dialect>(
+    broker: &Broker,
+    inbox: &SqlInbox<DB>,
+    plan: &Replay<'_>,
+    letter: &HeldLetter,
+    record: Option<&DeadLetterRow>,
+) -> Result<(), CliError> {
+    if plan.keep {
+        return Ok(());
     }
-    Ok(cleared)
+    let removed = broker.reader.remove(letter);
+    broker.answer("removing the dead letter", removed).await?;
+    if let Some(record) = record {
+        inbox.forget_dead_letter(record).await?;
+    }
+    Ok(())
 }
 
 fn summarize(cli: &Cli, plan: &Replay<'_>, done: &Replayed, missing: &[&str]) {
@@ -170,17 +283,26 @@ fn summarize(cli: &Cli, plan: &Replay<'_>, done: &Replayed, missing: &[&str]) {
         json(
             &json!({"replayed": done.replayed, "failures_cleared": done.cleared,
                      "without_record": done.without_record, "kept": plan.keep,
+                     "resolved": done.resolved, "refused": done.refused,
                      "failed": done.failed, "not_found": missing}),
         );
         return;
     }
     println!(
-        "replayed {} dead letters{}; {} inbox failures cleared, {} without a record",
+        "replayed {} dead letters{}; {} inbox failures cleared, {} without a record; {} resolved (applied already), {} refused",
         done.replayed,
         if plan.keep { " (kept in the DLQ)" } else { "" },
         done.cleared,
-        done.without_record
+        done.without_record,
+        done.resolved.len(),
+        done.refused.len()
     );
+    for resolved in &done.resolved {
+        println!("resolved: {resolved}");
+    }
+    for refused in &done.refused {
+        println!("refused: {refused}");
+    }
     for failure in &done.failed {
         println!("not replayed: {failure}");
     }

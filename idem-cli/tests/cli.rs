@@ -45,6 +45,13 @@ async fn apply(
     if closed > 0 {
         return Err(HandlerError::permanent("the gate is closed"));
     }
+    let stuck: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_cli_gates WHERE name = $1")
+        .bind(format!("{}:stuck", order.gate))
+        .fetch_one(&mut **tx)
+        .await?;
+    if stuck > 0 {
+        return Err(HandlerError::transient("the gate is stuck"));
+    }
     sqlx::query("INSERT INTO idem_cli_effects (key) VALUES ($1)")
         .bind(&order.id)
         .execute(&mut **tx)
@@ -123,6 +130,17 @@ impl Fixture {
     /// A fixture whose runtime and `idem` use the inbox table `table`: its rows are swept by
     /// no other test's runtime.
     async fn with_table(name: &str, table: Option<&'static str>) -> Self {
+        Self::with_settings(name, table, None, idem::RetryPolicy::default()).await
+    }
+
+    /// A fixture whose runtime keeps inbox rows for `retention` (else the store's default) and
+    /// retries as `retry` says.
+    async fn with_settings(
+        name: &str,
+        table: Option<&'static str>,
+        retention: Option<Duration>,
+        retry: idem::RetryPolicy,
+    ) -> Self {
         let pool = database().await;
         let mut inbox = PgInbox::new(pool.clone());
         if let Some(table) = table {
@@ -132,7 +150,7 @@ impl Fixture {
         let queue = unique(&format!("idem-cli-{name}"));
         let rabbit = RabbitConfig::new(amqp_url());
         let mut spec = idem::transport::QueueSpec::new(queue.clone(), CONSUMER);
-        spec.retry_delays = idem::RetryPolicy::default().delays();
+        spec.retry_delays = retry.delays();
         RabbitTransport::new(rabbit.clone())
             .declare(&[spec])
             .await
@@ -145,14 +163,17 @@ impl Fixture {
             .confirm_select(ConfirmSelectOptions::default())
             .await
             .unwrap();
-        let runtime = Runtime::builder()
+        let mut builder = Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
             .store(inbox)
             .handlers([CONSUMER])
             .handler_queue(CONSUMER, &queue)
-            .concurrency(8)
-            .build()
-            .unwrap();
+            .retry(retry)
+            .concurrency(8);
+        if let Some(retention) = retention {
+            builder = builder.retention(retention);
+        }
+        let runtime = builder.build().unwrap();
         let stats = runtime.stats();
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(runtime.run_until(async {
@@ -343,28 +364,28 @@ async fn a_dlq_of_1000_replayed_twice_takes_effect_once() {
     })
     .await;
     assert_eq!(f.dlq_count().await, 1000, "--keep leaves them");
-    let records = PgInbox::new(f.pool.clone())
-        .dead_letters(&f.queue)
-        .await
-        .unwrap();
-    assert!(
-        records.is_empty(),
-        "replay cleared the records: {records:?}"
-    );
+    let inbox = PgInbox::new(f.pool.clone());
+    let records = inbox.dead_letters(&f.queue).await.unwrap();
+    assert_eq!(records.len(), 1000, "--keep leaves their records too");
 
-    // The same dead letters replayed again: duplicates, nothing applied twice; the DLQ empties.
+    // The same dead letters replayed again: the inbox says each was applied with its payload,
+    // so none is published again; each is resolved, and the DLQ and the records empty.
     let second = f.idem_json(&["dlq", "replay", "--all"]);
-    assert_eq!(second["replayed"], 1000, "{second}");
-    wait_until("the second replay settled as duplicates", || async {
-        f.stats.snapshot().duplicates == 1000
-    })
-    .await;
+    assert_eq!(second["replayed"], 0, "{second}");
+    let resolved = second["resolved"].as_array().unwrap();
+    assert_eq!(resolved.len(), 1000, "{second}");
+    assert!(
+        resolved[0].as_str().unwrap().contains("was applied"),
+        "{second}"
+    );
     assert_eq!(f.dlq_count().await, 0);
+    assert!(inbox.dead_letters(&f.queue).await.unwrap().is_empty());
     assert_eq!(f.effects().await, (1000, 1000), "each order applied once");
     let seen = f.shut_down().await;
     assert_eq!(
         (seen.processed, seen.dead_lettered, seen.duplicates),
-        (1000, 1000, 1000)
+        (1000, 1000, 0),
+        "nothing was published again"
     );
 }
 
@@ -501,6 +522,200 @@ async fn a_producers_death_header_never_decides_where_a_replay_goes() {
     assert_eq!(replayed["replayed"], 2, "{replayed}");
     wait_until("both applied", || async { f.effects().await == (2, 2) }).await;
     assert_eq!(f.dlq_count().await, 0);
+    f.shut_down().await;
+}
+
+/// The dedup window, through `build()` on RabbitMQ and PostgreSQL: an order is dead-lettered
+/// (its gate closed), then a copy of it is applied (the gate open). Replayed while the inbox
+/// holds that copy's row, the dead letter is resolved without publishing. Once the row is swept
+/// (retention 2 s), the inbox cannot tell, and the replay is refused, naming the risk;
+/// `--force` replays it, and the order is applied a second time: the risk it named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replay_knows_what_the_inbox_knows_and_refuses_beyond_the_dedup_window() {
+    let table = "idem_cli_window_inbox";
+    let retention = Duration::from_secs(2);
+    let f = Fixture::with_settings(
+        "window",
+        Some(table),
+        Some(retention),
+        idem::RetryPolicy::default(),
+    )
+    .await;
+    f.close_gate().await;
+    f.publish_order(0).await;
+    wait_until("the dead letter", || async { f.dlq_count().await == 1 }).await;
+    let shown = f.idem_json(&["dlq", "show", &f.key(0)]);
+    let record = &shown["record"];
+    assert_eq!(record["retention_ms"], 2000, "{shown}");
+    let first = record["first_failed_at_ms"].as_i64().unwrap();
+    assert_eq!(
+        record["dedup_window_ends_ms"].as_i64().unwrap(),
+        first + 2000,
+        "{shown}"
+    );
+
+    // A copy of the same order, published again by its producer, is applied.
+    f.open_gate().await;
+    f.publish_order(0).await;
+    wait_until("the copy applied", || async { f.effects().await.0 == 1 }).await;
+    let resolved = f.idem_json(&["dlq", "replay", "--all", "--keep"]);
+    assert_eq!(resolved["replayed"], 0, "{resolved}");
+    assert_eq!(
+        resolved["resolved"].as_array().unwrap().len(),
+        1,
+        "{resolved}"
+    );
+
+    // The copy's row expires and is swept: the inbox no longer knows the key.
+    let inbox = PgInbox::new(f.pool.clone()).table(table).unwrap();
+    wait_until("the copy's row swept", || async {
+        f.idem(&["inbox", "sweep"]);
+        inbox.show(CONSUMER, &f.key(0)).await.unwrap().row.is_none()
+    })
+    .await;
+    let (ok, out, err) = f.idem(&["--json", "dlq", "replay", "--all"]);
+    assert!(!ok && err.contains("1 refused"), "{out}{err}");
+    let refused: Value = serde_json::from_str(&out).unwrap();
+    let why = refused["refused"][0].as_str().unwrap();
+    assert!(
+        why.contains("beyond the dedup window") && why.contains("--force"),
+        "{why}"
+    );
+    assert_eq!(refused["replayed"], 0);
+    assert_eq!(f.dlq_count().await, 1, "a refused dead letter stays");
+    assert_eq!(f.effects().await.0, 1, "nothing applied again");
+
+    let forced = f.idem_json(&["dlq", "replay", "--all", "--force"]);
+    assert_eq!(forced["replayed"], 1, "{forced}");
+    wait_until("the forced replay applied", || async {
+        f.effects().await.0 == 2
+    })
+    .await;
+    assert_eq!(f.dlq_count().await, 0);
+    f.shut_down().await;
+}
+
+/// A dead letter whose key was applied since with another payload (its producer reused the
+/// id) is refused: a replay would be dead-lettered as a conflict again. Forgetting the key
+/// lets the replay apply this one as new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replay_of_a_key_applied_with_another_payload_is_refused() {
+    let f = Fixture::new("other").await;
+    f.close_gate().await;
+    f.publish_order(0).await;
+    wait_until("the dead letter", || async { f.dlq_count().await == 1 }).await;
+    f.open_gate().await;
+    let other = serde_json::json!({"id": f.key(0), "gate": f.queue, "note": "v2"}).to_string();
+    f.publish(Some(&f.key(0)), other.as_bytes()).await;
+    wait_until("the other payload applied", || async {
+        f.effects().await.0 == 1
+    })
+    .await;
+    let (ok, out, err) = f.idem(&["--json", "dlq", "replay", "--all", "--force"]);
+    assert!(!ok && err.contains("1 refused"), "{out}{err}");
+    let refused: Value = serde_json::from_str(&out).unwrap();
+    let why = refused["refused"][0].as_str().unwrap();
+    assert!(
+        why.contains("another payload") && why.contains("inbox forget"),
+        "{why}"
+    );
+    assert_eq!(f.dlq_count().await, 1);
+
+    let (ok, _, err) = f.idem(&["inbox", "forget", CONSUMER, &f.key(0)]);
+    assert!(ok, "{err}");
+    let replayed = f.idem_json(&["dlq", "replay", "--all"]);
+    assert_eq!(replayed["replayed"], 1, "{replayed}");
+    wait_until("this payload applied as new", || async {
+        f.effects().await.0 == 2
+    })
+    .await;
+    assert_eq!(f.dlq_count().await, 0);
+    f.shut_down().await;
+}
+
+/// A record that does not say its consumer's retention (as an idem before schema version 13
+/// wrote them) cannot tell whether the dedup window is over: its replay is refused unless
+/// `--force`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_record_without_a_retention_is_replayed_only_when_forced() {
+    use idem::store::DeadLetterStore;
+    let f = Fixture::new("unknown").await;
+    let body = serde_json::json!({"id": f.key(0), "gate": f.queue}).to_string();
+    let envelope = idem::Envelope::new(body.clone()).with_message_id(f.key(0));
+    let letter = idem::transport::DeadLetter::new(
+        "handler",
+        "the gate is closed",
+        CONSUMER,
+        Some(f.key(0)),
+        1,
+    );
+    let record = idem::store::DeadLetterRecord::new(&letter, &envelope, &f.queue);
+    PgInbox::new(f.pool.clone())
+        .record_dead_letter(&record)
+        .await
+        .unwrap();
+    f.channel
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(idem::rabbitmq::dlq(&f.queue).as_str()),
+            BasicPublishOptions::default(),
+            body.as_bytes(),
+            BasicProperties::default().with_message_id(ShortString::from(f.key(0))),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_until("the dead letter", || async { f.dlq_count().await == 1 }).await;
+    let shown = f.idem_json(&["dlq", "show", &f.key(0)]);
+    assert!(shown["record"]["retention_ms"].is_null(), "{shown}");
+    let (ok, out, err) = f.idem(&["--json", "dlq", "replay", "--all"]);
+    assert!(!ok && err.contains("1 refused"), "{out}{err}");
+    assert!(
+        out.contains("does not say its consumer's retention"),
+        "{out}"
+    );
+    let forced = f.idem_json(&["dlq", "replay", "--all", "--force"]);
+    assert_eq!(forced["replayed"], 1, "{forced}");
+    wait_until("applied", || async { f.effects().await.0 == 1 }).await;
+    f.shut_down().await;
+}
+
+/// A dead letter's record keeps its attempt history: after a transient failure retried twice
+/// through the delay queues, the first failure is the first attempt's (carried by the retry
+/// copies), before the last, with 3 attempts counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_record_keeps_its_first_and_last_failure() {
+    let retry =
+        idem::RetryPolicy::new(3, Duration::from_millis(500), 2, Duration::from_secs(1)).unwrap();
+    let f = Fixture::with_settings("history", None, None, retry).await;
+    sqlx::query("INSERT INTO idem_cli_gates (name) VALUES ($1)")
+        .bind(format!("{}:stuck", f.queue))
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    f.publish_order(0).await;
+    wait_until("the dead letter", || async { f.dlq_count().await == 1 }).await;
+    let shown = f.idem_json(&["dlq", "show", &f.key(0)]);
+    let record = &shown["record"];
+    assert_eq!(record["reason"], "retries-exhausted", "{shown}");
+    assert_eq!(record["attempts"], 3, "{shown}");
+    let first = record["first_failed_at_ms"].as_i64().unwrap();
+    let last = record["dead_lettered_at_ms"].as_i64().unwrap();
+    assert!(
+        last - first >= 1000,
+        "two retries of at least 500 ms lie between the first failure and the last: {shown}"
+    );
+    let (ok, text, err) = f.idem(&["dlq", "show", &f.key(0)]);
+    assert!(ok, "{err}");
+    for line in ["first failure", "dedup window   ends in"] {
+        assert!(text.contains(line), "{line:?} not in:\n{text}");
+    }
+    sqlx::query("DELETE FROM idem_cli_gates WHERE name = $1")
+        .bind(format!("{}:stuck", f.queue))
+        .execute(&f.pool)
+        .await
+        .unwrap();
     f.shut_down().await;
 }
 
@@ -1165,13 +1380,17 @@ async fn the_dead_letters_of_a_nats_queue_are_listed_shown_and_replayed() {
         .await
         .unwrap();
     let replayed: Value =
-        serde_json::from_str(&idem(&["--json", "dlq", "replay", "--all"])).unwrap();
+        serde_json::from_str(&idem(&["--json", "dlq", "replay", "--all", "--keep"])).unwrap();
     assert_eq!(replayed["replayed"], 5, "{replayed}");
     assert_eq!(replayed["failures_cleared"], 5, "{replayed}");
     wait_until("the replayed orders applied", || async {
         stats.snapshot().processed == 5
     })
     .await;
+    // Replayed again: the inbox says each was applied; none is published, each is resolved.
+    let again: Value = serde_json::from_str(&idem(&["--json", "dlq", "replay", "--all"])).unwrap();
+    assert_eq!(again["replayed"], 0, "{again}");
+    assert_eq!(again["resolved"].as_array().unwrap().len(), 5, "{again}");
     let effects: (i64, i64) = sqlx::query_as(
         "SELECT count(*), count(DISTINCT key) FROM idem_cli_effects WHERE key LIKE $1",
     )
@@ -1180,6 +1399,11 @@ async fn the_dead_letters_of_a_nats_queue_are_listed_shown_and_replayed() {
     .await
     .unwrap();
     assert_eq!(effects, (5, 5));
+    assert_eq!(
+        stats.snapshot().duplicates,
+        0,
+        "nothing was published again"
+    );
     let again: Value = serde_json::from_str(&idem(&["--json", "dlq", "list"])).unwrap();
     assert_eq!(again["total"], 0, "{again}");
 

@@ -22,6 +22,9 @@ pub const CONTENT_TYPE_HEADER: &str = IdemHeader::ContentType.name();
 pub const REPLY_TO_HEADER: &str = IdemHeader::ReplyTo.name();
 /// Which attempt a retry copy is (1 for an original).
 pub const ATTEMPT_HEADER: &str = IdemHeader::Attempt.name();
+/// When a message's first attempt failed, in milliseconds since the Unix epoch: set on its
+/// first retry copy, kept by the next, and passed to handlers as the user's headers are.
+pub const FIRST_FAILURE_HEADER: &str = IdemHeader::FirstFailure.name();
 /// When a retry copy is due, in milliseconds since the Unix epoch.
 pub(crate) const DUE_HEADER: &str = IdemHeader::Due.name();
 /// Why a dead letter was dead-lettered: the reason code.

@@ -13,7 +13,10 @@
 //! redelivered the message. No ack or negative ack crosses a re-creation of the stream
 //! ([`Reading`]).
 
-use crate::envelope::{self, DUE_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER};
+use crate::envelope::{
+    self, DUE_HEADER, FIRST_FAILURE_HEADER, REASON_DETAIL_HEADER, REASON_HEADER,
+    SOURCE_QUEUE_HEADER,
+};
 use crate::names::Names;
 use async_nats::Subject;
 use async_nats::header::HeaderValue;
@@ -276,6 +279,11 @@ impl Settle for NatsSettle {
         Box::pin(async move {
             let mut copy = envelope.clone();
             copy.attempt = envelope.attempt.saturating_add(1);
+            // The first failure's time, on the first retry copy; the next copies keep it.
+            let now = idem_core::transport::headers::epoch_ms();
+            if idem_core::transport::headers::first_failure(envelope, now).is_none() {
+                copy.headers.insert(FIRST_FAILURE_HEADER, now);
+            }
             let msg_id = self.copy_id(CopyPurpose::Retry);
             let mut headers = envelope::headers(&copy, Some(&msg_id));
             // JetStream delays each copy on its own: jittered, so that what failed together is

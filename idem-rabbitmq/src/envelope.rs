@@ -7,6 +7,8 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 /// The header idem sets on a retried copy: which attempt it is.
 pub const ATTEMPT_HEADER: &str = amqp(IdemHeader::Attempt);
+/// The header idem sets on a message's first retry copy: when its first attempt failed.
+pub const FIRST_FAILURE_HEADER: &str = amqp(IdemHeader::FirstFailure);
 
 /// The header of a dead letter moved without its record (the store refused it for good): the
 /// reason code (`decode`, `conflict`, …).

@@ -1,9 +1,12 @@
 //! The confirmed publishes of a settlement, on a channel in confirm mode: a retry copy to the
 //! delay queue, and a dead letter whose record could not be written, with its reason.
 
-use crate::envelope::{ATTEMPT_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, with_headers};
+use crate::envelope::{
+    ATTEMPT_HEADER, FIRST_FAILURE_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, with_headers,
+};
 use crate::settle::RabbitSettle;
 use crate::topology::{dlq, retry_queue};
+use idem_core::transport::headers;
 use idem_core::{model::DeadLetter, model::Envelope, transport::TransportError};
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, LongString};
@@ -18,10 +21,15 @@ impl RabbitSettle {
         delay: Duration,
     ) -> Result<(), TransportError> {
         let next = i64::from(envelope.attempt.saturating_add(1));
-        let properties = with_headers(
-            &self.properties,
-            &[(ATTEMPT_HEADER, AMQPValue::LongLongInt(next))],
-        );
+        let mut set = vec![(ATTEMPT_HEADER, AMQPValue::LongLongInt(next))];
+        // The first failure's time, on the first retry copy; the next copies keep it.
+        if headers::first_failure(envelope, headers::epoch_ms()).is_none() {
+            set.push((
+                FIRST_FAILURE_HEADER,
+                AMQPValue::LongLongInt(headers::epoch_ms()),
+            ));
+        }
+        let properties = with_headers(&self.properties, &set);
         let target = retry_queue(&self.queue, delay);
         self.publish_copy(&target, &envelope.body, properties).await
     }

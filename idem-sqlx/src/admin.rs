@@ -183,16 +183,18 @@ impl<DB: Dialect> SqlInbox<DB> {
     /// is processed as new.
     pub async fn forget(&self, consumer: &str, key: &str) -> Result<Removed, StoreError> {
         let admin = &self.sql.admin;
-        self.remove(consumer, key, &admin.forget).await
+        self.remove(consumer, key, &admin.forget, true).await
     }
 
-    /// Removes what records a failure of `key` for `consumer`, so that a replayed copy of its
-    /// message is processed again: a `failed` row (external mode), its count of deliveries
-    /// and its dead-letter record, in one transaction. A completed row stays: a replayed
-    /// message that was processed after all is a duplicate.
+    /// Removes what stands in the way of a replayed copy of `key`'s message being processed
+    /// again: a `failed` row (external mode) and its count of deliveries, in one transaction.
+    /// A completed row stays (a replayed message that was processed after all is a
+    /// duplicate), and so does the dead-letter record, which a replay removes with its dead
+    /// letter ([`SqlInbox::forget_dead_letter`]).
     pub async fn clear_failure(&self, consumer: &str, key: &str) -> Result<Removed, StoreError> {
         let admin = &self.sql.admin;
-        self.remove(consumer, key, &admin.forget_failed).await
+        self.remove(consumer, key, &admin.forget_failed, false)
+            .await
     }
 
     async fn remove(
@@ -200,6 +202,7 @@ impl<DB: Dialect> SqlInbox<DB> {
         consumer: &str,
         key: &str,
         row_statement: &std::sync::Arc<str>,
+        record: bool,
     ) -> Result<Removed, StoreError> {
         let fail = |e| store_error("inbox forget", e);
         let key = crate::keys::stored::<DB>(key);
@@ -207,11 +210,14 @@ impl<DB: Dialect> SqlInbox<DB> {
         let admin = &self.sql.admin;
         let mut tx = self.begin_tx().await?;
         let mut removed = Removed::default();
-        for (statement, flag) in [
+        let mut statements = vec![
             (row_statement, &mut removed.row),
             (&admin.forget_deliveries, &mut removed.deliveries),
-            (&admin.forget_dead_letter, &mut removed.dead_letter),
-        ] {
+        ];
+        if record {
+            statements.push((&admin.forget_dead_letter, &mut removed.dead_letter));
+        }
+        for (statement, flag) in statements {
             *flag = DB::Db::execute(&mut *tx, statement, &params)
                 .await
                 .map_err(fail)?

@@ -35,8 +35,13 @@ pub struct DeadLetterRow {
     pub message_id: Option<String>,
     /// The SHA-256 of its body.
     pub fingerprint: Option<Fingerprint>,
-    /// When it was dead-lettered, in milliseconds since the Unix epoch.
+    /// When it was dead-lettered (its last failure), in milliseconds since the Unix epoch.
     pub dead_lettered_at_ms: i64,
+    /// When its failures began (its first attempt failed), in milliseconds since the Unix
+    /// epoch; `None` for a record written before idem kept it.
+    pub first_failed_at_ms: Option<i64>,
+    /// Its consumer's inbox retention when it was written; `None` where it was not known.
+    pub retention: Option<Duration>,
 }
 
 impl DeadLetterRow {
@@ -44,6 +49,16 @@ impl DeadLetterRow {
     /// same body fingerprint, same message id.
     pub fn describes(&self, message_id: Option<&str>, body: &[u8]) -> bool {
         self.fingerprint == Some(Fingerprint::of(body)) && self.message_id.as_deref() == message_id
+    }
+
+    /// Until when, in milliseconds since the Unix epoch, its consumer's inbox still holds the
+    /// row of any copy of its message applied since its failures began: the first failure
+    /// plus the retention. Past it, a copy applied meanwhile may have been swept, and a
+    /// replay could apply the message again. `None` where the record does not know.
+    pub fn dedup_window_ends_ms(&self) -> Option<i64> {
+        let retention = i64::try_from(self.retention?.as_millis()).unwrap_or(i64::MAX);
+        let first = self.first_failed_at_ms.unwrap_or(self.dead_lettered_at_ms);
+        Some(first.saturating_add(retention))
     }
 }
 
@@ -81,6 +96,12 @@ impl<DB: Dialect> SqlInbox<DB> {
             Param::Int32(i32::try_from(record.attempts).unwrap_or(i32::MAX)),
             Param::Text(&message_id),
             Param::Bytes(record.fingerprint.as_bytes()),
+            Param::Int(record.first_failed_at_ms.unwrap_or(0)),
+            Param::Int(
+                record
+                    .retention
+                    .map_or(0, |r| i64::try_from(r.as_millis()).unwrap_or(i64::MAX)),
+            ),
         ];
         let fail = |e| store_error("record dead letter", e);
         let mut tx = self.begin_tx().await?;
@@ -122,6 +143,23 @@ impl<DB: Dialect> SqlInbox<DB> {
             .map_err(fail)?;
         row.as_ref().map(read_row::<DB>).transpose().map_err(fail)
     }
+
+    /// Removes `record` if it is still the record of its key (no later failure wrote another
+    /// since it was read); whether it did.
+    pub async fn forget_dead_letter(&self, record: &DeadLetterRow) -> Result<bool, StoreError> {
+        let fail = |e| store_error("forget dead letter", e);
+        let mut conn = self.pool.acquire().await.map_err(fail)?;
+        let key = keys::stored::<DB>(&record.key);
+        let params = [
+            Param::Text(&record.consumer),
+            Param::Text(&key),
+            Param::Int(record.dead_lettered_at_ms),
+        ];
+        let removed = DB::Db::execute(&mut *conn, &self.sql.admin.forget_dead_letter_at, &params)
+            .await
+            .map_err(fail)?;
+        Ok(removed > 0)
+    }
 }
 
 /// A record as stored, its texts read back as they were given ([`keys::shown`]).
@@ -139,5 +177,9 @@ fn read_row<DB: Dialect>(row: &Row<DB>) -> Result<DeadLetterRow, sqlx::Error> {
         message_id: (!message_id.is_empty()).then_some(message_id),
         fingerprint: Fingerprint::from_slice(&DB::Db::bytes(row, "fingerprint")?),
         dead_lettered_at_ms: DB::Db::int(row, "at_ms")?,
+        first_failed_at_ms: Some(DB::Db::int(row, "first_ms")?).filter(|ms| *ms != 0),
+        retention: Some(DB::Db::int(row, "retention_ms")?)
+            .filter(|ms| *ms > 0)
+            .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
     })
 }

@@ -135,6 +135,14 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             "ALTER TABLE `{outbox}_parked` MODIFY headers LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY correlation_id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY content_type VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, MODIFY failure TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL",
         ],
     ),
+    // Version 13: a dead letter's record keeps when its failures began and its consumer's
+    // retention, for a replay to tell whether the inbox still knows its key.
+    (
+        13,
+        &[
+            "ALTER TABLE `{table}_dead_letters` ADD COLUMN IF NOT EXISTS first_failed_at DATETIME(6) NULL, ADD COLUMN IF NOT EXISTS retention_ms BIGINT NULL",
+        ],
+    ),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
@@ -229,14 +237,21 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
 /// read as `TIMESTAMPDIFF(MICROSECOND, epoch, t) DIV 1000`: the columns hold UTC.
 const ADMIN: AdminStatements = AdminStatements {
     record: r#"INSERT INTO `{table}_dead_letters` (consumer, `key`, keyed, queue, reason, detail,
-        attempts, message_id, fingerprint, dead_lettered_at)
-    VALUES (?, ?, ?, ?, ?, ?, ?, NULLIF(?, ''), ?, UTC_TIMESTAMP(6))
+        attempts, message_id, fingerprint, dead_lettered_at, first_failed_at, retention_ms)
+    VALUES (?, ?, ?, ?, ?, ?, ?, NULLIF(?, ''), ?, UTC_TIMESTAMP(6),
+        COALESCE(TIMESTAMPADD(MICROSECOND, NULLIF(?, 0) * 1000, '1970-01-01 00:00:00'),
+            UTC_TIMESTAMP(6)),
+        NULLIF(?, 0))
     ON DUPLICATE KEY UPDATE keyed = VALUES(keyed), queue = VALUES(queue), reason = VALUES(reason),
         detail = VALUES(detail), attempts = VALUES(attempts), message_id = VALUES(message_id),
-        fingerprint = VALUES(fingerprint), dead_lettered_at = VALUES(dead_lettered_at)"#,
-    dead_letters: r#"SELECT consumer, `key`, keyed, queue, reason, detail, attempts, COALESCE(message_id, '') AS message_id, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', dead_lettered_at) DIV 1000 AS SIGNED) AS at_ms FROM `{table}_dead_letters` WHERE queue = ? ORDER BY dead_lettered_at"#,
-    dead_letter_of: r#"SELECT consumer, `key`, keyed, queue, reason, detail, attempts, COALESCE(message_id, '') AS message_id, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', dead_lettered_at) DIV 1000 AS SIGNED) AS at_ms FROM `{table}_dead_letters` WHERE consumer = ? AND `key` = ?"#,
+        fingerprint = VALUES(fingerprint), dead_lettered_at = VALUES(dead_lettered_at),
+        first_failed_at = LEAST(COALESCE(first_failed_at, VALUES(first_failed_at)),
+            VALUES(first_failed_at)),
+        retention_ms = VALUES(retention_ms)"#,
+    dead_letters: r#"SELECT consumer, `key`, keyed, queue, reason, detail, attempts, COALESCE(message_id, '') AS message_id, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', dead_lettered_at) DIV 1000 AS SIGNED) AS at_ms, COALESCE(CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', first_failed_at) DIV 1000 AS SIGNED), 0) AS first_ms, COALESCE(retention_ms, 0) AS retention_ms FROM `{table}_dead_letters` WHERE queue = ? ORDER BY dead_lettered_at"#,
+    dead_letter_of: r#"SELECT consumer, `key`, keyed, queue, reason, detail, attempts, COALESCE(message_id, '') AS message_id, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', dead_lettered_at) DIV 1000 AS SIGNED) AS at_ms, COALESCE(CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', first_failed_at) DIV 1000 AS SIGNED), 0) AS first_ms, COALESCE(retention_ms, 0) AS retention_ms FROM `{table}_dead_letters` WHERE consumer = ? AND `key` = ?"#,
     forget_dead_letter: "DELETE FROM `{table}_dead_letters` WHERE consumer = ? AND `key` = ?",
+    forget_dead_letter_at: "DELETE FROM `{table}_dead_letters` WHERE consumer = ? AND `key` = ? AND CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', dead_lettered_at) DIV 1000 AS SIGNED) = ?",
     stats: r#"SELECT consumer, status, CAST(count(*) AS SIGNED) AS row_count, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', min(created_at)) DIV 1000 AS SIGNED) AS oldest_ms, CAST(sum(CASE WHEN expires_at < UTC_TIMESTAMP(6) THEN 1 ELSE 0 END) AS SIGNED) AS expired FROM `{table}` GROUP BY consumer, status ORDER BY consumer, status"#,
     dead_letter_stats: r#"SELECT consumer, CAST(count(*) AS SIGNED) AS row_count, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', min(dead_lettered_at)) DIV 1000 AS SIGNED) AS oldest_ms FROM `{table}_dead_letters` GROUP BY consumer ORDER BY consumer"#,
     show: r#"SELECT status, attempts, outcome, fingerprint, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', created_at) DIV 1000 AS SIGNED) AS created_ms, COALESCE(CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', completed_at) DIV 1000 AS SIGNED), 0) AS completed_ms, CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', expires_at) DIV 1000 AS SIGNED) AS expires_ms, owner, COALESCE(CAST(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', locked_until) DIV 1000 AS SIGNED), 0) AS locked_ms FROM `{table}` WHERE consumer = ? AND `key` = ?"#,

@@ -109,6 +109,15 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     // Version 12: parked rows are given up (outbox dead letters) once they kept being refused
     // for the store's give-up time after they were staged.
     (12, &[crate::outbox::parked::POSTGRES_GIVE_UP]),
+    // Version 13: a dead letter's record keeps when its failures began and its consumer's
+    // retention, for a replay to tell whether the inbox still knows its key.
+    (
+        13,
+        &[
+            r#"ALTER TABLE "{table}_dead_letters" ADD COLUMN IF NOT EXISTS first_failed_at timestamptz,
+            ADD COLUMN IF NOT EXISTS retention_ms bigint"#,
+        ],
+    ),
 ];
 
 /// Wakes `wake` at each notification on [`crate::wake::CHANNEL`] naming `outbox`, on a
@@ -288,21 +297,30 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
 /// Dead-letter records and the operator's statements; see [`AdminStatements`].
 const ADMIN: AdminStatements = AdminStatements {
     record: r#"INSERT INTO "{table}_dead_letters" AS l (consumer, key, keyed, queue, reason, detail,
-        attempts, message_id, fingerprint, dead_lettered_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, NULLIF($8, ''), $9, now())
+        attempts, message_id, fingerprint, dead_lettered_at, first_failed_at, retention_ms)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, NULLIF($8, ''), $9, now(),
+        COALESCE(to_timestamp(NULLIF($10::int8, 0) / 1000.0), now()), NULLIF($11::int8, 0))
     ON CONFLICT (consumer, key) DO UPDATE SET keyed = excluded.keyed, queue = excluded.queue,
         reason = excluded.reason, detail = excluded.detail, attempts = excluded.attempts,
         message_id = excluded.message_id, fingerprint = excluded.fingerprint,
-        dead_lettered_at = excluded.dead_lettered_at"#,
+        dead_lettered_at = excluded.dead_lettered_at,
+        first_failed_at = LEAST(l.first_failed_at, excluded.first_failed_at),
+        retention_ms = excluded.retention_ms"#,
     dead_letters: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
         COALESCE(message_id, '') AS message_id, fingerprint,
-        (EXTRACT(EPOCH FROM dead_lettered_at) * 1000)::int8 AS at_ms
+        (EXTRACT(EPOCH FROM dead_lettered_at) * 1000)::int8 AS at_ms,
+        COALESCE((EXTRACT(EPOCH FROM first_failed_at) * 1000)::int8, 0) AS first_ms,
+        COALESCE(retention_ms, 0) AS retention_ms
     FROM "{table}_dead_letters" WHERE queue = $1 ORDER BY dead_lettered_at"#,
     dead_letter_of: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
         COALESCE(message_id, '') AS message_id, fingerprint,
-        (EXTRACT(EPOCH FROM dead_lettered_at) * 1000)::int8 AS at_ms
+        (EXTRACT(EPOCH FROM dead_lettered_at) * 1000)::int8 AS at_ms,
+        COALESCE((EXTRACT(EPOCH FROM first_failed_at) * 1000)::int8, 0) AS first_ms,
+        COALESCE(retention_ms, 0) AS retention_ms
     FROM "{table}_dead_letters" WHERE consumer = $1 AND key = $2"#,
     forget_dead_letter: r#"DELETE FROM "{table}_dead_letters" WHERE consumer = $1 AND key = $2"#,
+    forget_dead_letter_at: r#"DELETE FROM "{table}_dead_letters" WHERE consumer = $1 AND key = $2
+        AND (EXTRACT(EPOCH FROM dead_lettered_at) * 1000)::int8 = $3"#,
     stats: r#"SELECT consumer, status, count(*)::int8 AS row_count,
         (EXTRACT(EPOCH FROM min(created_at)) * 1000)::int8 AS oldest_ms,
         (count(*) FILTER (WHERE expires_at < now()))::int8 AS expired

@@ -111,6 +111,15 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
     // Version 12: parked rows are given up (outbox dead letters) once they kept being refused
     // for the store's give-up time after they were staged.
     (12, &[crate::outbox::parked::SQLITE_GIVE_UP]),
+    // Version 13: a dead letter's record keeps when its failures began and its consumer's
+    // retention, for a replay to tell whether the inbox still knows its key.
+    (
+        13,
+        &[
+            r#"ALTER TABLE "{table}_dead_letters" ADD COLUMN first_failed_at INTEGER"#,
+            r#"ALTER TABLE "{table}_dead_letters" ADD COLUMN retention_ms INTEGER"#,
+        ],
+    ),
 ];
 
 const CLAIM: &str = r#"
@@ -194,19 +203,27 @@ const DELIVERIES: DeliveryStatements = DeliveryStatements {
 /// already milliseconds.
 const ADMIN: AdminStatements = AdminStatements {
     record: r#"INSERT INTO "{table}_dead_letters" (consumer, key, keyed, queue, reason, detail,
-        attempts, message_id, fingerprint, dead_lettered_at)
-    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, NULLIF(?8, ''), ?9, {now})
+        attempts, message_id, fingerprint, dead_lettered_at, first_failed_at, retention_ms)
+    VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, NULLIF(?8, ''), ?9, {now}, COALESCE(NULLIF(?10, 0), {now}),
+        NULLIF(?11, 0))
     ON CONFLICT (consumer, key) DO UPDATE SET keyed = excluded.keyed, queue = excluded.queue,
         reason = excluded.reason, detail = excluded.detail, attempts = excluded.attempts,
         message_id = excluded.message_id, fingerprint = excluded.fingerprint,
-        dead_lettered_at = excluded.dead_lettered_at"#,
+        dead_lettered_at = excluded.dead_lettered_at,
+        first_failed_at = min(COALESCE(first_failed_at, excluded.first_failed_at),
+            excluded.first_failed_at),
+        retention_ms = excluded.retention_ms"#,
     dead_letters: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
-        COALESCE(message_id, '') AS message_id, fingerprint, dead_lettered_at AS at_ms
+        COALESCE(message_id, '') AS message_id, fingerprint, dead_lettered_at AS at_ms,
+        COALESCE(first_failed_at, 0) AS first_ms, COALESCE(retention_ms, 0) AS retention_ms
     FROM "{table}_dead_letters" WHERE queue = ?1 ORDER BY dead_lettered_at"#,
     dead_letter_of: r#"SELECT consumer, key, keyed, queue, reason, detail, attempts,
-        COALESCE(message_id, '') AS message_id, fingerprint, dead_lettered_at AS at_ms
+        COALESCE(message_id, '') AS message_id, fingerprint, dead_lettered_at AS at_ms,
+        COALESCE(first_failed_at, 0) AS first_ms, COALESCE(retention_ms, 0) AS retention_ms
     FROM "{table}_dead_letters" WHERE consumer = ?1 AND key = ?2"#,
     forget_dead_letter: r#"DELETE FROM "{table}_dead_letters" WHERE consumer = ?1 AND key = ?2"#,
+    forget_dead_letter_at: r#"DELETE FROM "{table}_dead_letters" WHERE consumer = ?1 AND key = ?2
+        AND dead_lettered_at = ?3"#,
     stats: r#"SELECT consumer, status, count(*) AS row_count, min(created_at) AS oldest_ms,
         sum(CASE WHEN expires_at < {now} THEN 1 ELSE 0 END) AS expired
     FROM "{table}" GROUP BY consumer, status ORDER BY consumer, status"#,

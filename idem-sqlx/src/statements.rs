@@ -200,16 +200,22 @@ pub struct DeliveryStatements<S = &'static str> {
 /// none; a message id is written as text, empty for none.
 #[derive(Debug, Clone)]
 pub struct AdminStatements<S = &'static str> {
-    /// Records a dead letter, replacing the record of its key (consumer, key, keyed as 0 or 1,
-    /// queue, reason, detail, attempts, message id, fingerprint).
+    /// Records a dead letter, replacing the record of its key but keeping the earliest first
+    /// failure (consumer, key, keyed as 0 or 1, queue, reason, detail, attempts, message id,
+    /// fingerprint, first failure in milliseconds or 0 for now, retention in milliseconds or
+    /// 0 for unknown).
     pub record: S,
     /// Reads the records of a queue, oldest first (the queue): `consumer`, `key`, `keyed`,
-    /// `queue`, `reason`, `detail`, `attempts`, `message_id`, `fingerprint`, `at_ms`.
+    /// `queue`, `reason`, `detail`, `attempts`, `message_id`, `fingerprint`, `at_ms`,
+    /// `first_ms` and `retention_ms` (0 for none).
     pub dead_letters: S,
     /// Reads the record of a key (consumer, key), with the columns of `dead_letters`.
     pub dead_letter_of: S,
     /// Removes the record of a key (consumer, key).
     pub forget_dead_letter: S,
+    /// Removes the record of a key if it is still the one written at `at_ms` (consumer, key,
+    /// `at_ms` as read): not one a later failure wrote since.
+    pub forget_dead_letter_at: S,
     /// Rows per consumer and status: `consumer`, `status`, `row_count`, `oldest_ms`, `expired`.
     pub stats: S,
     /// Records per consumer: `consumer`, `row_count`, `oldest_ms`.
@@ -330,6 +336,7 @@ impl Statements {
                 dead_letters: fill(self.admin.dead_letters),
                 dead_letter_of: fill(self.admin.dead_letter_of),
                 forget_dead_letter: fill(self.admin.forget_dead_letter),
+                forget_dead_letter_at: fill(self.admin.forget_dead_letter_at),
                 stats: fill(self.admin.stats),
                 dead_letter_stats: fill(self.admin.dead_letter_stats),
                 show: fill(self.admin.show),

@@ -3,6 +3,7 @@
 
 use super::envelope::Envelope;
 use super::fingerprint::Fingerprint;
+use std::time::Duration;
 
 /// Why a message is dead-lettered.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +77,15 @@ pub struct DeadLetterRecord {
     /// The SHA-256 of its body: with the message id, what ties the record to the message in
     /// the dead-letter queue.
     pub fingerprint: Fingerprint,
+    /// When its first attempt failed, in milliseconds since the Unix epoch, where its retry
+    /// copies carried it ([`IdemHeader::FirstFailure`](crate::transport::IdemHeader)); `None`:
+    /// the store takes the time it writes the record. A record written again for the same key
+    /// keeps the earliest.
+    pub first_failed_at_ms: Option<i64>,
+    /// How long its consumer's inbox keeps a key's row: how long after the first failure the
+    /// inbox can still tell whether a replay of it would be a duplicate. `None` where the
+    /// consumer is not known to the writer.
+    pub retention: Option<Duration>,
 }
 
 /// The longest message id a stand-in key is made of; a longer one gives way to the body's
@@ -113,7 +123,17 @@ impl DeadLetterRecord {
             attempts: letter.attempts,
             message_id,
             fingerprint,
+            first_failed_at_ms: None,
+            retention: None,
         }
+    }
+
+    /// The same record, with its failures' start ([`DeadLetterRecord::first_failed_at_ms`]) and
+    /// its consumer's retention.
+    pub fn with_history(mut self, first_failed_at_ms: Option<i64>, retention: Duration) -> Self {
+        self.first_failed_at_ms = first_failed_at_ms;
+        self.retention = Some(retention);
+        self
     }
 }
 

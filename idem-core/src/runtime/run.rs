@@ -253,11 +253,20 @@ fn start_workers(
 }
 
 /// The log through which the transport records the dead letters it refuses on its own: the
-/// handler's store.
+/// handler's store, each record with its consumer's retention.
 fn dead_letter_log(handler: &'static dyn ErasedHandler, stores: &Arc<Stores>) -> DeadLetterLog {
     let stores = stores.clone();
     DeadLetterLog::new(move |record| {
         let stores = stores.clone();
-        Box::pin(async move { handler.record_dead_letter(&stores, &record).await })
+        Box::pin(async move {
+            let record = match (record.retention, super::settle::retention(handler, &stores)) {
+                (None, Some(retention)) => {
+                    let first = record.first_failed_at_ms;
+                    record.with_history(first, retention)
+                }
+                _ => record,
+            };
+            handler.record_dead_letter(&stores, &record).await
+        })
     })
 }

@@ -14,7 +14,8 @@ use crate::model::reasons;
 use crate::model::{
     DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, StoreError, Transient,
 };
-use crate::pipeline::DispatchError;
+use crate::pipeline::{DispatchError, ErasedHandler};
+use crate::store::Stores;
 use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal};
 use std::time::Duration;
@@ -154,7 +155,11 @@ async fn dead_letter(
 ) -> Option<Result<(), crate::transport::TransportError>> {
     let (stats, consumer) = (&shared.stats, shared.handler.consumer());
     tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
-    let record = DeadLetterRecord::new(&reason, envelope, &shared.queue);
+    let record = history(
+        shared,
+        DeadLetterRecord::new(&reason, envelope, &shared.queue),
+        envelope,
+    );
     let reason = match record_dead_letter(shared, &record, stop).await {
         Recorded::Written => reason,
         Recorded::Refused(e) => {
@@ -194,6 +199,26 @@ async fn dead_letter(
     telemetry::message(consumer, label);
     telemetry::dead_letter(consumer, &reason.reason);
     Some(settle.dead_letter(envelope, &reason).await)
+}
+
+/// `record` with its failures' start (its retry copies' header) and its consumer's retention,
+/// for a replay to judge whether the inbox can still tell a duplicate of it.
+fn history(shared: &Shared, record: DeadLetterRecord, envelope: &Envelope) -> DeadLetterRecord {
+    let now = crate::transport::headers::epoch_ms();
+    let first = crate::transport::headers::first_failure(envelope, now);
+    match retention(shared.handler, &shared.stores) {
+        Some(retention) => record.with_history(first, retention),
+        None => record,
+    }
+}
+
+/// How long `handler`'s inbox rows are kept with `stores`: its own retention, else the
+/// runtime's, else its store's (`None`: the store is missing).
+pub(crate) fn retention(handler: &dyn ErasedHandler, stores: &Stores) -> Option<Duration> {
+    handler
+        .retention()
+        .or(stores.retention())
+        .or_else(|| handler.store_retention(stores))
 }
 
 /// A delivery whose dead letter's record keeps failing, retried after the policy's first

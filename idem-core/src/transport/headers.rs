@@ -6,6 +6,8 @@
 //! [`IdemHeader::amqp_name`], the names RabbitMQ deployments already hold in their queues.
 //! Headers that are not idem's are the user's and travel as they are.
 
+use crate::model::{Envelope, HeaderValue};
+
 /// One of idem's own headers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum IdemHeader {
@@ -29,11 +31,15 @@ pub enum IdemHeader {
     SourceQueue,
     /// The routing key a message was published with, where its address does not spell it.
     RoutingKey,
+    /// When the message's first attempt failed, in milliseconds since the Unix epoch: set on
+    /// its first retry copy and kept on the next, so that a dead letter's record says when its
+    /// failures began ([`first_failure`]).
+    FirstFailure,
 }
 
 impl IdemHeader {
     /// Every header of the vocabulary.
-    pub const ALL: [Self; 10] = [
+    pub const ALL: [Self; 11] = [
         Self::MessageId,
         Self::CorrelationId,
         Self::ContentType,
@@ -44,6 +50,7 @@ impl IdemHeader {
         Self::DeadLetterDetail,
         Self::SourceQueue,
         Self::RoutingKey,
+        Self::FirstFailure,
     ];
 
     /// Its name on a broker whose messages carry only headers.
@@ -59,6 +66,7 @@ impl IdemHeader {
             Self::DeadLetterDetail => "Idem-Dead-Letter-Detail",
             Self::SourceQueue => "Idem-Source-Queue",
             Self::RoutingKey => "Idem-Routing-Key",
+            Self::FirstFailure => "Idem-First-Failure",
         }
     }
 
@@ -69,6 +77,7 @@ impl IdemHeader {
             Self::Attempt => Some("x-idem-attempt"),
             Self::DeadLetterReason => Some("x-idem-dead-letter-reason"),
             Self::DeadLetterDetail => Some("x-idem-dead-letter-detail"),
+            Self::FirstFailure => Some("x-idem-first-failure"),
             Self::MessageId
             | Self::CorrelationId
             | Self::ContentType
@@ -90,9 +99,63 @@ impl IdemHeader {
     }
 }
 
+/// Now, in milliseconds since the Unix epoch: what a retry copy's
+/// [`IdemHeader::FirstFailure`] holds when its message failed for the first time.
+pub fn epoch_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// When `envelope`'s first attempt failed ([`IdemHeader::FirstFailure`], under either of its
+/// names), in milliseconds since the Unix epoch: `None` for a first attempt, or where the
+/// header holds no time at or before `now_ms` (a producer may write any header).
+pub fn first_failure(envelope: &Envelope, now_ms: i64) -> Option<i64> {
+    let header = IdemHeader::FirstFailure;
+    let value = [Some(header.name()), header.amqp_name()]
+        .into_iter()
+        .flatten()
+        .find_map(|name| {
+            envelope
+                .headers
+                .iter()
+                .find(|(key, _)| key.eq_ignore_ascii_case(name))
+                .map(|(_, value)| value)
+        })?;
+    let at = match value {
+        HeaderValue::Int(ms) => *ms,
+        HeaderValue::Str(text) => text.trim().parse().ok()?,
+        _ => return None,
+    };
+    (0..=now_ms).contains(&at).then_some(at)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_first_failure_is_read_under_either_name_and_only_as_a_past_time() {
+        let mut envelope = Envelope::new("x");
+        assert_eq!(first_failure(&envelope, 1_000), None);
+        envelope
+            .headers
+            .insert("x-idem-first-failure", HeaderValue::Int(900));
+        assert_eq!(first_failure(&envelope, 1_000), Some(900));
+        assert_eq!(first_failure(&envelope, 800), None, "a time to come");
+        let mut nats = Envelope::new("x");
+        nats.headers
+            .insert("Idem-First-Failure", HeaderValue::Str(" 700 ".into()));
+        assert_eq!(first_failure(&nats, 1_000), Some(700));
+        for wrong in [
+            HeaderValue::Str("soon".into()),
+            HeaderValue::Int(-1),
+            HeaderValue::Bool(true),
+        ] {
+            nats.headers.insert("Idem-First-Failure", wrong);
+            assert_eq!(first_failure(&nats, 1_000), None);
+        }
+    }
 
     #[test]
     fn every_name_reads_back_as_its_header_and_no_two_share_one() {

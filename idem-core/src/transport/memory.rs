@@ -4,6 +4,7 @@
 
 use super::contract::{Delivery, Partition, QueueSpec, Settle, StopSignal, Transport};
 use super::error::TransportError;
+use super::headers::IdemHeader;
 use super::outbound::{Outbound, OutboundError};
 use crate::future::BoxFuture;
 use crate::model::{DeadLetter, Envelope, Outgoing};
@@ -263,6 +264,10 @@ impl Settle for MemorySettle {
         self.finish(|_, envelope| retried = Some(envelope));
         if let Some(mut envelope) = retried {
             envelope.attempt += 1;
+            let first = IdemHeader::FirstFailure.name();
+            if envelope.headers.get(first).is_none() {
+                envelope.headers.insert(first, super::headers::epoch_ms());
+            }
             tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
                 transport.publish(&queue, envelope);
