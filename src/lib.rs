@@ -71,15 +71,15 @@ pub mod transport {
     pub use idem_core::transport::{
         BROKERS, Began, Broker, BrokerScheme, Consuming, CopyId, CopyPurpose, DeliveryOrigin,
         DueCopies, Ended, FORWARD_RETRY, IdemHeader, Session, Supervision, UnknownBroker,
-        forward_due, supervise,
+        forward_due, headers, supervise,
     };
     pub use idem_core::{
         model::DeadLetter, transport::DeadLetterLog, transport::DeadLetterReader,
         transport::Delivery, transport::Demand, transport::Gathering, transport::HeldLetter,
         transport::MemoryTransport, transport::Outbound, transport::OutboundError,
-        transport::Partition, transport::QueueSpec, transport::Settle, transport::StopSignal,
-        transport::Transport, transport::TransportError, transport::Wants, transport::Watermark,
-        transport::lane_of,
+        transport::Partition, transport::PublishTime, transport::QueueSpec, transport::Settle,
+        transport::StopSignal, transport::Transport, transport::TransportError, transport::Wants,
+        transport::Watermark, transport::lane_of,
     };
 }
 

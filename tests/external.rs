@@ -549,7 +549,7 @@ mod killed {
 
         // A 2 s lease against a retry policy that gives up after 1 s of delays.
         let short = RetryPolicy::new(2, Duration::from_secs(1), 1, Duration::from_secs(1)).unwrap();
-        let err = runtime(pool, "idem-test-ext")
+        let err = runtime(pool.clone(), "idem-test-ext")
             .retry(short)
             .build()
             .err()
@@ -559,5 +559,40 @@ mod killed {
             err.contains("holds its lease for 2s") && err.contains("shorten the lease"),
             "{err}"
         );
+
+        // Rows kept 10 s against a retry policy whose delays add up to 81 s: its last retries
+        // would be older than the dedup window.
+        let err = runtime(pool.clone(), "idem-test-ext")
+            .retry(RetryPolicy::default())
+            .retention(Duration::from_secs(10))
+            .build()
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("the retry policy waits 81s") && err.contains("kept only 10s"),
+            "{err}"
+        );
+
+        // Rows kept 2 days against an outbox relay that tries a refused row for 3: a row
+        // published that late would be older than the dedup window; 2 days start.
+        let give_up = |days: u64| {
+            Runtime::builder()
+                .transport(RabbitTransport::new(RabbitConfig::new(amqp_url())))
+                .store(
+                    PgInbox::new(pool.clone()).outbox_give_up(Duration::from_secs(days * 86_400)),
+                )
+                .state(Provider::new())
+                .handlers(["ext.pay"])
+                .retention(Duration::from_secs(2 * 86_400))
+                .build()
+        };
+        let err = give_up(3).err().expect("refused").to_string();
+        assert!(
+            err.contains("keeps trying a refused row for 259200s")
+                && err.contains("outbox_give_up"),
+            "{err}"
+        );
+        give_up(2).unwrap();
     }
 }

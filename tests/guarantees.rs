@@ -295,6 +295,7 @@ on_both_brokers!(
     copies_take_effect_once,
     copies_in_two_runtimes_at_once_take_effect_once,
     the_same_key_with_another_payload_is_dead_lettered_as_a_conflict,
+    a_message_older_than_the_dedup_window_is_refused_unless_its_key_is_known,
     failures_are_retried_or_dead_lettered_once_with_their_reasons,
     the_outbox_takes_each_event_to_the_next_hop_once,
     in_batch_mode_copies_take_effect_once_and_a_failure_is_retried,
@@ -396,6 +397,66 @@ async fn the_same_key_with_another_payload_is_dead_lettered_as_a_conflict(bus: B
     assert_eq!(
         (records[0].reason.as_str(), records[0].key.as_str()),
         ("conflict", "k-1")
+    );
+    w.cleanup().await;
+}
+
+/// The dedup window: a message published longer ago than its consumer's retention (120 s
+/// before, against 30 s) whose key the inbox does not hold is dead-lettered as
+/// `beyond-dedup-window`, not applied as new; an old copy of a key the inbox holds is still a
+/// duplicate; a message within the window is applied. The publish time travels as the broker
+/// carries it (AMQP `timestamp`, NATS `Idem-Published`).
+async fn a_message_older_than_the_dedup_window_is_refused_unless_its_key_is_known(bus: Bus) {
+    let w = World::new(bus, "window").await;
+    let now = idem::transport::headers::epoch_ms();
+    let old = now - 120_000;
+    let message = |id: &str, published: i64| {
+        idem::Envelope::new(serde_json::to_vec(&order(id, 3)).unwrap())
+            .with_message_id(id)
+            .with_published_at_ms(published)
+    };
+    w.bus.publish(&w.orders, &message("w-1", now), 0).await;
+    w.bus.confirm().await;
+    let runtime = w
+        .bus
+        .transport(Runtime::builder())
+        .store(SqliteInbox::new(w.pool.clone()).outbox_give_up(Duration::from_secs(10)))
+        .handlers(["guarantees.orders"])
+        .handler_queue("guarantees.orders", w.orders.as_str())
+        .retry(policy())
+        .retention(Duration::from_secs(30));
+    let running = start(runtime);
+    wait_until("w-1 applied", DEADLINE, || async {
+        running.now().processed == 1
+    })
+    .await;
+    w.bus.publish(&w.orders, &message("w-1", old), 1).await;
+    w.bus.publish(&w.orders, &message("w-2", old), 0).await;
+    w.bus.confirm().await;
+    wait_until("both settled", DEADLINE, || async {
+        let seen = running.now();
+        seen.duplicates == 1 && seen.dead_lettered == 1
+    })
+    .await;
+    let seen = running.shut_down().await;
+    assert_eq!(
+        (seen.processed, seen.duplicates, seen.dead_lettered),
+        (1, 1, 1),
+        "{seen:?}"
+    );
+    assert_eq!(w.applied().await, [("orders".into(), "w-1".into(), 3, 1)]);
+    let records = SqliteInbox::new(w.pool.clone())
+        .dead_letters(&w.orders)
+        .await
+        .unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(
+        (records[0].reason.as_str(), records[0].key.as_str()),
+        ("beyond-dedup-window", "w-2")
+    );
+    assert!(
+        records[0].detail.contains("not applied as new"),
+        "{records:?}"
     );
     w.cleanup().await;
 }

@@ -1166,7 +1166,10 @@ async fn a_dead_letter_replayed_and_dead_lettered_again_is_in_the_stream() {
     assert_eq!(first.len(), 1, "{first:?}");
     let reader = w.transport.dead_letters(&w.orders).await.unwrap();
     let letter = reader.next().await.unwrap().unwrap();
-    reader.replay(&letter, &w.orders).await.unwrap();
+    reader
+        .replay(&letter, &w.orders, idem::transport::PublishTime::Kept)
+        .await
+        .unwrap();
     reader.remove(&letter).await.unwrap();
     reader.close().await;
     wait_until("dead-lettered again", DEADLINE, || async {

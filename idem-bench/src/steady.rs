@@ -131,13 +131,19 @@ async fn one_run(
     sweeping: bool,
     round: usize,
 ) -> anyhow::Result<Vec<Sample>> {
-    let store = inbox(pool.clone())?.retention(Duration::from_secs(b.retention_secs))?;
+    let retention = Duration::from_secs(b.retention_secs);
+    // Retries and the relay's give-up within the retention, as start-up requires of a short
+    // one (the workload never fails).
+    let store = inbox(pool.clone())?
+        .retention(retention)?
+        .outbox_give_up(retention / 2);
+    let retry = idem::RetryPolicy::new(3, Duration::from_secs(1), 2, retention / 4)?;
     store.migrate().await?;
     reset(pool, TABLE, None).await?;
     let rabbit = RabbitConfig::new(&b.amqp_url);
     let transport = RabbitTransport::new(rabbit.clone());
     let mut spec = QueueSpec::new(QUEUE, CONSUMER);
-    spec.retry_delays = idem::RetryPolicy::default().delays();
+    spec.retry_delays = retry.delays();
     transport.declare(&[spec]).await?;
     crate::workload::purge(&b.amqp_url, QUEUE).await?;
 
@@ -155,6 +161,7 @@ async fn one_run(
         .state(FirstCall::default())
         .handlers(["place_orders"])
         .handler_queue(CONSUMER, QUEUE)
+        .retry(retry)
         .batch(b.batch);
     if !sweeping {
         builder = builder.without_sweeper();

@@ -20,7 +20,7 @@ use crate::error::CliError;
 use crate::output::json;
 use crate::output::{age, now_ms, span};
 use idem::sql::{DeadLetterRow, Dialect, KeyReport, SqlInbox};
-use idem::transport::{HeldLetter, OutboundError};
+use idem::transport::{HeldLetter, OutboundError, PublishTime};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
@@ -244,8 +244,13 @@ async fn replay_one<DB: Dialect>(
             }
         }
     }
+    // Forced: the copy starts a dedup window of its own, or its consumer would refuse it.
+    let time = match plan.force {
+        true => PublishTime::Now,
+        false => PublishTime::Kept,
+    };
     let published = broker.answer("publishing", async {
-        match broker.reader.replay(letter, target).await {
+        match broker.reader.replay(letter, target, time).await {
             Err(OutboundError::Unroutable { .. }) => Err(format!("no queue {target} takes it")),
             Err(OutboundError::Refused) => {
                 Err(format!("the broker refused the publish to {target}"))

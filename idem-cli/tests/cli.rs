@@ -143,6 +143,10 @@ impl Fixture {
     ) -> Self {
         let pool = database().await;
         let mut inbox = PgInbox::new(pool.clone());
+        if let Some(retention) = retention {
+            // The relay gives up sooner than the rows go, as start-up requires.
+            inbox = inbox.outbox_give_up(retention / 2);
+        }
         if let Some(table) = table {
             inbox = inbox.table(table).unwrap();
             inbox.migrate().await.unwrap();
@@ -534,13 +538,10 @@ async fn a_producers_death_header_never_decides_where_a_replay_goes() {
 async fn a_replay_knows_what_the_inbox_knows_and_refuses_beyond_the_dedup_window() {
     let table = "idem_cli_window_inbox";
     let retention = Duration::from_secs(2);
-    let f = Fixture::with_settings(
-        "window",
-        Some(table),
-        Some(retention),
-        idem::RetryPolicy::default(),
-    )
-    .await;
+    let quick =
+        idem::RetryPolicy::new(2, Duration::from_millis(100), 1, Duration::from_millis(100))
+            .unwrap();
+    let f = Fixture::with_settings("window", Some(table), Some(retention), quick).await;
     f.close_gate().await;
     f.publish_order(0).await;
     wait_until("the dead letter", || async { f.dlq_count().await == 1 }).await;

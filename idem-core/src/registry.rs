@@ -95,6 +95,12 @@ impl Registration {
             .or_else(|| self.handler.store_retention(stores))
     }
 
+    /// How long its store's relay tries a row the broker refuses before giving it up, if the
+    /// store keeps an outbox in `stores` and gives up.
+    pub fn outbox_give_up(&self, stores: &Stores) -> Option<Duration> {
+        self.handler.store_give_up(stores)
+    }
+
     /// The batch size the handler asks for (`batch = N`), if any.
     pub fn batch_size(&self) -> Option<usize> {
         self.handler.batch_size()

@@ -158,8 +158,12 @@ impl Consumer {
             message,
             context: js.clone(),
         };
-        let (delivered, sequence) = match message.info() {
-            Ok(info) => (info.delivered, info.stream_sequence),
+        let (delivered, sequence, stored_ms) = match message.info() {
+            Ok(info) => (
+                info.delivered,
+                info.stream_sequence,
+                i64::try_from(info.published.unix_timestamp_nanos() / 1_000_000).ok(),
+            ),
             Err(e) => return Err(format!("a delivery without its JetStream info: {e}").into()),
         };
         let reply = message.reply.clone();
@@ -170,6 +174,7 @@ impl Consumer {
             message.headers.as_ref(),
             message.payload.to_vec(),
             delivered,
+            stored_ms,
         );
         let settle = NatsSettle {
             acker,

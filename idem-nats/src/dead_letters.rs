@@ -5,7 +5,7 @@
 
 use crate::envelope::{
     ATTEMPT_HEADER, CONTENT_TYPE_HEADER, CORRELATION_ID_HEADER, DUE_HEADER, MESSAGE_ID_HEADER,
-    MSG_ID_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER,
+    MSG_ID_HEADER, PUBLISHED_HEADER, REASON_DETAIL_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER,
 };
 use crate::names::Names;
 use async_nats::HeaderMap;
@@ -15,7 +15,7 @@ use async_nats::jetstream::context::PublishErrorKind;
 use idem_core::transport::{CopyId, CopyPurpose, DeliveryOrigin};
 use idem_core::{
     future::BoxFuture, transport::DeadLetterReader, transport::HeldLetter,
-    transport::OutboundError, transport::TransportError,
+    transport::OutboundError, transport::PublishTime, transport::TransportError,
 };
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -118,6 +118,7 @@ impl DeadLetterReader for NatsDeadLetters {
         &'a self,
         letter: &'a HeldLetter,
         queue: &'a str,
+        time: PublishTime,
     ) -> BoxFuture<'a, Result<(), OutboundError>> {
         Box::pin(async move {
             let (headers, incarnation) = {
@@ -137,6 +138,10 @@ impl DeadLetterReader for NatsDeadLetters {
             }
             if let Some(id) = &letter.message_id {
                 copy.insert(MESSAGE_ID_HEADER, HeaderValue::from_lossy(id));
+            }
+            if time == PublishTime::Now {
+                let now = idem_core::transport::headers::epoch_ms().to_string();
+                copy.insert(PUBLISHED_HEADER, HeaderValue::from_lossy(&now));
             }
             let origin = DeliveryOrigin {
                 source: &self.names.dlq_stream,

@@ -25,6 +25,9 @@ pub const ATTEMPT_HEADER: &str = IdemHeader::Attempt.name();
 /// When a message's first attempt failed, in milliseconds since the Unix epoch: set on its
 /// first retry copy, kept by the next, and passed to handlers as the user's headers are.
 pub const FIRST_FAILURE_HEADER: &str = IdemHeader::FirstFailure.name();
+/// When the message was first published, in milliseconds since the Unix epoch: set on the
+/// copies idem publishes of it (retry copies, dead letters), so that they keep its time.
+pub const PUBLISHED_HEADER: &str = IdemHeader::Published.name();
 /// When a retry copy is due, in milliseconds since the Unix epoch.
 pub(crate) const DUE_HEADER: &str = IdemHeader::Due.name();
 /// Why a dead letter was dead-lettered: the reason code.
@@ -46,6 +49,7 @@ const OWN: &[&str] = &[
     ATTEMPT_HEADER,
     DUE_HEADER,
     ROUTING_KEY_HEADER,
+    PUBLISHED_HEADER,
 ];
 
 /// Whether header `name` carries an envelope property or JetStream's id, not the user's.
@@ -54,12 +58,14 @@ pub(crate) fn is_own(name: &str) -> bool {
 }
 
 /// The envelope of a JetStream message on `subject` with `headers` and `body`, delivered for
-/// the `delivered`-th time.
+/// the `delivered`-th time, stored in its stream at `stored_ms` (its publish time unless a
+/// header carries an earlier copy's).
 pub(crate) fn envelope(
     subject: &str,
     headers: Option<&HeaderMap>,
     body: Vec<u8>,
     delivered: i64,
+    stored_ms: Option<i64>,
 ) -> Envelope {
     let text = |name: &str| {
         headers
@@ -85,6 +91,10 @@ pub(crate) fn envelope(
     envelope.content_type = text(CONTENT_TYPE_HEADER);
     envelope.reply_to = text(REPLY_TO_HEADER);
     envelope.redelivered = delivered > 1;
+    envelope.published_at_ms = text(PUBLISHED_HEADER)
+        .and_then(|ms| ms.trim().parse::<i64>().ok())
+        .or(stored_ms)
+        .filter(|ms| *ms > 0);
     let mut user = Headers::default();
     for (name, values) in headers.into_iter().flat_map(HeaderMap::iter) {
         let name: &str = name.as_ref();
@@ -131,6 +141,9 @@ pub(crate) fn headers(envelope: &Envelope, msg_id: Option<&str>) -> HeaderMap {
     if envelope.attempt > 1 {
         set(ATTEMPT_HEADER, Some(&envelope.attempt.to_string()));
     }
+    if let Some(ms) = envelope.published_at_ms {
+        set(PUBLISHED_HEADER, Some(&ms.to_string()));
+    }
     headers
 }
 
@@ -166,7 +179,7 @@ mod tests {
             .with_header("weight", 3i64)
             .with_attempt(2);
         let headers = headers(&sent, Some("m-1.a2"));
-        let got = envelope("orders", Some(&headers), b"body".to_vec(), 1);
+        let got = envelope("orders", Some(&headers), b"body".to_vec(), 1, Some(9));
         assert_eq!(got.message_id.as_deref(), Some("m-1"));
         assert_eq!(got.correlation_id.as_deref(), Some("c-1"));
         assert_eq!(got.content_type.as_deref(), Some("application/json"));
@@ -182,17 +195,43 @@ mod tests {
             Some(&super::headers(&keyed, None)),
             Vec::new(),
             1,
+            None,
         );
         assert_eq!(got.routing_key.as_deref(), Some("customer-7"));
         assert!(!got.redelivered);
-        assert!(envelope("orders", None, Vec::new(), 2).redelivered);
+        assert!(envelope("orders", None, Vec::new(), 2, None).redelivered);
+    }
+
+    /// A message's publish time is the stream's, unless an earlier copy's travels in
+    /// `Idem-Published` (a retry copy, a dead letter, a replay keep the original's).
+    #[test]
+    fn a_publish_time_is_the_streams_unless_a_copy_carries_the_original() {
+        let original = envelope("q", None, Vec::new(), 1, Some(1_000));
+        assert_eq!(original.published_at_ms, Some(1_000));
+        let copy = envelope(
+            "q",
+            Some(&headers(&original, None)),
+            Vec::new(),
+            1,
+            Some(5_000),
+        );
+        assert_eq!(copy.published_at_ms, Some(1_000));
+        assert!(
+            copy.headers.is_empty(),
+            "not the user's: {:?}",
+            copy.headers
+        );
+        assert_eq!(
+            envelope("q", None, Vec::new(), 1, None).published_at_ms,
+            None
+        );
     }
 
     #[test]
     fn a_header_name_nats_cannot_hold_is_mended_not_a_panic() {
         let sent = Envelope::new("b").with_header("a:b é\n", "v\r\nw");
         let headers = headers(&sent, None);
-        let got = envelope("q", Some(&headers), Vec::new(), 1);
+        let got = envelope("q", Some(&headers), Vec::new(), 1, None);
         assert_eq!(got.headers.get("a_b___"), Some(&HeaderValue::from("v  w")));
     }
 }

@@ -9,7 +9,7 @@ use crate::envelope::ATTEMPT_HEADER;
 use crate::topology::dlq;
 use idem_core::{
     future::BoxFuture, transport::DeadLetterReader, transport::HeldLetter,
-    transport::OutboundError, transport::TransportError,
+    transport::OutboundError, transport::PublishTime, transport::TransportError,
 };
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions,
@@ -152,16 +152,22 @@ impl DeadLetterReader for RabbitDeadLetters {
         })
     }
 
-    /// Published to the default exchange with `queue` as routing key, mandatory.
+    /// Published to the default exchange with `queue` as routing key, mandatory; its publish
+    /// time in `timestamp`, kept or now.
     fn replay<'a>(
         &'a self,
         letter: &'a HeldLetter,
         queue: &'a str,
+        time: PublishTime,
     ) -> BoxFuture<'a, Result<(), OutboundError>> {
         Box::pin(async move {
-            let properties = self
+            let mut properties = self
                 .properties(letter.tag)
                 .ok_or_else(|| OutboundError::Broker("the letter is not held".into()))?;
+            if time == PublishTime::Now {
+                let now = idem_core::transport::headers::epoch_ms() / 1000;
+                properties = properties.with_timestamp(u64::try_from(now).unwrap_or(0));
+            }
             let routing_key = crate::envelope::short("queue", queue)?;
             let options = BasicPublishOptions {
                 mandatory: true,

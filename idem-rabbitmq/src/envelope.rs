@@ -50,7 +50,16 @@ pub(crate) fn envelope(properties: &BasicProperties, body: Vec<u8>, redelivered:
     envelope.reply_to = properties.reply_to().as_ref().map(ToString::to_string);
     envelope.headers = headers;
     envelope.redelivered = redelivered;
+    envelope.published_at_ms = published_at_ms(properties);
     envelope
+}
+
+/// When the message was published, from AMQP's `timestamp` (seconds since the Unix epoch, as
+/// the producer wrote it), in milliseconds; none for 0 (no time) or one past any real clock.
+pub(crate) fn published_at_ms(properties: &BasicProperties) -> Option<i64> {
+    let seconds = (*properties.timestamp())?;
+    let ms = i64::try_from(seconds).ok()?.checked_mul(1000)?;
+    (ms > 0).then_some(ms)
 }
 
 /// `text` as an AMQP short string, or what is wrong with it: over
@@ -80,6 +89,9 @@ pub(crate) fn properties(message: &Envelope) -> Result<BasicProperties, Outgoing
     }
     if let Some(queue) = &message.reply_to {
         properties = properties.with_reply_to(short("reply-to queue", queue)?);
+    }
+    if let Some(ms) = message.published_at_ms.filter(|ms| *ms > 0) {
+        properties = properties.with_timestamp(u64::try_from(ms / 1000).unwrap_or(0));
     }
     if !message.headers.is_empty() {
         let mut table = FieldTable::default();
@@ -256,6 +268,28 @@ mod tests {
                 .map(ToString::to_string)
                 .as_deref(),
             Some("m-1")
+        );
+    }
+
+    /// AMQP's `timestamp` is seconds: read as milliseconds, written back as seconds; 0 and a
+    /// time no clock reaches are no time.
+    #[test]
+    fn a_publish_time_travels_in_the_timestamp() {
+        let at = |seconds| BasicProperties::default().with_timestamp(seconds);
+        assert_eq!(published_at_ms(&at(1_800_000_000)), Some(1_800_000_000_000));
+        assert_eq!(published_at_ms(&at(0)), None);
+        assert_eq!(published_at_ms(&at(u64::MAX)), None);
+        assert_eq!(published_at_ms(&BasicProperties::default()), None);
+        let envelope = Envelope::new(b"{}".to_vec()).with_published_at_ms(1_800_000_000_999);
+        assert_eq!(
+            *properties(&envelope).unwrap().timestamp(),
+            Some(1_800_000_000)
+        );
+        assert_eq!(
+            *properties(&Envelope::new(b"{}".to_vec()))
+                .unwrap()
+                .timestamp(),
+            None
         );
     }
 }

@@ -395,6 +395,10 @@ impl<DB: Dialect> OutboxStore for SqlInbox<DB> {
         Some(&self.outbox)
     }
 
+    fn outbox_give_up(&self) -> Option<Duration> {
+        Some(self.give_up)
+    }
+
     async fn stage_rows(
         &self,
         tx: &mut Self::Tx<'_>,

@@ -34,6 +34,12 @@ pub struct Envelope {
     /// Where the sender wants the handler's result (AMQP `reply_to`: a queue on the default
     /// exchange).
     pub reply_to: Option<String>,
+    /// When the message was first published, in milliseconds since the Unix epoch, where the
+    /// broker or its producer says (AMQP's `timestamp`, NATS's `Idem-Published` or the
+    /// stream's time); its retry copies, dead letter and replays keep it. A message older than
+    /// its consumer's retention whose key the inbox does not hold is refused
+    /// (`beyond-dedup-window`).
+    pub published_at_ms: Option<i64>,
 }
 
 impl Envelope {
@@ -79,6 +85,12 @@ impl Envelope {
     /// Sets the routing key (an ordered handler's partition key).
     pub fn with_routing_key(mut self, key: impl Into<String>) -> Self {
         self.routing_key = Some(key.into());
+        self
+    }
+
+    /// Sets when the message was first published ([`Envelope::published_at_ms`]).
+    pub fn with_published_at_ms(mut self, ms: i64) -> Self {
+        self.published_at_ms = Some(ms);
         self
     }
 

@@ -196,11 +196,15 @@ pub enum RejectReason {
     /// A versioned message at or below the applied version, where the runtime dead-letters
     /// stale messages instead of acking them.
     Stale,
+    /// A message published longer ago than its consumer's inbox keeps a key's row, whose key
+    /// the inbox does not hold: a copy applied then may have been swept, so it is not applied
+    /// as new.
+    BeyondDedupWindow,
 }
 
 impl RejectReason {
     /// The stable code: `decode`, `missing-key`, `handler`, `output`, `store`,
-    /// `previously-failed`, `poison`, `version` or `stale` (all in
+    /// `previously-failed`, `poison`, `version`, `stale` or `beyond-dedup-window` (all in
     /// [`REASONS`](super::reasons::REASONS)).
     pub fn code(self) -> &'static str {
         match self {
@@ -213,6 +217,7 @@ impl RejectReason {
             Self::Poison => "poison",
             Self::Version => "version",
             Self::Stale => "stale",
+            Self::BeyondDedupWindow => "beyond-dedup-window",
         }
     }
 }

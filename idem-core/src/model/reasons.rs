@@ -24,6 +24,7 @@ pub const REASONS: &[&str] = &[
     "poison",
     "version",
     "stale",
+    "beyond-dedup-window",
     CONFLICT,
     RETRIES_EXHAUSTED,
     TOO_LARGE,
@@ -32,7 +33,7 @@ pub const REASONS: &[&str] = &[
 
 impl RejectReason {
     /// Every rejection reason.
-    pub const ALL: [RejectReason; 9] = [
+    pub const ALL: [RejectReason; 10] = [
         Self::Decode,
         Self::MissingKey,
         Self::Handler,
@@ -42,6 +43,7 @@ impl RejectReason {
         Self::Poison,
         Self::Version,
         Self::Stale,
+        Self::BeyondDedupWindow,
     ];
 }
 
@@ -61,7 +63,8 @@ mod tests {
             | RejectReason::PreviouslyFailed
             | RejectReason::Poison
             | RejectReason::Version
-            | RejectReason::Stale => RejectReason::ALL.contains(&reason),
+            | RejectReason::Stale
+            | RejectReason::BeyondDedupWindow => RejectReason::ALL.contains(&reason),
         }
     }
 

@@ -5,9 +5,9 @@
 //! An `in_progress` row whose lease expired is taken over by the next copy (attempts + 1), which
 //! runs the handler again with the same key: the downstream service deduplicates on it.
 
+use super::admit::admit;
 use super::steps::{
-    Keyed, Limits, count_start, encode_result, poison_verdict, prepare, refused, settle_counts,
-    store_failure,
+    Keyed, Limits, count_start, encode_result, prepare, refused, settle_counts, store_failure,
 };
 use crate::handler::{ExternalHandler, Handler};
 use crate::model::{Context, Envelope, Fingerprint, Outcome, StoreError, StoredOutput, Transient};
@@ -73,7 +73,7 @@ async fn run<H: ExternalHandler>(
         Err((outcome, true)) => return (outcome, Ran::HeldElsewhere),
         Err((outcome, false)) => return (outcome, Ran::Settled),
     };
-    if let Some(refused) = poison_verdict::<H>(keyed, limits.poison) {
+    if let Some(refused) = admit::<H>(keyed, &limits) {
         if let Err(e) = run.release().await {
             // The lease then runs out on its own.
             tracing::warn!(consumer = H::CONSUMER, %key, error = %e, "releasing the lease failed");

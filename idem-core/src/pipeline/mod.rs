@@ -11,6 +11,7 @@
 //! `steps` holds what every mode shares (decode, key and fingerprint; duplicate or conflict;
 //! turning failures into outcomes); [`stages`] how consecutive batches overlap.
 
+mod admit;
 mod batch;
 mod external;
 mod kinds;
@@ -84,6 +85,8 @@ pub trait ErasedHandler: Send + Sync + 'static {
     fn batch_size(&self) -> Option<usize>;
     /// The retention of its store in `stores` (`None`: the store is missing).
     fn store_retention(&self, stores: &Stores) -> Option<Duration>;
+    /// How long its store's relay tries a refused row before giving it up, if it has one.
+    fn store_give_up(&self, stores: &Stores) -> Option<Duration>;
     /// Whether `stores` holds its store.
     fn store_available(&self, stores: &Stores) -> bool;
     /// Checks that its store is present and usable.
@@ -157,6 +160,12 @@ impl<H: Handler<Kind: Pipeline<H>>> ErasedHandler for H {
 
     fn store_retention(&self, stores: &Stores) -> Option<Duration> {
         stores.get::<H::Store>().map(InboxStore::retention)
+    }
+
+    fn store_give_up(&self, stores: &Stores) -> Option<Duration> {
+        stores
+            .get::<H::Store>()
+            .and_then(crate::store::OutboxStore::outbox_give_up)
     }
 
     fn store_available(&self, stores: &Stores) -> bool {

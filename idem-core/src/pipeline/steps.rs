@@ -26,6 +26,8 @@ pub(crate) struct Keyed {
     /// The outcome of a count that failed (see [`count_start`]): the delivery may not run,
     /// since its run could not be counted, but a copy of a completed key is still a duplicate.
     pub(crate) uncounted: Option<Outcome>,
+    /// When its message was first published, where known ([`Envelope::published_at_ms`]).
+    pub(crate) published_at_ms: Option<i64>,
 }
 
 impl Keyed {
@@ -72,6 +74,7 @@ pub(crate) fn prepare<H: Handler>(envelope: &Envelope) -> Result<(H::Payload, Ke
             versioned,
             unsettled: None,
             uncounted: None,
+            published_at_ms: envelope.published_at_ms,
         },
     ))
 }
@@ -363,7 +366,7 @@ impl Limits<'_> {
 /// into `keyed`: [`Keyed::unsettled`], this key's runs on redeliveries that did not settle,
 /// this one included; or, when the count fails, [`Keyed::uncounted`]. The count is taken back
 /// when the delivery settles ([`settle_counts`]), and judged only once its key is claimed
-/// ([`poison_verdict`]): a copy of a completed key is a duplicate whatever its count, even
+/// ([`admit`](super::admit::admit)): a copy of a completed key is a duplicate whatever its count, even
 /// when counting it failed.
 pub(crate) async fn count_start<H: Handler>(
     store: &H::Store,
@@ -382,43 +385,6 @@ pub(crate) async fn count_start<H: Handler>(
         Ok(unsettled) => keyed.unsettled = Some(unsettled),
         Err(e) => keyed.uncounted = Some(store_failure(e, &keyed.key)),
     }
-}
-
-/// The poison limit's verdict on a delivery whose key it has just claimed (the key is new):
-/// refused when more than `limit` runs of its handler on redeliveries did not settle before
-/// this one (its consumers died or lost their connection while it ran), or held as its count's
-/// failure says when the count failed. `None`: it may run.
-pub(crate) fn poison_verdict<H: Handler>(keyed: &Keyed, limit: Option<u32>) -> Option<Outcome> {
-    if let Some(uncounted) = &keyed.uncounted {
-        tracing::info!(
-            consumer = H::CONSUMER,
-            key = keyed.key,
-            outcome = uncounted.label(),
-            "the run of a redelivered message could not be counted for the poison limit; not running it now"
-        );
-        return Some(uncounted.clone());
-    }
-    let (Some(limit), Some(unsettled)) = (limit, keyed.unsettled) else {
-        return None;
-    };
-    let before = unsettled.saturating_sub(1);
-    if before < limit {
-        return None;
-    }
-    tracing::warn!(
-        consumer = H::CONSUMER,
-        key = keyed.key,
-        unsettled = before,
-        limit,
-        "a message its consumers died on; refusing it as poison"
-    );
-    Some(Outcome::Rejected(Rejection::new(
-        RejectReason::Poison,
-        format!(
-            "its handler started {before} times on redeliveries and never settled: its consumers died or lost their connection while it ran (poison limit {limit})"
-        ),
-        Some(keyed.key.clone()),
-    )))
 }
 
 /// Settles the poison limit's counts of the runs that were counted, each with its outcome: the

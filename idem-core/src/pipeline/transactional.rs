@@ -5,9 +5,10 @@
 //! row** (its claim), and where it ends (through [`end_transaction`]); the ack decision is made by whoever reads the returned [`Outcome`]
 //! (`runtime/settle.rs`).
 
+use super::admit::admit;
 use super::steps::{
-    Keyed, Limits, advance, call, count_start, encode_result, poison_verdict, prepare, refused,
-    reply_again, settle_counts, store_failure,
+    Keyed, Limits, advance, call, count_start, encode_result, prepare, refused, reply_again,
+    settle_counts, store_failure,
 };
 use crate::handler::{Handler, TransactionalHandler};
 use crate::model::outgoing::reply;
@@ -127,7 +128,7 @@ async fn inside<H: TransactionalHandler>(
         }
         Err(e) => return Err(store_failure(e, key).into()),
     }
-    if let Some(refused) = poison_verdict::<H>(keyed, limits.poison) {
+    if let Some(refused) = admit::<H>(keyed, limits) {
         return Err(refused.into());
     }
     match advance::<H>(store, tx, keyed, limits).await {

@@ -66,9 +66,11 @@ impl RuntimeBuilder {
         Ok(selected)
     }
 
-    /// Refuses windows that would let a copy run twice: a queue TTL longer than the handler's
-    /// retention (a late copy would find no marker), and an external handler's lease at least
-    /// as long as the retry window (a copy waiting for the lease would run out of attempts).
+    /// Refuses windows that would let a copy run twice, or refuse it: a queue TTL longer than
+    /// the handler's retention (a late copy would find no marker), a retry policy or a relay's
+    /// give-up time that outlasts it (a late copy would be beyond its dedup window), and an
+    /// external handler's lease at least as long as the retry window (a copy waiting for the
+    /// lease would run out of attempts).
     pub(super) fn check_windows(
         &self,
         actor: &Actor,
@@ -107,6 +109,28 @@ impl RuntimeBuilder {
                     "lease",
                     format!(
                         "`{consumer}` holds its lease for {lease:?}, but the retry policy gives up after {window:?} of delays: a copy waiting for the lease would be dead-lettered; shorten the lease or lengthen the retry policy"
+                    ),
+                ));
+            }
+        }
+        if let Some(retention) = actor.registration.retention(&self.stores) {
+            let retries = self.retry.total_delay();
+            if retries >= retention {
+                return Err(RuntimeError::setting(
+                    "retry",
+                    format!(
+                        "the retry policy waits {retries:?} between a message's first failure and its last attempt, but `{consumer}`'s inbox rows are kept only {retention:?}: its last retries would be older than the dedup window and refused as `beyond-dedup-window`; raise the retention (#[idempotent(retention = \"...\")] or RuntimeBuilder::retention) or shorten the retry policy"
+                    ),
+                ));
+            }
+            if self.relay.is_some()
+                && let Some(give_up) = actor.registration.outbox_give_up(&self.stores)
+                && give_up > retention
+            {
+                return Err(RuntimeError::setting(
+                    "outbox_give_up",
+                    format!(
+                        "the outbox relay keeps trying a refused row for {give_up:?} after it was staged, but `{consumer}`'s inbox rows are kept only {retention:?}: a row published that late would be older than the dedup window; raise the retention or shorten the give-up time (SqlInbox::outbox_give_up)"
                     ),
                 ));
             }

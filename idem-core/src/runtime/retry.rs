@@ -68,6 +68,14 @@ impl RetryPolicy {
         Some(self.initial.saturating_mul(factor).min(self.max_delay))
     }
 
+    /// How long a message's retries wait in all, from its first failure to its last attempt:
+    /// every delay of the policy, added up.
+    pub fn total_delay(&self) -> Duration {
+        (1..self.max_attempts)
+            .filter_map(|a| self.delay_after(a))
+            .fold(Duration::ZERO, Duration::saturating_add)
+    }
+
     /// Every delay the policy can ask for, shortest first, without repeats: the transport
     /// prepares one delay queue for each.
     pub fn delays(&self) -> Vec<Duration> {

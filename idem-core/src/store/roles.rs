@@ -183,6 +183,14 @@ pub trait OutboxStore: InboxStore {
         None
     }
 
+    /// How long after it was staged the relay keeps trying a row the broker refuses before it
+    /// gives it up; `None` (the default): the store keeps no outbox, or never gives up. The
+    /// runtime refuses to start when this outlasts a handler's retention: a row published that
+    /// late would be older than its consumer's dedup window.
+    fn outbox_give_up(&self) -> Option<Duration> {
+        None
+    }
+
     /// Stages `messages` in the outbox, in the transaction `tx`, as staged by `consumer` and
     /// grouped under `run` for their dispatch (the runtime stages replies this way). The
     /// default refuses: the store keeps no outbox.

@@ -42,6 +42,18 @@ impl HeldLetter {
     }
 }
 
+/// What a replayed copy says of when its message was published
+/// ([`Envelope::published_at_ms`](crate::model::Envelope::published_at_ms)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishTime {
+    /// The dead letter's own: its consumer judges the copy's dedup window from the original
+    /// publish.
+    Kept,
+    /// Now: the copy starts a dedup window of its own (`idem dlq replay --force`, for a dead
+    /// letter whose window is over).
+    Now,
+}
+
 /// Reads one queue's dead letters for an operator. Letters are read oldest first and held
 /// until removed; those not removed go back when the reader closes, or when its connection
 /// ends, so that an interrupted command leaves the dead letters as they were.
@@ -58,12 +70,13 @@ pub trait DeadLetterReader: Send + Sync {
 
     /// Publishes a copy of the held `letter` to `queue`, with its id, body and properties but
     /// without the broker's dead-lettering bookkeeping and idem's attempt count, and waits for
-    /// the broker's confirm; a copy nothing takes is [`OutboundError::Unroutable`]. The letter
-    /// stays held.
+    /// the broker's confirm; a copy nothing takes is [`OutboundError::Unroutable`]. Its publish
+    /// time is the letter's, or now, as `time` says. The letter stays held.
     fn replay<'a>(
         &'a self,
         letter: &'a HeldLetter,
         queue: &'a str,
+        time: PublishTime,
     ) -> BoxFuture<'a, Result<(), OutboundError>>;
 
     /// Removes the held `letter` from the dead letters.

@@ -35,11 +35,14 @@ pub enum IdemHeader {
     /// its first retry copy and kept on the next, so that a dead letter's record says when its
     /// failures began ([`first_failure`]).
     FirstFailure,
+    /// When the message was first published, in milliseconds since the Unix epoch
+    /// ([`Envelope::published_at_ms`]); AMQP carries it in its `timestamp` property.
+    Published,
 }
 
 impl IdemHeader {
     /// Every header of the vocabulary.
-    pub const ALL: [Self; 11] = [
+    pub const ALL: [Self; 12] = [
         Self::MessageId,
         Self::CorrelationId,
         Self::ContentType,
@@ -51,6 +54,7 @@ impl IdemHeader {
         Self::SourceQueue,
         Self::RoutingKey,
         Self::FirstFailure,
+        Self::Published,
     ];
 
     /// Its name on a broker whose messages carry only headers.
@@ -67,6 +71,7 @@ impl IdemHeader {
             Self::SourceQueue => "Idem-Source-Queue",
             Self::RoutingKey => "Idem-Routing-Key",
             Self::FirstFailure => "Idem-First-Failure",
+            Self::Published => "Idem-Published",
         }
     }
 
@@ -84,7 +89,8 @@ impl IdemHeader {
             | Self::ReplyTo
             | Self::Due
             | Self::SourceQueue
-            | Self::RoutingKey => None,
+            | Self::RoutingKey
+            | Self::Published => None,
         }
     }
 

@@ -25,7 +25,7 @@ pub mod watermark;
 pub use brokers::{BROKERS, Broker, BrokerScheme, UnknownBroker};
 pub use contract::{DeadLetterLog, Delivery, Partition, QueueSpec, Settle, StopSignal, Transport};
 pub use copies::{CopyId, CopyPurpose, DeliveryOrigin};
-pub use dead_letters::{DeadLetterReader, HeldLetter};
+pub use dead_letters::{DeadLetterReader, HeldLetter, PublishTime};
 pub use demand::{Demand, Gathering, Wants};
 pub use error::TransportError;
 pub use forwarder::{DueCopies, FORWARD_RETRY, forward_due};

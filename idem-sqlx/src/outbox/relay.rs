@@ -66,7 +66,13 @@ impl<DB: Dialect> SqlInbox<DB> {
                 consumer: DB::Db::text(row, "consumer").map_err(fail)?,
                 key: DB::Db::text(row, "key").map_err(fail)?,
             });
-            messages.push(message::<DB>(row).map_err(fail)?);
+            let mut message = message::<DB>(row).map_err(fail)?;
+            // Published as of when it was staged: every copy of the row carries the same
+            // time, and its consumer judges its dedup window from it.
+            let staged = idem_core::transport::headers::epoch_ms()
+                .saturating_sub(i64::try_from(age.as_millis()).unwrap_or(i64::MAX));
+            message.envelope.published_at_ms = Some(staged);
+            messages.push(message);
         }
         // All sent before any confirm is awaited, then judged row by row: every confirmed row
         // goes, and is never sent again; a row the broker refused is parked out of the way of

@@ -13,8 +13,9 @@ use crate::future::BoxFuture;
 use crate::handler::{Handler, TransactionalHandler, kind};
 use crate::model::outgoing::reply;
 use crate::model::{ErrorClass, Outcome, Outgoing, StoreError, StoredOutput};
+use crate::pipeline::admit::admit;
 use crate::pipeline::stages::Stages;
-use crate::pipeline::steps::{advance, call, encode_result, failure, poison_verdict};
+use crate::pipeline::steps::{advance, call, encode_result, failure};
 use crate::store::{Claim, ClaimRequest, Ended, InboxStore, OutboxStore, end_transaction};
 use crate::telemetry;
 use std::time::Instant;
@@ -341,7 +342,7 @@ impl<H: TransactionalHandler> Run<'_, '_, H> {
                         continue;
                     };
                     let limits = &self.batch.limits;
-                    if let Some(refused) = poison_verdict::<H>(&item.keyed, limits.poison) {
+                    if let Some(refused) = admit::<H>(&item.keyed, limits) {
                         // Nothing was written for it; its marker goes.
                         *slot = Some(refused);
                         failed.push(k);

@@ -12,7 +12,8 @@ use super::run::{Batch, How, Pass, Passes, Place, Run, SetEnd};
 use crate::future::BoxFuture;
 use crate::handler::{BatchHandler, Handler, kind};
 use crate::model::{BatchError, Context, ErrorClass, HandlerError, Outcome, StoreError};
-use crate::pipeline::steps::{advance, encode_result, handler_failure, poison_verdict};
+use crate::pipeline::admit::admit;
+use crate::pipeline::steps::{advance, encode_result, handler_failure};
 use crate::store::{Claim, InboxStore, OutboxStore};
 use crate::telemetry;
 
@@ -86,7 +87,7 @@ async fn judge<H: Handler>(
                 let Some(payload) = payloads[k].take() else {
                     continue;
                 };
-                if let Some(refused) = poison_verdict::<H>(&item.keyed, limits.poison) {
+                if let Some(refused) = admit::<H>(&item.keyed, &limits) {
                     // Nothing was written for it, and its marker goes.
                     run.outcomes[item.index] = Some(refused);
                     unclaimed.push(k);
