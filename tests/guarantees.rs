@@ -31,6 +31,9 @@ struct Order {
     fail: Option<String>,
     /// A queue to send the order on to, through the outbox.
     forward_to: Option<String>,
+    /// Send it on no earlier than this many milliseconds after it is staged.
+    #[serde(default)]
+    delay_ms: Option<u64>,
 }
 
 fn order(id: &str, cents: i64) -> Order {
@@ -39,6 +42,7 @@ fn order(id: &str, cents: i64) -> Order {
         cents,
         fail: None,
         forward_to: None,
+        delay_ms: None,
     }
 }
 
@@ -68,11 +72,17 @@ async fn guarantees_orders(
         .execute(&mut **tx)
         .await?;
     if let Some(queue) = &order.forward_to {
+        let delay = order.delay_ms.map(Duration::from_millis);
         let shipped = Order {
             forward_to: None,
+            delay_ms: None,
             ..order
         };
-        idem::outbox::stage(tx, ctx, Outgoing::to_queue(queue.as_str(), &shipped)?).await?;
+        let mut message = Outgoing::to_queue(queue.as_str(), &shipped)?;
+        if let Some(delay) = delay {
+            message = message.deliver_after(delay);
+        }
+        idem::outbox::stage(tx, ctx, message).await?;
     }
     Ok(())
 }
@@ -87,6 +97,11 @@ async fn guarantees_shipping(
         .bind(&order.id)
         .bind(order.cents)
         .bind(i64::from(ctx.attempt()))
+        .execute(&mut **tx)
+        .await?;
+    sqlx::query("INSERT INTO arrivals (id, at_ms) VALUES (?, ?)")
+        .bind(&order.id)
+        .bind(idem::transport::headers::epoch_ms())
         .execute(&mut **tx)
         .await?;
     Ok(())
@@ -162,6 +177,7 @@ impl World {
         for table in [
             "CREATE TABLE applied (handler TEXT NOT NULL, id TEXT NOT NULL, cents INTEGER NOT NULL, attempt INTEGER NOT NULL)",
             "CREATE TABLE status (order_id TEXT NOT NULL, seq INTEGER NOT NULL, routing_key TEXT)",
+            "CREATE TABLE arrivals (id TEXT NOT NULL, at_ms INTEGER NOT NULL)",
         ] {
             sqlx::query(table).execute(&pool).await.unwrap();
         }
@@ -296,6 +312,7 @@ on_both_brokers!(
     copies_in_two_runtimes_at_once_take_effect_once,
     the_same_key_with_another_payload_is_dead_lettered_as_a_conflict,
     a_message_older_than_the_dedup_window_is_refused_unless_its_key_is_known,
+    a_scheduled_send_arrives_after_its_time_once_across_a_relay_restart,
     failures_are_retried_or_dead_lettered_once_with_their_reasons,
     the_outbox_takes_each_event_to_the_next_hop_once,
     in_batch_mode_copies_take_effect_once_and_a_failure_is_retried,
@@ -458,6 +475,59 @@ async fn a_message_older_than_the_dedup_window_is_refused_unless_its_key_is_know
         records[0].detail.contains("not applied as new"),
         "{records:?}"
     );
+    w.cleanup().await;
+}
+
+/// A scheduled send: the order's event is staged to go 3 s later; the runtime that staged it
+/// stops before then, and another starts. The event arrives once, not before its time, and
+/// published as of its time.
+async fn a_scheduled_send_arrives_after_its_time_once_across_a_relay_restart(bus: Bus) {
+    let w = World::new(bus, "later").await;
+    let later = Order {
+        forward_to: Some(w.shipping.clone()),
+        delay_ms: Some(3_000),
+        ..order("l-1", 4)
+    };
+    let published = idem::transport::headers::epoch_ms();
+    w.publish(&later, 0).await;
+    w.bus.confirm().await;
+    let first = start(w.runtime());
+    wait_until("the order applied", DEADLINE, || async {
+        first.now().processed == 1
+    })
+    .await;
+    first.shut_down().await;
+    let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_outbox")
+        .fetch_one(&w.pool)
+        .await
+        .unwrap();
+    assert_eq!(waiting, 1, "the event waits in the outbox for its time");
+
+    let second = start(w.runtime());
+    wait_until("the event applied", DEADLINE, || async {
+        second.now().processed == 1
+    })
+    .await;
+    let seen = second.shut_down().await;
+    assert_eq!((seen.processed, seen.duplicates), (1, 0), "{seen:?}");
+    let mut expected = each_once("orders", [("l-1".to_owned(), 4)]);
+    expected.extend(each_once("shipping", [("l-1".to_owned(), 4)]));
+    expected.sort_unstable();
+    assert_eq!(w.applied().await, expected);
+    let arrived: i64 = sqlx::query_scalar("SELECT at_ms FROM arrivals WHERE id = 'l-1'")
+        .fetch_one(&w.pool)
+        .await
+        .unwrap();
+    assert!(
+        arrived >= published + 3_000,
+        "arrived {} ms after the order was published, before its 3 s",
+        arrived - published
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_outbox")
+        .fetch_one(&w.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
     w.cleanup().await;
 }
 

@@ -38,6 +38,7 @@ const NOTIFY: &str = "idem_ob_notify_inbox";
 const STOP: &str = "idem_ob_stop_inbox";
 const BATCH: &str = "idem_ob_batch_inbox";
 const LONG: &str = "idem_ob_long_inbox";
+const SCHEDULED: &str = "idem_ob_scheduled_inbox";
 const REFUSED: &str = "idem_ob_refused_inbox";
 
 /// Publishes through a confirmed publisher and counts, per message id, the confirms it got.
@@ -826,6 +827,77 @@ macro_rules! outbox_suite {
                 );
                 broker::delete_topology(&queue, &RetryPolicy::default().delays()).await;
                 broker::delete_topology(&full, &[]).await;
+            }
+
+            /// A row staged to go 2 s later, beside one to go now: the relay's passes (by
+            /// age, outside any handler, by its run) publish the first and hold it back until
+            /// it is due; then it goes once, published as of its time.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_scheduled_row_goes_out_once_it_is_due_and_not_before() {
+                let (pool, _dir) = $pool;
+                let queue = unique("idem-test-ob-later");
+                broker::declare_orders_queue(&queue).await;
+                let inbox = inbox(&pool, SCHEDULED).await;
+                let due = std::time::SystemTime::now() + Duration::from_secs(2);
+                let due_ms = due
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis() as i64;
+                let mut tx = pool.begin().await.unwrap();
+                let now = Outgoing::new(Destination::queue(&queue), "now")
+                    .with_message_id(format!("{queue}-now"));
+                let later = Outgoing::new(Destination::queue(&queue), "later")
+                    .with_message_id(format!("{queue}-later"))
+                    .deliver_at(due);
+                inbox.stage(&mut tx, later).await.unwrap();
+                inbox.stage(&mut tx, now).await.unwrap();
+                tx.commit().await.unwrap();
+                let counting = Counting {
+                    publisher: broker::publisher().await,
+                    confirmed: Mutex::default(),
+                };
+                let passes = [
+                    OutboxSelect::Older {
+                        age: Duration::ZERO,
+                        limit: 100,
+                    },
+                    OutboxSelect::Unowned { limit: 100 },
+                    OutboxSelect::Runs {
+                        runs: vec![(String::new(), format!("{queue}-later"))],
+                    },
+                ];
+                use idem::store::OutboxStore;
+                for select in &passes {
+                    inbox.relay(select, &counting).await.unwrap();
+                }
+                let published = |id: &str| counting.confirmed.lock().unwrap().get(id).copied();
+                assert_eq!(published(&format!("{queue}-now")), Some(1));
+                assert_eq!(
+                    published(&format!("{queue}-later")),
+                    None,
+                    "not before its time"
+                );
+                assert_eq!(outbox_rows(&pool, SCHEDULED, &queue).await, 1);
+                wait_until("the scheduled row published", DEADLINE, || async {
+                    for select in &passes {
+                        inbox.relay(select, &counting).await.unwrap();
+                    }
+                    published(&format!("{queue}-later")).is_some()
+                })
+                .await;
+                let went = idem::transport::headers::epoch_ms();
+                assert!(went >= due_ms, "published {} ms early", due_ms - went);
+                for select in &passes {
+                    inbox.relay(select, &counting).await.unwrap();
+                }
+                assert_eq!(published(&format!("{queue}-later")), Some(1), "once");
+                assert_eq!(outbox_rows(&pool, SCHEDULED, &queue).await, 0);
+                let got = broker::drain(&queue).await;
+                assert_eq!(got.len(), 2);
+                let later = got.iter().find(|m| m.body == b"later").unwrap();
+                // Published as of its time (AMQP's timestamp is in seconds).
+                assert_eq!(*later.properties.timestamp(), Some((due_ms / 1000) as u64));
+                broker::delete_topology(&queue, &[]).await;
             }
 
             /// Three relays on connections of their own take passes over 600 rows at once:

@@ -88,6 +88,10 @@ pub struct OutboxStatements<S = &'static str> {
     pub in_order: Option<&'static str>,
     /// The staging time, as the dialect writes `created_at`.
     pub now: &'static str,
+    /// A scheduled message's `created_at`: the time it is due, `{p}` standing for its
+    /// placeholder (milliseconds since the Unix epoch). `run`, `older` and `unowned` take only
+    /// rows whose `created_at` has come.
+    pub at: &'static str,
     /// Tells the relays, at the commit, that rows were staged outside any handler.
     pub notify: Option<S>,
 }
@@ -368,6 +372,7 @@ impl Statements {
                 lazy_commit: self.outbox.lazy_commit,
                 in_order: self.outbox.in_order,
                 now: self.outbox.now,
+                at: self.outbox.at,
             },
             parked: ParkedStatements {
                 park: fill(self.parked.park),

@@ -85,9 +85,13 @@ impl<'a> Context<'a> {
     #[doc(hidden)]
     pub fn keep_staged(&self, messages: &[Outgoing], transaction: usize, depth: usize) {
         let mut kept = self.kept.lock().unwrap_or_else(|e| e.into_inner());
+        // A scheduled message is the relay's to publish when it is due: the run is then
+        // dispatched from the outbox, which holds it back.
+        let now = super::clock::epoch_ms();
+        let scheduled = messages.iter().any(|m| m.scheduled_after(now).is_some());
         match (
             &mut *kept,
-            self.transaction == Some(transaction) && depth == 1,
+            self.transaction == Some(transaction) && depth == 1 && !scheduled,
         ) {
             (Some(kept), true) => kept.extend_from_slice(messages),
             (kept, _) => *kept = None,

@@ -4,6 +4,7 @@
 //! ([`DeadLetterRecord`]).
 
 pub mod batch;
+pub mod clock;
 pub mod context;
 pub mod dead_letter;
 pub mod destination;
@@ -19,6 +20,7 @@ pub mod store_kind;
 pub mod version;
 
 pub use batch::{Batch, BatchError, BatchOutput, BatchResult};
+pub use clock::epoch_ms;
 pub use context::Context;
 pub use dead_letter::{DeadLetter, DeadLetterRecord, stand_in_key};
 pub use destination::Destination;

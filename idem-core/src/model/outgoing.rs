@@ -24,6 +24,9 @@ pub struct Outgoing {
     pub destination: Destination,
     /// The message.
     pub envelope: Envelope,
+    /// When the relay may publish it, in milliseconds since the Unix epoch
+    /// ([`Outgoing::deliver_at`]); `None`: as soon as its transaction commits.
+    pub deliver_at_ms: Option<i64>,
 }
 
 impl Outgoing {
@@ -31,6 +34,7 @@ impl Outgoing {
     pub fn new(destination: Destination, body: impl Into<Vec<u8>>) -> Self {
         Self {
             destination,
+            deliver_at_ms: None,
             envelope: Envelope::new(body),
         }
     }
@@ -79,6 +83,29 @@ impl Outgoing {
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<HeaderValue>) -> Self {
         self.envelope.headers.insert(name, value);
         self
+    }
+
+    /// Published no earlier than `at` (a scheduled send): staged in the outbox as any message,
+    /// and published by the outbox relay once `at` has come (within the relay's interval and
+    /// the age it waits for, 2.5 s by default), never before. It is published as of `at`, and
+    /// survives restarts as any staged row. A time already past publishes it as soon as it
+    /// commits.
+    pub fn deliver_at(mut self, at: std::time::SystemTime) -> Self {
+        let ms = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+        self.deliver_at_ms = Some(ms);
+        self
+    }
+
+    /// Published no earlier than `delay` from now ([`Outgoing::deliver_at`]).
+    pub fn deliver_after(self, delay: std::time::Duration) -> Self {
+        self.deliver_at(std::time::SystemTime::now() + delay)
+    }
+
+    /// When it is due, if it is scheduled for a time after `now_ms`.
+    pub fn scheduled_after(&self, now_ms: i64) -> Option<i64> {
+        self.deliver_at_ms.filter(|at| *at > now_ms)
     }
 
     /// The message id, once set.

@@ -4,8 +4,8 @@
 
 use super::steps::{Keyed, Limits};
 use crate::handler::Handler;
+use crate::model::epoch_ms;
 use crate::model::{Outcome, RejectReason, Rejection};
-use crate::transport::headers::epoch_ms;
 use std::time::Duration;
 
 /// The verdict on a delivery whose key was just claimed (the key is new): refused as beyond

@@ -105,13 +105,7 @@ impl IdemHeader {
     }
 }
 
-/// Now, in milliseconds since the Unix epoch: what a retry copy's
-/// [`IdemHeader::FirstFailure`] holds when its message failed for the first time.
-pub fn epoch_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-}
+pub use crate::model::epoch_ms;
 
 /// When `envelope`'s first attempt failed ([`IdemHeader::FirstFailure`], under either of its
 /// names), in milliseconds since the Unix epoch: `None` for a first attempt, or where the

@@ -33,7 +33,7 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
-    FROM "{outbox}" WHERE {runs} ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    FROM "{outbox}" WHERE ({runs}) AND created_at <= now() ORDER BY seq FOR UPDATE SKIP LOCKED"#,
     run_match: "(consumer = {c} AND key = {k})",
     older: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
@@ -41,7 +41,8 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED"#,
     unowned: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, (EXTRACT(EPOCH FROM now() - created_at) * 1000)::int8 AS age_ms
-    FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED"#,
+    FROM "{outbox}" WHERE consumer = '' AND created_at <= now() ORDER BY seq LIMIT $1
+    FOR UPDATE SKIP LOCKED"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     remove: r#"DELETE FROM "{outbox}" WHERE message_id IN ({ids})"#,
     prelude: None,
@@ -50,6 +51,7 @@ pub(crate) const POSTGRES: OutboxStatements = OutboxStatements {
     // sorted before the limit applies (a pass over 100,000 rows took ~100 ms instead of ~1).
     in_order: Some("SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off"),
     now: "now()",
+    at: "to_timestamp({p}::int8 / 1000.0)",
     notify: Some("SELECT pg_notify('idem_outbox', '{outbox}')::text"),
 };
 
@@ -88,7 +90,8 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
-    FROM `{outbox}` WHERE {runs} ORDER BY seq FOR UPDATE SKIP LOCKED"#,
+    FROM `{outbox}` WHERE ({runs}) AND created_at <= UTC_TIMESTAMP(6) ORDER BY seq
+    FOR UPDATE SKIP LOCKED"#,
     run_match: "(consumer = {c} AND `key` = {k})",
     older: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
@@ -96,7 +99,8 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"#,
     unowned: r#"SELECT seq, message_id, consumer, `key`, exchange, routing_key, body, headers, correlation_id,
         content_type, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) DIV 1000 AS age_ms
-    FROM `{outbox}` WHERE consumer = '' ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"#,
+    FROM `{outbox}` WHERE consumer = '' AND created_at <= UTC_TIMESTAMP(6) ORDER BY seq LIMIT ?
+    FOR UPDATE SKIP LOCKED"#,
     // Driven by the list, one primary-key lookup per row: a plain `IN` list may be planned as
     // a scan, which waits on (and deadlocks with) the rows other passes hold.
     delete: r#"DELETE o FROM JSON_TABLE('[{seqs}]', '$[*]' COLUMNS (seq BIGINT PATH '$')) AS j
@@ -106,6 +110,7 @@ pub(crate) const MYSQL: OutboxStatements = OutboxStatements {
     lazy_commit: None,
     in_order: None,
     now: "UTC_TIMESTAMP(6)",
+    at: "TIMESTAMPADD(MICROSECOND, {p} * 1000, '1970-01-01 00:00:00')",
     notify: None,
 };
 
@@ -135,20 +140,21 @@ pub(crate) const SQLITE: OutboxStatements = OutboxStatements {
     VALUES {rows}"#,
     run: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, {now} - created_at AS age_ms
-    FROM "{outbox}" WHERE {runs} ORDER BY seq"#,
+    FROM "{outbox}" WHERE ({runs}) AND created_at <= {now} ORDER BY seq"#,
     run_match: "(consumer = {c} AND key = {k})",
     older: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, {now} - created_at AS age_ms
     FROM "{outbox}" WHERE created_at < {now} - ?1 ORDER BY seq LIMIT ?2"#,
     unowned: r#"SELECT seq, message_id, consumer, key, exchange, routing_key, body, headers, correlation_id,
         content_type, {now} - created_at AS age_ms
-    FROM "{outbox}" WHERE consumer = '' ORDER BY seq LIMIT ?1"#,
+    FROM "{outbox}" WHERE consumer = '' AND created_at <= {now} ORDER BY seq LIMIT ?1"#,
     delete: r#"DELETE FROM "{outbox}" WHERE seq IN ({seqs})"#,
     remove: r#"DELETE FROM "{outbox}" WHERE message_id IN ({ids})"#,
     prelude: None,
     lazy_commit: None,
     in_order: None,
     now: "{now}",
+    at: "{p}",
     notify: None,
 };
 
@@ -246,7 +252,8 @@ impl<DB: Dialect> SqlInbox<DB> {
     }
 }
 
-/// Rows per staging statement (nine parameters a row, well under every dialect's limit).
+/// Rows per staging statement (nine or ten parameters a row, well under every dialect's
+/// limit).
 const ROWS_PER_STATEMENT: usize = 500;
 
 /// Inserts `message` (stamped, with its id) into `table` in `tx`, as staged by `consumer`
@@ -284,7 +291,7 @@ async fn insert_rows<DB: Dialect>(
             .iter()
             .map(|m| headers_to_json(&m.envelope.headers))
             .collect();
-        let mut params = Vec::with_capacity(chunk.len() * 9);
+        let mut params = Vec::with_capacity(chunk.len() * 10);
         let mut rows = Vec::with_capacity(chunk.len());
         // The texts a message carries from its input (a correlation id with NUL, say) as the
         // dialect can hold them (`keys`).
@@ -303,7 +310,9 @@ async fn insert_rows<DB: Dialect>(
                 .map(crate::keys::stored::<DB>)
             })
             .collect();
-        for ((message, headers), texts) in chunk.iter().zip(&headers).zip(&texts) {
+        let now_ms = idem_core::model::epoch_ms();
+        let due: Vec<Option<i64>> = chunk.iter().map(|m| m.scheduled_after(now_ms)).collect();
+        for (((message, headers), texts), due) in chunk.iter().zip(&headers).zip(&texts).zip(&due) {
             let [id, exchange, routing_key, correlation_id, content_type] = texts;
             let first = params.len() + 1;
             params.extend([
@@ -318,8 +327,18 @@ async fn insert_rows<DB: Dialect>(
                 Param::Text(content_type),
             ]);
             let placeholders: Vec<String> = (first..first + 9).map(DB::placeholder).collect();
-            let now = DB::STATEMENTS.outbox.now;
-            rows.push(format!("({}, {now})", placeholders.join(", ")));
+            // A scheduled message is kept as staged when it is due: the relay takes it then.
+            let created = match due {
+                Some(at) => {
+                    params.push(Param::Int(*at));
+                    DB::STATEMENTS
+                        .outbox
+                        .at
+                        .replace("{p}", &DB::placeholder(first + 9))
+                }
+                None => DB::STATEMENTS.outbox.now.to_owned(),
+            };
+            rows.push(format!("({}, {created})", placeholders.join(", ")));
         }
         let sql: std::sync::Arc<str> = DB::STATEMENTS
             .outbox
