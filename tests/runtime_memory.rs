@@ -532,6 +532,8 @@ async fn external_mode_in_batches_on_sqlite_calls_each_key_once() {
 async fn the_runtime_retention_applies_to_handlers_without_their_own() {
     let (pool, _dir, inbox) = orders_inbox(2).await;
     let transport = MemoryTransport::new();
+    // An hour of retention needs an outbox that gives a refused row up within it.
+    let inbox = inbox.outbox_give_up(Duration::from_secs(1800));
     let running = start(
         Runtime::builder()
             .transport(transport.clone())
