@@ -134,6 +134,9 @@ fn show(cli: &Cli, letter: &HeldLetter, record: Option<&DeadLetterRow>) {
     if let Some(t) = &letter.content_type {
         println!("content type   {t}");
     }
+    if let Some(ms) = letter.published_at_ms {
+        println!("published      {}", age(ms));
+    }
     println!("fingerprint    sha256:{}", letter.fingerprint());
     println!("from queue     {}", letter.source.as_deref().unwrap_or("?"));
     match record {
@@ -155,17 +158,19 @@ fn show(cli: &Cli, letter: &HeldLetter, record: Option<&DeadLetterRow>) {
                 println!("first failure  {}", age(first));
             }
             println!("dead-lettered  {}", age(r.dead_lettered_at_ms));
-            match (r.dedup_window_ends_ms(), r.retention) {
-                (Some(end), Some(retention)) => {
+            match r.retention {
+                Some(retention) => {
+                    let (start, _) = crate::replay::window_start(r, letter.published_at_ms);
+                    let retention = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+                    let end = start.saturating_add(retention);
                     let now = now_ms();
                     let window = match end < now {
                         true => format!("over {} ago: a replay needs --force", span(now - end)),
                         false => format!("ends in {}", span(end - now)),
                     };
-                    let retention = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
                     println!("dedup window   {window} (retention {})", span(retention));
                 }
-                _ => println!("dedup window   unknown (the record does not say the retention)"),
+                None => println!("dedup window   unknown (the record does not say the retention)"),
             }
         }
         None => println!("reason         (no record)"),
@@ -193,6 +198,11 @@ fn letter_json(letter: &HeldLetter, record: Option<&DeadLetterRow>, body: bool) 
         "correlation_id": letter.correlation_id,
         "fingerprint": letter.fingerprint().to_string(),
         "from_queue": letter.source,
+        "published_at_ms": letter.published_at_ms,
+        "dedup_window_ends_ms": record.and_then(|r| {
+            let retention = i64::try_from(r.retention?.as_millis()).unwrap_or(i64::MAX);
+            Some(crate::replay::window_start(r, letter.published_at_ms).0.saturating_add(retention))
+        }),
         "record": record.map(record_json),
     });
     if body {

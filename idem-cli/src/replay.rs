@@ -4,9 +4,9 @@
 //! - applied, with the same payload: the dead letter is resolved (removed with its record,
 //!   unless `--keep`) and not published;
 //! - applied with another payload: refused (a replay would be a conflict again);
-//! - its dead-letter record says the dedup window is over (its first failure is longer ago
-//!   than its consumer's retention, so a copy applied meanwhile may have been swept) or does
-//!   not say: refused unless `--force`;
+//! - the dedup window is over (its message was published, or its failures began, longer ago
+//!   than its consumer's retention, so a copy applied meanwhile may have been swept), or its
+//!   record does not say its retention: refused unless `--force`;
 //! - else the failure's traces in the inbox are cleared, its copy published (confirmed,
 //!   mandatory, without the broker's dead-lettering headers) to the queue idem consumed it from
 //!   (its record's, else the queue whose dead letters these are; `--to` overrides), and only
@@ -45,10 +45,12 @@ pub(crate) enum Verdict {
     Refused(String),
 }
 
-/// What a replay of the dead letter with `record` should do, given the inbox's `report` of its
-/// key (`None`: the key was never read) at `now_ms`; `force` replays beyond the dedup window.
+/// What a replay of the dead letter with `record`, its message published at `published_ms`
+/// where known, should do, given the inbox's `report` of its key (`None`: the key was never
+/// read) at `now_ms`; `force` replays beyond the dedup window.
 pub(crate) fn judge(
     record: &DeadLetterRow,
+    published_ms: Option<i64>,
     report: Option<&KeyReport>,
     now_ms: i64,
     force: bool,
@@ -73,17 +75,39 @@ pub(crate) fn judge(
     if force {
         return Verdict::Replay;
     }
-    match (record.dedup_window_ends_ms(), record.retention) {
-        (Some(end), Some(retention)) if now_ms > end => Verdict::Refused(format!(
-            "beyond the dedup window: its failures began {} and its consumer's inbox keeps a key's row for {}, so a copy applied meanwhile may have been swept and the replay would apply it again; --force replays it anyway",
-            age(record.first_failed_at_ms.unwrap_or(record.dead_lettered_at_ms)),
-            span(i64::try_from(retention.as_millis()).unwrap_or(i64::MAX))
-        )),
-        (Some(_), _) => Verdict::Replay,
-        (None, _) => Verdict::Refused(
+    let Some(retention) = record.retention else {
+        return Verdict::Refused(
             "its record does not say its consumer's retention (written by an earlier idem), so whether a copy applied since was swept cannot be told; --force replays it anyway".to_owned(),
-        ),
+        );
+    };
+    match window_start(record, published_ms) {
+        (start, what) if now_ms > start.saturating_add(ms(retention)) => Verdict::Refused(format!(
+            "beyond the dedup window: {what} {} and its consumer's inbox keeps a key's row for {}, so a copy applied meanwhile may have been swept and the replay would apply it again; --force replays it anyway",
+            age(start),
+            span(ms(retention))
+        )),
+        _ => Verdict::Replay,
     }
+}
+
+/// Where the dead letter's dedup window starts, and what: its message's publish time where
+/// the letter says (its consumer counts the window from it), else when its failures began,
+/// whichever is earlier.
+pub(crate) fn window_start(
+    record: &DeadLetterRow,
+    published_ms: Option<i64>,
+) -> (i64, &'static str) {
+    let failed = record
+        .first_failed_at_ms
+        .unwrap_or(record.dead_lettered_at_ms);
+    match published_ms {
+        Some(published) if published < failed => (published, "its message was published"),
+        _ => (failed, "its failures began"),
+    }
+}
+
+fn ms(duration: std::time::Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// What a replay did.
@@ -228,7 +252,13 @@ async fn replay_one<DB: Dialect>(
                 true => Some(inbox.show(&r.consumer, &r.key).await?),
                 false => None,
             };
-            judge(r, report.as_ref(), now_ms(), plan.force)
+            judge(
+                r,
+                letter.published_at_ms,
+                report.as_ref(),
+                now_ms(),
+                plan.force,
+            )
         }
         None => Verdict::Replay,
     };

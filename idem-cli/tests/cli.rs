@@ -596,6 +596,74 @@ async fn a_replay_knows_what_the_inbox_knows_and_refuses_beyond_the_dedup_window
     f.shut_down().await;
 }
 
+/// The dedup window counts from the message's publish time where the letter has one (AMQP
+/// `timestamp`), as its consumer does: a message published 6 s before it failed, under a 10 s
+/// retention, is refused 10 s after its publish, though its failure is younger. `--force`
+/// publishes it as new (its timestamp now), so that its consumer applies it instead of
+/// refusing it as `beyond-dedup-window`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_dedup_window_counts_from_the_publish_time_and_force_publishes_as_new() {
+    let quick =
+        idem::RetryPolicy::new(2, Duration::from_millis(100), 1, Duration::from_millis(100))
+            .unwrap();
+    let retention = Duration::from_secs(10);
+    let f = Fixture::with_settings("published", None, Some(retention), quick).await;
+    f.close_gate().await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let published = now - 6;
+    let body = serde_json::json!({"id": f.key(0), "gate": f.queue}).to_string();
+    f.channel
+        .basic_publish(
+            ShortString::from(""),
+            ShortString::from(f.queue.as_str()),
+            BasicPublishOptions::default(),
+            body.as_bytes(),
+            BasicProperties::default()
+                .with_message_id(ShortString::from(f.key(0)))
+                .with_timestamp(published),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    wait_until("the dead letter", || async { f.dlq_count().await == 1 }).await;
+    let shown = f.idem_json(&["dlq", "show", &f.key(0)]);
+    let published_ms = published as i64 * 1000;
+    assert_eq!(shown["published_at_ms"], published_ms, "{shown}");
+    assert_eq!(
+        shown["dedup_window_ends_ms"],
+        published_ms + 10_000,
+        "{shown}"
+    );
+    assert_eq!(shown["record"]["reason"], "handler", "{shown}");
+
+    f.open_gate().await;
+    wait_until("the window counted from the publish over", || async {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64;
+        now_ms > published_ms + 10_500
+    })
+    .await;
+    let (ok, out, err) = f.idem(&["--json", "dlq", "replay", "--all"]);
+    assert!(!ok && err.contains("1 refused"), "{out}{err}");
+    assert!(out.contains("its message was published"), "{out}");
+    assert_eq!(f.effects().await.0, 0);
+
+    let forced = f.idem_json(&["dlq", "replay", "--all", "--force"]);
+    assert_eq!(forced["replayed"], 1, "{forced}");
+    wait_until("the forced copy applied", || async {
+        f.effects().await.0 == 1
+    })
+    .await;
+    let seen = f.shut_down().await;
+    assert_eq!((seen.processed, seen.dead_lettered), (1, 1), "{seen:?}");
+}
+
 /// A dead letter whose key was applied since with another payload (its producer reused the
 /// id) is refused: a replay would be dead-lettered as a conflict again. Forgetting the key
 /// lets the replay apply this one as new.
@@ -1369,6 +1437,13 @@ async fn the_dead_letters_of_a_nats_queue_are_listed_shown_and_replayed() {
     assert_eq!(first["record"]["reason"], "handler", "{first}");
     assert_eq!(first["from_queue"], queue.as_str());
     assert_eq!(first["record"]["key"], first["message_id"]);
+    // Its publish time, the stream's, travels with the dead letter.
+    let published = first["published_at_ms"].as_i64().unwrap_or_default();
+    assert!(published > 0, "{first}");
+    assert!(
+        published <= first["record"]["dead_lettered_at_ms"].as_i64().unwrap(),
+        "{first}"
+    );
     let shown = idem(&["dlq", "show", &format!("{queue}-0")]);
     assert!(
         shown.contains("the gate is closed") && shown.contains("tenant = acme"),

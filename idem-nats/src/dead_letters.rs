@@ -195,6 +195,9 @@ fn letter(sequence: u64, headers: &HeaderMap, body: Vec<u8>) -> HeldLetter {
     letter.correlation_id = text(CORRELATION_ID_HEADER);
     letter.content_type = text(CONTENT_TYPE_HEADER);
     letter.source = text(SOURCE_QUEUE_HEADER);
+    letter.published_at_ms = text(PUBLISHED_HEADER)
+        .and_then(|ms| ms.trim().parse().ok())
+        .filter(|ms: &i64| *ms > 0);
     let mut shown: Vec<(String, String)> = headers
         .iter()
         .filter(|(name, _)| {

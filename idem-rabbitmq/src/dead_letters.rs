@@ -221,6 +221,7 @@ impl DeadLetterReader for RabbitDeadLetters {
 fn letter(tag: u64, properties: &BasicProperties, body: Vec<u8>) -> HeldLetter {
     let text = |s: &Option<ShortString>| s.as_ref().map(|s| s.as_str().to_owned());
     let mut letter = HeldLetter::new(tag, body);
+    letter.published_at_ms = crate::envelope::published_at_ms(properties);
     letter.message_id = text(properties.message_id());
     letter.correlation_id = text(properties.correlation_id());
     letter.content_type = text(properties.content_type());

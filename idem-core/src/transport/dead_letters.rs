@@ -25,6 +25,9 @@ pub struct HeldLetter {
     pub body: Vec<u8>,
     /// The queue it was dead-lettered from, as the broker recorded it.
     pub source: Option<String>,
+    /// When its message was first published, where it says
+    /// ([`Envelope::published_at_ms`](crate::model::Envelope::published_at_ms)).
+    pub published_at_ms: Option<i64>,
 }
 
 impl HeldLetter {
@@ -38,6 +41,7 @@ impl HeldLetter {
             headers: Vec::new(),
             body,
             source: None,
+            published_at_ms: None,
         }
     }
 }
