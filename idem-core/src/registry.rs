@@ -136,10 +136,10 @@ impl Registration {
         stages: Stages,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
         Box::pin(async move {
-            let mut held = crate::pipeline::HeldConnection::default();
+            let (mut held, mut stages) = (crate::pipeline::HeldConnection::default(), stages);
             let processed = self
                 .handler
-                .process_batch(stores, envelopes, stages, &mut held);
+                .process_batch(stores, envelopes, &mut stages, &mut held);
             processed.await
         })
     }

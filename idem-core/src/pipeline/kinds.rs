@@ -34,7 +34,7 @@ pub trait Pipeline<H: Handler>: kind::Kind {
     fn batch(
         store: &H::Store,
         envelopes: &[Envelope],
-        stages: Stages,
+        stages: &mut Stages,
         limits: Limits<'_>,
         held: &mut Option<<H::Store as InboxStore>::Held>,
     ) -> impl Future<Output = Vec<Outcome>> + Send;
@@ -58,7 +58,7 @@ impl<H: TransactionalHandler> Pipeline<H> for kind::Transactional {
     async fn batch(
         store: &H::Store,
         envelopes: &[Envelope],
-        stages: Stages,
+        stages: &mut Stages,
         limits: Limits<'_>,
         held: &mut Option<<H::Store as InboxStore>::Held>,
     ) -> Vec<Outcome> {
@@ -79,7 +79,8 @@ impl<H: BatchHandler> Pipeline<H> for kind::Batch {
         held: &mut Option<<H::Store as InboxStore>::Held>,
     ) -> Outcome {
         let envelopes = std::slice::from_ref(envelope);
-        let outcomes = batch::process::<H>(store, envelopes, Stages::default(), limits, held).await;
+        let outcomes =
+            batch::process::<H>(store, envelopes, &mut Stages::default(), limits, held).await;
         outcomes.into_iter().next().unwrap_or_else(|| {
             Outcome::Retry(Transient {
                 message: "a batch of one gave no outcome".to_owned(),
@@ -91,7 +92,7 @@ impl<H: BatchHandler> Pipeline<H> for kind::Batch {
     async fn batch(
         store: &H::Store,
         envelopes: &[Envelope],
-        stages: Stages,
+        stages: &mut Stages,
         limits: Limits<'_>,
         held: &mut Option<<H::Store as InboxStore>::Held>,
     ) -> Vec<Outcome> {
@@ -118,7 +119,7 @@ impl<H: ExternalHandler> Pipeline<H> for kind::External {
     async fn batch(
         store: &H::Store,
         envelopes: &[Envelope],
-        mut stages: Stages,
+        stages: &mut Stages,
         limits: Limits<'_>,
         _: &mut Option<<H::Store as InboxStore>::Held>,
     ) -> Vec<Outcome> {
@@ -127,8 +128,7 @@ impl<H: ExternalHandler> Pipeline<H> for kind::External {
         for envelope in envelopes {
             outcomes.push(external::process::<H>(store, envelope, limits).await);
         }
-        stages.fire_committing();
-        stages.fire_committed();
+        stages.fire_unless_waiting(&outcomes);
         outcomes
     }
 }

@@ -59,7 +59,7 @@ pub async fn process_batch<H: Handler<Kind: Pipeline<H>>>(
     envelopes: &[Envelope],
 ) -> Vec<Outcome> {
     let limits = Limits::of::<H>(store, None, None);
-    H::Kind::batch(store, envelopes, Stages::default(), limits, &mut None).await
+    H::Kind::batch(store, envelopes, &mut Stages::default(), limits, &mut None).await
 }
 
 /// A handler with its types erased: what the registry holds and the runtime calls. Every
@@ -111,12 +111,13 @@ pub trait ErasedHandler: Send + Sync + 'static {
     /// Processes a batch with its store from `stores`, in a transaction on the connection
     /// `held` keeps for the caller, overlapping with the neighbouring batches through
     /// `stages`; one outcome per envelope, in order. A panic is caught as in
-    /// [`ErasedHandler::process`].
+    /// [`ErasedHandler::process`]. What a batch whose store could not write leaves unfired in
+    /// `stages` is the caller's to hand to the batch's next run (see [`Stages`]).
     fn process_batch<'a>(
         &'a self,
         stores: &'a Stores,
         envelopes: &'a [Envelope],
-        stages: Stages,
+        stages: &'a mut Stages,
         held: &'a mut HeldConnection,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>>;
 }
@@ -242,7 +243,7 @@ impl<H: Handler<Kind: Pipeline<H>>> ErasedHandler for H {
         &'a self,
         stores: &'a Stores,
         envelopes: &'a [Envelope],
-        stages: Stages,
+        stages: &'a mut Stages,
         held: &'a mut HeldConnection,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, DispatchError>> {
         Box::pin(async move {

@@ -176,11 +176,12 @@ impl Lane {
 /// Processes one batch in one transaction on the connection of its lane `connections`, then
 /// settles each delivery by its outcome. The deliveries that found the store unable to write
 /// wait for it, unsettled, and run again as a batch of their own, as the same attempt (given
-/// back if `stop` is raised first).
+/// back if `stop` is raised first), keeping the batch's place: the next batch waits for that
+/// run (`stages`), so two batches never run their handlers at once.
 async fn handle(
     shared: Arc<Shared>,
     batch: Vec<Delivery>,
-    stages: Stages,
+    mut stages: Stages,
     mut connections: Lane,
     stop: StopSignal,
 ) {
@@ -188,7 +189,6 @@ async fn handle(
     let span = tracing::info_span!("batch", consumer = handler.consumer(), size = batch.len());
     async {
         let mut pending = batch;
-        let mut stages = Some(stages);
         // How often the batch's waiting deliveries waited for their store and ran again.
         let mut waits = 0;
         while !pending.is_empty() {
@@ -197,15 +197,21 @@ async fn handle(
                 .map(|delivery| (delivery.envelope, delivery.settle))
                 .unzip();
             let mut held = connections.take().await;
-            let stages = stages.take().unwrap_or_default();
             let processed = handler
-                .process_batch(&shared.stores, &envelopes, stages, &mut held)
+                .process_batch(&shared.stores, &envelopes, &mut stages, &mut held)
                 .await;
             connections.give_back(held);
             let outcomes = match processed {
                 Ok(outcomes) => outcomes,
                 Err(failed) => vec![settle::undispatched(&shared, failed); envelopes.len()],
             };
+            let again = outcomes
+                .iter()
+                .any(|outcome| matches!(outcome, Outcome::Unavailable(_)));
+            if !again || waits >= settle::STORE_WAITS {
+                // Nothing runs again: the next batch goes (a panic left its signals unfired).
+                drop(std::mem::take(&mut stages));
+            }
             let mut waiting = Vec::new();
             let mut failure = None;
             for ((mut outcome, envelope), settle) in

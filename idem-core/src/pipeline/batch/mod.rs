@@ -49,7 +49,7 @@ use std::collections::VecDeque;
 pub(crate) async fn process<H: Handler<Kind: Passes<H>>>(
     store: &H::Store,
     envelopes: &[Envelope],
-    stages: Stages,
+    stages: &mut Stages,
     limits: Limits<'_>,
     held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
@@ -66,7 +66,7 @@ pub(crate) async fn process<H: Handler<Kind: Passes<H>>>(
 async fn one_by_one<H: Handler<Kind: Passes<H>>>(
     store: &H::Store,
     envelopes: &[Envelope],
-    mut stages: Stages,
+    stages: &mut Stages,
     limits: Limits<'_>,
     held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
@@ -74,7 +74,7 @@ async fn one_by_one<H: Handler<Kind: Passes<H>>>(
     let mut outcomes = Vec::with_capacity(envelopes.len());
     for (i, envelope) in envelopes.iter().enumerate() {
         let one = std::slice::from_ref(envelope);
-        let outcome = together::<H>(store, one, Stages::default(), limits, held).await;
+        let outcome = together::<H>(store, one, &mut Stages::default(), limits, held).await;
         let unavailable = unavailable_of(&outcome);
         outcomes.extend(outcome);
         if let Some(failure) = unavailable {
@@ -83,8 +83,7 @@ async fn one_by_one<H: Handler<Kind: Passes<H>>>(
             break;
         }
     }
-    stages.fire_committing();
-    stages.fire_committed();
+    stages.fire_unless_waiting(&outcomes);
     outcomes
 }
 
@@ -92,7 +91,7 @@ async fn one_by_one<H: Handler<Kind: Passes<H>>>(
 async fn together<H: Handler<Kind: Passes<H>>>(
     store: &H::Store,
     envelopes: &[Envelope],
-    mut stages: Stages,
+    stages: &mut Stages,
     limits: Limits<'_>,
     held: &mut Option<<H::Store as InboxStore>::Held>,
 ) -> Vec<Outcome> {
@@ -114,7 +113,7 @@ async fn together<H: Handler<Kind: Passes<H>>>(
         .collect();
     if !items.is_empty() {
         let place = &mut Place {
-            stages: &mut stages,
+            stages: &mut *stages,
             held,
         };
         let batch = Batch::<H> {
@@ -128,6 +127,7 @@ async fn together<H: Handler<Kind: Passes<H>>>(
             .await;
     }
     let outcomes = finish::finish(H::CONSUMER, envelopes, &items, copies, outcomes);
+    stages.fire_unless_waiting(&outcomes);
     let settled: Vec<(&str, &Outcome)> = counted
         .iter()
         .map(|(index, key)| (key.as_str(), &outcomes[*index]))

@@ -103,6 +103,10 @@ impl<H: Handler<Kind: Passes<H>>> Batch<'_, H> {
         let ended = end_transaction(store, tx, inside).await;
         if let Some(committing) = committing {
             telemetry::commit_duration(H::CONSUMER, committing.elapsed());
+        }
+        // A commit that failed leaves the next batch waiting until this one's outcomes say
+        // whether it runs again (`Stages::fire_unless_waiting`).
+        if ended.is_ok() {
             stages.fire_committed();
         }
         match ended {
