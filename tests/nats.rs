@@ -33,12 +33,28 @@ struct Order {
     forward_to: Option<String>,
 }
 
+/// The ids of the orders whose handler has started, in order.
+static STARTED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Whether the handler of order `id` has started.
+fn started(id: &str) -> bool {
+    STARTED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .any(|started| started == id)
+}
+
 #[idempotent(key = "order.id", store = Sqlite, consumer = "nats.orders")]
 async fn nats_orders(
     tx: &mut Transaction<'_, sqlx::Sqlite>,
     order: Order,
     ctx: &Context<'_>,
 ) -> Result<(), HandlerError> {
+    STARTED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(order.id.clone());
     match order.fail.as_deref() {
         Some("once") if ctx.attempt() == 1 => return Err(HandlerError::transient("not yet")),
         Some("transient") => return Err(HandlerError::transient("still not")),
@@ -576,11 +592,13 @@ async fn a_handler_running_at_shutdown_is_still_told_in_progress() {
     } = Slow::published("nats-stopping", "slow-2").await;
     let mut consumer = orders_consumer(&js, &queue).await;
     let first = start(orders_alone(&transport, &pool, &queue));
-    wait_until("the first process holding the order", DEADLINE, || {
+    // Its handler running, not only the delivery in the process's mailbox (a stop then gives
+    // it back unstarted; a CI run under load met that).
+    wait_until("the first process running the order", DEADLINE, || {
         let mut consumer = consumer.clone();
         async move {
             let info = consumer.info().await.unwrap().clone();
-            info.num_ack_pending == 1 && info.num_pending == 0
+            info.num_ack_pending == 1 && info.num_pending == 0 && started("slow-2")
         }
     })
     .await;

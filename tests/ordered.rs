@@ -331,9 +331,11 @@ async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key()
     let run = unique("idem-ordered-retry");
     let keys: Vec<String> = (0..KEYS).map(|i| format!("{run}-k{i}")).collect();
     // Every key's version 2 fails twice before it succeeds; the first key's version 3 is
-    // refused for good.
+    // refused for good; the second key's version 4 fails every attempt.
+    let mut transient: HashMap<String, u32> = keys.iter().map(|k| (format!("{k}:2"), 2)).collect();
+    transient.insert(format!("{}:4", keys[1]), 5);
     let faults = Faults {
-        transient: Mutex::new(keys.iter().map(|k| (format!("{k}:2"), 2)).collect()),
+        transient: Mutex::new(transient),
         permanent: HashSet::from([format!("{}:3", keys[0])]),
         ..Faults::default()
     };
@@ -360,21 +362,33 @@ async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key()
     .await;
     let stats = running.shut_down().await;
 
-    assert_eq!(stats.retried, 2 * KEYS as u64, "{stats:?}");
-    assert_eq!(stats.dead_lettered, 1, "{stats:?}");
-    assert_eq!(stats.processed, total as u64 - 1, "{stats:?}");
+    assert_eq!(stats.retried, 2 * KEYS as u64 + 4, "{stats:?}");
+    assert_eq!(stats.dead_lettered, 2, "{stats:?}");
+    assert_eq!(stats.processed, total as u64 - 2, "{stats:?}");
     let applied = applied(&pool, &run).await;
     assert_eq!(
         applied[&keys[0]],
         vec![1, 2, 4, 5],
         "the refused update is skipped"
     );
-    for key in &keys[1..] {
+    assert_eq!(
+        applied[&keys[1]],
+        vec![1, 2, 3, 5],
+        "the update out of attempts is skipped"
+    );
+    for key in &keys[2..] {
         assert_eq!(applied[key], vec![1, 2, 3, 4, 5], "the updates of {key}");
     }
     let mut dead = 0;
+    let mut records = Vec::new();
     for index in 0..PARTITIONS {
         let queue = Partition::queue_name(&run, index);
+        records.extend(
+            PgInbox::new(pool.clone())
+                .dead_letters(&queue)
+                .await
+                .unwrap(),
+        );
         dead += broker::count(&idem::rabbitmq::dlq(&queue)).await;
         for delay in fast_retries().delays() {
             let retry_queue = idem::rabbitmq::retry_queue(&queue, delay);
@@ -384,7 +398,21 @@ async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key()
             );
         }
     }
-    assert_eq!(dead, 1, "the refused update is in its partition's DLQ");
+    assert_eq!(dead, 2, "the two updates are in their partitions' DLQs");
+    // Retried in place, the update out of attempts has no retry copy to carry when its
+    // failures began: its record has it all the same, before the waits of its four retries.
+    let exhausted = records
+        .iter()
+        .find(|r| r.reason == "retries-exhausted")
+        .expect("the record of the update out of attempts");
+    let first = exhausted
+        .first_failed_at_ms
+        .expect("when its failures began");
+    assert!(
+        exhausted.dead_lettered_at_ms - first >= 500,
+        "its failures began {} ms before its dead letter; its retries waited at least 560 ms",
+        exhausted.dead_lettered_at_ms - first
+    );
     delete_topology(&run, PARTITIONS).await;
 }
 

@@ -89,10 +89,7 @@ impl Registration {
     /// How long this handler's inbox rows are kept with `stores`: its own retention, else the
     /// one [`Stores::with_retention`] set, else its store's (`None`: the store is missing).
     pub fn retention(&self, stores: &Stores) -> Option<Duration> {
-        self.handler
-            .retention()
-            .or(stores.retention())
-            .or_else(|| self.handler.store_retention(stores))
+        retention_of(self.handler, stores)
     }
 
     /// How long its store's relay tries a row the broker refuses before giving it up, if the
@@ -143,6 +140,14 @@ impl Registration {
             processed.await
         })
     }
+}
+
+/// How long `handler`'s inbox rows are kept with `stores` ([`Registration::retention`]).
+pub(crate) fn retention_of(handler: &dyn ErasedHandler, stores: &Stores) -> Option<Duration> {
+    handler
+        .retention()
+        .or(stores.retention())
+        .or_else(|| handler.store_retention(stores))
 }
 
 impl fmt::Debug for Registration {

@@ -259,7 +259,10 @@ fn dead_letter_log(handler: &'static dyn ErasedHandler, stores: &Arc<Stores>) ->
     DeadLetterLog::new(move |record| {
         let stores = stores.clone();
         Box::pin(async move {
-            let record = match (record.retention, super::settle::retention(handler, &stores)) {
+            let record = match (
+                record.retention,
+                crate::registry::retention_of(handler, &stores),
+            ) {
                 (None, Some(retention)) => {
                     let first = record.first_failed_at_ms;
                     record.with_history(first, retention)

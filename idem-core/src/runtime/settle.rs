@@ -14,8 +14,7 @@ use crate::model::reasons;
 use crate::model::{
     DeadLetter, DeadLetterRecord, Envelope, ErrorClass, Outcome, StoreError, Transient,
 };
-use crate::pipeline::{DispatchError, ErasedHandler};
-use crate::store::Stores;
+use crate::pipeline::DispatchError;
 use crate::telemetry;
 use crate::transport::{Delivery, Settle, StopSignal};
 use std::time::Duration;
@@ -206,19 +205,10 @@ async fn dead_letter(
 fn history(shared: &Shared, record: DeadLetterRecord, envelope: &Envelope) -> DeadLetterRecord {
     let now = crate::transport::headers::epoch_ms();
     let first = crate::transport::headers::first_failure(envelope, now);
-    match retention(shared.handler, &shared.stores) {
+    match crate::registry::retention_of(shared.handler, &shared.stores) {
         Some(retention) => record.with_history(first, retention),
         None => record,
     }
-}
-
-/// How long `handler`'s inbox rows are kept with `stores`: its own retention, else the
-/// runtime's, else its store's (`None`: the store is missing).
-pub(crate) fn retention(handler: &dyn ErasedHandler, stores: &Stores) -> Option<Duration> {
-    handler
-        .retention()
-        .or(stores.retention())
-        .or_else(|| handler.store_retention(stores))
 }
 
 /// A delivery whose dead letter's record keeps failing, retried after the policy's first

@@ -4,9 +4,10 @@
 
 use super::actor::Shared;
 use super::settle;
-use crate::model::Outcome;
+use crate::model::{Envelope, HeaderValue, Outcome};
 use crate::pipeline::HeldConnection;
 use crate::telemetry;
+use crate::transport::headers::{self, IdemHeader};
 use crate::transport::{Delivery, StopSignal};
 use std::sync::Arc;
 use tokio::sync::{Mutex, mpsc};
@@ -83,6 +84,7 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &m
                     return;
                 }
                 envelope.attempt = envelope.attempt.saturating_add(1);
+                keep_first_failure(&mut envelope);
                 continue;
             }
             settle::settle(shared, &outcome, &envelope, settle, stop).await;
@@ -91,6 +93,17 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &m
     }
     .instrument(span)
     .await;
+}
+
+/// Marks when an in-place retry's first attempt failed, as a retry copy's header does
+/// ([`IdemHeader::FirstFailure`]), so that a dead letter's record tells when its failures began.
+fn keep_first_failure(envelope: &mut Envelope) {
+    let now = headers::epoch_ms();
+    if headers::first_failure(envelope, now).is_none() {
+        envelope
+            .headers
+            .insert(IdemHeader::FirstFailure.name(), HeaderValue::Int(now));
+    }
 }
 
 /// Waits `delay`; `true` when `stop` was raised first (or already).
