@@ -14,7 +14,7 @@
 mod common;
 
 use common::bus::Bus;
-use common::running::{DEADLINE, start};
+use common::running::{DEADLINE, start, start_watched};
 use common::{unique, wait_until};
 use idem::RuntimeBuilder;
 use idem::prelude::*;
@@ -260,21 +260,6 @@ fn each_once(handler: &str, orders: impl IntoIterator<Item = (String, i64)>) -> 
         .collect();
     expected.sort_unstable();
     expected
-}
-
-/// A runtime started in the background, with its health: [`idem::Health::is_consuming`] says
-/// when it has started its consumers.
-fn start_watched(
-    builder: RuntimeBuilder,
-) -> (common::running::Running, std::sync::Arc<idem::Health>) {
-    let runtime = builder.build().unwrap();
-    let health = runtime.health();
-    let stats = runtime.stats();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(runtime.run_until(async {
-        let _ = stopped.await;
-    }));
-    (common::running::Running { stop, task, stats }, health)
 }
 
 /// Runs each test on RabbitMQ and on NATS JetStream.

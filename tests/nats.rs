@@ -340,12 +340,14 @@ async fn acks_are_plain_and_confirmed_in_bulk_the_last_before_the_shutdown_ends(
         w.publish(&format!("b-{n}"), &order(&format!("b-{n}"), n))
             .await;
     }
+    let started = std::time::Instant::now();
     let running = start(w.runtime());
     wait_until("every order settled", DEADLINE, || async {
         running.now().settled() >= orders as u64
     })
     .await;
     running.shut_down().await;
+    let ran = started.elapsed();
     let mut stream = w.js.get_stream(format!("IDEM_{}", w.orders)).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 0);
 
@@ -378,9 +380,12 @@ async fn acks_are_plain_and_confirmed_in_bulk_the_last_before_the_shutdown_ends(
         seen.is_ok(),
         "{plain} plain acks, {confirms} confirms, the last confirmed: {confirmed_last}"
     );
+    // One confirm per linger (50 ms) at most while acks come, whatever the machine's speed
+    // (a count of acks would depend on it: a slow disk spreads 300 commits over seconds).
+    let most = i64::try_from(ran.as_millis() / 50).unwrap() + 2;
     assert!(
-        (1..=orders / 10).contains(&confirms),
-        "{confirms} confirms for {orders} acks"
+        (1..=most.min(orders / 3)).contains(&confirms),
+        "{confirms} confirms for {orders} acks in {ran:?}"
     );
     w.cleanup().await;
 }

@@ -40,7 +40,7 @@ impl FailedOnce {
 }
 
 /// Writes nothing but its inbox row, kept one second; fails as the order asks.
-#[idempotent(store = Sqlite, queue = "obs-orders", consumer = "obs.orders", key = "order.order_id", retention = "1s")]
+#[idempotent(store = Sqlite, queue = "obs-orders", consumer = "obs.orders", key = "order.order_id", retention = "3s")]
 async fn observed(
     _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     order: Order,
@@ -89,8 +89,8 @@ struct StatusUpdate {
     version: i64,
 }
 
-/// A versioned handler whose inbox rows expire after a second, as `observed`'s do.
-#[idempotent(store = Sqlite, queue = "obs-status", consumer = "obs.status", retention = "1s", version = "update.version", entity = "update.order_id")]
+/// A versioned handler whose inbox rows expire after three seconds, as `observed`'s do.
+#[idempotent(store = Sqlite, queue = "obs-status", consumer = "obs.status", retention = "3s", version = "update.version", entity = "update.order_id")]
 async fn status(
     _tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
     update: StatusUpdate,
@@ -155,7 +155,7 @@ async fn metrics_spans_and_log_lines() {
         .unwrap();
 
     let (pool, _dir) = common::sqlite(4).await;
-    // Rows kept a second: the relay gives a refused row up sooner, as start-up requires.
+    // Rows kept three seconds: the relay gives a refused row up sooner, as start-up requires.
     let inbox = SqliteInbox::new(pool.clone()).outbox_give_up(Duration::from_millis(500));
     inbox.migrate().await.unwrap();
     let transport = MemoryTransport::new();
@@ -205,7 +205,8 @@ async fn metrics_spans_and_log_lines() {
         || async { stats.snapshot().settled() == 8 },
     )
     .await;
-    // Both processed rows expire after a second; the sweeper, every 100 ms, deletes them.
+    // Both processed rows expire after three seconds (long enough for the copies of o-1 above
+    // to find its row on a busy machine); the sweeper, every 100 ms, deletes them.
     let rows = || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM idem_inbox WHERE consumer = 'obs.orders'",

@@ -829,7 +829,7 @@ macro_rules! outbox_suite {
                 broker::delete_topology(&full, &[]).await;
             }
 
-            /// A row staged to go 2 s later, beside one to go now: the relay's passes (by
+            /// A row staged to go 4 s later, beside one to go now: the relay's passes (by
             /// age, outside any handler, by its run) publish the first and hold it back until
             /// it is due; then it goes once, published as of its time.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -838,7 +838,12 @@ macro_rules! outbox_suite {
                 let queue = unique("idem-test-ob-later");
                 broker::declare_orders_queue(&queue).await;
                 let inbox = inbox(&pool, SCHEDULED).await;
-                let due = std::time::SystemTime::now() + Duration::from_secs(2);
+                let counting = Counting {
+                    publisher: broker::publisher().await,
+                    confirmed: Mutex::default(),
+                };
+                // Due once the connections are made, with room for a busy machine's passes.
+                let due = std::time::SystemTime::now() + Duration::from_secs(4);
                 let due_ms = due
                     .duration_since(std::time::UNIX_EPOCH)
                     .unwrap()
@@ -852,10 +857,6 @@ macro_rules! outbox_suite {
                 inbox.stage(&mut tx, later).await.unwrap();
                 inbox.stage(&mut tx, now).await.unwrap();
                 tx.commit().await.unwrap();
-                let counting = Counting {
-                    publisher: broker::publisher().await,
-                    confirmed: Mutex::default(),
-                };
                 let passes = [
                     OutboxSelect::Older {
                         age: Duration::ZERO,
@@ -870,6 +871,10 @@ macro_rules! outbox_suite {
                 for select in &passes {
                     inbox.relay(select, &counting).await.unwrap();
                 }
+                assert!(
+                    std::time::SystemTime::now() < due,
+                    "the first passes ran past the row's time: the test cannot tell"
+                );
                 let published = |id: &str| counting.confirmed.lock().unwrap().get(id).copied();
                 assert_eq!(published(&format!("{queue}-now")), Some(1));
                 assert_eq!(

@@ -52,7 +52,13 @@ async fn duplicates_published_on_purpose_take_effect_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_competing_runtimes_take_effect_once() {
     let f = fixture("competing", fast_retries(), QueueType::Classic, None).await;
-    let runtimes: Vec<_> = (0..3).map(|_| start(f.runtime())).collect();
+    let (runtimes, health): (Vec<_>, Vec<_>) = (0..3).map(|_| start_watched(f.runtime())).unzip();
+    // All three consume before the first publish: one that started late would find nothing
+    // left to do.
+    wait_until("the three runtimes consuming", DEADLINE, || async {
+        health.iter().all(|h| h.is_consuming())
+    })
+    .await;
     let mut published = 0;
     for n in 0..200 {
         for _ in 0..(n % 4 + 1) {
@@ -732,7 +738,7 @@ async fn graceful_shutdown_finishes_in_flight_work_and_acks_nothing_uncommitted(
     let f = fixture("shutdown", fast_retries(), QueueType::Classic, None).await;
     f.script.set(&f.key(0), &[Step::WaitForRelease]);
     f.script.set(&f.key(1), &[Step::WaitForRelease]);
-    let running = start(f.runtime().concurrency(2).prefetch(4));
+    let (running, health) = start_watched(f.runtime().concurrency(2).prefetch(4));
     for n in 0..8 {
         f.publish_order(n, 1).await;
     }
@@ -741,7 +747,12 @@ async fn graceful_shutdown_finishes_in_flight_work_and_acks_nothing_uncommitted(
     })
     .await;
     let _ = running.stop.send(());
-    // The consumers stop; the two in-flight orders may still finish.
+    // The consumers stop (the runtime has raised its stop once it no longer consumes); the
+    // two in-flight orders may then finish.
+    wait_until("the runtime stopping", DEADLINE, || async {
+        !health.is_consuming()
+    })
+    .await;
     f.script.release(&f.key(0));
     f.script.release(&f.key(1));
     finish(running.task).await;

@@ -14,13 +14,19 @@ pub struct Running {
 }
 
 pub fn start(builder: RuntimeBuilder) -> Running {
+    start_watched(builder).0
+}
+
+/// [`start`], with the runtime's health, which tells when it consumes.
+pub fn start_watched(builder: RuntimeBuilder) -> (Running, Arc<idem::Health>) {
     let runtime = builder.build().unwrap();
+    let health = runtime.health();
     let stats = runtime.stats();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(runtime.run_until(async {
         let _ = stopped.await;
     }));
-    Running { stop, task, stats }
+    (Running { stop, task, stats }, health)
 }
 
 impl Running {

@@ -75,9 +75,10 @@ impl Runtime {
         self.health.set_consuming(true);
 
         shutdown.await;
-        self.health.set_consuming(false);
         tracing::info!("shutting down: no new deliveries; finishing those in flight");
         let _ = stop_tx.send(true);
+        // Once it reads false, the stop is raised.
+        self.health.set_consuming(false);
         // A sweep in progress is dropped: each batch is its own statement, and a session that
         // holds the sweeper lock is closed rather than returned to the pool. A relay pass in
         // progress is dropped too: its transaction rolls back, and its rows stay for a later
