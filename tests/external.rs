@@ -146,6 +146,17 @@ async fn pay_mysql(
     pay(payment, provider, ctx).await
 }
 
+/// `pay_postgres` with a lease of 10 s, for the kill test: the next process must meet the lease
+/// still held, however long a busy machine takes to start it.
+#[idempotent(store = Postgres, key = "payment.payment_id", mode = "external", lease = "10s", consumer = "ext.pay.killed", queue = "idem-test-ext")]
+async fn pay_killed(
+    payment: Payment,
+    provider: &Provider,
+    ctx: &Context<'_>,
+) -> Result<Receipt, HandlerError> {
+    pay(payment, provider, ctx).await
+}
+
 fn payment(id: &str, amount: i64) -> serde_json::Value {
     serde_json::json!({"payment_id": id, "amount_cents": amount})
 }
@@ -379,32 +390,40 @@ mod killed {
     use idem::transport::{QueueSpec, Transport};
     use idem::{RetryPolicy, Runtime, RuntimeBuilder};
 
-    /// Retries 0.2 s, 0.4 s, 0.8 s, 1.6 s, 2 s apart: 5 s in all, longer than the 2 s lease.
+    /// The killed consumer, with a lease of 10 s (`pay_killed`).
+    const CONSUMER: &str = "ext.pay.killed";
+
+    /// Retries 0.2 s, 0.4 s, 0.8 s, 1.6 s, 3.2 s and three times 4 s apart: 18.2 s in all
+    /// (13.6 s at least, jittered), longer than the killed consumer's 10 s lease.
     fn policy() -> RetryPolicy {
-        RetryPolicy::new(6, Duration::from_millis(200), 2, Duration::from_secs(2)).unwrap()
+        RetryPolicy::new(9, Duration::from_millis(200), 2, Duration::from_secs(4)).unwrap()
     }
 
-    fn runtime(pool: sqlx::PgPool, queue: &str) -> RuntimeBuilder {
+    /// The killed consumer's runtime.
+    fn killed_runtime(pool: sqlx::PgPool, queue: &str) -> RuntimeBuilder {
+        runtime(pool, queue, CONSUMER).retry(policy())
+    }
+
+    /// A runtime of `consumer` alone, consuming `queue`.
+    fn runtime(pool: sqlx::PgPool, queue: &str, consumer: &str) -> RuntimeBuilder {
         let rabbit = RabbitConfig::new(amqp_url()).connection_name(format!("idem-test:{queue}"));
         Runtime::builder()
             .transport(RabbitTransport::new(rabbit))
             .store(PgInbox::new(pool))
             .state(Provider::new())
-            .handlers(["ext.pay"])
-            .handler_queue("ext.pay", queue)
-            .retry(policy())
+            .handlers([consumer])
+            .handler_queue(consumer, queue)
             // Two workers: the redelivered copy and its retries may run beside each other.
             .concurrency(2)
     }
 
     async fn row(pool: &sqlx::PgPool, key: &str) -> Option<(String, i32)> {
-        sqlx::query_as(
-            "SELECT status, attempts FROM idem_inbox WHERE consumer = 'ext.pay' AND key = $1",
-        )
-        .bind(key)
-        .fetch_optional(pool)
-        .await
-        .unwrap()
+        sqlx::query_as("SELECT status, attempts FROM idem_inbox WHERE consumer = $1 AND key = $2")
+            .bind(CONSUMER)
+            .bind(key)
+            .fetch_optional(pool)
+            .await
+            .unwrap()
     }
 
     #[tokio::test]
@@ -412,7 +431,7 @@ mod killed {
         let pool = super::common::postgres(4).await;
         PgInbox::new(pool.clone()).migrate().await.unwrap();
         let queue = unique("idem-test-ext");
-        let mut spec = QueueSpec::new(queue.clone(), "ext.pay");
+        let mut spec = QueueSpec::new(queue.clone(), CONSUMER);
         spec.retry_delays = policy().delays();
         RabbitTransport::new(RabbitConfig::new(amqp_url()))
             .declare(&[spec])
@@ -455,7 +474,7 @@ mod killed {
         assert_eq!((charges::calls(&id), charges::charges(&id)), (1, 1));
         assert_eq!(row(&pool, &id).await, Some(("in_progress".to_owned(), 1)));
 
-        let running = runtime(pool.clone(), &queue).build().unwrap();
+        let running = killed_runtime(pool.clone(), &queue).build().unwrap();
         let stats = running.stats();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(running.run_until(async {
@@ -500,7 +519,7 @@ mod killed {
     async fn crash_child() {
         let queue = std::env::var("IDEM_EXT_QUEUE").expect("run by the kill test");
         let pool = super::common::postgres(2).await;
-        let running = runtime(pool, &queue).build().unwrap();
+        let running = killed_runtime(pool, &queue).build().unwrap();
         running
             .run_until(std::future::pending::<()>())
             .await
@@ -535,7 +554,7 @@ mod killed {
             .unwrap();
 
         // A 2 s lease whose rows are kept 2 s: the sweeper could delete a key in progress.
-        let err = runtime(pool.clone(), "idem-test-ext")
+        let err = runtime(pool.clone(), "idem-test-ext", "ext.pay")
             .retention(Duration::from_secs(2))
             .build()
             .err()
@@ -549,7 +568,7 @@ mod killed {
 
         // A 2 s lease against a retry policy that gives up after 1 s of delays.
         let short = RetryPolicy::new(2, Duration::from_secs(1), 1, Duration::from_secs(1)).unwrap();
-        let err = runtime(pool.clone(), "idem-test-ext")
+        let err = runtime(pool.clone(), "idem-test-ext", "ext.pay")
             .retry(short)
             .build()
             .err()
@@ -562,7 +581,7 @@ mod killed {
 
         // Rows kept 10 s against a retry policy whose delays add up to 81 s: its last retries
         // would be older than the dedup window.
-        let err = runtime(pool.clone(), "idem-test-ext")
+        let err = runtime(pool.clone(), "idem-test-ext", "ext.pay")
             .retry(RetryPolicy::default())
             .retention(Duration::from_secs(10))
             .build()
