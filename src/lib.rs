@@ -8,8 +8,8 @@ pub use idem_core::runtime::shutdown_signal;
 pub use idem_core::{
     model::Batch, model::BatchError, model::BatchOutput, model::BatchResult, model::BoxError,
     model::Context, model::Destination, model::Envelope, model::ErrorClass, model::HandlerError,
-    model::HeaderValue, model::Headers, model::Outcome, model::Outgoing, model::RejectReason,
-    model::Rejection, model::Stale, model::Transient, model::VersionValue,
+    model::HeaderValue, model::Headers, model::KeyPolicy, model::Outcome, model::Outgoing,
+    model::RejectReason, model::Rejection, model::Stale, model::Transient, model::VersionValue,
     runtime::DEFAULT_POISON_LIMIT, runtime::DEFAULT_START_DEADLINE, runtime::DEFAULT_SWEEP_PAUSE,
     runtime::Health, runtime::MAX_PARTITIONS, runtime::Readiness, runtime::RetryPolicy,
     runtime::RetryPolicyError, runtime::Runtime, runtime::RuntimeBuilder, runtime::RuntimeError,
@@ -45,21 +45,22 @@ pub mod outbox {
 
 /// The store contract, by role ([`InboxStore`](store::InboxStore) and the optional
 /// [`LeaseStore`](store::LeaseStore), [`DeadLetterStore`](store::DeadLetterStore),
-/// [`SweepStore`](store::SweepStore), [`OutboxStore`](store::OutboxStore)), for implementing a
-/// store or driving one by hand.
+/// [`SweepStore`](store::SweepStore), [`OutboxStore`](store::OutboxStore),
+/// [`ParkingStore`](store::ParkingStore)), for implementing a store or driving one by hand.
 pub mod store {
     pub use idem_core::outbox::{Dispatch, Relay, RelayFn};
     pub use idem_core::store::{
         Admission, DeadLetterStore, LeaseStore, LeasedRun, Leasing, OutboxStore, PROBE_CONSUMER,
-        Pace, Refusal, RuntimeStore, SETTLE_ATTEMPTS, SweepFn, SweepStore, Sweeper, owner_token,
-        settle_lease,
+        Pace, ParkingStore, Refusal, RuntimeStore, SETTLE_ATTEMPTS, SweepFn, SweepStore, Sweeper,
+        owner_token, settle_lease,
     };
     pub use idem_core::{
         model::DeadLetterRecord, model::Fingerprint, model::KeyValue, model::MAX_KEY_LEN,
-        model::StoreError, model::StoredOutput, outbox::OutboxSelect, outbox::RelayReport,
-        store::Claim, store::ClaimRequest, store::DEFAULT_RETENTION, store::Ended,
-        store::InboxStore, store::Lease, store::LeaseEnd, store::StoreKind, store::Stores,
-        store::SweepReport, store::end_transaction,
+        model::ParkKey, model::ParkedMessage, model::Parking, model::StoreError,
+        model::StoredOutput, outbox::OutboxSelect, outbox::RelayReport, store::Claim,
+        store::ClaimRequest, store::DEFAULT_RETENTION, store::Ended, store::InboxStore,
+        store::Lease, store::LeaseEnd, store::StoreKind, store::Stores, store::SweepReport,
+        store::end_transaction,
     };
 }
 

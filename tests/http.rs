@@ -1362,7 +1362,7 @@ mod first_settle_fails {
     use idem::sql::SqliteInbox;
     use idem::store::{
         Claim, ClaimRequest, DeadLetterStore, InboxStore, Lease, LeaseEnd, LeaseStore, OutboxStore,
-        StoreError, StoreKind, StoredOutput, SweepStore,
+        ParkingStore, StoreError, StoreKind, StoredOutput, SweepStore,
     };
     use std::sync::atomic::Ordering;
     use std::time::Duration;
@@ -1461,6 +1461,7 @@ mod first_settle_fails {
     impl DeadLetterStore for FirstSettleFails {}
     impl SweepStore for FirstSettleFails {}
     impl OutboxStore for FirstSettleFails {}
+    impl ParkingStore for FirstSettleFails {}
 }
 
 /// In external mode the handler's effects are done when its lease is settled: a settlement

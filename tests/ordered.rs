@@ -6,7 +6,8 @@
 //!   processes are killed with SIGKILL and restarted and a connection is closed by the broker:
 //!   every key's updates are applied once each, in publish order.
 //! - Inside one process, a transient failure is retried in place (no retry queue exists), so
-//!   nothing of its key overtakes it, while a dead-lettered message does not hold its key back.
+//!   nothing of its key overtakes it; with `KeyPolicy::Retire`, a dead-lettered message does
+//!   not hold its key back (the default, parking the key, is `tests/parking.rs`'s).
 //! - An exchange of another type under the handler's queue name stops the start with an error
 //!   that names the plugin and the exchange.
 //! - The builder refuses an ordered handler that is batched, has no partitions or is not run;
@@ -23,7 +24,7 @@ use common::{unique, wait_until};
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::PgInbox;
 use idem::transport::{MemoryTransport, Partition, QueueSpec, Transport};
-use idem::{Envelope, HandlerError, RetryPolicy, Runtime, RuntimeError, idempotent};
+use idem::{Envelope, HandlerError, KeyPolicy, RetryPolicy, Runtime, RuntimeError, idempotent};
 use std::collections::{HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
@@ -322,7 +323,7 @@ async fn ordered_child() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key() {
+async fn a_failure_is_retried_in_place_and_a_retired_key_moves_on_past_its_dead_letter() {
     broker::with_the_plugin().await;
     const KEYS: usize = 20;
     const VERSIONS: i64 = 5;
@@ -351,6 +352,7 @@ async fn a_failure_is_retried_in_place_and_a_dead_letter_does_not_hold_its_key()
             .handlers([CONSUMER])
             .handler_queue(CONSUMER, &run)
             .ordered(CONSUMER, PARTITIONS)
+            .key_policy(CONSUMER, KeyPolicy::Retire)
             .concurrency(8)
             .retry(fast_retries()),
     );

@@ -124,7 +124,9 @@ pub struct QueueArg {
 /// `idem dlq …`
 #[derive(Debug, Subcommand)]
 pub enum Dlq {
-    /// List the dead letters, oldest first, each with its reason (the queue is left as it is).
+    /// List the dead letters, oldest first, each with its reason (the queue is left as it is),
+    /// and the keys of ordered handlers parked behind them, with how many messages wait and
+    /// since when.
     List {
         #[command(flatten)]
         queue: QueueArg,
@@ -149,11 +151,17 @@ pub enum Dlq {
         #[command(flatten)]
         queue: QueueArg,
         /// The dead letters to replay (message ids, or `sha256:<prefix>`).
-        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        #[arg(required_unless_present_any = ["all", "key"], conflicts_with_all = ["all", "key"])]
         ids: Vec<String>,
         /// Replay every dead letter of the queue.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "key")]
         all: bool,
+        /// Release the parked key `KEY` of an ordered handler: its dead-lettered message runs
+        /// again, then the messages parked behind it, in their order, once each (see `idem
+        /// dlq list` for the parked keys of a queue). `--queue` names the partition queue or
+        /// the handler's own queue.
+        #[arg(long, conflicts_with_all = ["to", "keep"])]
+        key: Option<String>,
         /// Publish to this queue instead of the one each message was dead-lettered from.
         #[arg(long)]
         to: Option<String>,
@@ -166,6 +174,20 @@ pub enum Dlq {
         /// applied twice.
         #[arg(long)]
         force: bool,
+    },
+    /// Release the parked key `KEY` of an ordered handler without its dead-lettered message:
+    /// the message is removed from the DLQ and kept in the inbox's `_skipped` table with the
+    /// reason, and the messages parked behind it run, in their order, once each. `--queue`
+    /// names the partition queue or the handler's own queue.
+    Skip {
+        #[command(flatten)]
+        queue: QueueArg,
+        /// The parked key.
+        #[arg(long)]
+        key: String,
+        /// Why it is skipped: kept with the message.
+        #[arg(long)]
+        reason: String,
     },
 }
 

@@ -6,6 +6,7 @@
 
 use crate::args::Cli;
 use crate::error::CliError;
+use idem::Outgoing;
 use idem::nats::{NatsConfig, NatsTransport};
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
 use idem::sql::DeadLetterRow;
@@ -72,11 +73,14 @@ pub(crate) fn kind(cli: &Cli) -> Result<(BrokerKind, &str), CliError> {
     Ok((broker, url))
 }
 
-/// A queue's dead letters, read through the transport, each wait bounded.
+/// A queue's dead letters, read through the transport, each wait bounded; and the
+/// transport's publisher, for a parked key's release.
 pub(crate) struct Broker {
     pub(crate) reader: Box<dyn DeadLetterReader>,
     /// How long any one answer of the broker may take.
     pub(crate) timeout: Duration,
+    /// The transport, kept for its publisher ([`Broker::publish`]).
+    transport: Box<dyn Transport>,
 }
 
 /// What the tool says when the broker did not answer `what` within `timeout`.
@@ -125,7 +129,20 @@ impl Broker {
             .await
             .map_err(|_| CliError::NoAnswer(no_answer(&what, timeout)))?
             .map_err(|e| CliError::Broker(e.to_string()))?;
-        Ok(Self { reader, timeout })
+        Ok(Self {
+            reader,
+            timeout,
+            transport,
+        })
+    }
+
+    /// Publishes `message` through the transport (confirmed, mandatory), within the timeout.
+    pub(crate) async fn publish(&self, message: &Outgoing) -> Result<(), CliError> {
+        let outbound = self.transport.outbound().ok_or_else(|| {
+            CliError::Broker("this transport cannot publish a released message".to_owned())
+        })?;
+        self.answer("publishing a released message", outbound.publish(message))
+            .await
     }
 
     /// The broker's answer to `what`, within the timeout; its error said as `what` failing.
@@ -173,5 +190,6 @@ impl Broker {
     /// close is not answered and the connection just ends).
     pub(crate) async fn close(self) {
         let _ = tokio::time::timeout(self.timeout, self.reader.close()).await;
+        let _ = tokio::time::timeout(self.timeout, self.transport.close()).await;
     }
 }

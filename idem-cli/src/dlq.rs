@@ -13,8 +13,9 @@ use crate::args::{Cli, Dlq};
 use crate::broker::{Broker, Named};
 use crate::error::CliError;
 use crate::output::{age, cut, json, now_ms, span, table};
+use crate::release;
 use crate::replay;
-use idem::sql::{DeadLetterRow, Dialect, SqlInbox};
+use idem::sql::{DeadLetterRow, Dialect, ParkedKey, SqlInbox};
 use idem::transport::HeldLetter;
 use serde_json::{Value, json};
 
@@ -31,7 +32,13 @@ pub async fn run<DB: Dialect>(
             broker.close().await;
             let (letters, total) = read?;
             let records = inbox.dead_letters(&queue.queue).await?;
-            list(cli, &letters, &records, total);
+            let parked: Vec<ParkedKey> = inbox
+                .parked_keys()
+                .await?
+                .into_iter()
+                .filter(|k| k.queue == queue.queue)
+                .collect();
+            list(cli, &letters, &records, total, &parked);
             Ok(())
         }
         Dlq::Show { queue, id } => {
@@ -52,11 +59,25 @@ pub async fn run<DB: Dialect>(
         }
         Dlq::Replay {
             queue,
+            key: Some(key),
+            force,
+            ..
+        } => {
+            let head = release::Head::Replay { force: *force };
+            release::release(cli, inbox, &queue.queue, key, head).await
+        }
+        Dlq::Skip { queue, key, reason } => {
+            let head = release::Head::Skip { reason };
+            release::release(cli, inbox, &queue.queue, key, head).await
+        }
+        Dlq::Replay {
+            queue,
             ids,
             all,
             to,
             keep,
             force,
+            key: None,
         } => {
             let plan = replay::Replay {
                 queue: &queue.queue,
@@ -71,13 +92,20 @@ pub async fn run<DB: Dialect>(
     }
 }
 
-fn list(cli: &Cli, letters: &[HeldLetter], records: &[DeadLetterRow], total: u64) {
+fn list(
+    cli: &Cli,
+    letters: &[HeldLetter],
+    records: &[DeadLetterRow],
+    total: u64,
+    parked: &[ParkedKey],
+) {
     if cli.json {
         let items: Vec<Value> = letters
             .iter()
             .map(|l| letter_json(l, l.record(records), false))
             .collect();
-        json(&json!({"total": total, "dead_letters": items}));
+        let keys: Vec<Value> = parked.iter().map(release::parked_json).collect();
+        json(&json!({"total": total, "dead_letters": items, "parked_keys": keys}));
         return;
     }
     let rows: Vec<Vec<String>> = letters
@@ -117,6 +145,25 @@ fn list(cli: &Cli, letters: &[HeldLetter], records: &[DeadLetterRow], total: u64
             ""
         }
     );
+    if !parked.is_empty() {
+        println!();
+        table(
+            &[
+                "PARKED KEY",
+                "CONSUMER",
+                "STATE",
+                "WAITING",
+                "PARKED",
+                "BEHIND",
+                "WHY",
+            ],
+            &release::parked_rows(parked),
+        );
+        println!(
+            "{} keys parked: their later messages wait behind their dead letter; `idem dlq replay --key K` or `idem dlq skip --key K --reason ...` releases one",
+            parked.len()
+        );
+    }
 }
 
 fn show(cli: &Cli, letter: &HeldLetter, record: Option<&DeadLetterRow>) {

@@ -10,6 +10,7 @@ mod error;
 mod inbox;
 mod outbox;
 mod output;
+mod release;
 mod replay;
 mod schema;
 mod store;

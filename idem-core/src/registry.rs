@@ -305,6 +305,7 @@ mod tests {
     impl<const S: usize> crate::store::DeadLetterStore for Never<S> {}
     impl<const S: usize> crate::store::SweepStore for Never<S> {}
     impl<const S: usize> crate::store::OutboxStore for Never<S> {}
+    impl<const S: usize> crate::store::ParkingStore for Never<S> {}
 
     /// Handler `["a", "b", "c"][NAME]` of consumer "billing", on store `S`.
     struct Billing<const NAME: usize, const S: usize>;

@@ -39,12 +39,17 @@ impl NatsOutbound {
     }
 }
 
-/// The headers of `message`: its envelope's, with `Nats-Msg-Id` = its message id, and a
+/// The headers of `message`: its envelope's, with `Nats-Msg-Id` = its copy id, else its
+/// message id (which `Idem-Message-Id` then carries), and a
 /// topic's key, which its subject does not spell (a partition's), so that the delivery's
 /// routing key is the key it was published with, as on RabbitMQ.
 fn headers(message: &Outgoing) -> async_nats::HeaderMap {
     let envelope = &message.envelope;
-    let mut headers = envelope::headers(envelope, envelope.message_id.as_deref());
+    let broker_id = message
+        .copy_id
+        .as_deref()
+        .or(envelope.message_id.as_deref());
+    let mut headers = envelope::headers(envelope, broker_id);
     if let Destination::Topic { topic, key } = &message.destination
         && !topic.is_empty()
     {

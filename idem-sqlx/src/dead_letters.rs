@@ -63,7 +63,8 @@ impl DeadLetterRow {
 }
 
 impl<DB: Dialect> SqlInbox<DB> {
-    /// Writes `record`, replacing the record of its key, in a transaction of its own. A key
+    /// Writes `record`, replacing the record of its key, in a transaction of its own (with the
+    /// key it parks, [`DeadLetterRecord::park`]). A key
     /// this database cannot hold (too long for MySQL's key column) is recorded under
     /// `sha256:<its fingerprint>` instead.
     pub(crate) async fn record(&self, record: &DeadLetterRecord) -> Result<(), StoreError> {
@@ -108,6 +109,11 @@ impl<DB: Dialect> SqlInbox<DB> {
         DB::Db::execute(&mut *tx, &self.sql.admin.record, &params)
             .await
             .map_err(fail)?;
+        if let Some(park) = &record.park {
+            crate::parking::park_key::<DB>(&self.sql.parking, &mut tx, record, park)
+                .await
+                .map_err(fail)?;
+        }
         tx.commit().await.map_err(fail)
     }
 

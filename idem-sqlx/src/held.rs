@@ -48,6 +48,13 @@ impl<DB: Dialect> std::fmt::Debug for Held<DB> {
     }
 }
 
+impl<DB: Dialect> Held<DB> {
+    /// The kept connection, for a statement outside any transaction.
+    pub(crate) fn connection(&mut self) -> &mut crate::dialect::Conn<DB> {
+        &mut self.conn
+    }
+}
+
 /// How many connections workers keep, per pool, whichever stores share it. A pool is known by
 /// the address of its options, which live as long as it does (and a kept connection keeps its
 /// pool alive, so no other pool takes that address while it counts).

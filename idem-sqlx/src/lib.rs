@@ -30,7 +30,8 @@
 //! ([`classify_sqlx`]). Beside the inbox table, `{table}_deliveries` counts the handler runs on
 //! redeliveries that never settled (the poison limit) and `{table}_dead_letters` records why
 //! each dead letter was refused
-//! ([`dead_letters`]); [`admin`] holds what an operator reads and changes. The outbox
+//! ([`dead_letters`]); [`parking`] keeps an ordered handler's keys parked behind their
+//! dead-lettered messages; [`admin`] holds what an operator reads and changes. The outbox
 //! (`idem_outbox` beside `idem_inbox`) is staged in the caller's transaction ([`outbox`]) and
 //! published by relay passes (`relay.rs`), which PostgreSQL's notifications wake
 //! (`wake.rs`).
@@ -60,6 +61,7 @@ pub mod migrate;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 pub mod outbox;
+pub mod parking;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 mod session;
@@ -86,6 +88,7 @@ pub use migrate::{
 };
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlDialect, MySqlInbox};
+pub use parking::{ParkedKey, Release};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgDialect, PgInbox};
 #[cfg(feature = "sqlite")]

@@ -10,7 +10,7 @@ use crate::statements::fill;
 use sqlx::{Connection, Pool, Transaction};
 
 /// The current inbox schema version.
-pub const SCHEMA_VERSION: i32 = 13;
+pub const SCHEMA_VERSION: i32 = 14;
 
 /// The oldest schema version whose idem can run on tables of [`SCHEMA_VERSION`]. `migrate()`
 /// records it beside the version; an older idem that finds a newer schema runs on it when its

@@ -143,6 +143,11 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             "ALTER TABLE `{table}_dead_letters` ADD COLUMN IF NOT EXISTS first_failed_at DATETIME(6) NULL, ADD COLUMN IF NOT EXISTS retention_ms BIGINT NULL",
         ],
     ),
+    // Version 14: an ordered handler's key whose message was dead-lettered is parked, its
+    // later messages kept behind it until an operator releases it (`parking.rs`). An older
+    // idem ignores the new tables (a partition it consumes moves past a dead letter, as it
+    // always did), so the oldest reader stays.
+    (14, crate::parking::MYSQL_TABLES),
 ];
 
 const PROBE: &str = r#"SELECT i.consumer, i.`key`, i.fingerprint, i.status, i.outcome, i.attempts, i.created_at,
@@ -329,6 +334,7 @@ impl Dialect for MySqlDialect {
         versions: crate::versions::MYSQL,
         outbox: crate::outbox::MYSQL,
         parked: crate::outbox::parked::MYSQL,
+        parking: crate::parking::MYSQL,
         batch: None,
         rows: Some(ROWS),
     };

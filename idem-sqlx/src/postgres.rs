@@ -118,6 +118,11 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             ADD COLUMN IF NOT EXISTS retention_ms bigint"#,
         ],
     ),
+    // Version 14: an ordered handler's key whose message was dead-lettered is parked, its
+    // later messages kept behind it until an operator releases it (`parking.rs`). An older
+    // idem ignores the new tables (a partition it consumes moves past a dead letter, as it
+    // always did), so the oldest reader stays.
+    (14, crate::parking::POSTGRES_TABLES),
 ];
 
 /// Wakes `wake` at each notification on [`crate::wake::CHANNEL`] naming `outbox`, on a
@@ -412,6 +417,7 @@ impl Dialect for PgDialect {
         versions: crate::versions::POSTGRES,
         outbox: crate::outbox::POSTGRES,
         parked: crate::outbox::parked::POSTGRES,
+        parking: crate::parking::POSTGRES,
         rows: None,
         batch: Some(BatchStatements {
             claim: CLAIM_BATCH,

@@ -120,6 +120,11 @@ const MIGRATIONS: &[(i32, &[&str])] = &[
             r#"ALTER TABLE "{table}_dead_letters" ADD COLUMN retention_ms INTEGER"#,
         ],
     ),
+    // Version 14: an ordered handler's key whose message was dead-lettered is parked, its
+    // later messages kept behind it until an operator releases it (`parking.rs`). An older
+    // idem ignores the new tables (a partition it consumes moves past a dead letter, as it
+    // always did), so the oldest reader stays.
+    (14, crate::parking::SQLITE_TABLES),
 ];
 
 const CLAIM: &str = r#"
@@ -319,6 +324,7 @@ impl Dialect for SqliteDialect {
         versions: crate::versions::SQLITE,
         outbox: crate::outbox::SQLITE,
         parked: crate::outbox::parked::SQLITE,
+        parking: crate::parking::SQLITE,
         batch: None,
         rows: Some(ROWS),
     };

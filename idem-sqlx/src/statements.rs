@@ -46,6 +46,8 @@ pub struct Statements<S = &'static str> {
     pub outbox: OutboxStatements<S>,
     /// The outbox rows the broker refused, out of the relay's way (`{outbox}_parked`).
     pub parked: ParkedStatements<S>,
+    /// Parked keys and the messages parked behind them (`crate::parking`).
+    pub parking: crate::parking::ParkingStatements<S>,
 }
 
 /// The outbox (`{outbox}`, named after the inbox: `idem_outbox` beside `idem_inbox`): staging
@@ -382,6 +384,7 @@ impl Statements {
                 due: fill(self.parked.due),
                 give_up: fill(self.parked.give_up),
             },
+            parking: self.parking.fill(fill),
             rows: self.rows.as_ref().map(|rows| RowStatements {
                 insert: fill(rows.insert),
                 row: fill(rows.row),

@@ -86,6 +86,9 @@ pub struct DeadLetterRecord {
     /// inbox can still tell whether a replay of it would be a duplicate. `None` where the
     /// consumer is not known to the writer.
     pub retention: Option<Duration>,
+    /// The key this dead letter parks (an ordered handler that parks keys): written with the
+    /// record, in its transaction.
+    pub park: Option<super::parking::ParkKey>,
 }
 
 /// The longest message id a stand-in key is made of; a longer one gives way to the body's
@@ -125,6 +128,7 @@ impl DeadLetterRecord {
             fingerprint,
             first_failed_at_ms: None,
             retention: None,
+            park: None,
         }
     }
 
@@ -133,6 +137,12 @@ impl DeadLetterRecord {
     pub fn with_history(mut self, first_failed_at_ms: Option<i64>, retention: Duration) -> Self {
         self.first_failed_at_ms = first_failed_at_ms;
         self.retention = Some(retention);
+        self
+    }
+
+    /// The same record, parking `park`'s key behind it.
+    pub fn parking(mut self, park: super::parking::ParkKey) -> Self {
+        self.park = Some(park);
         self
     }
 }

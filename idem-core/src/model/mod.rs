@@ -14,6 +14,7 @@ pub mod fingerprint;
 pub mod key;
 pub mod outcome;
 pub mod outgoing;
+pub mod parking;
 pub(crate) mod propagation;
 pub mod reasons;
 pub mod store_kind;
@@ -33,5 +34,6 @@ pub use outgoing::{
     CAUSATION_HEADER, MAX_SHORT_TEXT, Outgoing, OutgoingError, TRACEPARENT_HEADER,
     batch_message_id, check_outgoing, outbox_message_id,
 };
+pub use parking::{KeyPolicy, ParkKey, ParkedMessage, Parking, released_seq};
 pub use store_kind::StoreKind;
 pub use version::{VersionError, VersionValue, Versioned, version_value, versioned};

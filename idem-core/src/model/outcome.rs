@@ -39,6 +39,13 @@ pub enum Outcome {
     /// A versioned message whose version is at or below the one applied to its entity: nothing
     /// ran, nothing was written. Ack.
     Stale(Stale),
+    /// An ordered handler's message whose key is parked behind a dead-lettered message: it
+    /// was stored behind it, in order, to run when an operator releases the key. Nothing ran.
+    /// Ack.
+    Parked {
+        /// The order key.
+        order_key: String,
+    },
 }
 
 /// A stale message: its entity, its version and the version already applied.
@@ -66,7 +73,7 @@ impl fmt::Display for Stale {
 
 impl Outcome {
     /// A short, stable label: `processed`, `duplicate`, `conflict`, `rejected`, `retry`,
-    /// `stale`, `unavailable`.
+    /// `stale`, `unavailable`, `parked`.
     pub fn label(&self) -> &'static str {
         match self {
             Self::Processed { .. } => "processed",
@@ -76,6 +83,7 @@ impl Outcome {
             Self::Retry(_) => "retry",
             Self::Stale(_) => "stale",
             Self::Unavailable(_) => "unavailable",
+            Self::Parked { .. } => "parked",
         }
     }
 
@@ -88,6 +96,7 @@ impl Outcome {
             Self::Rejected(r) => r.key.as_deref(),
             Self::Retry(t) | Self::Unavailable(t) => t.key.as_deref(),
             Self::Stale(s) => Some(&s.key),
+            Self::Parked { .. } => None,
         }
     }
 

@@ -27,6 +27,11 @@ pub struct Outgoing {
     /// When the relay may publish it, in milliseconds since the Unix epoch
     /// ([`Outgoing::deliver_at`]); `None`: as soon as its transaction commits.
     pub deliver_at_ms: Option<i64>,
+    /// The id a broker with a duplicate window (JetStream's `Nats-Msg-Id`) knows this copy by,
+    /// where that is not its message id: a message idem publishes again (a parked key's
+    /// release) names the one release it makes, so that the window never swallows it
+    /// ([`crate::transport::CopyId`]). `None`: its message id.
+    pub copy_id: Option<String>,
 }
 
 impl Outgoing {
@@ -36,6 +41,7 @@ impl Outgoing {
             destination,
             deliver_at_ms: None,
             envelope: Envelope::new(body),
+            copy_id: None,
         }
     }
 

@@ -15,11 +15,13 @@ mod admit;
 mod batch;
 mod external;
 mod kinds;
+pub mod parking;
 pub mod stages;
 mod steps;
 mod transactional;
 
 pub use kinds::Pipeline;
+pub use parking::ErasedParking;
 pub use stages::Stages;
 
 use steps::Limits;
@@ -99,6 +101,8 @@ pub trait ErasedHandler: Send + Sync + 'static {
         stores: &'a Stores,
         record: &'a DeadLetterRecord,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Its store's parked keys, from `stores` (`None`: the store is missing).
+    fn parking<'a>(&self, stores: &'a Stores) -> Option<&'a dyn ErasedParking>;
     /// Processes one delivery with its store from `stores`, in a transaction on the
     /// connection `held` keeps for the caller. A panic in the handler is caught and reported
     /// as [`DispatchError::Panicked`]; its transaction is rolled back and `held` emptied.
@@ -214,6 +218,12 @@ impl<H: Handler<Kind: Pipeline<H>>> ErasedHandler for H {
                 )),
             }
         })
+    }
+
+    fn parking<'a>(&self, stores: &'a Stores) -> Option<&'a dyn ErasedParking> {
+        stores
+            .get::<H::Store>()
+            .map(|store| store as &dyn ErasedParking)
     }
 
     fn process<'a>(

@@ -296,6 +296,7 @@ mod tests {
     }
     impl crate::store::SweepStore for MemStore {}
     impl crate::store::OutboxStore for MemStore {}
+    impl crate::store::ParkingStore for MemStore {}
 
     #[derive(serde::Deserialize)]
     struct Order {

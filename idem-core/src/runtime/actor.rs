@@ -24,6 +24,9 @@ pub(crate) struct Actor {
     /// One partition of an ordered handler: deliveries go to workers by routing key, and
     /// failures are retried in place.
     pub(crate) ordered: bool,
+    /// An ordered handler that parks keys ([`KeyPolicy::Park`](crate::model::KeyPolicy)):
+    /// where its messages are published (the partitions' source).
+    pub(crate) parking: Option<Arc<str>>,
 }
 
 /// How a handler's deliveries are grouped into transactions.
@@ -51,4 +54,6 @@ pub(crate) struct Shared {
     /// Whether its store writes: a delivery that finds it unable to waits here, and so does
     /// every worker of the store's handlers before it takes another delivery.
     pub(crate) pause: Arc<Pause>,
+    /// An ordered handler that parks keys: where a released message is published, and how.
+    pub(crate) parks: Option<super::parked::Parks>,
 }

@@ -7,6 +7,7 @@ use super::retry::RetryPolicy;
 use super::run::Runtime;
 use super::stats::Stats;
 use super::sweeper::{DEFAULT_SWEEP_PAUSE, SweepSettings};
+use crate::model::KeyPolicy;
 use crate::outbox::relay::RelaySettings;
 use crate::registry;
 use crate::store::{RuntimeStore, Stores};
@@ -53,6 +54,7 @@ pub struct RuntimeBuilder {
     pub(super) sweep: Option<SweepSettings>,
     pub(super) relay: Option<RelaySettings>,
     pub(super) ordered: HashMap<String, usize>,
+    pub(super) key_policies: HashMap<String, KeyPolicy>,
 }
 
 impl Default for RuntimeBuilder {
@@ -74,6 +76,7 @@ impl Default for RuntimeBuilder {
             sweep: Some(SweepSettings::default()),
             relay: Some(RelaySettings::default()),
             ordered: HashMap::new(),
+            key_policies: HashMap::new(),
         }
     }
 }
@@ -141,9 +144,21 @@ impl RuntimeBuilder {
     /// bounds the deliveries in progress across all its partitions: different keys run at
     /// once, never two messages of one key. A transient failure is retried in place, after the
     /// retry policy's delay, holding back the messages of its key behind it; a message out of
-    /// attempts, or rejected, is dead-lettered and its key moves on. Not with batch mode.
+    /// attempts, or rejected, is dead-lettered and its key is parked: its later messages are
+    /// stored behind it, in order, until an operator releases the key (`idem dlq replay
+    /// --key`, `idem dlq skip --key`; see [`Self::key_policy`]). Not with batch mode.
     pub fn ordered(mut self, consumer: impl Into<String>, partitions: usize) -> Self {
         self.ordered.insert(consumer.into(), partitions);
+        self
+    }
+
+    /// What the ordered handler with consumer identity `consumer` does with a key whose
+    /// message was dead-lettered: [`KeyPolicy::Park`] (the default) stores the key's later
+    /// messages behind it until an operator releases the key, which needs a store that parks
+    /// keys (the SQL stores do); [`KeyPolicy::Retire`] lets the key move on without it. A
+    /// consumer that is not ordered is refused by [`Self::build`].
+    pub fn key_policy(mut self, consumer: impl Into<String>, policy: KeyPolicy) -> Self {
+        self.key_policies.insert(consumer.into(), policy);
         self
     }
 
@@ -297,6 +312,7 @@ impl RuntimeBuilder {
         let handlers = self.select_handlers()?;
         registry::validate(&handlers)?;
         self.check_ordered(&handlers)?;
+        self.check_key_policies(&handlers)?;
         for registration in &handlers {
             if let Some(missing) = registration.missing_state(&self.stores) {
                 return Err(RuntimeError::MissingState {

@@ -9,6 +9,7 @@ mod builder;
 mod error;
 mod health;
 mod lanes;
+mod parked;
 mod pause;
 mod plan;
 pub mod retry;

@@ -8,6 +8,7 @@ use super::builder::{
 };
 use super::error::RuntimeError;
 use crate::handler::Mode;
+use crate::model::KeyPolicy;
 use crate::registry::{self, Registration};
 use crate::transport::{Partition, QueueSpec, Transport};
 use std::time::Duration;
@@ -176,6 +177,7 @@ impl RuntimeBuilder {
                 prefetch,
                 batch,
                 ordered: false,
+                parking: None,
             }]);
         };
         if batch.is_some() {
@@ -192,6 +194,10 @@ impl RuntimeBuilder {
                 format!("`{consumer}` asks for {count} partitions: give 1 to {MAX_PARTITIONS}"),
             ));
         }
+        let parking = match self.key_policies.get(consumer).copied().unwrap_or_default() {
+            KeyPolicy::Park => Some(std::sync::Arc::from(queue)),
+            KeyPolicy::Retire => None,
+        };
         // The handler's queue names the partitions' source (RabbitMQ: an exchange); each partition is a queue of its own, with
         // no retry queues (a failure is retried in place, so that nothing overtakes it).
         Ok((0..count)
@@ -207,6 +213,7 @@ impl RuntimeBuilder {
                 prefetch,
                 batch: None,
                 ordered: true,
+                parking: parking.clone(),
             })
             .collect())
     }
@@ -283,6 +290,40 @@ impl RuntimeBuilder {
             (None, Some(batch)) => default_batch_prefetch(consumer, batch.size)?,
             (None, None) => DEFAULT_PREFETCH,
         })
+    }
+
+    /// Refuses a key policy for a consumer that is not ordered, and an ordered handler that
+    /// parks keys on a store that keeps none.
+    pub(super) fn check_key_policies(
+        &self,
+        handlers: &[&'static Registration],
+    ) -> Result<(), RuntimeError> {
+        for consumer in self.key_policies.keys() {
+            if !self.ordered.contains_key(consumer) {
+                return Err(RuntimeError::setting(
+                    "key_policy",
+                    format!(
+                        "`{consumer}` is not ordered: a key policy says what an ordered handler does with a key whose message was dead-lettered; add .ordered(\"{consumer}\", partitions) or drop the policy"
+                    ),
+                ));
+            }
+        }
+        for registration in handlers {
+            let consumer = registration.consumer();
+            let parks = self.ordered.contains_key(consumer)
+                && self.key_policies.get(consumer).copied().unwrap_or_default() == KeyPolicy::Park;
+            let store = registration.handler().parking(&self.stores);
+            if parks && store.is_some_and(|store| !store.parks()) {
+                return Err(RuntimeError::setting(
+                    "key_policy",
+                    format!(
+                        "`{consumer}` is ordered, and parks a key behind its dead letter by default, but its {} store keeps no parked keys; use a store that does (the SQL stores) or .key_policy(\"{consumer}\", KeyPolicy::Retire)",
+                        registration.handler().store()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Refuses an ordered handler that is not run.

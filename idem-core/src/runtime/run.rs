@@ -127,6 +127,10 @@ impl Runtime {
                     .clone()
             }),
             pause: self.pauses.of(handler, &self.stores),
+            parks: actor.parking.clone().map(|source| super::parked::Parks {
+                source,
+                outbound: self.stores.outbound().cloned(),
+            }),
         });
         start_workers(
             actor,
@@ -147,12 +151,23 @@ impl Runtime {
         );
     }
 
-    /// Starts the sweepers and the outbox relays.
+    /// Starts the sweepers, the outbox relays and the gauges of parked keys.
     fn start_background(&self, stop: &StopSignal) -> JoinSet<()> {
         let mut background = JoinSet::new();
         if let Some(settings) = self.sweep {
             for sweeper in self.stores.sweepers() {
                 background.spawn(sweeper::run(sweeper.clone(), settings, stop.clone()));
+            }
+        }
+        let mut watched = std::collections::HashSet::new();
+        for actor in self.actors.iter().filter(|a| a.parking.is_some()) {
+            let handler = actor.registration.handler();
+            if watched.insert(handler.consumer()) {
+                background.spawn(super::parked::watch(
+                    handler,
+                    self.stores.clone(),
+                    stop.clone(),
+                ));
             }
         }
         if let (Some(settings), Some(outbound)) = (self.relay, self.stores.outbound()) {

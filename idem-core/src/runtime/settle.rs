@@ -60,9 +60,10 @@ pub(crate) fn decide(
         })
     };
     match outcome {
-        Outcome::Processed { .. } | Outcome::Duplicate { .. } | Outcome::Stale(_) => {
-            Settlement::Ack
-        }
+        Outcome::Processed { .. }
+        | Outcome::Duplicate { .. }
+        | Outcome::Stale(_)
+        | Outcome::Parked { .. } => Settlement::Ack,
         Outcome::Unavailable(_) => Settlement::Hold,
         Outcome::Conflict { key } => dead_letter(
             reasons::CONFLICT,
@@ -106,6 +107,10 @@ pub(crate) async fn settle(
                 Outcome::Stale(stale) => {
                     tracing::info!(key = %stale.key, entity = %stale.entity, version = stale.version, applied = stale.applied, "stale message skipped");
                     (&stats.stale, "stale")
+                }
+                Outcome::Parked { order_key } => {
+                    tracing::info!(order_key = %order_key, "its key is parked behind a dead letter; stored behind it");
+                    (&stats.parked, "parked")
                 }
                 _ => (&stats.processed, "processed"),
             };
@@ -154,11 +159,14 @@ async fn dead_letter(
 ) -> Option<Result<(), crate::transport::TransportError>> {
     let (stats, consumer) = (&shared.stats, shared.handler.consumer());
     tracing::warn!(key = outcome.key(), correlation_id = envelope.correlation_id.as_deref(), reason = %reason.reason, detail = %reason.detail, "dead-lettering");
-    let record = history(
+    let mut record = history(
         shared,
         DeadLetterRecord::new(&reason, envelope, &shared.queue),
         envelope,
     );
+    if let Some(park) = super::parked::park_key(shared, envelope) {
+        record = record.parking(park);
+    }
     let reason = match record_dead_letter(shared, &record, stop).await {
         Recorded::Written => reason,
         Recorded::Refused(e) => {

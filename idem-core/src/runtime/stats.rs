@@ -16,6 +16,7 @@ pub struct Stats {
     pub(crate) settle_failures: AtomicU64,
     pub(crate) unavailable: AtomicU64,
     pub(crate) pauses: AtomicU64,
+    pub(crate) parked: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -46,6 +47,9 @@ pub struct Snapshot {
     pub unavailable: u64,
     /// Times a store could not write and paused its handlers' consumption.
     pub pauses: u64,
+    /// Deliveries of an ordered handler stored behind their key's dead-lettered message (the
+    /// key is parked) and acked without running.
+    pub parked: u64,
 }
 
 impl Stats {
@@ -68,14 +72,15 @@ impl Stats {
             settle_failures: get(&self.settle_failures),
             unavailable: get(&self.unavailable),
             pauses: get(&self.pauses),
+            parked: get(&self.parked),
         }
     }
 }
 
 impl Snapshot {
-    /// Deliveries settled for good: acked or dead-lettered (not counting retries, which come
-    /// back).
+    /// Deliveries settled for good: acked (processed, duplicate, stale, parked) or
+    /// dead-lettered (not counting retries, which come back).
     pub fn settled(&self) -> u64 {
-        self.processed + self.duplicates + self.stale + self.dead_lettered
+        self.processed + self.duplicates + self.stale + self.parked + self.dead_lettered
     }
 }

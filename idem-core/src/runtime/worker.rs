@@ -1,8 +1,9 @@
 //! A handler's workers (one transaction per delivery): take a delivery from the mailbox, run
-//! the pipeline, settle it after the commit. A delivery whose store cannot write waits in its
+//! the pipeline (unless its key is parked: `parked`), settle it after the commit. A delivery whose store cannot write waits in its
 //! worker for the store, and no worker of the store takes another meanwhile (`pause`).
 
 use super::actor::Shared;
+use super::parked::{self, Admit};
 use super::settle;
 use crate::model::{Envelope, HeaderValue, Outcome};
 use crate::pipeline::HeldConnection;
@@ -60,9 +61,14 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &m
                 Some(permits) => permits.acquire().await.ok(),
                 None => None,
             };
-            let mut outcome = match handler.process(&shared.stores, &envelope, held).await {
-                Ok(outcome) => outcome,
-                Err(failed) => settle::undispatched(shared, failed),
+            // A key parked behind its dead letter keeps its later messages from running.
+            let (mut outcome, released) = match parked::admit(shared, &envelope, held).await {
+                Admit::Run { released } => {
+                    let processed = handler.process(&shared.stores, &envelope, held).await;
+                    let outcome = processed.unwrap_or_else(|e| settle::undispatched(shared, e));
+                    (outcome, released)
+                }
+                Admit::Settled(outcome) => (outcome, None),
             };
             drop(permit);
             if let Outcome::Unavailable(failure) = &outcome {
@@ -86,6 +92,17 @@ async fn handle(shared: &Shared, delivery: Delivery, stop: &StopSignal, held: &m
                 envelope.attempt = envelope.attempt.saturating_add(1);
                 keep_first_failure(&mut envelope);
                 continue;
+            }
+            // A released message that settled hands its key's release on before it is acked.
+            if let Some(seq) = released
+                && matches!(
+                    outcome,
+                    Outcome::Processed { .. } | Outcome::Duplicate { .. } | Outcome::Stale(_)
+                )
+                && !parked::hand_on(shared, &envelope, seq, stop).await
+            {
+                settle::release(Delivery { envelope, settle }).await;
+                return;
             }
             settle::settle(shared, &outcome, &envelope, settle, stop).await;
             return;

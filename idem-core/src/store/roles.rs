@@ -7,7 +7,10 @@
 use super::inbox::{ClaimRequest, InboxStore, StoreKind};
 use super::lease::{Lease, LeaseEnd};
 use super::sweep::{Pace, SweepReport};
-use crate::model::{DeadLetterRecord, ErrorClass, Outgoing, StoreError, StoredOutput};
+use crate::model::{
+    DeadLetterRecord, Envelope, ErrorClass, Fingerprint, Outgoing, ParkedMessage, Parking,
+    StoreError, StoredOutput,
+};
 use crate::outbox::{OutboxSelect, RelayReport};
 use crate::transport::Outbound;
 use std::future::Future;
@@ -252,16 +255,84 @@ pub trait OutboxStore: InboxStore {
     }
 }
 
+/// Parked keys (`crate::model::parking`): an ordered handler's key whose message was
+/// dead-lettered keeps its later messages in the store, in order, until an operator releases
+/// it. Needed for ordered handlers with [`KeyPolicy::Park`](crate::model::KeyPolicy), the
+/// default; the defaults park nothing, and the runtime refuses to start such a handler on a
+/// store that does not park ([`ParkingStore::parks`]). A dead letter parks its key through
+/// its record ([`DeadLetterRecord::park`], written by [`DeadLetterStore::record_dead_letter`]
+/// in the record's transaction).
+pub trait ParkingStore: InboxStore {
+    /// Whether the store keeps parked keys (default `false`).
+    fn parks(&self) -> bool {
+        false
+    }
+
+    /// The verdict on `envelope`, a delivery of `consumer` with `order_key`: when the key is
+    /// parked (or releasing, and this is not the released message whose turn it is), the
+    /// message is stored behind the key's messages, in a transaction that holds the key's row,
+    /// and [`Parking::Parked`] returned once that committed; the key's dead-lettered message
+    /// itself, delivered again, runs. A key with no row runs at once: only its own dead letter
+    /// parks it, and one consumer at a time takes its deliveries. `held` is the worker's
+    /// connection ([`InboxStore::begin_on`]). The default lets everything run.
+    fn admit_ordered(
+        &self,
+        consumer: &str,
+        order_key: &str,
+        envelope: &Envelope,
+        held: &mut Option<Self::Held>,
+    ) -> impl Future<Output = Result<Parking, StoreError>> + Send {
+        let _ = (consumer, order_key, envelope, held);
+        async { Ok(Parking::Run) }
+    }
+
+    /// The parked message of `consumer`'s `order_key` after place `after`, the next to
+    /// release; `None` when none is left. The default keeps none.
+    fn next_parked(
+        &self,
+        consumer: &str,
+        order_key: &str,
+        after: i64,
+    ) -> impl Future<Output = Result<Option<ParkedMessage>, StoreError>> + Send {
+        let _ = (consumer, order_key, after);
+        async { Ok(None) }
+    }
+
+    /// Removes the released message at `seq` (whose body has `fingerprint`) once it settled,
+    /// and frees the key when no parked message is left, in one transaction. The default
+    /// keeps none.
+    fn finish_release(
+        &self,
+        consumer: &str,
+        order_key: &str,
+        seq: i64,
+        fingerprint: &Fingerprint,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (consumer, order_key, seq, fingerprint);
+        async { Ok(()) }
+    }
+
+    /// How many keys of `consumer` are parked (or releasing), and when the oldest was parked
+    /// (milliseconds since the Unix epoch). The default: none.
+    fn parked_summary(
+        &self,
+        consumer: &str,
+    ) -> impl Future<Output = Result<(u64, Option<i64>), StoreError>> + Send {
+        let _ = consumer;
+        async { Ok((0, None)) }
+    }
+}
+
 /// Every role of a store: what a runtime, its sweeper and relay, and `#[idempotent]` handlers
 /// ask of one. Implemented for every type with all the roles; a store never implements it
 /// itself.
 pub trait RuntimeStore:
-    InboxStore + LeaseStore + DeadLetterStore + SweepStore + OutboxStore
+    InboxStore + LeaseStore + DeadLetterStore + SweepStore + OutboxStore + ParkingStore
 {
 }
 
 impl<S> RuntimeStore for S where
-    S: InboxStore + LeaseStore + DeadLetterStore + SweepStore + OutboxStore
+    S: InboxStore + LeaseStore + DeadLetterStore + SweepStore + OutboxStore + ParkingStore
 {
 }
 

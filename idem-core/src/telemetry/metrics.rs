@@ -70,6 +70,10 @@ pub const OUTBOX_DISPATCH: &str = "idem_outbox_dispatch_seconds";
 pub const OUTBOX_RELAY_FAILURES: &str = "idem_outbox_relay_failures_total";
 /// Handler calls under way.
 pub const HANDLERS_RUNNING: &str = "idem_handlers_running";
+/// An ordered handler's keys parked behind a dead-lettered message.
+pub const PARKED_KEYS: &str = "idem_parked_keys";
+/// How long the oldest parked key of an ordered handler has waited.
+pub const PARKED_AGE: &str = "idem_parked_key_age_seconds";
 
 /// Bucket bounds, in seconds, for the durations idem records: from half a millisecond (a claim
 /// on a local database) to half a minute (a handler calling a slow service).
@@ -143,7 +147,7 @@ const COUNTER_HELP: [(&str, &str); 14] = [
 ];
 
 /// Each gauge, with its unit where it has one, and its help text.
-const GAUGE_HELP: [(&str, Option<metrics::Unit>, &str); 11] = [
+const GAUGE_HELP: [(&str, Option<metrics::Unit>, &str); 13] = [
     (
         SWEEPER_LAG,
         Some(metrics::Unit::Seconds),
@@ -193,6 +197,16 @@ const GAUGE_HELP: [(&str, Option<metrics::Unit>, &str); 11] = [
         OUTBOX_LAG,
         Some(metrics::Unit::Seconds),
         "How long the oldest outbox row a relay pass took had waited",
+    ),
+    (
+        PARKED_KEYS,
+        None,
+        "Keys of the ordered handler parked behind a dead-lettered message",
+    ),
+    (
+        PARKED_AGE,
+        Some(metrics::Unit::Seconds),
+        "How long the handler's oldest parked key has waited (0: none is parked)",
     ),
     (HANDLERS_RUNNING, None, "Handler calls under way"),
 ];
@@ -379,6 +393,12 @@ pub(crate) const SWEEP_GAUGES: [&str; 6] = [
     SWEEP_BUSY,
     SWEEP_PAUSED,
 ];
+
+/// Records `consumer`'s parked keys: how many, and how long the oldest has waited.
+pub(crate) fn parked_keys(consumer: &'static str, keys: u64, oldest: Duration) {
+    metrics::gauge!(PARKED_KEYS, "consumer" => consumer).set(keys as f64);
+    metrics::gauge!(PARKED_AGE, "consumer" => consumer).set(oldest.as_secs_f64());
+}
 
 /// Marks `store`'s sweep gauges as not this process's to tell: another process holds the
 /// sweeper's lock. They are set to NaN, which Prometheus's `max` and comparisons pass over, so

@@ -5,7 +5,7 @@
 //!
 //! | name | kind | labels |
 //! |---|---|---|
-//! | `idem_messages_total` | counter | `consumer`, `outcome`: `processed`, `duplicate`, `stale`, `conflict`, `rejected`, `retried`, `dead_lettered` (retries exhausted), `unavailable` (held while its store could not write, tried again as the same attempt) |
+//! | `idem_messages_total` | counter | `consumer`, `outcome`: `processed`, `duplicate`, `stale`, `conflict`, `rejected`, `retried`, `dead_lettered` (retries exhausted), `unavailable` (held while its store could not write, tried again as the same attempt), `parked` (stored behind its key's dead letter, an ordered handler's) |
 //! | `idem_dead_letters_total` | counter | `consumer`, `reason` (the record's reason code) |
 //! | `idem_dead_letters_unrecorded_total` | counter | `consumer`: dead letters moved without their record, which the store refused for a reason retrying will not fix (the reason is logged) |
 //! | `idem_handler_duration_seconds` | histogram | `consumer` |
@@ -37,6 +37,8 @@
 //! | `idem_handlers_running` | gauge | `consumer`: handler calls under way |
 //! | `idem_outbox_staged_total` | counter | `consumer`: messages staged by handlers that committed (replies included) |
 //! | `idem_outbox_dispatch_seconds` | histogram | `store`: from a commit that staged messages until the broker confirmed them |
+//! | `idem_parked_keys` | gauge | `consumer` (an ordered handler that parks keys): keys parked behind a dead-lettered message, read from its store every 15 s |
+//! | `idem_parked_key_age_seconds` | gauge | `consumer`: how long its oldest parked key has waited (0 when none is) |
 //!
 //! The delivery span carries the W3C trace context of a message's `traceparent` header as the
 //! fields `trace_id` and `parent_span_id`. With the `opentelemetry` feature and a

@@ -38,11 +38,14 @@ pub enum IdemHeader {
     /// When the message was first published, in milliseconds since the Unix epoch
     /// ([`Envelope::published_at_ms`]); AMQP carries it in its `timestamp` property.
     Published,
+    /// A parked message published again by its key's release: its place among the key's
+    /// parked messages ([`crate::model::ParkedMessage`]).
+    Released,
 }
 
 impl IdemHeader {
     /// Every header of the vocabulary.
-    pub const ALL: [Self; 12] = [
+    pub const ALL: [Self; 13] = [
         Self::MessageId,
         Self::CorrelationId,
         Self::ContentType,
@@ -55,6 +58,7 @@ impl IdemHeader {
         Self::RoutingKey,
         Self::FirstFailure,
         Self::Published,
+        Self::Released,
     ];
 
     /// Its name on a broker whose messages carry only headers.
@@ -72,6 +76,7 @@ impl IdemHeader {
             Self::RoutingKey => "Idem-Routing-Key",
             Self::FirstFailure => "Idem-First-Failure",
             Self::Published => "Idem-Published",
+            Self::Released => "Idem-Released",
         }
     }
 
@@ -83,6 +88,7 @@ impl IdemHeader {
             Self::DeadLetterReason => Some("x-idem-dead-letter-reason"),
             Self::DeadLetterDetail => Some("x-idem-dead-letter-detail"),
             Self::FirstFailure => Some("x-idem-first-failure"),
+            Self::Released => Some("x-idem-released"),
             Self::MessageId
             | Self::CorrelationId
             | Self::ContentType
