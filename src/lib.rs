@@ -72,7 +72,7 @@ pub mod transport {
     pub use idem_core::transport::{
         BROKERS, Began, Broker, BrokerScheme, Consuming, CopyId, CopyPurpose, DeliveryOrigin,
         DueCopies, Ended, FORWARD_RETRY, IdemHeader, Session, Supervision, UnknownBroker,
-        forward_due, headers, supervise,
+        forward_due, headers, release, released_claim, released_copy, released_seq, supervise,
     };
     pub use idem_core::{
         model::DeadLetter, transport::DeadLetterLog, transport::DeadLetterReader,

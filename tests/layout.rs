@@ -354,7 +354,7 @@ fn the_adding_a_store_chapter_matches_the_store_contract() {
         .and_then(|rest| rest.split('{').next())
         .expect("RuntimeStore");
     let parts: Vec<&str> = runtime_store.split('+').map(str::trim).collect();
-    assert_eq!(parts.len(), 5, "{parts:?}");
+    assert_eq!(parts.len(), 6, "{parts:?}");
     let rows: Vec<&str> = chapter.lines().filter(|l| l.starts_with("| `")).collect();
     let tabled: Vec<&str> = rows.iter().map(|r| r.split('`').nth(1).unwrap()).collect();
     assert_eq!(

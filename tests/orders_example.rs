@@ -1,7 +1,8 @@
 //! The orders example's status updates, run as a user runs the example:
 //!
 //! - `orders demo` on RabbitMQ and on the in-memory transport checks its books and that every
-//!   order's status versions were applied once each, in order;
+//!   order's status versions were applied once each, in order, and parks the key of an order
+//!   whose update 2 is malformed, then releases it: 3 and 4 applied after 1;
 //! - two `orders consume` processes on PostgreSQL with `ORDERS_QUEUE_TYPE=quorum` and
 //!   `ORDERS_STATUS_PARTITIONS=3` declare the status exchange and its partition queues, and
 //!   apply status updates published to `<queue>.status` (routing key = order id) in order per
@@ -84,6 +85,11 @@ async fn the_demo_applies_every_status_update_once_in_order() {
             "{transport}: {line}"
         );
         assert_exact(&report);
+        assert!(
+            report.contains("2 later updates parked behind it, not applied (applied: [1])")
+                && report.contains("released             [1, 3, 4]"),
+            "{transport}: the parked key and its release: {report}"
+        );
         if transport == "rabbitmq" {
             for index in 0..4 {
                 let partition = Partition::queue_name(&format!("{queue}.status"), index);

@@ -6,7 +6,7 @@
 //!   versions 4–10 are parked (acked, not applied) while the other keys apply theirs;
 //!   `idem dlq list` shows K with 7 messages waiting; `idem dlq skip --key K` applies 4–10 in
 //!   order, once each, keeps the head with the reason and frees the key.
-//! - On RabbitMQ with PostgreSQL, with consumers in processes of their own: version 3 fails
+//! - On RabbitMQ and on NATS with PostgreSQL, with consumers in processes of their own: version 3 fails
 //!   transiently until its retries run out; after the fault is fixed, `idem dlq replay --key
 //!   K` applies 3–10 in order, once each, while the consumer is SIGKILLed in the middle of the
 //!   release and another takes over.
@@ -25,7 +25,7 @@ use common::running::{DEADLINE, start};
 use common::{KillOnDrop, unique, wait_until};
 use idem::nats::{NatsConfig, NatsTransport};
 use idem::rabbitmq::{RabbitConfig, RabbitTransport};
-use idem::sql::{MySqlInbox, ParkedKey, PgInbox, Release, SqlInbox, SqliteInbox};
+use idem::sql::{MySqlInbox, ParkedKey, PgInbox, Release, SqlInbox, SqliteInbox, Started};
 use idem::store::{DeadLetterRecord, DeadLetterStore, ParkKey, Parking, ParkingStore};
 use idem::transport::{QueueSpec, Transport};
 use idem::{
@@ -304,6 +304,20 @@ async fn publish(broker: Broker, source: &str, messages: &[Outgoing]) {
 /// Runs the `idem` binary (built beside the tests) with `args`, the database at `db_url` and
 /// the broker's URL; its standard output, or a failure with what it said.
 fn idem_cli(broker: Broker, db_url: &str, args: &[&str]) -> String {
+    let (ok, said) = idem_cli_run(broker, db_url, args);
+    assert!(ok, "idem {args:?} failed: {said}");
+    said
+}
+
+/// [`idem_cli`], for a command that must fail: what it said.
+fn idem_cli_fails(broker: Broker, db_url: &str, args: &[&str]) -> String {
+    let (ok, said) = idem_cli_run(broker, db_url, args);
+    assert!(!ok, "idem {args:?} succeeded: {said}");
+    said
+}
+
+/// Runs the `idem` binary; whether it succeeded, and its standard output and error.
+fn idem_cli_run(broker: Broker, db_url: &str, args: &[&str]) -> (bool, String) {
     let binary = std::env::current_exe()
         .unwrap()
         .parent()
@@ -327,15 +341,12 @@ fn idem_cli(broker: Broker, db_url: &str, args: &[&str]) -> String {
         })
         .output()
         .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
     );
-    assert!(
-        output.status.success(),
-        "idem {args:?} failed: {stdout}{stderr}"
-    );
-    stdout
+    (output.status.success(), said)
 }
 
 /// Key K's version 3 is refused as undecodable and dead-lettered: versions 4–10 are parked
@@ -388,6 +399,13 @@ async fn a_skipped_head_releases_its_key_in_order(broker: Broker, db: Db) {
     assert_eq!(shown["depth"], 7, "{listed}");
     assert_eq!(listed["total"], 1, "the head is in the DLQ: {listed}");
 
+    // The head alone is not replayed: its key is released with it, or not at all.
+    let refused = idem_cli_fails(
+        broker,
+        &db.url(),
+        &["dlq", "replay", "--queue", &queue, &format!("{parked}:3")],
+    );
+    assert!(refused.contains("is parked behind it"), "{refused}");
     let said = idem_cli(
         broker,
         &db.url(),
@@ -447,14 +465,16 @@ async fn a_skipped_head_releases_its_key_in_order_on_nats_and_postgres() {
     a_skipped_head_releases_its_key_in_order(Broker::Nats, Db::postgres().await).await;
 }
 
-/// A consumer process of the release test: the test binary itself, run with the source to
-/// consume in its environment, until it is killed.
-fn spawn_child(source: &str, slow_ms: u64) -> KillOnDrop {
+/// A consumer process of the release test: the test binary itself, run with the broker and
+/// the source to consume in its environment, until it is killed.
+fn spawn_child(broker: Broker, source: &str, slow_ms: u64) -> KillOnDrop {
+    let (name, url) = broker.cli_env();
     let child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "parking_child", "--nocapture"])
         .env("IDEM_PARKING_SOURCE", source)
         .env("IDEM_PARKING_SLOW_MS", slow_ms.to_string())
-        .env("AMQP_URL", broker::amqp_url())
+        .env("IDEM_PARKING_BROKER", name)
+        .env(name, url)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()
@@ -467,8 +487,14 @@ fn spawn_child(source: &str, slow_ms: u64) -> KillOnDrop {
 async fn parking_child() {
     let source = std::env::var("IDEM_PARKING_SOURCE").unwrap();
     let pool = common::postgres(4).await;
-    Runtime::builder()
-        .transport(RabbitTransport::new(RabbitConfig::new(broker::amqp_url())))
+    let builder = match std::env::var("IDEM_PARKING_BROKER").as_deref() {
+        Ok("NATS_URL") => {
+            Runtime::builder().transport(NatsTransport::new(NatsConfig::new(nats_url())))
+        }
+        _ => Runtime::builder()
+            .transport(RabbitTransport::new(RabbitConfig::new(broker::amqp_url()))),
+    };
+    builder
         .store(PgInbox::new(pool))
         .handlers([CONSUMER])
         .handler_queue(CONSUMER, &source)
@@ -483,11 +509,23 @@ async fn parking_child() {
         .unwrap();
 }
 
+/// Whether `queue` holds no message, delivered or not.
+async fn drained(broker: Broker, queue: &str) -> bool {
+    match broker {
+        Broker::Rabbit => broker::count(queue).await == 0 && broker::unacked(queue) == 0,
+        Broker::Nats => {
+            let js = jetstream_or_fail().await;
+            let name = format!("IDEM_{}", queue.replace('.', "_"));
+            let mut stream = js.get_stream(name).await.unwrap();
+            stream.info().await.unwrap().state.messages == 0
+        }
+    }
+}
+
 /// Key K's version 3 fails transiently until its retries run out; after the fault is fixed,
 /// `idem dlq replay --key` applies 3–10 in order, once each, though the consumer is SIGKILLed
 /// in the middle of the release and another process takes over.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer() {
+async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer(broker: Broker) {
     let db = Db::postgres().await;
     let Db::Postgres(pool) = &db else {
         unreachable!()
@@ -503,8 +541,8 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
         .unwrap();
     // Every version of K decodes here; its third fails in the handler.
     let messages = steps(&run, &source, &keys, "none");
-    publish(Broker::Rabbit, &source, &messages).await;
-    let first = spawn_child(&source, 300);
+    publish(broker, &source, &messages).await;
+    let first = spawn_child(broker, &source, 300);
     wait_until("the key parked with 7 messages", DEADLINE, || async {
         db.parked(&parked).await.is_some_and(|k| k.depth == 7)
     })
@@ -524,7 +562,7 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
         .await
         .unwrap();
     let said = idem_cli(
-        Broker::Rabbit,
+        broker,
         &db.url(),
         &["dlq", "replay", "--queue", &source, "--key", &parked],
     );
@@ -542,13 +580,13 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
         at_kill.len() < VERSIONS as usize,
         "the kill came after the release: {at_kill:?}"
     );
-    let _second = spawn_child(&source, 0);
+    let _second = spawn_child(broker, &source, 0);
     wait_until("the key released", DEADLINE, || async {
         db.parked(&parked).await.is_none()
     })
     .await;
     wait_until("the partition drained", DEADLINE, || async {
-        broker::count(&queue).await == 0 && broker::unacked(&queue) == 0
+        drained(broker, &queue).await
     })
     .await;
     assert_eq!(
@@ -556,11 +594,23 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
         (1..=VERSIONS).collect::<Vec<_>>(),
         "3–10 in order after 1 and 2, once each (killed with {at_kill:?} applied)"
     );
-    assert_eq!(
-        broker::count(&idem::rabbitmq::dlq(&queue)).await,
-        0,
-        "the head left the DLQ"
+    let listed = idem_cli(
+        broker,
+        &db.url(),
+        &["--json", "dlq", "list", "--queue", &queue],
     );
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    assert_eq!(listed["total"], 0, "the head left the DLQ: {listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer_on_rabbitmq() {
+    a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer(Broker::Rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer_on_nats() {
+    a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer(Broker::Nats).await;
 }
 
 /// A dead letter that parks `order_key` for `consumer`, the message `id` its head.
@@ -626,16 +676,44 @@ async fn the_store_parks_and_releases<DB: idem::sql::Dialect>(inbox: SqlInbox<DB
         "other keys flow"
     );
 
+    // Another message of the key dead-lettered (it never ran) leaves the key's head as it is.
+    inbox
+        .record_dead_letter(&dead_letter(&consumer, key, "m9"))
+        .await
+        .unwrap();
+    let seen = inbox
+        .parked_keys()
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|k| k.consumer == consumer)
+        .unwrap();
+    assert_eq!(seen.head_message_id, "m3", "{seen:?}");
+
     let skip = Release::Skip {
         message_id: "m3",
         reason: "superseded",
         body: b"m3 body",
     };
-    let first = inbox
-        .start_release(&consumer, key, skip)
-        .await
-        .unwrap()
-        .unwrap();
+    let mut stale = seen.clone();
+    stale.head_message_id = "m2".into();
+    assert!(
+        matches!(
+            inbox.start_release(&stale, skip).await.unwrap(),
+            Started::Changed
+        ),
+        "a key read with another head is left as it is"
+    );
+    let Started::Releasing(Some(first)) = inbox.start_release(&seen, skip).await.unwrap() else {
+        panic!("released")
+    };
+    assert!(
+        matches!(
+            inbox.start_release(&seen, skip).await.unwrap(),
+            Started::Changed
+        ),
+        "a key released already is not released again"
+    );
     assert_eq!(first.envelope.message_id.as_deref(), Some("m4"));
     assert_eq!(depth().await, Some(("releasing".to_owned(), 2)));
     let next = inbox
@@ -645,7 +723,7 @@ async fn the_store_parks_and_releases<DB: idem::sql::Dialect>(inbox: SqlInbox<DB
         .unwrap();
     assert_eq!(next.envelope.message_id.as_deref(), Some("m5"));
     let copy = |parked: &idem::store::ParkedMessage| {
-        let mut copy = parked.released_copy();
+        let mut copy = idem::transport::released_copy(parked);
         copy.routing_key = Some(key.to_owned());
         copy
     };

@@ -6,10 +6,11 @@
 use crate::handlers::OrderPlaced;
 use crate::status::{self, StatusUpdate};
 use crate::{Broker, Db, Settings};
+use anyhow::Context as _;
 use idem::nats::NatsTransport;
 use idem::rabbitmq::Publisher;
 use idem::transport::{MemoryTransport, QueueSpec, Transport};
-use idem::{Destination, Envelope, RetryPolicy, Snapshot};
+use idem::{Destination, Envelope, Outgoing, RetryPolicy, Snapshot};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -246,6 +247,26 @@ impl Sink {
         Ok(())
     }
 
+    /// Publishes a parked message's release (`idem::store::ParkedMessage::release`), with its
+    /// copy id where the broker has a duplicate window.
+    async fn release(&self, message: Outgoing) -> anyhow::Result<()> {
+        let outbound = match self {
+            Self::Memory(transport) => transport.outbound(),
+            Self::Nats(transport, _) => transport.outbound(),
+            Self::Rabbit(publisher) => {
+                let (exchange, key) = message.destination.parts();
+                publisher
+                    .publish_unconfirmed_to(exchange, key, &message.envelope)
+                    .await?;
+                publisher.wait_for_confirms().await?;
+                return Ok(());
+            }
+        };
+        let outbound = outbound.context("the transport cannot publish")?;
+        outbound.publish(&message).await?;
+        Ok(())
+    }
+
     /// Publishes `messages` to `exchange`, each with its own routing key.
     async fn send_routed(&self, exchange: &str, messages: &[Envelope]) -> anyhow::Result<()> {
         match self {
@@ -348,6 +369,13 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let elapsed = started.elapsed();
+    // Last, an order whose update 2 is malformed: its key parks, and is released.
+    let parked_order = format!("{}parked", workload.order_prefix);
+    sink.send_routed(&exchange, &crate::parked::updates(&parked_order))
+        .await?;
+    let parked =
+        crate::parked::park_and_release(db, &stats, &parked_order, deadline, |m| sink.release(m))
+            .await?;
     let _ = stop.send(());
     running.await??;
 
@@ -447,6 +475,22 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
         shipment_log.rows
     );
     println!("outbox unpublished   {:>7}", shipping.unpublished);
+    let key = &parked.key;
+    println!(
+        "parked key           {}: update 2 dead-lettered ({}), {} later updates parked behind it, not applied (applied: {:?})",
+        key.order_key,
+        key.reason.split(':').next().unwrap_or_default(),
+        key.depth,
+        parked.while_parked
+    );
+    println!(
+        "                     an operator releases it: idem dlq skip --queue {} --key {} --reason \"...\" (or, once fixed, idem dlq replay --queue {} --key {})",
+        key.source, key.order_key, key.source, key.order_key
+    );
+    println!(
+        "released             {:?}  (skipped update 2 as that command does; 3 and 4 applied after 1, in order, once each)",
+        parked.released
+    );
     anyhow::ensure!(exact, "the books do not add up");
     anyhow::ensure!(
         ledger.exact(),
@@ -460,6 +504,12 @@ pub async fn run(settings: &Settings, db: &Db, options: &Options) -> anyhow::Res
     anyhow::ensure!(
         statuses_wrong == 0,
         "the status updates were not applied once each in order"
+    );
+    anyhow::ensure!(
+        parked.while_parked == [1] && parked.released == [1, 3, 4],
+        "the parked key was not held and released in order: {:?}, then {:?}",
+        parked.while_parked,
+        parked.released
     );
     Ok(())
 }

@@ -20,6 +20,7 @@ mod db;
 mod demo;
 mod handlers;
 mod http;
+mod parked;
 mod shipping;
 mod status;
 

@@ -18,7 +18,7 @@ use crate::broker::{Broker, Named};
 use crate::error::CliError;
 use crate::output::{age, json, now_ms};
 use crate::replay::{Verdict, judge};
-use idem::sql::{DeadLetterRow, Dialect, ParkedKey, Release, SqlInbox};
+use idem::sql::{DeadLetterRow, Dialect, ParkedKey, Release, SqlInbox, Started};
 use idem::transport::HeldLetter;
 use idem::{Envelope, HeaderValue};
 use serde_json::json;
@@ -77,79 +77,117 @@ async fn release_key<DB: Dialect>(
     key: &ParkedKey,
     head: Head<'_>,
 ) -> Result<(&'static str, bool), CliError> {
-    if key.state == idem::sql::parking::RELEASING {
-        let first = inbox
-            .start_release(&key.consumer, &key.order_key, Release::Resume)
-            .await?;
-        let published = publish_first(broker, key, first).await?;
-        return Ok(("released before; resumed", published));
-    }
     let records = inbox.dead_letters(&key.queue).await?;
+    // The head's record: the dead letter the key waits behind.
+    let record = records.iter().rev().find(|r| {
+        !key.head_message_id.is_empty() && r.message_id.as_deref() == Some(&key.head_message_id)
+    });
     let letter = find_head(broker, key).await?;
-    let record = letter.as_ref().and_then(|l| l.record(&records));
-    let (what, first) = match (head, &letter) {
-        (Head::Replay { .. }, None) => {
-            return Err(CliError::NotFound(format!(
-                "the dead letter key {:?} waits behind ({}) is not in the DLQ of {}: `idem dlq skip --queue {} --key {:?} --reason ...` releases the key without it",
-                key.order_key,
-                shown_id(&key.head_message_id),
-                key.queue,
-                key.queue,
+    let (what, release) = if key.state == idem::sql::parking::RELEASING {
+        // Released before, and interrupted: a head left in the DLQ goes now.
+        ("released before; resumed", Owned::Other(Release::Resume))
+    } else {
+        match (head, &letter) {
+            (Head::Replay { .. }, None) => match applied(inbox, record).await? {
+                true => (
+                    "resolved (applied already)",
+                    Owned::Other(Release::Resolved),
+                ),
+                false => {
+                    return Err(CliError::NotFound(format!(
+                        "the dead letter key {:?} waits behind ({}) is not in the DLQ of {}: `idem dlq skip --queue {} --key {:?} --reason ...` releases the key without it",
+                        key.order_key,
+                        shown_id(&key.head_message_id),
+                        key.queue,
+                        key.queue,
+                        key.order_key
+                    )));
+                }
+            },
+            (Head::Replay { force }, Some(letter)) => {
+                let record = letter.record(&records);
+                match verdict(inbox, letter, record, force).await? {
+                    Verdict::Refused(why) => {
+                        return Err(CliError::Partial(format!(
+                            "the key stays parked: its dead letter is not replayed: {why}"
+                        )));
+                    }
+                    Verdict::Resolved(_) => (
+                        "resolved (applied already)",
+                        Owned::Other(Release::Resolved),
+                    ),
+                    Verdict::Replay => {
+                        if let Some(r) = record {
+                            inbox.clear_failure(&r.consumer, &r.key).await?;
+                        }
+                        let envelope = envelope_of(letter, &key.order_key, force);
+                        ("replayed", Owned::Replay(envelope))
+                    }
+                }
+            }
+            (Head::Skip { reason }, letter) => {
+                let skip = match letter {
+                    Some(letter) => skipped(letter, reason),
+                    None => Release::Skip {
+                        message_id: &key.head_message_id,
+                        reason,
+                        body: &[],
+                    },
+                };
+                ("skipped", Owned::Other(skip))
+            }
+        }
+    };
+    let first = match inbox.start_release(key, release.as_release()).await? {
+        Started::Releasing(first) => first.map(|first| *first),
+        _ => {
+            return Err(CliError::Partial(format!(
+                "key {:?} changed while this command read it (released, or parked again behind another message): nothing was done; run it again",
                 key.order_key
             )));
         }
-        (Head::Replay { force }, Some(letter)) => {
-            match verdict(inbox, letter, record, force).await? {
-                Verdict::Refused(why) => {
-                    return Err(CliError::Partial(format!(
-                        "the key stays parked: its dead letter is not replayed: {why}"
-                    )));
-                }
-                Verdict::Resolved(why) => {
-                    let skip = skipped(letter, &why);
-                    let first = inbox
-                        .start_release(&key.consumer, &key.order_key, skip)
-                        .await?;
-                    ("resolved (applied already)", first)
-                }
-                Verdict::Replay => {
-                    if let Some(r) = record {
-                        inbox.clear_failure(&r.consumer, &r.key).await?;
-                    }
-                    let envelope = envelope_of(letter, &key.order_key, force);
-                    let first = inbox
-                        .start_release(&key.consumer, &key.order_key, Release::Replay(&envelope))
-                        .await?;
-                    ("replayed", first)
-                }
-            }
-        }
-        (Head::Skip { reason }, letter) => {
-            let skip = match letter {
-                Some(letter) => skipped(letter, reason),
-                None => Release::Skip {
-                    message_id: &key.head_message_id,
-                    reason,
-                    body: &[],
-                },
-            };
-            let first = inbox
-                .start_release(&key.consumer, &key.order_key, skip)
-                .await?;
-            ("skipped", first)
-        }
     };
-    // The key is releasing: the head leaves the DLQ, and the release starts.
+    // The key is releasing: the head leaves the DLQ with its record, and the release starts.
     if let Some(letter) = &letter {
         broker
             .answer("removing the dead letter", broker.reader.remove(letter))
             .await?;
-        if let Some(record) = record {
-            inbox.forget_dead_letter(record).await?;
-        }
+    }
+    if let Some(record) = letter.as_ref().and_then(|l| l.record(&records)).or(record) {
+        inbox.forget_dead_letter(record).await?;
     }
     let published = publish_first(broker, key, first).await?;
     Ok((what, published))
+}
+
+/// Whether the inbox applied the key of `record` with its payload (a head that ran and went
+/// through after its dead letter was recorded).
+async fn applied<DB: Dialect>(
+    inbox: &SqlInbox<DB>,
+    record: Option<&DeadLetterRow>,
+) -> Result<bool, CliError> {
+    let Some(record) = record.filter(|r| r.keyed) else {
+        return Ok(false);
+    };
+    let report = inbox.show(&record.consumer, &record.key).await?;
+    Ok(report
+        .row
+        .is_some_and(|row| row.status == "completed" && row.fingerprint == record.fingerprint))
+}
+
+/// A release as [`SqlInbox::start_release`] takes it, the replayed head owned.
+enum Owned<'a> {
+    Replay(Envelope),
+    Other(Release<'a>),
+}
+
+impl<'a> Owned<'a> {
+    fn as_release(&self) -> Release<'_> {
+        match self {
+            Self::Replay(envelope) => Release::Replay(envelope),
+            Self::Other(release) => *release,
+        }
+    }
 }
 
 /// The inbox's verdict on replaying the head `letter` (see `crate::replay`).
@@ -231,7 +269,7 @@ async fn publish_first(
     let Some(first) = first else {
         return Ok(false);
     };
-    let message = first.release(&key.consumer, &key.order_key, &key.source);
+    let message = idem::transport::release(&first, &key.consumer, &key.order_key, &key.source);
     broker.publish(&message).await?;
     Ok(true)
 }

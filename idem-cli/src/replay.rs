@@ -19,7 +19,7 @@ use crate::broker::{Broker, Named};
 use crate::error::CliError;
 use crate::output::json;
 use crate::output::{age, now_ms, span};
-use idem::sql::{DeadLetterRow, Dialect, KeyReport, SqlInbox};
+use idem::sql::{DeadLetterRow, Dialect, KeyReport, ParkedKey, SqlInbox};
 use idem::transport::{HeldLetter, OutboundError, PublishTime};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
@@ -177,6 +177,7 @@ async fn replay_letters<DB: Dialect>(
     plan: &Replay<'_>,
 ) -> Result<(Replayed, Vec<bool>), CliError> {
     let records = inbox.dead_letters(plan.queue).await?;
+    let parked = inbox.parked_keys().await?;
     let in_queue = broker.count().await?;
     let progress = ProgressBar::new(in_queue).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} read, {msg} ({eta} left)")
@@ -200,7 +201,7 @@ async fn replay_letters<DB: Dialect>(
             if !wanted {
                 continue;
             }
-            match replay_one(broker, inbox, plan, &letter, &records).await {
+            match replay_one(broker, inbox, plan, &letter, &records, &parked).await {
                 Ok(Done::Replayed(recorded)) => {
                     done.replayed += 1;
                     match recorded {
@@ -237,7 +238,19 @@ async fn replay_one<DB: Dialect>(
     plan: &Replay<'_>,
     letter: &HeldLetter,
     records: &[DeadLetterRow],
+    parked: &[ParkedKey],
 ) -> Result<Done, CliError> {
+    // A key parked behind it is released with it, in order, or not at all.
+    if let Some(key) = parked.iter().find(|k| {
+        k.queue == plan.queue
+            && !k.head_message_id.is_empty()
+            && letter.message_id.as_deref() == Some(k.head_message_id.as_str())
+    }) {
+        return Ok(Done::Refused(format!(
+            "key {:?} of {} is parked behind it: `idem dlq replay --queue {} --key {:?}` replays it and then the messages parked behind it, in order",
+            key.order_key, key.consumer, plan.queue, key.order_key
+        )));
+    }
     // Where idem consumed it: its record says, else the queue whose dead letters these are;
     // never a header, which a producer may have written.
     let record = letter.record(records);

@@ -88,7 +88,7 @@ pub use migrate::{
 };
 #[cfg(feature = "mysql")]
 pub use mysql::{MySqlDialect, MySqlInbox};
-pub use parking::{ParkedKey, Release};
+pub use parking::{ParkedKey, Release, Started};
 #[cfg(feature = "postgres")]
 pub use postgres::{PgDialect, PgInbox};
 #[cfg(feature = "sqlite")]

@@ -28,69 +28,7 @@ pub const PARKED: &str = "parked";
 /// A key's state: an operator released it, and its parked messages are going back, in order.
 pub const RELEASING: &str = "releasing";
 
-/// The parked keys' statements; each documents its bind parameters, in order.
-#[derive(Debug, Clone)]
-pub struct ParkingStatements<S = &'static str> {
-    /// Reads a key's `state` and `head_message_id`, holding its row (consumer, order key).
-    pub lock: S,
-    /// Reads a key's `state`, without a lock (consumer, order key).
-    pub read: S,
-    /// Parks a key, or parks it again behind a new head (consumer, order key, head message
-    /// id, queue, source, reason, parked ms).
-    pub park: S,
-    /// Marks a key `releasing` (consumer, order key).
-    pub releasing: S,
-    /// Removes a key's row (consumer, order key).
-    pub free: S,
-    /// The first parked message of a key: `seq`, `fingerprint` (consumer, order key).
-    pub lowest: S,
-    /// The first parked message of a key but one, with its key's `parked_ms`: the columns of
-    /// a message (consumer, order key, the `seq` left out).
-    pub next: S,
-    /// A parked message's `seq`, if it is the one named (seq, consumer, order key,
-    /// fingerprint).
-    pub find: S,
-    /// A parked message's `seq` with a message id (consumer, order key, message id).
-    pub find_id: S,
-    /// Parks a message (consumer, order key, place, message id, correlation id, content
-    /// type, published ms, body, headers, fingerprint, parked ms).
-    pub insert: S,
-    /// Removes a parked message (seq, consumer, order key, fingerprint).
-    pub remove: S,
-    /// How many messages a key holds: `n` (consumer, order key).
-    pub remaining: S,
-    /// Every parked key with its depth, oldest first: `consumer`, `order_key`, `state`,
-    /// `head_message_id`, `queue`, `source`, `reason`, `parked_ms`, `depth`.
-    pub list: S,
-    /// Keeps a skipped head (consumer, order key, message id, reason, skipped ms, body).
-    pub skipped: S,
-    /// A consumer's parked keys: how many, `n`, and when the oldest was parked, `oldest`
-    /// (0: none) (consumer).
-    pub summary: S,
-}
-
-impl ParkingStatements {
-    /// These statements for the inbox in `table`.
-    pub(crate) fn fill(&self, fill: impl Fn(&str) -> Arc<str>) -> ParkingStatements<Arc<str>> {
-        ParkingStatements {
-            lock: fill(self.lock),
-            read: fill(self.read),
-            park: fill(self.park),
-            releasing: fill(self.releasing),
-            free: fill(self.free),
-            lowest: fill(self.lowest),
-            next: fill(self.next),
-            find: fill(self.find),
-            find_id: fill(self.find_id),
-            insert: fill(self.insert),
-            remove: fill(self.remove),
-            remaining: fill(self.remaining),
-            list: fill(self.list),
-            skipped: fill(self.skipped),
-            summary: fill(self.summary),
-        }
-    }
-}
+pub use crate::statements::ParkingStatements;
 
 /// PostgreSQL's parked keys.
 #[cfg(feature = "postgres")]
@@ -410,19 +348,21 @@ impl<DB: Dialect> SqlInbox<DB> {
             .map_err(fail)
     }
 
-    /// Starts the release of `consumer`'s parked `order_key`, in one transaction: `head` (the
-    /// dead-lettered message, replayed) goes before its parked messages, or, skipped, is kept
-    /// with `reason` in `{table}_skipped`; the key turns [`RELEASING`]. A key with nothing left
-    /// to release is freed at once. Returns the key's first message to publish, if any;
-    /// `Ok(None)` also when the key was not parked.
+    /// Starts (or resumes) the release of `seen`, a parked key as the caller read it, in one
+    /// transaction that holds the key's row: a parked key's `head` (the dead-lettered message)
+    /// goes before its parked messages when replayed, is kept with the operator's reason in
+    /// `{table}_skipped` when skipped, or is dropped when the inbox applied it already; the key
+    /// turns [`RELEASING`]. A key releasing already is resumed ([`Release::Resume`]). A key with
+    /// nothing left to release is freed at once. Nothing is changed when the key is no longer
+    /// as `seen` says (its state or its head changed since it was read).
     pub async fn start_release(
         &self,
-        consumer: &str,
-        order_key: &str,
+        seen: &ParkedKey,
         head: Release<'_>,
-    ) -> Result<Option<ParkedMessage>, StoreError> {
+    ) -> Result<Started, StoreError> {
         let fail = |e| store_error("release a parked key", e);
         let sql = &self.sql.parking;
+        let (consumer, order_key) = (seen.consumer.as_str(), seen.order_key.as_str());
         let stored_key = keys::stored::<DB>(order_key);
         let key = [Param::Text(consumer), Param::Text(&stored_key)];
         let mut tx = self.begin_tx().await?;
@@ -430,44 +370,52 @@ impl<DB: Dialect> SqlInbox<DB> {
             .await
             .map_err(fail)?
         else {
-            return Ok(None);
+            return Ok(Started::Changed);
         };
         let state = DB::Db::text(&row, "state").map_err(fail)?;
-        if state == PARKED {
-            match head {
-                Release::Replay(envelope) => {
-                    insert::<DB>(
-                        &sql.insert,
-                        &mut tx,
-                        consumer,
-                        &stored_key,
-                        Place::First,
-                        envelope,
-                    )
+        let current = DB::Db::text(&row, "head_message_id")
+            .map(keys::shown::<DB>)
+            .map_err(fail)?;
+        let resuming = matches!(head, Release::Resume);
+        let expected = if resuming { RELEASING } else { PARKED };
+        if state != expected || state != seen.state || current != seen.head_message_id {
+            return Ok(Started::Changed);
+        }
+        match head {
+            Release::Replay(envelope) => {
+                insert::<DB>(
+                    &sql.insert,
+                    &mut tx,
+                    consumer,
+                    &stored_key,
+                    Place::First,
+                    envelope,
+                )
+                .await
+                .map_err(fail)?;
+            }
+            Release::Skip {
+                message_id,
+                reason,
+                body,
+            } => {
+                let message_id = keys::stored::<DB>(message_id);
+                let reason = keys::stored::<DB>(reason);
+                let params = [
+                    Param::Text(consumer),
+                    Param::Text(&stored_key),
+                    Param::Text(&message_id),
+                    Param::Text(&reason),
+                    Param::Int(epoch_ms()),
+                    Param::Bytes(body),
+                ];
+                DB::Db::execute(&mut *tx, &sql.skipped, &params)
                     .await
                     .map_err(fail)?;
-                }
-                Release::Skip {
-                    message_id,
-                    reason,
-                    body,
-                } => {
-                    let message_id = keys::stored::<DB>(message_id);
-                    let reason = keys::stored::<DB>(reason);
-                    let params = [
-                        Param::Text(consumer),
-                        Param::Text(&stored_key),
-                        Param::Text(&message_id),
-                        Param::Text(&reason),
-                        Param::Int(epoch_ms()),
-                        Param::Bytes(body),
-                    ];
-                    DB::Db::execute(&mut *tx, &sql.skipped, &params)
-                        .await
-                        .map_err(fail)?;
-                }
-                Release::Resume => {}
             }
+            Release::Resolved | Release::Resume => {}
+        }
+        if !resuming {
             DB::Db::execute(&mut *tx, &sql.releasing, &key)
                 .await
                 .map_err(fail)?;
@@ -481,8 +429,19 @@ impl<DB: Dialect> SqlInbox<DB> {
                 .map_err(fail)?;
         }
         tx.commit().await.map_err(fail)?;
-        Ok(first)
+        Ok(Started::Releasing(first.map(Box::new)))
     }
+}
+
+/// What [`SqlInbox::start_release`] did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Started {
+    /// The key is releasing (or free, when nothing was left): its first message, to publish.
+    Releasing(Option<Box<ParkedMessage>>),
+    /// The key is not as the caller read it (released, parked again behind another head, or
+    /// gone): nothing was changed.
+    Changed,
 }
 
 /// What becomes of a parked key's head when an operator releases the key.
@@ -499,7 +458,10 @@ pub enum Release<'a> {
         /// Its body.
         body: &'a [u8],
     },
-    /// Already released: the release goes on from the first message left.
+    /// Applied already, as the inbox says: dropped, nothing kept.
+    Resolved,
+    /// Released before (the key is releasing): the release goes on from the first message
+    /// left.
     Resume,
 }
 
@@ -539,7 +501,7 @@ impl<DB: Dialect> ParkingStore for SqlInbox<DB> {
         };
         let state = DB::Db::text(&row, "state").map_err(fail)?;
         // A released copy is believed only for the parked message at its place with its body.
-        if let Some((seq, fingerprint)) = idem_core::model::parking::released_claim(envelope) {
+        if let Some((seq, fingerprint)) = idem_core::transport::released_claim(envelope) {
             let named = [
                 Param::Int(seq),
                 Param::Text(consumer),
@@ -697,6 +659,19 @@ pub(crate) async fn park_key<DB: Dialect>(
 ) -> Result<(), sqlx::Error> {
     let order_key = keys::stored::<DB>(&park.order_key);
     let head = keys::stored::<DB>(record.message_id.as_deref().unwrap_or(""));
+    // A key parked already keeps its head: only the head itself, dead-lettered again, or a
+    // released message (which parks the key again, behind it) is written over it. Any other
+    // message of the key never ran (checking its key failed until its attempts ran out); it
+    // waits in the DLQ on its own.
+    let key = [Param::Text(&record.consumer), Param::Text(&order_key)];
+    if let Some(row) = DB::Db::fetch_optional(&mut **tx, &sql.lock, &key).await? {
+        let current = DB::Db::text(&row, "head_message_id")?;
+        if park.released.is_none() && current != head {
+            tracing::warn!(consumer = record.consumer, order_key = park.order_key, head = %current,
+                "a message of a parked key was dead-lettered without running; the key keeps its head");
+            return Ok(());
+        }
+    }
     let (queue, source) = (
         keys::stored::<DB>(&record.queue),
         keys::stored::<DB>(&park.source),

@@ -47,7 +47,7 @@ pub struct Statements<S = &'static str> {
     /// The outbox rows the broker refused, out of the relay's way (`{outbox}_parked`).
     pub parked: ParkedStatements<S>,
     /// Parked keys and the messages parked behind them (`crate::parking`).
-    pub parking: crate::parking::ParkingStatements<S>,
+    pub parking: ParkingStatements<S>,
 }
 
 /// The outbox (`{outbox}`, named after the inbox: `idem_outbox` beside `idem_inbox`): staging
@@ -427,4 +427,68 @@ pub struct ParkedStatements<S = &'static str> {
     /// Gives up the parked rows staged longer ago than the given milliseconds: they are outbox
     /// dead letters from then on, released only by an operator.
     pub give_up: S,
+}
+
+/// The parked keys' statements (`crate::parking`); each documents its bind parameters, in order.
+#[derive(Debug, Clone)]
+pub struct ParkingStatements<S = &'static str> {
+    /// Reads a key's `state` and `head_message_id`, holding its row (consumer, order key).
+    pub lock: S,
+    /// Reads a key's `state`, without a lock (consumer, order key).
+    pub read: S,
+    /// Parks a key, or parks it again behind a new head (consumer, order key, head message
+    /// id, queue, source, reason, parked ms).
+    pub park: S,
+    /// Marks a key `releasing` (consumer, order key).
+    pub releasing: S,
+    /// Removes a key's row (consumer, order key).
+    pub free: S,
+    /// The first parked message of a key: `seq`, `fingerprint` (consumer, order key).
+    pub lowest: S,
+    /// The first parked message of a key but one, with its key's `parked_ms`: the columns of
+    /// a message (consumer, order key, the `seq` left out).
+    pub next: S,
+    /// A parked message's `seq`, if it is the one named (seq, consumer, order key,
+    /// fingerprint).
+    pub find: S,
+    /// A parked message's `seq` with a message id (consumer, order key, message id).
+    pub find_id: S,
+    /// Parks a message (consumer, order key, place, message id, correlation id, content
+    /// type, published ms, body, headers, fingerprint, parked ms).
+    pub insert: S,
+    /// Removes a parked message (seq, consumer, order key, fingerprint).
+    pub remove: S,
+    /// How many messages a key holds: `n` (consumer, order key).
+    pub remaining: S,
+    /// Every parked key with its depth, oldest first: `consumer`, `order_key`, `state`,
+    /// `head_message_id`, `queue`, `source`, `reason`, `parked_ms`, `depth`.
+    pub list: S,
+    /// Keeps a skipped head (consumer, order key, message id, reason, skipped ms, body).
+    pub skipped: S,
+    /// A consumer's parked keys: how many, `n`, and when the oldest was parked, `oldest`
+    /// (0: none) (consumer).
+    pub summary: S,
+}
+
+impl ParkingStatements {
+    /// These statements for the inbox in `table`.
+    pub(crate) fn fill(&self, fill: impl Fn(&str) -> Arc<str>) -> ParkingStatements<Arc<str>> {
+        ParkingStatements {
+            lock: fill(self.lock),
+            read: fill(self.read),
+            park: fill(self.park),
+            releasing: fill(self.releasing),
+            free: fill(self.free),
+            lowest: fill(self.lowest),
+            next: fill(self.next),
+            find: fill(self.find),
+            find_id: fill(self.find_id),
+            insert: fill(self.insert),
+            remove: fill(self.remove),
+            remaining: fill(self.remaining),
+            list: fill(self.list),
+            skipped: fill(self.skipped),
+            summary: fill(self.summary),
+        }
+    }
 }

@@ -34,6 +34,6 @@ pub use outgoing::{
     CAUSATION_HEADER, MAX_SHORT_TEXT, Outgoing, OutgoingError, TRACEPARENT_HEADER,
     batch_message_id, check_outgoing, outbox_message_id,
 };
-pub use parking::{KeyPolicy, ParkKey, ParkedMessage, Parking, released_seq};
+pub use parking::{KeyPolicy, ParkKey, ParkedMessage, Parking};
 pub use store_kind::StoreKind;
 pub use version::{VersionError, VersionValue, Versioned, version_value, versioned};

@@ -8,12 +8,10 @@
 //! key turns `releasing`, and its stored messages go back to the broker one at a time, each
 //! published by the consumer that applied the one before it, marked with
 //! [`IdemHeader::Released`](crate::transport::IdemHeader::Released) and the message's place;
-//! the key is free once the last one settled.
+//! the key is free once the last one settled. The copies are made in
+//! `crate::transport::released`.
 
-use super::destination::Destination;
-use super::envelope::{Envelope, HeaderValue};
-use super::fingerprint::Fingerprint;
-use super::outgoing::Outgoing;
+use super::envelope::Envelope;
 
 /// What an ordered handler does with a key whose message was dead-lettered
 /// (`RuntimeBuilder::key_policy`).
@@ -95,82 +93,5 @@ impl ParkedMessage {
             envelope,
             parked_at_ms,
         }
-    }
-
-    /// The copy that releases it: published to the handler's `source` with its `order_key`,
-    /// marked ([`ParkedMessage::released_copy`]), and known to a broker's duplicate window as
-    /// this release of this message of `consumer`'s key ([`Outgoing::copy_id`]): the same
-    /// release sent again (a crash between its publish and its record) is one copy, a later
-    /// release of the key (parked again since) another.
-    pub fn release(&self, consumer: &str, order_key: &str, source: &str) -> Outgoing {
-        let mut message = Outgoing::new(Destination::topic(source, order_key), Vec::new());
-        message.envelope = self.released_copy();
-        message.copy_id = Some(format!(
-            "{consumer}/{order_key}@{}:{}.release",
-            self.parked_at_ms, self.seq
-        ));
-        message
-    }
-
-    /// The copy to publish when its turn comes: the message, marked as the release of `seq`
-    /// ([`released_seq`]).
-    pub fn released_copy(&self) -> Envelope {
-        let mut envelope = self.envelope.clone();
-        envelope.headers.insert(
-            crate::transport::IdemHeader::Released.name(),
-            HeaderValue::Int(self.seq),
-        );
-        envelope.attempt = 1;
-        envelope
-    }
-}
-
-/// The place a released copy claims ([`IdemHeader::Released`](crate::transport::IdemHeader::Released),
-/// under either of its names), where it holds one. A producer may write any header: the store
-/// believes it only for the parked message at that place with the same body.
-pub fn released_seq(envelope: &Envelope) -> Option<i64> {
-    let header = crate::transport::IdemHeader::Released;
-    let value = [Some(header.name()), header.amqp_name()]
-        .into_iter()
-        .flatten()
-        .find_map(|name| {
-            envelope
-                .headers
-                .iter()
-                .find(|(key, _)| key.eq_ignore_ascii_case(name))
-                .map(|(_, value)| value)
-        })?;
-    match value {
-        HeaderValue::Int(seq) => Some(*seq),
-        HeaderValue::Str(text) => text.trim().parse().ok(),
-        _ => None,
-    }
-}
-
-/// What the store checks a released copy against: its claimed place and its body.
-pub fn released_claim(envelope: &Envelope) -> Option<(i64, Fingerprint)> {
-    released_seq(envelope).map(|seq| (seq, Fingerprint::of(&envelope.body)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_released_copy_names_its_place_under_either_name() {
-        let parked = ParkedMessage::new(7, Envelope::new("x").with_attempt(4), 5);
-        let release = parked.release("c", "k", "src");
-        assert_eq!(release.copy_id.as_deref(), Some("c/k@5:7.release"));
-        assert_eq!(release.destination, Destination::topic("src", "k"));
-        let copy = parked.released_copy();
-        assert_eq!((released_seq(&copy), copy.attempt), (Some(7), 1));
-        let mut amqp = Envelope::new("x");
-        amqp.headers
-            .insert("x-idem-released", HeaderValue::Str(" 9 ".into()));
-        assert_eq!(released_seq(&amqp), Some(9));
-        amqp.headers
-            .insert("x-idem-released", HeaderValue::Bool(true));
-        assert_eq!(released_seq(&amqp), None);
-        assert_eq!(released_seq(&Envelope::new("x")), None);
     }
 }

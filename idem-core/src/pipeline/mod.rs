@@ -14,12 +14,14 @@
 mod admit;
 mod batch;
 mod external;
+mod held;
 mod kinds;
 pub mod parking;
 pub mod stages;
 mod steps;
 mod transactional;
 
+pub use held::HeldConnection;
 pub use kinds::Pipeline;
 pub use parking::ErasedParking;
 pub use stages::Stages;
@@ -268,34 +270,6 @@ impl<H: Handler<Kind: Pipeline<H>>> ErasedHandler for H {
             }
             processed
         })
-    }
-}
-
-/// The connection one worker keeps between its deliveries or batches ([`InboxStore::begin_on`]), whatever
-/// its store: a worker runs one handler, and so holds its store's [`InboxStore::Held`]. Empty
-/// by default; dropped, it gives the connection back.
-#[derive(Default)]
-pub struct HeldConnection(Option<Box<dyn Any + Send>>);
-
-impl std::fmt::Debug for HeldConnection {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("HeldConnection")
-            .field(&self.0.is_some())
-            .finish()
-    }
-}
-
-impl HeldConnection {
-    /// The slot of store `S`'s connection (made empty if it held another store's).
-    fn of<S: InboxStore>(&mut self) -> &mut Option<S::Held> {
-        let boxed = self.0.get_or_insert_with(|| Box::new(None::<S::Held>));
-        if !boxed.is::<Option<S::Held>>() {
-            *boxed = Box::new(None::<S::Held>);
-        }
-        match boxed.downcast_mut::<Option<S::Held>>() {
-            Some(slot) => slot,
-            None => unreachable!("the slot was just made of this type"),
-        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! A store's parked keys with its type erased ([`ErasedParking`]): what the workers of an
 //! ordered handler that parks keys ask of its store (see [`ParkingStore`]).
 
-use super::HeldConnection;
+use super::held::HeldConnection;
 use crate::future::BoxFuture;
 use crate::model::{Envelope, Fingerprint, ParkedMessage, Parking, StoreError};
 use crate::store::ParkingStore;

@@ -55,5 +55,14 @@ pub(crate) struct Shared {
     /// every worker of the store's handlers before it takes another delivery.
     pub(crate) pause: Arc<Pause>,
     /// An ordered handler that parks keys: where a released message is published, and how.
-    pub(crate) parks: Option<super::parked::Parks>,
+    pub(crate) parks: Option<Parks>,
+}
+
+/// What the workers of an ordered handler that parks keys share.
+pub(crate) struct Parks {
+    /// Where the handler's messages are published (the partitions' source): a released
+    /// message goes there again, with its order key.
+    pub(crate) source: Arc<str>,
+    /// What publishes a released message; `None`: the transport cannot publish.
+    pub(crate) outbound: Option<Arc<dyn crate::transport::Outbound>>,
 }

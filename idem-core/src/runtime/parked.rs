@@ -7,12 +7,11 @@ use super::actor::Shared;
 use crate::jitter::jittered;
 use crate::model::{
     Envelope, ErrorClass, Fingerprint, Outcome, ParkKey, Parking, StoreError, Transient,
-    released_seq,
 };
 use crate::pipeline::{ErasedHandler, HeldConnection};
 use crate::store::Stores;
 use crate::telemetry;
-use crate::transport::{Outbound, StopSignal};
+use crate::transport::{StopSignal, release, released_seq};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,15 +20,6 @@ use std::time::Duration;
 const FIRST: Duration = Duration::from_millis(50);
 /// The longest wait between two tries of a release's step.
 const LONGEST: Duration = Duration::from_secs(5);
-
-/// What the workers of an ordered handler that parks keys share.
-pub(crate) struct Parks {
-    /// Where the handler's messages are published (the partitions' source): a released
-    /// message goes there again, with its order key.
-    pub(crate) source: Arc<str>,
-    /// What publishes a released message; `None`: the transport cannot publish.
-    pub(crate) outbound: Option<Arc<dyn Outbound>>,
-}
 
 /// What becomes of a delivery of a handler that parks keys, before it runs.
 pub(crate) enum Admit {
@@ -137,7 +127,7 @@ async fn step(shared: &Shared, envelope: &Envelope, seq: i64) -> Result<(), Stri
             .outbound
             .as_ref()
             .ok_or("the transport cannot publish")?;
-        let message = next.release(consumer, order_key, &parks.source);
+        let message = release(&next, consumer, order_key, &parks.source);
         outbound
             .publish(&message)
             .await

@@ -127,7 +127,7 @@ impl Runtime {
                     .clone()
             }),
             pause: self.pauses.of(handler, &self.stores),
-            parks: actor.parking.clone().map(|source| super::parked::Parks {
+            parks: actor.parking.clone().map(|source| super::actor::Parks {
                 source,
                 outbound: self.stores.outbound().cloned(),
             }),

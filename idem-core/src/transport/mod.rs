@@ -19,6 +19,7 @@ pub mod headers;
 pub mod lanes;
 pub mod memory;
 pub mod outbound;
+pub mod released;
 pub mod supervisor;
 pub mod watermark;
 
@@ -33,5 +34,6 @@ pub use headers::IdemHeader;
 pub use lanes::lane_of;
 pub use memory::MemoryTransport;
 pub use outbound::{Outbound, OutboundError};
+pub use released::{release, released_claim, released_copy, released_seq};
 pub use supervisor::{Began, Consuming, Ended, Session, Supervision, supervise};
 pub use watermark::Watermark;
