@@ -174,6 +174,8 @@ mod book {
     struct Outbox;
     #[doc = include_str!("../docs/src/ordering.md")]
     struct Ordering;
+    #[doc = include_str!("../docs/src/failures.md")]
+    struct Failures;
     #[doc = include_str!("../docs/src/external.md")]
     struct External;
     #[doc = include_str!("../docs/src/http.md")]

@@ -5,7 +5,8 @@
 //!   versions 1–10 while other keys flow; version 3 does not decode and is dead-lettered;
 //!   versions 4–10 are parked (acked, not applied) while the other keys apply theirs;
 //!   `idem dlq list` shows K with 7 messages waiting; `idem dlq skip --key K` applies 4–10 in
-//!   order, once each, keeps the head with the reason and frees the key.
+//!   order, once each, keeps the head with the reason and frees the key; on MariaDB a skip
+//!   interrupted after its commit is resumed by running it again.
 //! - On RabbitMQ and on NATS with PostgreSQL, with consumers in processes of their own: version 3 fails
 //!   transiently until its retries run out; after the fault is fixed, `idem dlq replay --key
 //!   K` applies 3–10 in order, once each, while the consumer is SIGKILLed in the middle of the
@@ -206,6 +207,25 @@ impl Db {
         keys.unwrap().into_iter().find(|k| k.order_key == key)
     }
 
+    /// Starts skipping `key`'s head, as `idem dlq skip` does first, and goes no further.
+    async fn start_skip(&self, key: &ParkedKey, reason: &str) {
+        let skip = Release::Skip {
+            message_id: &key.head_message_id,
+            reason,
+            body: &[],
+        };
+        let started = match self {
+            Self::Postgres(pool) => PgInbox::new(pool.clone()).start_release(key, skip).await,
+            Self::MySql(pool) => MySqlInbox::new(pool.clone()).start_release(key, skip).await,
+            Self::Sqlite(pool, _) => {
+                SqliteInbox::new(pool.clone())
+                    .start_release(key, skip)
+                    .await
+            }
+        };
+        assert!(matches!(started.unwrap(), Started::Releasing(Some(_))));
+    }
+
     /// The reasons kept with `key`'s skipped heads.
     async fn skipped(&self, key: &str) -> Vec<String> {
         let select = "SELECT reason FROM idem_inbox_skipped WHERE order_key = $1";
@@ -352,7 +372,7 @@ fn idem_cli_run(broker: Broker, db_url: &str, args: &[&str]) -> (bool, String) {
 /// Key K's version 3 is refused as undecodable and dead-lettered: versions 4–10 are parked
 /// while the other keys apply all theirs; `idem dlq list` shows the key; `idem dlq skip
 /// --key` applies 4–10 in order, once each, and keeps the head with the reason.
-async fn a_skipped_head_releases_its_key_in_order(broker: Broker, db: Db) {
+async fn a_skipped_head_releases_its_key_in_order(broker: Broker, db: Db, interrupted: bool) {
     let run = unique("idem-parking-skip");
     let source = run.clone();
     let keys: Vec<String> = (0..4).map(|i| format!("{run}-k{i}")).collect();
@@ -406,6 +426,13 @@ async fn a_skipped_head_releases_its_key_in_order(broker: Broker, db: Db) {
         &["dlq", "replay", "--queue", &queue, &format!("{parked}:3")],
     );
     assert!(refused.contains("is parked behind it"), "{refused}");
+    if interrupted {
+        // A skip that committed and stopped before it took the head out of the DLQ and
+        // published anything: the key is releasing, and nothing moves yet.
+        db.start_skip(&key, "a malformed update; version 4 supersedes it")
+            .await;
+        assert_eq!(db.parked(&parked).await.unwrap().state, "releasing");
+    }
     let said = idem_cli(
         broker,
         &db.url(),
@@ -420,7 +447,8 @@ async fn a_skipped_head_releases_its_key_in_order(broker: Broker, db: Db) {
             "a malformed update; version 4 supersedes it",
         ],
     );
-    assert!(said.contains("skipped"), "{said}");
+    let done = if interrupted { "resumed" } else { "skipped" };
+    assert!(said.contains(done), "{said}");
     wait_until("the key released", DEADLINE, || async {
         db.parked(&parked).await.is_none()
     })
@@ -447,22 +475,24 @@ async fn a_skipped_head_releases_its_key_in_order(broker: Broker, db: Db) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_skipped_head_releases_its_key_in_order_on_rabbitmq_and_postgres() {
-    a_skipped_head_releases_its_key_in_order(Broker::Rabbit, Db::postgres().await).await;
+    a_skipped_head_releases_its_key_in_order(Broker::Rabbit, Db::postgres().await, false).await;
 }
 
+/// On MariaDB the skip is interrupted first (committed, and stopped before it took the head
+/// out of the DLQ and published anything): running it again resumes it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_skipped_head_releases_its_key_in_order_on_rabbitmq_and_mariadb() {
-    a_skipped_head_releases_its_key_in_order(Broker::Rabbit, Db::mysql().await).await;
+async fn an_interrupted_skip_resumes_and_releases_its_key_in_order_on_rabbitmq_and_mariadb() {
+    a_skipped_head_releases_its_key_in_order(Broker::Rabbit, Db::mysql().await, true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_skipped_head_releases_its_key_in_order_on_rabbitmq_and_sqlite() {
-    a_skipped_head_releases_its_key_in_order(Broker::Rabbit, Db::sqlite().await).await;
+    a_skipped_head_releases_its_key_in_order(Broker::Rabbit, Db::sqlite().await, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_skipped_head_releases_its_key_in_order_on_nats_and_postgres() {
-    a_skipped_head_releases_its_key_in_order(Broker::Nats, Db::postgres().await).await;
+    a_skipped_head_releases_its_key_in_order(Broker::Nats, Db::postgres().await, false).await;
 }
 
 /// A consumer process of the release test: the test binary itself, run with the broker and
