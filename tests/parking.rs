@@ -7,10 +7,11 @@
 //!   `idem dlq list` shows K with 7 messages waiting; `idem dlq skip --key K` applies 4–10 in
 //!   order, once each, keeps the head with the reason and frees the key; on MariaDB a skip
 //!   interrupted after its commit is resumed by running it again.
-//! - On RabbitMQ and on NATS with PostgreSQL, with consumers in processes of their own: version 3 fails
-//!   transiently until its retries run out; after the fault is fixed, `idem dlq replay --key
-//!   K` applies 3–10 in order, once each, while the consumer is SIGKILLed in the middle of the
-//!   release and another takes over.
+//! - With consumers in processes of their own, SIGKILLed in the middle of the release and
+//!   replaced: version 3 fails transiently until its retries run out and, once the fault is
+//!   fixed, `idem dlq replay --key K` applies 3–10 in order, once each (RabbitMQ and NATS, with
+//!   PostgreSQL); version 3 does not decode and `idem dlq skip --key K` applies 4–10 in order,
+//!   once each (RabbitMQ with SQLite, NATS with MariaDB).
 //! - Every store parks and releases the same way when called directly: a copy of a parked
 //!   message is parked once, the head delivered again runs, a released copy runs only in its
 //!   turn and with its own body, and the key is freed after its last message.
@@ -495,15 +496,16 @@ async fn a_skipped_head_releases_its_key_in_order_on_nats_and_postgres() {
     a_skipped_head_releases_its_key_in_order(Broker::Nats, Db::postgres().await, false).await;
 }
 
-/// A consumer process of the release test: the test binary itself, run with the broker and
-/// the source to consume in its environment, until it is killed.
-fn spawn_child(broker: Broker, source: &str, slow_ms: u64) -> KillOnDrop {
+/// A consumer process of the release tests: the test binary itself, run with the broker, the
+/// database and the source to consume in its environment, until it is killed.
+fn spawn_child(broker: Broker, db: &Db, source: &str, slow_ms: u64) -> KillOnDrop {
     let (name, url) = broker.cli_env();
     let child = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", "parking_child", "--nocapture"])
         .env("IDEM_PARKING_SOURCE", source)
         .env("IDEM_PARKING_SLOW_MS", slow_ms.to_string())
         .env("IDEM_PARKING_BROKER", name)
+        .env("IDEM_PARKING_DATABASE", db.url())
         .env(name, url)
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
@@ -513,10 +515,10 @@ fn spawn_child(broker: Broker, source: &str, slow_ms: u64) -> KillOnDrop {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a consumer process of the release test, run by it"]
+#[ignore = "a consumer process of the release tests, run by them"]
 async fn parking_child() {
     let source = std::env::var("IDEM_PARKING_SOURCE").unwrap();
-    let pool = common::postgres(4).await;
+    let database = std::env::var("IDEM_PARKING_DATABASE").unwrap();
     let builder = match std::env::var("IDEM_PARKING_BROKER").as_deref() {
         Ok("NATS_URL") => {
             Runtime::builder().transport(NatsTransport::new(NatsConfig::new(nats_url())))
@@ -524,8 +526,16 @@ async fn parking_child() {
         _ => Runtime::builder()
             .transport(RabbitTransport::new(RabbitConfig::new(broker::amqp_url()))),
     };
+    let builder = if let Some(path) = database.strip_prefix("sqlite://") {
+        builder.store(SqliteInbox::new(
+            common::sqlite_at(std::path::Path::new(path), 4).await,
+        ))
+    } else if database.starts_with("mysql") {
+        builder.store(MySqlInbox::new(common::mysql(4).await))
+    } else {
+        builder.store(PgInbox::new(common::postgres(4).await))
+    };
     builder
-        .store(PgInbox::new(pool))
         .handlers([CONSUMER])
         .handler_queue(CONSUMER, &source)
         .ordered(CONSUMER, PARTITIONS)
@@ -552,27 +562,40 @@ async fn drained(broker: Broker, queue: &str) -> bool {
     }
 }
 
-/// Key K's version 3 fails transiently until its retries run out; after the fault is fixed,
-/// `idem dlq replay --key` applies 3–10 in order, once each, though the consumer is SIGKILLed
-/// in the middle of the release and another process takes over.
-async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer(broker: Broker) {
-    let db = Db::postgres().await;
-    let Db::Postgres(pool) = &db else {
-        unreachable!()
-    };
-    let run = unique("idem-parking-replay");
+/// How the release tests' key K fails at its version 3, and how it is released.
+#[derive(Clone, Copy, PartialEq)]
+enum Head {
+    /// It does not decode; `idem dlq skip --key`.
+    Skipped,
+    /// It fails transiently until its retries run out (PostgreSQL's handler), then the fault
+    /// is fixed; `idem dlq replay --key`.
+    Replayed,
+}
+
+/// Key K's version 3 fails; versions 4–10 are parked in a consumer process; `idem dlq skip
+/// --key` (versions 4–10 applied) or, once the fault is fixed, `idem dlq replay --key`
+/// (versions 3–10) releases the key, and the consumer is SIGKILLed in the middle of the
+/// release: another process takes over, and every version is applied once, in order.
+async fn a_release_goes_on_in_order_across_a_killed_consumer(broker: Broker, db: Db, head: Head) {
+    let run = unique("idem-parking-kill");
     let source = run.clone();
     let keys: Vec<String> = (0..2).map(|i| format!("{run}-k{i}")).collect();
     let parked = keys[0].clone();
-    sqlx::query("INSERT INTO idem_parking_faults (message_id) VALUES ($1)")
-        .bind(format!("{parked}:3"))
-        .execute(pool)
-        .await
-        .unwrap();
-    // Every version of K decodes here; its third fails in the handler.
-    let messages = steps(&run, &source, &keys, "none");
+    let fault = format!("{parked}:3");
+    let messages = match (head, &db) {
+        (Head::Skipped, _) => steps(&run, &source, &keys, &parked),
+        (Head::Replayed, Db::Postgres(pool)) => {
+            sqlx::query("INSERT INTO idem_parking_faults (message_id) VALUES ($1)")
+                .bind(&fault)
+                .execute(pool)
+                .await
+                .unwrap();
+            steps(&run, &source, &keys, "none")
+        }
+        (Head::Replayed, _) => unreachable!("the fault is PostgreSQL's handler's"),
+    };
     publish(broker, &source, &messages).await;
-    let first = spawn_child(broker, &source, 300);
+    let first = spawn_child(broker, &db, &source, 300);
     wait_until("the key parked with 7 messages", DEADLINE, || async {
         db.parked(&parked).await.is_some_and(|k| k.depth == 7)
     })
@@ -583,20 +606,36 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
     .await;
     assert_eq!(db.applied(&run, &parked).await, vec![1, 2]);
     let key = db.parked(&parked).await.unwrap();
-    assert!(key.reason.starts_with("retries-exhausted"), "{key:?}");
     let queue = key.queue.clone();
-
-    sqlx::query("DELETE FROM idem_parking_faults WHERE message_id = $1")
-        .bind(format!("{parked}:3"))
-        .execute(pool)
-        .await
-        .unwrap();
-    let said = idem_cli(
-        broker,
-        &db.url(),
-        &["dlq", "replay", "--queue", &source, "--key", &parked],
+    let (said, expected) = match head {
+        Head::Skipped => {
+            assert!(key.reason.starts_with("decode"), "{key:?}");
+            let args = [
+                "dlq", "skip", "--queue", &queue, "--key", &parked, "--reason", "bad",
+            ];
+            (
+                idem_cli(broker, &db.url(), &args),
+                vec![1, 2, 4, 5, 6, 7, 8, 9, 10],
+            )
+        }
+        Head::Replayed => {
+            assert!(key.reason.starts_with("retries-exhausted"), "{key:?}");
+            let Db::Postgres(pool) = &db else {
+                unreachable!()
+            };
+            sqlx::query("DELETE FROM idem_parking_faults WHERE message_id = $1")
+                .bind(&fault)
+                .execute(pool)
+                .await
+                .unwrap();
+            let args = ["dlq", "replay", "--queue", &source, "--key", &parked];
+            (idem_cli(broker, &db.url(), &args), (1..=VERSIONS).collect())
+        }
+    };
+    assert!(
+        said.contains("skipped") || said.contains("replayed"),
+        "{said}"
     );
-    assert!(said.contains("replayed"), "{said}");
     wait_until("half the release applied", DEADLINE, || async {
         db.applied(&run, &parked).await.len() >= 5
     })
@@ -607,10 +646,10 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
     assert_eq!(status.signal(), Some(9), "the consumer was killed");
     let at_kill = db.applied(&run, &parked).await;
     assert!(
-        at_kill.len() < VERSIONS as usize,
+        at_kill.len() < expected.len(),
         "the kill came after the release: {at_kill:?}"
     );
-    let _second = spawn_child(broker, &source, 0);
+    let _second = spawn_child(broker, &db, &source, 0);
     wait_until("the key released", DEADLINE, || async {
         db.parked(&parked).await.is_none()
     })
@@ -621,8 +660,8 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
     .await;
     assert_eq!(
         db.applied(&run, &parked).await,
-        (1..=VERSIONS).collect::<Vec<_>>(),
-        "3–10 in order after 1 and 2, once each (killed with {at_kill:?} applied)"
+        expected,
+        "in order after 1 and 2, once each (killed with {at_kill:?} applied)"
     );
     let listed = idem_cli(
         broker,
@@ -634,13 +673,27 @@ async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consume
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer_on_rabbitmq() {
-    a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer(Broker::Rabbit).await;
+async fn a_replay_goes_on_in_order_across_a_killed_consumer_on_rabbitmq_and_postgres() {
+    let db = Db::postgres().await;
+    a_release_goes_on_in_order_across_a_killed_consumer(Broker::Rabbit, db, Head::Replayed).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer_on_nats() {
-    a_replayed_head_and_its_key_go_through_in_order_across_a_killed_consumer(Broker::Nats).await;
+async fn a_replay_goes_on_in_order_across_a_killed_consumer_on_nats_and_postgres() {
+    let db = Db::postgres().await;
+    a_release_goes_on_in_order_across_a_killed_consumer(Broker::Nats, db, Head::Replayed).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skip_goes_on_in_order_across_a_killed_consumer_on_rabbitmq_and_sqlite() {
+    let db = Db::sqlite().await;
+    a_release_goes_on_in_order_across_a_killed_consumer(Broker::Rabbit, db, Head::Skipped).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skip_goes_on_in_order_across_a_killed_consumer_on_nats_and_mariadb() {
+    let db = Db::mysql().await;
+    a_release_goes_on_in_order_across_a_killed_consumer(Broker::Nats, db, Head::Skipped).await;
 }
 
 /// A dead letter that parks `order_key` for `consumer`, the message `id` its head.
