@@ -496,6 +496,80 @@ async fn a_skipped_head_releases_its_key_in_order_on_nats_and_postgres() {
     a_skipped_head_releases_its_key_in_order(Broker::Nats, Db::postgres().await, false).await;
 }
 
+/// On NATS, a released message that arrives before its turn (a consumer killed between
+/// publishing it and taking its predecessor out; JetStream redelivers the predecessor only
+/// after the ack wait) is set aside, and published again when its predecessor is applied:
+/// under a copy id of its own, or JetStream's duplicate window would swallow it and the key
+/// would wait for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_message_that_came_before_its_turn_is_released_again_on_nats() {
+    let broker = Broker::Nats;
+    let db = Db::postgres().await;
+    let Db::Postgres(pool) = &db else {
+        unreachable!()
+    };
+    let run = unique("idem-parking-turn");
+    let source = run.clone();
+    let parked = format!("{run}-k0");
+    let mut messages = steps(&run, &source, std::slice::from_ref(&parked), &parked);
+    messages.truncate(5);
+    publish(broker, &source, &messages).await;
+    let running = start(
+        db.with_store(broker.runtime("turn"))
+            .handlers([CONSUMER])
+            .handler_queue(CONSUMER, &source)
+            .ordered(CONSUMER, PARTITIONS),
+    );
+    wait_until("versions 4 and 5 parked", DEADLINE, || async {
+        db.parked(&parked).await.is_some_and(|k| k.depth == 2)
+    })
+    .await;
+    let key = db.parked(&parked).await.unwrap();
+    let inbox = PgInbox::new(pool.clone());
+    let skip = Release::Skip {
+        message_id: &key.head_message_id,
+        reason: "superseded",
+        body: &[],
+    };
+    let Started::Releasing(Some(fourth)) = inbox.start_release(&key, skip).await.unwrap() else {
+        panic!("released")
+    };
+    let fifth = inbox
+        .next_parked(CONSUMER, &parked, fourth.seq)
+        .await
+        .unwrap()
+        .unwrap();
+    let transport = broker.transport("turn").await;
+    let outbound = transport.outbound().unwrap();
+    let before = running.now().parked;
+    // Version 5 first: not its turn, set aside.
+    outbound
+        .publish(&idem::transport::release(
+            &fifth, CONSUMER, &parked, &source,
+        ))
+        .await
+        .unwrap();
+    wait_until("version 5 set aside", DEADLINE, || async {
+        running.now().parked > before
+    })
+    .await;
+    assert_eq!(db.applied(&run, &parked).await, vec![1, 2]);
+    // Version 4: applied, and version 5 published again after it.
+    outbound
+        .publish(&idem::transport::release(
+            &fourth, CONSUMER, &parked, &source,
+        ))
+        .await
+        .unwrap();
+    wait_until("the key released", DEADLINE, || async {
+        db.parked(&parked).await.is_none()
+    })
+    .await;
+    assert_eq!(db.applied(&run, &parked).await, vec![1, 2, 4, 5]);
+    transport.close().await;
+    running.shut_down().await;
+}
+
 /// A consumer process of the release tests: the test binary itself, run with the broker, the
 /// database and the source to consume in its environment, until it is killed.
 fn spawn_child(broker: Broker, db: &Db, source: &str, slow_ms: u64) -> KillOnDrop {
@@ -698,10 +772,20 @@ async fn a_skip_goes_on_in_order_across_a_killed_consumer_on_nats_and_mariadb() 
 
 /// A dead letter that parks `order_key` for `consumer`, the message `id` its head.
 fn dead_letter(consumer: &str, order_key: &str, id: &str) -> DeadLetterRecord {
+    released_dead_letter(consumer, order_key, id, None)
+}
+
+/// [`dead_letter`], of a message that says it is the released message at `released`.
+fn released_dead_letter(
+    consumer: &str,
+    order_key: &str,
+    id: &str,
+    released: Option<i64>,
+) -> DeadLetterRecord {
     let letter = idem::transport::DeadLetter::new("decode", "not JSON", consumer, None, 1);
     let envelope = Envelope::new(format!("{id} body")).with_message_id(id);
     DeadLetterRecord::new(&letter, &envelope, "parked.p0")
-        .parking(ParkKey::new(order_key, "parked"))
+        .parking(ParkKey::new(order_key, "parked").released(released))
 }
 
 fn message(order_key: &str, id: &str) -> Envelope {
@@ -798,6 +882,20 @@ async fn the_store_parks_and_releases<DB: idem::sql::Dialect>(inbox: SqlInbox<DB
         "a key released already is not released again"
     );
     assert_eq!(first.envelope.message_id.as_deref(), Some("m4"));
+    assert_eq!(depth().await, Some(("releasing".to_owned(), 2)));
+    assert_eq!(
+        admit(message(key, "m3")).await,
+        Parking::Parked,
+        "the skipped head, delivered again, does not run"
+    );
+    assert_eq!(
+        depth().await,
+        Some(("releasing".to_owned(), 2)),
+        "nor is it parked behind the others"
+    );
+    // A dead letter claiming the place of a parked message it is not leaves the key as it is.
+    let claimed = released_dead_letter(&consumer, key, "m10", Some(first.seq));
+    inbox.record_dead_letter(&claimed).await.unwrap();
     assert_eq!(depth().await, Some(("releasing".to_owned(), 2)));
     let next = inbox
         .next_parked(&consumer, key, first.seq)

@@ -247,7 +247,7 @@ impl Sink {
         Ok(())
     }
 
-    /// Publishes a parked message's release (`idem::store::ParkedMessage::release`), with its
+    /// Publishes a parked message's release (`idem::transport::release`), with its
     /// copy id where the broker has a duplicate window.
     async fn release(&self, message: Outgoing) -> anyhow::Result<()> {
         let outbound = match self {

@@ -1,9 +1,11 @@
 //! The demo's last act: a key parked behind its dead letter, and its release. An order gets
 //! status updates 1–4, update 2 malformed: it is dead-lettered, and the order's later updates
 //! wait behind it, stored, not applied (the status handler is ordered, and parks a key by
-//! default). The demo shows the parked key, then releases it as `idem dlq skip --key` does
-//! (the head is skipped with a reason, and the updates parked behind it go back one at a time),
-//! and checks that updates 3 and 4 were applied after 1, in order.
+//! default). The demo shows the parked key, then releases it through the store's API, as
+//! `idem dlq skip --key` does (the head is skipped with a reason, and the updates parked behind
+//! it go back one at a time; the command also takes the dead letter out of the DLQ, which the
+//! demo leaves there for you to read), and checks that updates 3 and 4 were applied after 1,
+//! in order.
 
 use crate::db::Db;
 use crate::status::{self, StatusUpdate};

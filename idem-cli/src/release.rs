@@ -78,16 +78,21 @@ async fn release_key<DB: Dialect>(
     head: Head<'_>,
 ) -> Result<(&'static str, bool), CliError> {
     let records = inbox.dead_letters(&key.queue).await?;
-    // The head's record: the dead letter the key waits behind.
+    // The head's record: the dead letter of the key's consumer the key waits behind.
     let record = records.iter().rev().find(|r| {
-        !key.head_message_id.is_empty() && r.message_id.as_deref() == Some(&key.head_message_id)
+        !key.head_message_id.is_empty()
+            && r.consumer == key.consumer
+            && r.message_id.as_deref() == Some(&key.head_message_id)
     });
-    let letter = find_head(broker, key).await?;
+    // Every copy of the head in the DLQ (moving a dead letter is at least once): the first
+    // is the head, the others go with it.
+    let letters = find_heads(broker, key).await?;
+    let letter = letters.first();
     let (what, release) = if key.state == idem::sql::parking::RELEASING {
         // Released before, and interrupted: a head left in the DLQ goes now.
         ("released before; resumed", Owned::Other(Release::Resume))
     } else {
-        match (head, &letter) {
+        match (head, letter) {
             (Head::Replay { .. }, None) => match applied(inbox, record).await? {
                 true => (
                     "resolved (applied already)",
@@ -117,9 +122,6 @@ async fn release_key<DB: Dialect>(
                         Owned::Other(Release::Resolved),
                     ),
                     Verdict::Replay => {
-                        if let Some(r) = record {
-                            inbox.clear_failure(&r.consumer, &r.key).await?;
-                        }
                         let envelope = envelope_of(letter, &key.order_key, force);
                         ("replayed", Owned::Replay(envelope))
                     }
@@ -147,13 +149,21 @@ async fn release_key<DB: Dialect>(
             )));
         }
     };
-    // The key is releasing: the head leaves the DLQ with its record, and the release starts.
-    if let Some(letter) = &letter {
+    // The key is releasing: a replayed head's failure is cleared (it runs again as new), the
+    // head leaves the DLQ with its record, and the release starts.
+    let record = match letter {
+        Some(letter) => letter.record(&records),
+        None => record,
+    };
+    if let (Some(r), "replayed") = (record, what) {
+        inbox.clear_failure(&r.consumer, &r.key).await?;
+    }
+    for letter in &letters {
         broker
             .answer("removing the dead letter", broker.reader.remove(letter))
             .await?;
     }
-    if let Some(record) = letter.as_ref().and_then(|l| l.record(&records)).or(record) {
+    if let Some(record) = record {
         inbox.forget_dead_letter(record).await?;
     }
     let published = publish_first(broker, key, first).await?;
@@ -222,11 +232,12 @@ fn skipped<'a>(letter: &'a HeldLetter, reason: &'a str) -> Release<'a> {
     }
 }
 
-/// Reads the DLQ for the dead letter `key` waits behind (its message id); `None` when it is
-/// not there.
-async fn find_head(broker: &Broker, key: &ParkedKey) -> Result<Option<HeldLetter>, CliError> {
+/// Reads the DLQ for the dead letter `key` waits behind (its message id): every copy of it
+/// there, oldest first.
+async fn find_heads(broker: &Broker, key: &ParkedKey) -> Result<Vec<HeldLetter>, CliError> {
+    let mut found = Vec::new();
     if key.head_message_id.is_empty() {
-        return Ok(None);
+        return Ok(found);
     }
     let total = broker.count().await?;
     for _ in 0..total {
@@ -234,10 +245,10 @@ async fn find_head(broker: &Broker, key: &ParkedKey) -> Result<Option<HeldLetter
             break;
         };
         if letter.message_id.as_deref() == Some(key.head_message_id.as_str()) {
-            return Ok(Some(letter));
+            found.push(letter);
         }
     }
-    Ok(None)
+    Ok(found)
 }
 
 /// The head as the message it was, to run again before the parked ones: its publish time is

@@ -33,9 +33,10 @@ pub use crate::statements::ParkingStatements;
 /// PostgreSQL's parked keys.
 #[cfg(feature = "postgres")]
 pub(crate) const POSTGRES: ParkingStatements = ParkingStatements {
-    lock: r#"SELECT state, head_message_id FROM "{table}_parked_keys"
+    lock: r#"SELECT state, head_message_id, parked_ms FROM "{table}_parked_keys"
     WHERE consumer = $1 AND order_key = $2 FOR UPDATE"#,
-    read: r#"SELECT state FROM "{table}_parked_keys" WHERE consumer = $1 AND order_key = $2"#,
+    read: r#"SELECT state, head_message_id FROM "{table}_parked_keys"
+    WHERE consumer = $1 AND order_key = $2"#,
     park: r#"INSERT INTO "{table}_parked_keys" AS k (consumer, order_key, head_message_id, queue,
         source, reason, parked_ms, state) VALUES ($1, $2, $3, $4, $5, $6, $7, 'parked')
     ON CONFLICT (consumer, order_key) DO UPDATE SET state = 'parked',
@@ -115,9 +116,10 @@ pub(crate) const POSTGRES_TABLES: &[&str] = &[
 /// MySQL's and MariaDB's parked keys.
 #[cfg(feature = "mysql")]
 pub(crate) const MYSQL: ParkingStatements = ParkingStatements {
-    lock: "SELECT state, head_message_id FROM `{table}_parked_keys`
+    lock: "SELECT state, head_message_id, parked_ms FROM `{table}_parked_keys`
     WHERE consumer = ? AND order_key = ? FOR UPDATE",
-    read: "SELECT state FROM `{table}_parked_keys` WHERE consumer = ? AND order_key = ?",
+    read: "SELECT state, head_message_id FROM `{table}_parked_keys`
+    WHERE consumer = ? AND order_key = ?",
     park: "INSERT INTO `{table}_parked_keys` (consumer, order_key, head_message_id, queue,
         source, reason, parked_ms, state) VALUES (?, ?, ?, ?, ?, ?, ?, 'parked')
     ON DUPLICATE KEY UPDATE state = 'parked', head_message_id = VALUES(head_message_id),
@@ -199,9 +201,10 @@ pub(crate) const MYSQL_TABLES: &[&str] = &[
 /// needs no `FOR UPDATE`.
 #[cfg(feature = "sqlite")]
 pub(crate) const SQLITE: ParkingStatements = ParkingStatements {
-    lock: r#"SELECT state, head_message_id FROM "{table}_parked_keys"
+    lock: r#"SELECT state, head_message_id, parked_ms FROM "{table}_parked_keys"
     WHERE consumer = ?1 AND order_key = ?2"#,
-    read: r#"SELECT state FROM "{table}_parked_keys" WHERE consumer = ?1 AND order_key = ?2"#,
+    read: r#"SELECT state, head_message_id FROM "{table}_parked_keys"
+    WHERE consumer = ?1 AND order_key = ?2"#,
     park: r#"INSERT INTO "{table}_parked_keys" (consumer, order_key, head_message_id, queue,
         source, reason, parked_ms, state) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'parked')
     ON CONFLICT (consumer, order_key) DO UPDATE SET state = 'parked',
@@ -376,9 +379,14 @@ impl<DB: Dialect> SqlInbox<DB> {
         let current = DB::Db::text(&row, "head_message_id")
             .map(keys::shown::<DB>)
             .map_err(fail)?;
+        let parked_at = DB::Db::int(&row, "parked_ms").map_err(fail)?;
         let resuming = matches!(head, Release::Resume);
         let expected = if resuming { RELEASING } else { PARKED };
-        if state != expected || state != seen.state || current != seen.head_message_id {
+        if state != expected
+            || state != seen.state
+            || current != seen.head_message_id
+            || parked_at != seen.parked_at_ms
+        {
             return Ok(Started::Changed);
         }
         match head {
@@ -501,43 +509,22 @@ impl<DB: Dialect> ParkingStore for SqlInbox<DB> {
         };
         let state = DB::Db::text(&row, "state").map_err(fail)?;
         // A released copy is believed only for the parked message at its place with its body.
-        if let Some((seq, fingerprint)) = idem_core::transport::released_claim(envelope) {
-            let named = [
-                Param::Int(seq),
-                Param::Text(consumer),
-                Param::Text(&order_key),
-                Param::Bytes(fingerprint.as_bytes()),
-            ];
-            let held = DB::Db::fetch_optional(&mut *tx, &sql.find, &named)
+        if let Some(verdict) =
+            released_verdict::<DB>(sql, &mut tx, consumer, &order_key, envelope, &state)
                 .await
-                .map_err(fail)?;
-            if held.is_some() {
-                let turn = match state == RELEASING {
-                    true => lowest::<DB>(&sql.lowest, &mut tx, consumer, &order_key)
-                        .await
-                        .map_err(fail)?
-                        .is_some_and(|(first, _)| first == seq),
-                    false => false,
-                };
-                tx.commit().await.map_err(fail)?;
-                // Not its turn (the key was parked again, or an earlier one goes first): it
-                // stays parked, and is published again when its turn comes.
-                return Ok(if turn {
-                    Parking::Released(seq)
-                } else {
-                    Parking::Parked
-                });
-            }
+                .map_err(fail)?
+        {
+            tx.commit().await.map_err(fail)?;
+            return Ok(verdict);
         }
-        if state == PARKED {
-            let head = DB::Db::text(&row, "head_message_id")
-                .map(keys::shown::<DB>)
-                .map_err(fail)?;
-            // The head itself, delivered again (its dead letter was not moved yet): it runs,
-            // and is dead-lettered again, or goes through.
-            if !head.is_empty() && envelope.message_id.as_deref() == Some(head.as_str()) {
-                return Ok(Parking::Run);
-            }
+        let head = DB::Db::text(&row, "head_message_id")
+            .map(keys::shown::<DB>)
+            .map_err(fail)?;
+        let the_head = !head.is_empty() && envelope.message_id.as_deref() == Some(head.as_str());
+        // The head itself, delivered again (its dead letter was not moved yet): it runs, and
+        // is dead-lettered again, or goes through.
+        if state == PARKED && the_head {
+            return Ok(Parking::Run);
         }
         let message_id = envelope.message_id.as_deref().unwrap_or("");
         let known = match message_id.is_empty() {
@@ -554,8 +541,16 @@ impl<DB: Dialect> ParkingStore for SqlInbox<DB> {
                     .map_err(fail)?
             }
         };
-        // A copy of a message parked already stays one message.
-        if known.is_none() {
+        // A copy of a message parked already stays one message. The head of a releasing key,
+        // delivered again, was replayed among the parked messages, or skipped: not parked
+        // again behind them.
+        if known.is_none() && the_head {
+            tracing::info!(
+                consumer,
+                message_id,
+                "the released key's skipped head, delivered again; dropped"
+            );
+        } else if known.is_none() {
             insert::<DB>(
                 &sql.insert,
                 &mut tx,
@@ -659,14 +654,31 @@ pub(crate) async fn park_key<DB: Dialect>(
 ) -> Result<(), sqlx::Error> {
     let order_key = keys::stored::<DB>(&park.order_key);
     let head = keys::stored::<DB>(record.message_id.as_deref().unwrap_or(""));
-    // A key parked already keeps its head: only the head itself, dead-lettered again, or a
-    // released message (which parks the key again, behind it) is written over it. Any other
-    // message of the key never ran (checking its key failed until its attempts ran out); it
-    // waits in the DLQ on its own.
+    // A key parked already keeps its head: only the head itself (by its message id),
+    // dead-lettered again, or the released message whose turn it was (its place and body
+    // still parked), which parks the key again behind it, is written over it. Any other
+    // message of the key never ran (checking its key failed until its attempts ran out): it
+    // waits in the DLQ on its own. (Read without a lock: only this key's consumer parks it,
+    // and a lock on a row that is not there would take a gap lock on MariaDB.)
     let key = [Param::Text(&record.consumer), Param::Text(&order_key)];
-    if let Some(row) = DB::Db::fetch_optional(&mut **tx, &sql.lock, &key).await? {
+    let released = match park.released {
+        Some(seq) => {
+            let named = [
+                Param::Int(seq),
+                Param::Text(&record.consumer),
+                Param::Text(&order_key),
+                Param::Bytes(record.fingerprint.as_bytes()),
+            ];
+            DB::Db::fetch_optional(&mut **tx, &sql.find, &named)
+                .await?
+                .map(|_| seq)
+        }
+        None => None,
+    };
+    if let Some(row) = DB::Db::fetch_optional(&mut **tx, &sql.read, &key).await? {
         let current = DB::Db::text(&row, "head_message_id")?;
-        if park.released.is_none() && current != head {
+        let the_head = !head.is_empty() && current == head;
+        if released.is_none() && !the_head {
             tracing::warn!(consumer = record.consumer, order_key = park.order_key, head = %current,
                 "a message of a parked key was dead-lettered without running; the key keeps its head");
             return Ok(());
@@ -688,7 +700,7 @@ pub(crate) async fn park_key<DB: Dialect>(
         Param::Int(epoch_ms()),
     ];
     DB::Db::execute(&mut **tx, &sql.park, &params).await?;
-    if let Some(seq) = park.released {
+    if let Some(seq) = released {
         let params = [
             Param::Int(seq),
             Param::Text(&record.consumer),
@@ -698,6 +710,46 @@ pub(crate) async fn park_key<DB: Dialect>(
         DB::Db::execute(&mut **tx, &sql.remove, &params).await?;
     }
     Ok(())
+}
+
+/// The verdict on `envelope` if it is a released copy of a message parked at its place with
+/// its body: released when the key (in `state`) is releasing and it goes first, else parked
+/// (the key was parked again, or an earlier one goes first: it stays parked, and is published
+/// again when its turn comes). `None`: not such a copy.
+async fn released_verdict<DB: Dialect>(
+    sql: &ParkingStatements<Arc<str>>,
+    tx: &mut Transaction<'_, DB::Db>,
+    consumer: &str,
+    order_key: &str,
+    envelope: &Envelope,
+    state: &str,
+) -> Result<Option<Parking>, sqlx::Error> {
+    let Some((seq, fingerprint)) = idem_core::transport::released_claim(envelope) else {
+        return Ok(None);
+    };
+    let named = [
+        Param::Int(seq),
+        Param::Text(consumer),
+        Param::Text(order_key),
+        Param::Bytes(fingerprint.as_bytes()),
+    ];
+    if DB::Db::fetch_optional(&mut **tx, &sql.find, &named)
+        .await?
+        .is_none()
+    {
+        return Ok(None);
+    }
+    let turn = match state == RELEASING {
+        true => lowest::<DB>(&sql.lowest, tx, consumer, order_key)
+            .await?
+            .is_some_and(|(first, _)| first == seq),
+        false => false,
+    };
+    Ok(Some(if turn {
+        Parking::Released(seq)
+    } else {
+        Parking::Parked
+    }))
 }
 
 /// Parks `envelope` among `consumer`'s `order_key`'s messages, at `place`.

@@ -432,9 +432,10 @@ pub struct ParkedStatements<S = &'static str> {
 /// The parked keys' statements (`crate::parking`); each documents its bind parameters, in order.
 #[derive(Debug, Clone)]
 pub struct ParkingStatements<S = &'static str> {
-    /// Reads a key's `state` and `head_message_id`, holding its row (consumer, order key).
+    /// Reads a key's `state`, `head_message_id` and `parked_ms`, holding its row (consumer,
+    /// order key).
     pub lock: S,
-    /// Reads a key's `state`, without a lock (consumer, order key).
+    /// Reads a key's `state` and `head_message_id`, without a lock (consumer, order key).
     pub read: S,
     /// Parks a key, or parks it again behind a new head (consumer, order key, head message
     /// id, queue, source, reason, parked ms).

@@ -93,8 +93,10 @@ pub(crate) async fn hand_on(
     stop: &StopSignal,
 ) -> bool {
     let mut wait = FIRST;
+    // Once the next message is published, a failed removal is tried again without it.
+    let mut published = false;
     loop {
-        let failure = match step(shared, envelope, seq).await {
+        let failure = match step(shared, envelope, seq, &mut published).await {
             Ok(()) => return true,
             Err(failure) => failure,
         };
@@ -108,8 +110,13 @@ pub(crate) async fn hand_on(
     }
 }
 
-/// One try of [`hand_on`].
-async fn step(shared: &Shared, envelope: &Envelope, seq: i64) -> Result<(), String> {
+/// One try of [`hand_on`]; `published` is set once the next message is.
+async fn step(
+    shared: &Shared,
+    envelope: &Envelope,
+    seq: i64,
+    published: &mut bool,
+) -> Result<(), String> {
     let (Some(parks), Some(order_key)) = (&shared.parks, envelope.routing_key.as_deref()) else {
         return Ok(());
     };
@@ -118,10 +125,13 @@ async fn step(shared: &Shared, envelope: &Envelope, seq: i64) -> Result<(), Stri
         .parking(&shared.stores)
         .ok_or("the handler's store is missing")?;
     let consumer = shared.handler.consumer();
-    let next = store
-        .next(consumer, order_key, seq)
-        .await
-        .map_err(|e| e.to_string())?;
+    let next = match *published {
+        true => None,
+        false => store
+            .next(consumer, order_key, seq)
+            .await
+            .map_err(|e| e.to_string())?,
+    };
     if let Some(next) = next {
         let outbound = parks
             .outbound
@@ -138,6 +148,7 @@ async fn step(shared: &Shared, envelope: &Envelope, seq: i64) -> Result<(), Stri
             "released the next parked message"
         );
     }
+    *published = true;
     let fingerprint = Fingerprint::of(&envelope.body);
     store
         .finish(consumer, order_key, seq, &fingerprint)
