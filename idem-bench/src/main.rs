@@ -219,6 +219,9 @@ enum Variant {
     IdemOrdered4,
     /// idem, one transaction per message, ordered by order id over 16 partitions.
     IdemOrdered16,
+    /// As `idem-ordered-4`, with `KeyPolicy::Retire`: no key is parked, so no delivery asks
+    /// whether its key is (the cost of parking, measured against the default).
+    IdemOrdered4Retire,
 }
 
 impl Variant {
@@ -239,6 +242,7 @@ impl Variant {
             Self::IdemSetOutbox => "idem, batch handler + outbox",
             Self::IdemOrdered4 => "idem, ordered, 4 partitions",
             Self::IdemOrdered16 => "idem, ordered, 16 partitions",
+            Self::IdemOrdered4Retire => "idem, ordered, 4 partitions, keys retired",
         }
     }
 
@@ -252,6 +256,7 @@ impl Variant {
         match self {
             Self::IdemOrdered4 => Some(4),
             Self::IdemOrdered16 => Some(16),
+            Self::IdemOrdered4Retire => Some(4),
             _ => None,
         }
     }
@@ -414,7 +419,8 @@ async fn consume(
         | Variant::IdemOutbox
         | Variant::IdemSetOutbox
         | Variant::IdemOrdered4
-        | Variant::IdemOrdered16 => {
+        | Variant::IdemOrdered16
+        | Variant::IdemOrdered4Retire => {
             let recorder = match b.metrics {
                 true => Some(
                     metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -439,6 +445,7 @@ async fn consume(
                 batch_handler: matches!(variant, Variant::IdemSet | Variant::IdemSetOutbox),
                 outbox: variant.stages_events(),
                 keep_connections: variant != Variant::IdemPooled,
+                retire_keys: variant == Variant::IdemOrdered4Retire,
                 sweep_pause: b.sweep_pause,
             };
             let elapsed = match nats {

@@ -100,6 +100,9 @@ pub struct Mode {
     pub prefetch: u16,
     /// Ordered over this many partitions (the queue is then their exchange).
     pub partitions: Option<usize>,
+    /// An ordered handler retires a key whose message was dead-lettered instead of parking
+    /// it ([`idem::KeyPolicy::Retire`]).
+    pub retire_keys: bool,
     /// The batch handler (set-based writes) instead of the per-message one.
     pub batch_handler: bool,
     /// The handler also stages one event per order in the outbox.
@@ -143,6 +146,9 @@ pub async fn run(
     }
     if let Some(partitions) = mode.partitions {
         builder = builder.ordered(CONSUMER, partitions);
+        if mode.retire_keys {
+            builder = builder.key_policy(CONSUMER, idem::KeyPolicy::Retire);
+        }
     }
     let runtime = builder.build()?;
     let stats = runtime.stats();
