@@ -985,6 +985,61 @@ async fn every_store_parks_and_releases_a_key_in_order() {
     the_store_parks_and_releases(inbox).await;
 }
 
+/// The gauges of parked keys, read from the handler's store by its runtime: how many keys are
+/// parked, and how long the oldest has waited. (A current-thread test, so that a recorder of
+/// its own sees the runtime's tasks.)
+#[tokio::test]
+async fn the_gauges_count_parked_keys_and_how_long_the_oldest_waited() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let (pool, _dir) = common::sqlite(2).await;
+    let inbox = SqliteInbox::new(pool.clone());
+    inbox.migrate().await.unwrap();
+    for key in ["g1", "g2"] {
+        let head = format!("{key}:3");
+        inbox
+            .record_dead_letter(&dead_letter(CONSUMER, key, &head))
+            .await
+            .unwrap();
+    }
+    // The second key has waited a minute.
+    sqlx::query(
+        "UPDATE idem_inbox_parked_keys SET parked_ms = parked_ms - 60000 WHERE order_key = 'g2'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let source = unique("idem-parking-gauges");
+    let running = start(
+        Runtime::builder()
+            .transport(idem::transport::MemoryTransport::new())
+            .store(inbox)
+            .handlers([CONSUMER])
+            .handler_queue(CONSUMER, &source)
+            .ordered(CONSUMER, PARTITIONS),
+    );
+    let gauge = |name: &str| {
+        let prefix = format!("{name}{{consumer=\"{CONSUMER}\"}} ");
+        handle
+            .render()
+            .lines()
+            .find_map(|line| line.strip_prefix(&prefix).map(str::to_owned))
+            .map(|value| value.parse::<f64>().unwrap())
+    };
+    wait_until("the gauges set", DEADLINE, || async {
+        gauge("idem_parked_keys").is_some()
+    })
+    .await;
+    assert_eq!(gauge("idem_parked_keys"), Some(2.0));
+    let waited = gauge("idem_parked_key_age_seconds").unwrap();
+    assert!(
+        (60.0..120.0).contains(&waited),
+        "the oldest waited {waited} s"
+    );
+    running.shut_down().await;
+}
+
 #[tokio::test]
 async fn the_builder_refuses_a_key_policy_for_a_handler_that_is_not_ordered() {
     let (pool, _dir) = common::sqlite(1).await;
