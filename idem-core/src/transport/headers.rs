@@ -117,8 +117,18 @@ pub use crate::model::epoch_ms;
 /// names), in milliseconds since the Unix epoch: `None` for a first attempt, or where the
 /// header holds no time at or before `now_ms` (a producer may write any header).
 pub fn first_failure(envelope: &Envelope, now_ms: i64) -> Option<i64> {
-    let header = IdemHeader::FirstFailure;
-    let value = [Some(header.name()), header.amqp_name()]
+    let at = match value_of(envelope, IdemHeader::FirstFailure)? {
+        HeaderValue::Int(ms) => *ms,
+        HeaderValue::Str(text) => text.trim().parse().ok()?,
+        _ => return None,
+    };
+    (0..=now_ms).contains(&at).then_some(at)
+}
+
+/// The value of idem's `header` on `envelope`, under either of its names (compared without
+/// case).
+pub fn value_of(envelope: &Envelope, header: IdemHeader) -> Option<&HeaderValue> {
+    [Some(header.name()), header.amqp_name()]
         .into_iter()
         .flatten()
         .find_map(|name| {
@@ -127,13 +137,7 @@ pub fn first_failure(envelope: &Envelope, now_ms: i64) -> Option<i64> {
                 .iter()
                 .find(|(key, _)| key.eq_ignore_ascii_case(name))
                 .map(|(_, value)| value)
-        })?;
-    let at = match value {
-        HeaderValue::Int(ms) => *ms,
-        HeaderValue::Str(text) => text.trim().parse().ok()?,
-        _ => return None,
-    };
-    (0..=now_ms).contains(&at).then_some(at)
+        })
 }
 
 #[cfg(test)]

@@ -44,18 +44,7 @@ pub fn release(parked: &ParkedMessage, consumer: &str, order_key: &str, source: 
 /// where it holds one. A producer may write any header: the store believes it only for the
 /// parked message at that place with the same body ([`released_claim`]).
 pub fn released_seq(envelope: &Envelope) -> Option<i64> {
-    let header = IdemHeader::Released;
-    let value = [Some(header.name()), header.amqp_name()]
-        .into_iter()
-        .flatten()
-        .find_map(|name| {
-            envelope
-                .headers
-                .iter()
-                .find(|(key, _)| key.eq_ignore_ascii_case(name))
-                .map(|(_, value)| value)
-        })?;
-    match value {
+    match super::headers::value_of(envelope, IdemHeader::Released)? {
         HeaderValue::Int(seq) => Some(*seq),
         HeaderValue::Str(text) => text.trim().parse().ok(),
         _ => None,
